@@ -1,0 +1,139 @@
+"""The numpy engine against golden outputs written by HF transformers (tests/fixtures/make_reference.py)."""
+import itertools
+
+import numpy as np
+import pytest
+
+from shards.config import ModelConfig
+from shards.engine import EngineInputError, StepInput
+from shards.generate import chain_forward, generate
+from shards.numpy_engine import NumpyEngine
+from shards.sampling import SamplingParams
+from shards.shard import Shard
+from tests.conftest import FIXTURES, golden
+
+N_LAYERS = 6
+
+
+def engines(model, cuts):
+    """One engine per shard, shards cut at the given layer indices."""
+    d = FIXTURES / model
+    cfg = ModelConfig.from_dir(d)
+    bounds = [0, *cuts, N_LAYERS]
+    return [NumpyEngine(d, Shard(model, a, b, N_LAYERS), cfg) for a, b in zip(bounds, bounds[1:])]
+
+
+def greedy(chain, prompt, n=32):
+    return [r.token for r in generate(chain, prompt, n)]
+
+
+def test_prompt_logits_match_transformers(model):
+    g = golden(model)
+    (engine,) = engines(model, [])
+    logits = chain_forward([engine], "r", np.array(g["prompt_ids"]), all_logits=True)
+    expected = np.asarray(g["logits"], dtype=np.float32)
+    assert logits.shape == expected.shape
+    assert np.abs(logits - expected).max() < 1e-4
+
+
+def test_greedy_tokens_match_transformers(model):
+    g = golden(model)
+    assert greedy(engines(model, []), g["prompt_ids"]) == g["greedy_ids"]
+
+
+SPLITS = [list(c) for k in (1, 2) for c in itertools.combinations(range(1, N_LAYERS), k)]
+
+
+@pytest.mark.parametrize("cuts", SPLITS, ids=lambda c: "cut" + "-".join(map(str, c)))
+def test_every_2_and_3_way_split_is_bit_identical_to_the_whole_model(model, cuts):
+    g = golden(model)
+    prompt = np.array(g["prompt_ids"])
+    whole = chain_forward(engines(model, []), "r", prompt, all_logits=True)
+    split = chain_forward(engines(model, cuts), "r", prompt, all_logits=True)
+    assert np.array_equal(whole, split)
+    assert greedy(engines(model, cuts), g["prompt_ids"]) == g["greedy_ids"]
+
+
+def test_batched_decode_equals_single_decodes(model):
+    """Four requests with different prompt lengths advance together; each equals its own solo run."""
+    (engine,) = engines(model, [])
+    base = golden(model)["prompt_ids"]
+    prompts = [base, base[:5], base[3:], base[:1]]
+    solo = []
+    for p in prompts:
+        solo.append([r.token for r in generate([engine], p, 12)])
+    assert engine.active_requests == 0
+
+    ids = [f"req{i}" for i in range(4)]
+    outs = engine.forward([StepInput(i, tokens=np.array(p)) for i, p in zip(ids, prompts)])
+    batched = [[int(np.argmax(o[-1]))] for o in outs]
+    for _ in range(11):
+        outs = engine.forward([StepInput(i, tokens=np.array(t[-1:])) for i, t in zip(ids, batched)])
+        for t, o in zip(batched, outs):
+            t.append(int(np.argmax(o[-1])))
+    assert batched == solo
+    assert [engine.cache_length(i) for i in ids] == [len(p) + 11 for p in prompts]
+
+
+def test_batched_logits_are_close_to_single_logits(model):
+    (engine,) = engines(model, [])
+    p = golden(model)["prompt_ids"]
+    alone = engine.forward([StepInput("a", tokens=np.array(p))])[0]
+    engine.release("a")
+    together = engine.forward([StepInput("a", tokens=np.array(p)), StepInput("b", tokens=np.array(p[:4]))])[0]
+    # BLAS may pick another kernel for a different row count, so equality is up to float32 rounding.
+    assert np.allclose(alone, together, atol=1e-5, rtol=0)
+
+
+def test_release_frees_the_cache_and_is_idempotent():
+    (engine,) = engines("llama", [])
+    engine.forward([StepInput("x", tokens=np.array([1, 2, 3])), StepInput("y", tokens=np.array([4]))])
+    assert engine.active_requests == 2 and engine.cache_length("x") == 3
+    engine.release("x")
+    engine.release("x")
+    engine.release("never-seen")
+    assert engine.active_requests == 1 and engine.cache_length("x") == 0
+
+
+def test_generate_frees_caches_even_when_stopped_early():
+    chain = engines("qwen2", [3])
+    gen = generate(chain, golden("qwen2")["prompt_ids"], 10)
+    next(gen)
+    gen.close()
+    assert [e.active_requests for e in chain] == [0, 0]
+
+
+def test_generation_stops_at_eos():
+    g = golden("llama")
+    eos = frozenset({g["greedy_ids"][4]})
+    out = [r.token for r in generate(engines("llama", []), g["prompt_ids"], 32, SamplingParams(temperature=0), eos)]
+    assert out == g["greedy_ids"][:5]
+
+
+def test_bad_inputs_are_rejected_before_touching_state():
+    first, last = engines("llama", [3])
+    bad = [
+        (first, StepInput("r", tokens=np.array([1, 512]))),
+        (first, StepInput("r", tokens=np.array([-1]))),
+        (first, StepInput("r", tokens=np.array([], dtype=np.int64))),
+        (first, StepInput("r", tokens=np.array([1.5]))),
+        (first, StepInput("r", hidden=np.zeros((1, 64), np.float32))),
+        (last, StepInput("r", hidden=np.zeros((1, 63), np.float32))),
+        (last, StepInput("r", hidden=np.zeros((1, 64), np.float64))),
+        (last, StepInput("r", tokens=np.array([1]))),
+        (first, StepInput("r", tokens=np.zeros(257, dtype=np.int64))),  # beyond max_position_embeddings
+    ]
+    for engine, item in bad:
+        with pytest.raises(EngineInputError):
+            engine.forward([item])
+    with pytest.raises(EngineInputError, match="twice"):
+        first.forward([StepInput("r", tokens=np.array([1])), StepInput("r", tokens=np.array([2]))])
+    assert first.active_requests == last.active_requests == 0
+
+
+def test_context_limit_counts_cached_positions():
+    (engine,) = engines("llama", [])
+    engine.forward([StepInput("r", tokens=np.zeros(250, dtype=np.int64))])
+    engine.forward([StepInput("r", tokens=np.zeros(6, dtype=np.int64))])  # exactly 256
+    with pytest.raises(EngineInputError, match="exceed max_position_embeddings 256"):
+        engine.forward([StepInput("r", tokens=np.zeros(1, dtype=np.int64))])
