@@ -1,40 +1,135 @@
-"""`exo-node` command line."""
+"""`exo-node`: start a node that serves a model, alone or together with its peers."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
 import sys
+import uuid
 from pathlib import Path
 
+from aiohttp import web
+
+from discovery.interfaces import default_advertise_host
+from discovery.static import PeerListError, StaticDiscovery, parse_peers
 from shards.config import ModelConfig
-from shards.generate import generate
-from shards.numpy_engine import NumpyEngine
-from shards.sampling import SamplingParams
-from shards.shard import Shard
 from shards.tokenizer import Tokenizer
+
+from .api import Api
+from .engines import ENGINES, engine_factory
+from .membership import Membership
+from .node import Node, NodeSettings
+from .peer import DEFAULT_MAX_MESSAGE_BYTES, PeerPool
+from .server import start_server
+
+log = logging.getLogger("exo-node")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="exo-node", description="Serve a language model split across machines.")
+    ap.add_argument("--model", type=Path, required=True, help="Hugging Face model folder")
+    ap.add_argument("--node-id", help="default: stable id derived from host name and gRPC port")
+    ap.add_argument("--host", default="0.0.0.0", help="gRPC bind address (default 0.0.0.0)")
+    ap.add_argument("--advertise-host", help="address peers use to reach this node (default: --host, or the "
+                                             "first non-loopback IPv4 when binding to all interfaces)")
+    ap.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port (default 50051)")
+    ap.add_argument("--api-host", default="127.0.0.1",
+                    help="HTTP API bind address (default 127.0.0.1: local only; 0.0.0.0 to serve the LAN)")
+    ap.add_argument("--api-port", type=int, default=52415, help="0 picks a free port (default 52415)")
+    ap.add_argument("--no-api", action="store_true", help="no HTTP API on this node")
+    ap.add_argument("--peers", default="", help="static peers' gRPC endpoints, HOST:PORT,...")
+    ap.add_argument("--shard", help="own exactly layers START:END (half-open) instead of automatic partitioning")
+    ap.add_argument("--engine", default="numpy", choices=sorted(ENGINES))
+    ap.add_argument("--max-tokens", type=int, default=1024, help="cap on tokens generated per request")
+    ap.add_argument("--memory-gb", type=float, help="memory to report for partitioning (default: available RAM)")
+    ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a token before failing")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return ap.parse_args(argv)
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parse_shard(text: str | None, n_layers: int) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    start, sep, end = text.partition(":")
+    if not sep or not start.isdigit() or not end.isdigit():
+        raise ValueError(f"--shard must be START:END, got {text!r}")
+    if not 0 <= int(start) < int(end) <= n_layers:
+        raise ValueError(f"--shard {text}: need 0 <= START < END <= {n_layers} (the model's layers)")
+    return int(start), int(end)
+
+
+async def run(args: argparse.Namespace) -> int:
+    config = ModelConfig.from_dir(args.model)
+    tokenizer = Tokenizer(args.model)
+    pinned = parse_shard(args.shard, config.n_layers)
+    discovery = StaticDiscovery(parse_peers(args.peers))
+    factory = engine_factory(args.engine)
+    node_id = args.node_id or (
+        uuid.uuid5(uuid.NAMESPACE_DNS, f"{socket.gethostname()}:{args.grpc_port}").hex[:12]
+        if args.grpc_port else uuid.uuid4().hex[:12]
+    )
+    advertise = args.advertise_host or (args.host if args.host not in ("0.0.0.0", "::", "") else default_advertise_host())
+    memory = int(args.memory_gb * 2**30) if args.memory_gb is not None else available_memory()
+    peers = PeerPool(DEFAULT_MAX_MESSAGE_BYTES)
+    settings = NodeSettings(node_id=node_id, model_dir=args.model, model_id=args.model.resolve().name,
+                            address="", memory_bytes=memory, engine=args.engine, pinned=pinned,
+                            max_tensor_bytes=DEFAULT_MAX_MESSAGE_BYTES - (1 << 20),
+                            request_timeout=args.request_timeout)
+    node = Node(settings, config, tokenizer, factory, peers)
+    server, port = await start_server(node, args.host, args.grpc_port, DEFAULT_MAX_MESSAGE_BYTES)
+    settings.address = f"{advertise}:{port}"
+    node.start()
+    membership = Membership(node, discovery)
+    await membership.start()
+    if pinned is not None:  # a pinned node knows its shard up front: load it now, not on the first request
+        await node.shards.get(node.make_pinned_shard())
+    print(f"exo-node {node_id}: gRPC listening on {settings.address} (model {settings.model_id})", flush=True)
+    runner = None
+    if not args.no_api:
+        runner = web.AppRunner(Api(node, args.max_tokens).app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, args.api_host, args.api_port)
+        await site.start()
+        host, api_port = runner.addresses[0][:2]
+        print(f"exo-node {node_id}: API listening on http://{host}:{api_port}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    if runner is not None:
+        await runner.cleanup()
+    await membership.stop()
+    await server.stop(grace=1.0)
+    await node.stop()
+    await peers.close()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="exo-node", description="Run a language model split across machines.")
-    ap.add_argument("--model", type=Path, required=True, help="Hugging Face model folder")
-    ap.add_argument("--prompt", required=True, help="generate a reply to this user message locally and exit")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int)
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = ModelConfig.from_dir(args.model)
-        tok = Tokenizer(args.model)
-        engine = NumpyEngine(args.model, Shard.whole(args.model.name, cfg.n_layers), cfg)
-        params = SamplingParams(temperature=args.temperature, seed=args.seed)
-    except ValueError as e:
-        print(f"exo-node: {e}", file=sys.stderr)
+        return asyncio.run(run(args))
+    except (ValueError, OSError) as e:  # bad model folder, bad flags, port in use: one clear line, no traceback
+        print(f"exo-node: error: {e}", file=sys.stderr)
         return 2
-    prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])
-    stream = tok.stream()
-    for result in generate([engine], prompt, args.max_tokens, params, tok.eos_token_ids):
-        print(stream.push(result.token), end="", flush=True)
-    print(stream.flush())
-    return 0
 
 
 if __name__ == "__main__":

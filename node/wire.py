@@ -1,0 +1,274 @@
+"""Conversions between the protobuf wire messages and the node's dataclasses / numpy arrays.
+
+Everything decoded here came from the network and is hostile until validated: every decoder either returns a
+fully validated value or raises `WireError` (the gRPC server maps it to INVALID_ARGUMENT). Encoders take values
+that were validated when they were built, so they only check what the wire format itself cannot carry.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sized
+from typing import TypeVar
+
+import numpy as np
+
+from node.plan import PlanStep, RequestSpec, parse_address
+from node.topology import Capabilities, NodeInfo, PeerLink, Topology
+from proto import node_service_pb2 as pb
+from shards.sampling import MAX_TOP_LOGPROBS, SampleResult, SamplingParams
+from shards.shard import Shard
+
+# Caps on repeated fields and strings: far above anything legitimate, low enough that a hostile message
+# cannot make a node do unbounded work or hold unbounded state.
+MAX_MODEL_ID = 256
+MAX_NAME = 256  # node ids, addresses, engine names, status keys
+MAX_DIMS = 4
+MAX_PLAN_STEPS = 64
+MAX_STOP_IDS = 1024
+MAX_LOADED = 64
+MAX_STATUS = 256
+MAX_NODES = 1024
+MAX_LINKS = 16384
+_UINT64 = 2**64
+
+# The allow-list: wire name -> little-endian dtype. The names are exact ("<f4", "float64", "" are rejected).
+_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "int64": np.dtype("<i8")}
+
+
+class WireError(ValueError):
+    """A message from the network is malformed or violates a limit."""
+
+
+def _text(value: str, what: str, max_len: int = MAX_NAME, required: bool = True) -> str:
+    if required and not value:
+        raise WireError(f"{what} is missing")
+    if len(value) > max_len:
+        raise WireError(f"{what} is longer than {max_len} characters")
+    return value
+
+
+_S = TypeVar("_S", bound=Sized)
+
+
+def _count(items: _S, what: str, limit: int) -> _S:
+    if len(items) > limit:
+        raise WireError(f"too many {what}: {len(items)} > {limit}")
+    return items
+
+
+def _f32(x: float) -> float:
+    """The wire stores float32; give back the shortest decimal that round-trips to the same float32 (0.7, not
+    0.699999988). It is a pure function of the bits, so every node decodes the same value; unlike rounding to
+    a fixed number of digits it keeps tiny values (temperature 1e-7 stays non-zero)."""
+    return float(np.format_float_scientific(np.float32(x), unique=True))
+
+
+# --- tensors ---------------------------------------------------------------------------------------------
+
+
+def encode_tensor(a: np.ndarray) -> pb.Tensor:
+    if not isinstance(a, np.ndarray):
+        raise WireError(f"expected a numpy array, got {type(a).__name__}")
+    name = next((n for n, dt in _DTYPES.items() if a.dtype.kind == dt.kind and a.dtype.itemsize == dt.itemsize), None)
+    if name is None:
+        raise WireError(f"dtype {a.dtype} cannot travel; allowed: {', '.join(_DTYPES)}")
+    if not 1 <= a.ndim <= MAX_DIMS:
+        raise WireError(f"tensors have 1 to {MAX_DIMS} dims, got {a.ndim}")
+    # astype to the little-endian dtype byte-swaps big-endian input; tobytes("C") handles any memory layout.
+    data = a.astype(_DTYPES[name], copy=False).tobytes(order="C")
+    return pb.Tensor(data=data, shape=a.shape, dtype=name)
+
+
+def decode_tensor(t: pb.Tensor, max_bytes: int) -> np.ndarray:
+    """A read-only array viewing the message bytes (no copy); callers that write into it must copy it."""
+    data = t.data  # bind once: each attribute read may copy the bytes out of the message
+    dt = _DTYPES.get(t.dtype)
+    if dt is None:
+        raise WireError(f"tensor dtype {t.dtype[:32]!r} is not one of {', '.join(_DTYPES)}")
+    if not 1 <= len(t.shape) <= MAX_DIMS:
+        raise WireError(f"tensors have 1 to {MAX_DIMS} dims, got {len(t.shape)}")
+    shape = tuple(int(d) for d in t.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"tensor shape {shape} has a negative dim")
+    if len(data) > max_bytes:
+        raise WireError(f"tensor of {len(data)} bytes exceeds the limit of {max_bytes}")
+    # Python ints: no overflow, so [2**62, 2**62] cannot wrap around to a small size.
+    if (need := math.prod(shape) * dt.itemsize) != len(data):
+        raise WireError(f"tensor shape {shape} of {t.dtype} needs {need} bytes, got {len(data)}")
+    # An empty tensor matches any other dims ([0, 2**62] holds 0 bytes), but numpy refuses such shapes and no
+    # legitimate tensor has them: the non-zero dims must fit the byte budget as well.
+    if math.prod(max(d, 1) for d in shape) * dt.itemsize > max_bytes:
+        raise WireError(f"tensor shape {shape} exceeds the limit of {max_bytes} bytes")
+    # On a big-endian host astype converts to native order; on little-endian hosts it is a no-op view.
+    a = np.frombuffer(data, dtype=dt).astype(dt.newbyteorder("="), copy=False).reshape(shape)
+    if a.dtype.kind == "f" and not np.isfinite(a).all():
+        raise WireError("float tensor holds NaN or infinity")
+    return a
+
+
+# --- shards, sampling, request specs ---------------------------------------------------------------------
+
+
+def encode_shard(s: Shard) -> pb.ShardRange:
+    return pb.ShardRange(model_id=s.model_id, start_layer=s.start_layer, end_layer=s.end_layer, n_layers=s.n_layers)
+
+
+def decode_shard(m: pb.ShardRange) -> Shard:
+    model_id = _text(m.model_id, "shard model_id", MAX_MODEL_ID)
+    try:
+        return Shard(model_id, m.start_layer, m.end_layer, m.n_layers)
+    except ValueError as e:
+        raise WireError(str(e)) from e
+
+
+def encode_sampling(p: SamplingParams) -> pb.Sampling:
+    if p.seed is not None and p.seed >= _UINT64:
+        raise WireError(f"seed {p.seed} does not fit in 64 bits")
+    return pb.Sampling(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, top_logprobs=p.top_logprobs
+    )
+
+
+def decode_sampling(m: pb.Sampling) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=_f32(m.temperature),
+            top_p=_f32(m.top_p),
+            top_k=m.top_k,
+            seed=m.seed if m.HasField("seed") else None,
+            top_logprobs=m.top_logprobs if m.HasField("top_logprobs") else None,
+        )
+    except ValueError as e:
+        raise WireError(f"invalid sampling: {e}") from e
+
+
+def encode_spec(s: RequestSpec) -> pb.RequestSpec:
+    return pb.RequestSpec(
+        request_id=s.request_id,
+        plan=[pb.PlanStep(node_id=p.node_id, address=p.address, shard=encode_shard(p.shard)) for p in s.plan],
+        sampling=encode_sampling(s.sampling),
+        max_tokens=s.max_tokens,
+        stop_token_ids=sorted(s.stop_token_ids),  # sorted: the same spec always encodes to the same bytes
+        entry_node_id=s.entry_node_id,
+        entry_address=s.entry_address,
+    )
+
+
+def decode_spec(m: pb.RequestSpec) -> RequestSpec:
+    # Caps first, so an oversized message is rejected before any per-item work.
+    _count(m.plan, "plan steps", MAX_PLAN_STEPS)
+    _count(m.stop_token_ids, "stop token ids", MAX_STOP_IDS)
+    if any(t < 0 for t in m.stop_token_ids):
+        raise WireError("stop token ids must be >= 0")
+    if not m.HasField("sampling"):
+        raise WireError("request spec has no sampling parameters")
+    plan = tuple(
+        PlanStep(_text(p.node_id, "plan node_id"), _text(p.address, "plan address"), decode_shard(p.shard))
+        for p in m.plan
+    )
+    sampling = decode_sampling(m.sampling)
+    entry_node_id = _text(m.entry_node_id, "entry_node_id")
+    entry_address = _text(m.entry_address, "entry_address")
+    try:
+        return RequestSpec(
+            m.request_id, plan, sampling, m.max_tokens, frozenset(m.stop_token_ids), entry_node_id, entry_address
+        )
+    # PlanError, or the plain ValueError parse_address raises on ports like "1²" ("²".isdigit() is True).
+    except ValueError as e:
+        raise WireError(f"invalid request spec: {e}") from e
+
+
+# --- topology --------------------------------------------------------------------------------------------
+
+
+def encode_node_info(n: NodeInfo) -> pb.NodeInfo:
+    c = n.capabilities
+    m = pb.NodeInfo(
+        node_id=n.node_id,
+        address=n.address,
+        capabilities=pb.Capabilities(
+            memory_bytes=c.memory_bytes, engine=c.engine, model_id=c.model_id, n_layers=c.n_layers
+        ),
+        loaded=[encode_shard(s) for s in n.loaded],
+        active_requests=n.active_requests,
+        status=n.status,
+    )
+    if n.pinned is not None:  # the proto's ShardRange repeats the model of the capabilities
+        start, end = n.pinned
+        m.pinned.CopyFrom(pb.ShardRange(model_id=c.model_id, start_layer=start, end_layer=end, n_layers=c.n_layers))
+    return m
+
+
+def decode_node_info(m: pb.NodeInfo) -> NodeInfo:
+    node_id = _text(m.node_id, "node_id")
+    address = _text(m.address, "node address")
+    try:
+        parse_address(address)
+    except ValueError as e:  # PlanError, or a plain ValueError on odd digits (see decode_spec)
+        raise WireError(f"node {node_id!r}: {e}") from e
+    if not m.HasField("capabilities"):
+        raise WireError(f"node {node_id!r} sent no capabilities")
+    c = m.capabilities
+    if c.n_layers < 0:
+        raise WireError(f"node {node_id!r} reports {c.n_layers} layers")
+    model_id = _text(c.model_id, "model_id", MAX_MODEL_ID, required=False)
+    caps = Capabilities(c.memory_bytes, _text(c.engine, "engine"), model_id, c.n_layers)
+    pinned = None
+    if m.HasField("pinned"):
+        p = decode_shard(m.pinned)  # validates the range
+        if (p.model_id, p.n_layers) != (caps.model_id, caps.n_layers):
+            raise WireError(f"node {node_id!r} pins layers of another model than the one it serves")
+        pinned = (p.start_layer, p.end_layer)
+    loaded = tuple(decode_shard(s) for s in _count(m.loaded, "loaded shards", MAX_LOADED))
+    if m.active_requests < 0:
+        raise WireError(f"node {node_id!r} reports {m.active_requests} active requests")
+    status = {_text(k, "status key"): int(v) for k, v in _count(m.status, "status counters", MAX_STATUS).items()}
+    return NodeInfo(node_id, address, caps, pinned, loaded, m.active_requests, status)
+
+
+def encode_topology(t: Topology) -> pb.Topology:
+    return pb.Topology(
+        nodes=[encode_node_info(n) for n in t.nodes],
+        links=[pb.PeerLink(from_id=link.from_id, to_id=link.to_id) for link in t.links],
+    )
+
+
+def decode_topology(m: pb.Topology) -> Topology:
+    nodes = tuple(decode_node_info(n) for n in _count(m.nodes, "nodes", MAX_NODES))
+    ids = [n.node_id for n in nodes]
+    if len(set(ids)) != len(ids):
+        raise WireError("topology lists a node id twice")  # Topology.get would silently pick one
+    links = tuple(
+        PeerLink(_text(link.from_id, "link from_id"), _text(link.to_id, "link to_id"))
+        for link in _count(m.links, "links", MAX_LINKS)
+    )
+    return Topology(nodes, links)
+
+
+# --- results ---------------------------------------------------------------------------------------------
+
+
+def encode_result(r: SampleResult) -> pb.TokenResult:
+    return pb.TokenResult(
+        token=r.token,
+        logprob=r.logprob,
+        top_logprobs=[pb.TopLogprob(token=t, logprob=lp) for t, lp in r.top_logprobs],
+    )
+
+
+def _logprob(x: float) -> float:
+    # Log-probabilities are <= 0; -inf (an underflowed probability) is tolerable, NaN and +inf are not.
+    if math.isnan(x) or x == math.inf:
+        raise WireError(f"invalid logprob {x}")
+    return _f32(x)
+
+
+def decode_result(m: pb.TokenResult) -> SampleResult:
+    _count(m.top_logprobs, "top logprobs", MAX_TOP_LOGPROBS)
+    if m.token < 0 or any(t.token < 0 for t in m.top_logprobs):
+        raise WireError("token ids must be >= 0")
+    return SampleResult(
+        token=m.token,
+        logprob=_logprob(m.logprob) if m.HasField("logprob") else None,
+        top_logprobs=tuple((t.token, _logprob(t.logprob)) for t in m.top_logprobs),
+    )

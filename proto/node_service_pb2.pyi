@@ -1,0 +1,222 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "shape", "dtype")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class ShardRange(_message.Message):
+    __slots__ = ("model_id", "start_layer", "end_layer", "n_layers")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    N_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    start_layer: int
+    end_layer: int
+    n_layers: int
+    def __init__(self, model_id: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., n_layers: _Optional[int] = ...) -> None: ...
+
+class PlanStep(_message.Message):
+    __slots__ = ("node_id", "address", "shard")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    shard: ShardRange
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ...) -> None: ...
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "top_logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class RequestSpec(_message.Message):
+    __slots__ = ("request_id", "plan", "sampling", "max_tokens", "stop_token_ids", "entry_node_id", "entry_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    plan: _containers.RepeatedCompositeFieldContainer[PlanStep]
+    sampling: Sampling
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    entry_node_id: str
+    entry_address: str
+    def __init__(self, request_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanStep, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., entry_node_id: _Optional[str] = ..., entry_address: _Optional[str] = ...) -> None: ...
+
+class SendPromptRequest(_message.Message):
+    __slots__ = ("spec", "tokens")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    spec: RequestSpec
+    tokens: Tensor
+    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class TensorEntry(_message.Message):
+    __slots__ = ("request_id", "tensor", "spec")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tensor: Tensor
+    spec: RequestSpec
+    def __init__(self, request_id: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[RequestSpec, _Mapping]] = ...) -> None: ...
+
+class SendTensorRequest(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[TensorEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
+
+class Rejected(_message.Message):
+    __slots__ = ("request_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SendTensorResponse(_message.Message):
+    __slots__ = ("rejected",)
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    rejected: _containers.RepeatedCompositeFieldContainer[Rejected]
+    def __init__(self, rejected: _Optional[_Iterable[_Union[Rejected, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token", "logprob")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logprob: float
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenResult(_message.Message):
+    __slots__ = ("token", "logprob", "top_logprobs")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class SendResultRequest(_message.Message):
+    __slots__ = ("request_id", "tokens", "finished", "finish_reason", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenResult]
+    finished: bool
+    finish_reason: str
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class EndRequestRequest(_message.Message):
+    __slots__ = ("request_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("memory_bytes", "engine", "model_id", "n_layers")
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    N_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    memory_bytes: int
+    engine: str
+    model_id: str
+    n_layers: int
+    def __init__(self, memory_bytes: _Optional[int] = ..., engine: _Optional[str] = ..., model_id: _Optional[str] = ..., n_layers: _Optional[int] = ...) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "address", "capabilities", "pinned", "loaded", "active_requests", "status")
+    class StatusEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    capabilities: Capabilities
+    pinned: ShardRange
+    loaded: _containers.RepeatedCompositeFieldContainer[ShardRange]
+    active_requests: int
+    status: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., pinned: _Optional[_Union[ShardRange, _Mapping]] = ..., loaded: _Optional[_Iterable[_Union[ShardRange, _Mapping]]] = ..., active_requests: _Optional[int] = ..., status: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class PeerLink(_message.Message):
+    __slots__ = ("from_id", "to_id")
+    FROM_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_ID_FIELD_NUMBER: _ClassVar[int]
+    from_id: str
+    to_id: str
+    def __init__(self, from_id: _Optional[str] = ..., to_id: _Optional[str] = ...) -> None: ...
+
+class HealthCheckRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthCheckResponse(_message.Message):
+    __slots__ = ("ok", "node")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    node: NodeInfo
+    def __init__(self, ok: _Optional[bool] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
+
+class CollectTopologyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Topology(_message.Message):
+    __slots__ = ("nodes", "links")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    links: _containers.RepeatedCompositeFieldContainer[PeerLink]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ...) -> None: ...

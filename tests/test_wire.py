@@ -1,0 +1,510 @@
+"""The wire format: every value survives a round trip, and anything malformed from the network is a WireError."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from google.protobuf.message import DecodeError
+
+from node.plan import PlanStep, RequestSpec
+from node.topology import Capabilities, NodeInfo, PeerLink, Topology
+from node.wire import (
+    MAX_PLAN_STEPS,
+    MAX_STOP_IDS,
+    WireError,
+    decode_node_info,
+    decode_result,
+    decode_sampling,
+    decode_shard,
+    decode_spec,
+    decode_tensor,
+    decode_topology,
+    encode_node_info,
+    encode_result,
+    encode_sampling,
+    encode_shard,
+    encode_spec,
+    encode_tensor,
+    encode_topology,
+)
+from proto import node_service_pb2 as pb
+from shards.sampling import SampleResult, SamplingParams
+from shards.shard import Shard
+
+MB = 1 << 20
+
+
+def tensor(data: bytes = b"", shape=(0,), dtype: str = "float32") -> pb.Tensor:
+    return pb.Tensor(data=data, shape=list(shape), dtype=dtype)
+
+
+def make_spec(**overrides) -> RequestSpec:
+    fields = dict(
+        request_id="req-1",
+        plan=(
+            PlanStep("a", "10.0.0.1:5000", Shard("m", 0, 10, 16)),
+            PlanStep("b", "[::1]:5001", Shard("m", 10, 16, 16)),
+        ),
+        sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1, top_logprobs=5),
+        max_tokens=128,
+        stop_token_ids=frozenset({2, 0, 151645}),
+        entry_node_id="a",
+        entry_address="10.0.0.1:5000",
+    )
+    return RequestSpec(**{**fields, **overrides})
+
+
+def make_node(**overrides) -> NodeInfo:
+    fields = dict(
+        node_id="n1",
+        address="host.local:5000",
+        capabilities=Capabilities(memory_bytes=64 << 30, engine="numpy", model_id="m", n_layers=16),
+        pinned=(0, 8),
+        loaded=(Shard("m", 0, 8, 16), Shard("m", 8, 16, 16)),
+        active_requests=3,
+        status={"requests_total": 12, "rejected": 0},
+    )
+    return NodeInfo(**{**fields, **overrides})
+
+
+# --- tensors ---------------------------------------------------------------------------------------------
+
+
+def test_int64_tokens_round_trip():
+    a = np.array([1, 151643, 0, 2**40], dtype=np.int64)
+    t = encode_tensor(a)
+    assert (t.dtype, list(t.shape)) == ("int64", [4])
+    b = decode_tensor(t, MB)
+    assert b.dtype == np.int64 and b.dtype.isnative
+    np.testing.assert_array_equal(a, b)
+
+
+def test_float32_hidden_round_trip():
+    a = np.random.default_rng(0).standard_normal((3, 64), dtype=np.float32)
+    b = decode_tensor(encode_tensor(a), MB)
+    assert b.dtype == np.float32 and b.shape == (3, 64)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_non_contiguous_input_is_sent_in_c_order():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4).T
+    np.testing.assert_array_equal(decode_tensor(encode_tensor(a), MB), a)
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 64), (5, 0), (1, 0, 3, 2)])
+def test_zero_length_dims_round_trip(shape):
+    a = np.zeros(shape, dtype=np.float32)
+    b = decode_tensor(encode_tensor(a), MB)
+    assert b.shape == shape and b.dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype", [">f4", ">i8"])
+def test_big_endian_input_is_encoded_little_endian(dtype):
+    a = np.array([1.5, -2.0, 3.25], dtype=dtype)
+    t = encode_tensor(a)
+    assert t.data == np.array([1.5, -2.0, 3.25], dtype="<" + dtype[1:]).tobytes()
+    b = decode_tensor(t, MB)
+    assert b.dtype.isnative
+    np.testing.assert_array_equal(a, b)
+
+
+def test_decoded_tensor_is_read_only_view():
+    b = decode_tensor(encode_tensor(np.ones(3, np.float32)), MB)
+    with pytest.raises(ValueError):
+        b[0] = 2.0
+
+
+@pytest.mark.parametrize(
+    "a", [np.ones(2, np.float64), np.ones(2, np.int32), np.ones(2, np.uint64), np.ones(2, bool), np.array(["x"])]
+)
+def test_encode_rejects_other_dtypes(a):
+    with pytest.raises(WireError, match="dtype"):
+        encode_tensor(a)
+
+
+@pytest.mark.parametrize("a", [np.array(1.0, np.float32), np.zeros((1, 1, 1, 1, 1), np.float32)])
+def test_encode_rejects_dims_outside_1_to_4(a):
+    with pytest.raises(WireError, match="dims"):
+        encode_tensor(a)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "object", "", "<f4", "FLOAT32", "float32 ", "int32"])
+def test_unknown_dtype_is_rejected(dtype):
+    with pytest.raises(WireError, match="dtype"):
+        decode_tensor(tensor(b"\0" * 8, (2,), dtype), MB)
+
+
+@pytest.mark.parametrize(
+    "t, match",
+    [
+        (tensor(b"", (2, -1)), "negative"),
+        (tensor(b"\0" * 8, (-1, -2)), "negative"),
+        (tensor(b"\0" * 12, (2,)), "needs 8 bytes, got 12"),  # more bytes than the shape
+        (tensor(b"\0" * 4, (2,)), "needs 8 bytes, got 4"),  # fewer bytes than the shape
+        (tensor(b"\0" * 8, (1,), "int64"), None),  # sanity: the same bytes as int64 [1] are fine
+        (tensor(b"\0" * 16, (1,), "int64"), "needs 8 bytes"),
+        (tensor(b"\0" * 4, (1, 1, 1, 1, 1)), "dims"),
+        (tensor(b"", ()), "dims"),
+        (tensor(b"", (2**62, 2**62)), "needs"),  # the product overflows int64; Python ints do not
+        (tensor(b"\0" * 8, (2**63 - 1, 2**63 - 1, 2**63 - 1, 2)), "needs"),
+        (tensor(b"", (0, 2**62)), "exceeds"),  # empty, but no real tensor has such a dim (numpy refuses it)
+    ],
+)
+def test_malformed_tensors_are_rejected(t, match):
+    if match is None:
+        decode_tensor(t, MB)
+        return
+    with pytest.raises(WireError, match=match):
+        decode_tensor(t, MB)
+
+
+def test_tensor_over_max_bytes_is_rejected():
+    t = encode_tensor(np.zeros(257, np.float32))
+    assert decode_tensor(t, 1028).shape == (257,)
+    with pytest.raises(WireError, match="exceeds the limit"):
+        decode_tensor(t, 1024)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_floats_are_rejected(bad):
+    a = np.ones((2, 3), np.float32)
+    a[1, 2] = bad
+    with pytest.raises(WireError, match="NaN or infinity"):
+        decode_tensor(encode_tensor(a), MB)
+
+
+# --- shards and sampling ---------------------------------------------------------------------------------
+
+
+def test_shard_round_trip():
+    s = Shard("Qwen/Qwen3-0.6B", 3, 28, 28)
+    assert decode_shard(encode_shard(s)) == s
+
+
+@pytest.mark.parametrize(
+    "m",
+    [
+        pb.ShardRange(model_id="", start_layer=0, end_layer=1, n_layers=1),
+        pb.ShardRange(model_id="m" * 257, start_layer=0, end_layer=1, n_layers=1),
+        pb.ShardRange(model_id="m", start_layer=2, end_layer=2, n_layers=4),
+        pb.ShardRange(model_id="m", start_layer=-1, end_layer=2, n_layers=4),
+        pb.ShardRange(model_id="m", start_layer=0, end_layer=5, n_layers=4),
+        pb.ShardRange(),
+    ],
+)
+def test_invalid_shards_are_rejected(m):
+    with pytest.raises(WireError):
+        decode_shard(m)
+
+
+@pytest.mark.parametrize(
+    "p",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_p=0.95, top_k=50, seed=0, top_logprobs=0),
+        SamplingParams(temperature=1.3, top_p=0.1, seed=2**64 - 1, top_logprobs=20),
+        SamplingParams(temperature=1e-7, top_p=1e-7),  # tiny values stay tiny (not rounded to 0)
+    ],
+)
+def test_sampling_round_trip_is_exact_for_typical_values(p):
+    assert decode_sampling(encode_sampling(p)) == p
+
+
+def test_sampling_presence_of_optional_fields():
+    m = encode_sampling(SamplingParams(seed=None, top_logprobs=None))
+    assert not m.HasField("seed") and not m.HasField("top_logprobs")
+    m = encode_sampling(SamplingParams(seed=0, top_logprobs=0))  # zero is present, not absent
+    assert m.HasField("seed") and m.HasField("top_logprobs")
+    assert decode_sampling(m).seed == 0 and decode_sampling(m).top_logprobs == 0
+
+
+@pytest.mark.parametrize(
+    "m",
+    [
+        pb.Sampling(temperature=1, top_p=0),
+        pb.Sampling(temperature=-1, top_p=1),
+        pb.Sampling(temperature=float("nan"), top_p=1),
+        pb.Sampling(temperature=float("inf"), top_p=1),
+        pb.Sampling(temperature=1, top_p=1.5),
+        pb.Sampling(temperature=1, top_p=float("nan")),
+        pb.Sampling(temperature=1, top_p=1, top_k=-1),
+        pb.Sampling(temperature=1, top_p=1, top_logprobs=21),
+        pb.Sampling(temperature=1, top_p=1, top_logprobs=-1),
+        pb.Sampling(),  # all defaults: top_p 0 is invalid, so a missing message cannot pass as greedy
+    ],
+)
+def test_invalid_sampling_is_rejected(m):
+    with pytest.raises(WireError, match="invalid sampling"):
+        decode_sampling(m)
+
+
+def test_encode_sampling_rejects_a_seed_wider_than_64_bits():
+    with pytest.raises(WireError, match="64 bits"):
+        encode_sampling(SamplingParams(seed=2**64))
+
+
+# --- request specs ---------------------------------------------------------------------------------------
+
+
+def test_spec_round_trip():
+    s = make_spec()
+    assert decode_spec(encode_spec(s)) == s
+    assert decode_spec(pb.RequestSpec.FromString(encode_spec(s).SerializeToString())) == s
+
+
+def test_spec_encoding_is_deterministic():
+    assert list(encode_spec(make_spec()).stop_token_ids) == [0, 2, 151645]
+
+
+def spec_msg() -> pb.RequestSpec:
+    return encode_spec(make_spec())
+
+
+def _empty_plan(m):
+    del m.plan[:]
+
+
+def _gap(m):
+    m.plan[1].shard.start_layer = 11
+
+
+def _overlap(m):
+    m.plan[1].shard.start_layer = 9
+
+
+def _mixed_models(m):
+    m.plan[1].shard.model_id = "other"
+
+
+def _mixed_layer_counts(m):
+    m.plan[1].shard.n_layers = 17
+    m.plan[1].shard.end_layer = 17
+
+
+def _short(m):
+    m.plan[1].shard.end_layer = 15
+
+
+def _bad_address(m):
+    m.plan[1].address = "no-port"
+
+
+def _bad_port(m):
+    m.plan[0].address = "host:70000"
+
+
+def _superscript_port(m):
+    m.plan[0].address = "host:1²"  # "²".isdigit() is True but int() refuses it
+
+
+def _bad_entry_address(m):
+    m.entry_address = "host:"
+
+
+def _duplicate_node(m):
+    m.plan[1].node_id = "a"
+
+
+def _empty_node(m):
+    m.plan[1].node_id = ""
+
+
+def _no_shard(m):
+    m.plan[1].ClearField("shard")
+
+
+def _bad_request_id(m):
+    m.request_id = "has space"
+
+
+def _empty_request_id(m):
+    m.request_id = ""
+
+
+def _long_request_id(m):
+    m.request_id = "r" * 129
+
+
+def _max_tokens_0(m):
+    m.max_tokens = 0
+
+
+def _max_tokens_negative(m):
+    m.max_tokens = -5
+
+
+def _negative_stop_id(m):
+    m.stop_token_ids.append(-1)
+
+
+def _too_many_stop_ids(m):
+    m.stop_token_ids.extend(range(MAX_STOP_IDS + 1))
+
+
+def _too_many_steps(m):
+    m.plan.extend([m.plan[0]] * MAX_PLAN_STEPS)
+
+
+def _no_sampling(m):
+    m.ClearField("sampling")
+
+
+def _top_p_0(m):
+    m.sampling.top_p = 0
+
+
+def _temperature_negative(m):
+    m.sampling.temperature = -1
+
+
+def _no_entry_node(m):
+    m.entry_node_id = ""
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        _empty_plan, _gap, _overlap, _mixed_models, _mixed_layer_counts, _short, _bad_address, _bad_port,
+        _superscript_port, _bad_entry_address, _duplicate_node, _empty_node, _no_shard, _bad_request_id,
+        _empty_request_id, _long_request_id, _max_tokens_0, _max_tokens_negative, _negative_stop_id,
+        _too_many_stop_ids, _too_many_steps, _no_sampling, _top_p_0, _temperature_negative, _no_entry_node,
+    ],
+)
+def test_invalid_specs_are_rejected(mutate):
+    m = spec_msg()
+    mutate(m)
+    with pytest.raises(WireError):
+        decode_spec(m)
+
+
+# --- topology and results --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("node", [make_node(), make_node(pinned=None, loaded=(), active_requests=0, status={})])
+def test_node_info_round_trip(node):
+    back = decode_node_info(encode_node_info(node))
+    assert back == node and back.status == node.status  # status is compare=False: check it separately
+
+
+def test_node_info_pinned_is_optional_on_the_wire():
+    assert not encode_node_info(make_node(pinned=None)).HasField("pinned")
+    assert encode_node_info(make_node(pinned=(0, 8))).pinned.model_id == "m"
+
+
+def _node_msg() -> pb.NodeInfo:
+    return encode_node_info(make_node())
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda m: setattr(m, "node_id", ""),
+        lambda m: setattr(m, "address", "nowhere"),
+        lambda m: setattr(m, "address", "host:0"),
+        lambda m: m.ClearField("capabilities"),
+        lambda m: setattr(m.capabilities, "n_layers", -1),
+        lambda m: setattr(m.capabilities, "engine", ""),
+        lambda m: setattr(m.pinned, "end_layer", 17),
+        lambda m: setattr(m.pinned, "start_layer", 8),
+        lambda m: setattr(m.pinned, "model_id", "other"),
+        lambda m: setattr(m.loaded[0], "end_layer", 0),
+        lambda m: setattr(m, "active_requests", -1),
+        lambda m: m.status.__setitem__("", 1),
+    ],
+)
+def test_invalid_node_info_is_rejected(mutate):
+    m = _node_msg()
+    mutate(m)
+    with pytest.raises(WireError):
+        decode_node_info(m)
+
+
+def test_topology_round_trip():
+    t = Topology(
+        nodes=(make_node(), make_node(node_id="n2", address="h2:5000", pinned=(8, 16))),
+        links=(PeerLink("n1", "n2"), PeerLink("n2", "n1")),
+    )
+    assert decode_topology(encode_topology(t)) == t
+    assert decode_topology(pb.Topology()) == Topology(())
+
+
+def test_topology_rejects_duplicate_nodes_and_empty_links():
+    with pytest.raises(WireError, match="twice"):
+        decode_topology(encode_topology(Topology((make_node(), make_node()))))
+    with pytest.raises(WireError):
+        decode_topology(encode_topology(Topology((make_node(),), (PeerLink("n1", ""),))))
+
+
+@pytest.mark.parametrize(
+    "r",
+    [
+        SampleResult(7),
+        SampleResult(0, 0.0),
+        SampleResult(151645, -0.25, ((151645, -0.25), (3, -1.5), (9, -12.125))),
+        SampleResult(5, -0.7, ((5, -0.7), (6, -2.3))),  # float32 on the wire, exact decimals back
+    ],
+)
+def test_result_round_trip(r):
+    assert decode_result(encode_result(r)) == r
+
+
+def test_result_logprob_presence():
+    assert not encode_result(SampleResult(1)).HasField("logprob")
+    assert encode_result(SampleResult(1, 0.0)).HasField("logprob")
+
+
+@pytest.mark.parametrize(
+    "m",
+    [
+        pb.TokenResult(token=-1),
+        pb.TokenResult(token=1, logprob=float("nan")),
+        pb.TokenResult(token=1, logprob=float("inf")),
+        pb.TokenResult(token=1, top_logprobs=[pb.TopLogprob(token=-2, logprob=-1)]),
+        pb.TokenResult(token=1, top_logprobs=[pb.TopLogprob(token=2, logprob=float("nan"))]),
+        pb.TokenResult(token=1, top_logprobs=[pb.TopLogprob(token=2, logprob=-1)] * 21),
+    ],
+)
+def test_invalid_results_are_rejected(m):
+    with pytest.raises(WireError):
+        decode_result(m)
+
+
+# --- hostile bytes ---------------------------------------------------------------------------------------
+
+
+def _decode_entries(raw: bytes) -> int:
+    """Parse like the server does: only DecodeError (bad protobuf) or WireError (bad content) may escape."""
+    try:
+        req = pb.SendTensorRequest.FromString(raw)
+    except DecodeError:
+        return 0
+    for e in req.entries:
+        for decode in (lambda: decode_tensor(e.tensor, MB), lambda: decode_spec(e.spec)):
+            try:
+                decode()
+            except WireError:
+                pass
+    return len(req.entries)
+
+
+def test_random_bytes_raise_only_wire_errors():
+    rng = random.Random(1234)
+    for _ in range(300):
+        _decode_entries(rng.randbytes(rng.randrange(0, 200)))
+
+
+def test_mutated_valid_messages_raise_only_wire_errors():
+    # Random bytes rarely parse; flipping bytes of a valid request reaches the validators far more often.
+    valid = pb.SendTensorRequest(
+        entries=[pb.TensorEntry(request_id="req-1", tensor=encode_tensor(np.ones((2, 3), np.float32)), spec=spec_msg())]
+    ).SerializeToString()
+    rng = random.Random(5678)
+    reached = 0
+    for _ in range(300):
+        raw = bytearray(valid)
+        for _ in range(rng.randrange(1, 6)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        reached += _decode_entries(bytes(raw))
+    assert reached > 20  # the test really exercises the validators
