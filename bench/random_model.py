@@ -47,7 +47,21 @@ def write_random_llama(out: Path, seed: int = 0, **shape) -> Path:
               "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
               "bos_token_id": 1, "eos_token_id": 2, **s}
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_word_tokenizer(out, vocab)
     return out
+
+
+def write_word_tokenizer(out: Path, vocab: int) -> None:
+    """A tokenizer where every id is a distinct word, so every generated token shows up as text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(str(out / "tokenizer.json"))
+    template = "{% for m in messages %}w1 {{ m['content'] }} {% endfor %}w3"
+    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "w2"}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""Start real `exo-node` processes on loopback for tests; always kill and reap them."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_GRPC = re.compile(r"exo-node (\S+): gRPC listening on (\S+)")
+READY_API = re.compile(r"exo-node (\S+): API listening on (\S+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class NodeProc:
+    proc: subprocess.Popen
+    grpc_port: int
+    node_id: str = ""
+    api_url: str | None = None
+    lines: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+def http(method: str, url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class Cluster:
+    """`with Cluster(model_dir, n=3, shards=[...]) as c:` -> n nodes, each peered with all others."""
+
+    def __init__(self, model_dir: Path, n: int, shards: list[str] | None = None, memory_gb: list[float] | None = None,
+                 extra: list[str] | None = None, api_nodes: int | None = None):
+        self.model_dir, self.n = model_dir, n
+        self.shards, self.memory_gb, self.extra = shards, memory_gb, extra or []
+        self.api_nodes = n if api_nodes is None else api_nodes
+        self.nodes: list[NodeProc] = []
+
+    def __enter__(self) -> "Cluster":
+        try:
+            ports = [free_port() for _ in range(self.n)]
+            for i, port in enumerate(ports):
+                self.nodes.append(self._start(i, port, [p for p in ports if p != port]))
+            for node in self.nodes:
+                self._wait_ready(node)
+            self.wait_for_peers()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _start(self, i: int, port: int, peer_ports: list[int]) -> NodeProc:
+        args = [sys.executable, "-m", "node.cli", "--model", str(self.model_dir), "--host", "127.0.0.1",
+                "--grpc-port", str(port), "--node-id", f"node{i}", "--log-level", "warning",
+                "--peers", ",".join(f"127.0.0.1:{p}" for p in peer_ports)]
+        args += ["--api-port", "0"] if i < self.api_nodes else ["--no-api"]
+        if self.shards:
+            args += ["--shard", self.shards[i]]
+        if self.memory_gb:
+            args += ["--memory-gb", str(self.memory_gb[i])]
+        proc = subprocess.Popen(args + self.extra, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        node = NodeProc(proc, port)
+        threading.Thread(target=self._pump, args=(node,), daemon=True).start()
+        return node
+
+    @staticmethod
+    def _pump(node: NodeProc) -> None:
+        for line in node.proc.stdout:
+            node.lines.append(line)
+            if m := READY_GRPC.search(line):
+                node.node_id = m.group(1)
+            if m := READY_API.search(line):
+                node.api_url = m.group(2)
+
+    def _wait_ready(self, node: NodeProc, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        want_api = self.nodes.index(node) < self.api_nodes
+        while not (node.node_id and (node.api_url or not want_api)):
+            if node.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"node did not start:\n{node.log()}")
+            time.sleep(0.05)
+
+    def wait_for_peers(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        for node in self.nodes[: self.api_nodes]:
+            while len(self.topology(node)["nodes"]) < self.n:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{node.node_id} does not see all peers: {self.topology(node)}")
+                time.sleep(0.1)
+
+    def topology(self, node: NodeProc | None = None) -> dict:
+        return http("GET", f"{(node or self.nodes[0]).api_url}/v1/topology")[1]
+
+    def chat(self, messages: list[dict] | str, node: NodeProc | None = None, **params) -> tuple[int, dict]:
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        body = {"model": self.model_dir.name, "messages": messages, **params}
+        return http("POST", f"{(node or self.nodes[0]).api_url}/v1/chat/completions", body)
+
+    def self_info(self) -> dict[str, dict]:
+        """Each node's own fresh view of itself (a peer's view of it lags by a health-check interval)."""
+        return {n.node_id: self.topology(n)["nodes"][0] for n in self.nodes if n.api_url and n.proc.poll() is None}
+
+    def active_requests(self) -> dict[str, int]:
+        return {node_id: info["active_requests"] for node_id, info in self.self_info().items()}
+
+    def wait_idle(self, timeout: float = 10) -> dict[str, int]:
+        """Poll until no node holds per-request state (releases are asynchronous); returns the last counts."""
+        deadline = time.monotonic() + timeout
+        while any(counts := self.active_requests()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return counts
+
+    def __exit__(self, *exc) -> None:
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                node.proc.terminate()
+        for node in self.nodes:
+            try:
+                node.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                node.proc.kill()
+                node.proc.wait()

@@ -1,0 +1,173 @@
+"""A node's gRPC surface, in process: hostile or stray input is refused cleanly, big tensors pass the 4 MiB cap."""
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from node import wire
+from node.engines import engine_factory
+from node.node import Node, NodeSettings
+from node.peer import DEFAULT_MAX_MESSAGE_BYTES, PeerClient, PeerPool
+from node.plan import PlanStep, RequestSpec
+from node.server import start_server
+from node.shard_manager import ShardManager
+from proto import node_service_pb2 as pb
+from shards.config import ModelConfig
+from shards.numpy_engine import NumpyEngine
+from shards.sampling import SamplingParams
+from shards.shard import Shard
+from shards.tokenizer import Tokenizer
+from tests.conftest import FIXTURES
+
+MODEL = FIXTURES / "llama"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def serving(pinned=None, node_id="n0"):
+    cfg = ModelConfig.from_dir(MODEL)
+    settings = NodeSettings(node_id=node_id, model_dir=MODEL, model_id="llama", address="", memory_bytes=1 << 30,
+                            pinned=pinned, max_tensor_bytes=8 << 20)
+    node = Node(settings, cfg, Tokenizer(MODEL), engine_factory("numpy"), PeerPool())
+    server, port = await start_server(node, "127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES)
+    settings.address = f"127.0.0.1:{port}"
+    node.start()
+    return node, server, PeerClient(settings.address)
+
+
+async def shutdown(node, server, client):
+    await client.close()
+    await server.stop(0)
+    await node.stop()
+    await node.peers.close()
+
+
+def spec_for(node, plan_nodes=(("n0", 0, 3), ("other", 3, 6)), rid="r1"):
+    plan = tuple(PlanStep(n, node.settings.address if n == node.id else "127.0.0.1:9", Shard("llama", a, b, 6))
+                 for n, a, b in plan_nodes)
+    return RequestSpec(rid, plan, SamplingParams(temperature=0), 4, frozenset({509}), "n0", node.settings.address)
+
+
+def test_health_check_describes_the_node():
+    async def go():
+        node, server, client = await serving(pinned=(0, 3))
+        try:
+            info = wire.decode_node_info((await client.health_check()).node)
+            assert (info.node_id, info.address, info.pinned, info.capabilities.n_layers) == ("n0", node.settings.address, (0, 3), 6)
+        finally:
+            await shutdown(node, server, client)
+    run(go())
+
+
+@pytest.mark.parametrize("tensor", [
+    pb.Tensor(data=b"\0" * 12, shape=[4], dtype="float64"),
+    pb.Tensor(data=b"\0" * 12, shape=[4], dtype="float32"),  # 4 floats need 16 bytes
+    pb.Tensor(data=b"", shape=[-1], dtype="float32"),
+    pb.Tensor(data=b"\0" * 8, shape=[1], dtype="pickle"),
+])
+def test_malformed_tensors_are_invalid_argument(tensor):
+    async def go():
+        node, server, client = await serving()
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.send_tensor(pb.SendTensorRequest(entries=[pb.TensorEntry(request_id="x", tensor=tensor)]))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # and the node still works
+            assert (await client.health_check()).ok
+        finally:
+            await shutdown(node, server, client)
+    run(go())
+
+
+def test_tensor_over_the_size_cap_is_refused():
+    async def go():
+        node, server, client = await serving()
+        try:
+            big = np.zeros(((9 << 20) // 4 // 64, 64), dtype=np.float32)  # 9 MiB > the node's 8 MiB cap
+            entry = pb.TensorEntry(request_id="x", tensor=wire.encode_tensor(big))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.send_tensor(pb.SendTensorRequest(entries=[entry]))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            await shutdown(node, server, client)
+    run(go())
+
+
+def test_messages_larger_than_grpcs_default_4mib_get_through():
+    async def go():
+        node, server, client = await serving()
+        try:
+            spec = spec_for(node, (("a", 0, 3), ("n0", 3, 6)))
+            hidden = np.zeros(((5 << 20) // 4 // 64, 64), dtype=np.float32)  # 5 MiB of activations
+            entry = pb.TensorEntry(request_id="r1", tensor=wire.encode_tensor(hidden), spec=wire.encode_spec(spec))
+            response = await client.send_tensor(pb.SendTensorRequest(entries=[entry]))
+            assert list(response.rejected) == []
+        finally:
+            await shutdown(node, server, client)
+    run(go())
+
+
+def test_stray_activations_for_unknown_requests_are_rejected_per_entry():
+    async def go():
+        node, server, client = await serving()
+        try:
+            entry = pb.TensorEntry(request_id="nobody", tensor=wire.encode_tensor(np.zeros((1, 64), np.float32)))
+            response = await client.send_tensor(pb.SendTensorRequest(entries=[entry]))
+            assert [(r.request_id, "unknown request" in r.reason) for r in response.rejected] == [("nobody", True)]
+            assert node.info().active_requests == 0
+        finally:
+            await shutdown(node, server, client)
+    run(go())
+
+
+def test_prompt_sent_to_the_wrong_node_is_invalid_argument():
+    async def go():
+        node, server, client = await serving()
+        try:
+            spec = spec_for(node, (("other", 0, 3), ("n0", 3, 6)))
+            req = pb.SendPromptRequest(spec=wire.encode_spec(spec), tokens=wire.encode_tensor(np.array([1, 2])))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.send_prompt(req)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "first node is other" in e.value.details()
+        finally:
+            await shutdown(node, server, client)
+    run(go())
+
+
+def test_end_request_frees_state_and_late_activations_are_dropped():
+    async def go():
+        node, server, client = await serving()
+        try:
+            spec = spec_for(node, (("a", 0, 3), ("n0", 3, 6)))
+            await client.send_tensor(pb.SendTensorRequest(entries=[pb.TensorEntry(
+                request_id="r1", tensor=wire.encode_tensor(np.zeros((1, 64), np.float32)), spec=wire.encode_spec(spec))]))
+            await client.end_request("r1", "cancelled")
+            await node.shards.run(lambda: None)  # wait for queued releases on the engine thread
+            assert node.info().active_requests == 0
+            late = await client.send_tensor(pb.SendTensorRequest(entries=[pb.TensorEntry(
+                request_id="r1", tensor=wire.encode_tensor(np.zeros((1, 64), np.float32)), spec=wire.encode_spec(spec))]))
+            assert list(late.rejected) == [] and node.info().active_requests == 0
+        finally:
+            await shutdown(node, server, client)
+    run(go())
+
+
+def test_concurrent_loads_of_one_shard_happen_once():
+    loads = []
+
+    def factory(model_dir, shard, config):
+        loads.append(shard)
+        return NumpyEngine(model_dir, shard, config)
+
+    async def go():
+        manager = ShardManager(MODEL, ModelConfig.from_dir(MODEL), factory)
+        shard = Shard("llama", 0, 3, 6)
+        engines = await asyncio.gather(*(manager.get(shard) for _ in range(5)))
+        assert len({id(e) for e in engines}) == 1 and loads == [shard]
+        await manager.get(Shard("llama", 3, 6, 6))  # reassignment: the idle old shard is unloaded
+        assert manager.loaded == (Shard("llama", 3, 6, 6),)
+        manager.close()
+    run(go())
