@@ -1,16 +1,22 @@
-"""OpenAI-compatible HTTP API on the entry node (aiohttp)."""
+"""OpenAI-compatible HTTP API on the entry node (aiohttp).
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming with server-sent events or not),
+GET /v1/models, GET /v1/models/{id}, GET /v1/topology, GET /healthcheck.
+"""
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
 
-from .api_schema import ApiError, ChatRequest, parse_chat, read_json
+from .api_schema import ApiError, ChatRequest, CompletionRequest, Options, parse_chat, parse_completion, read_json
+from .completion import Job, Piece, TokenLogprob, run_job
 from .node import GenerationError, Node
 from .plan import PlanError
 
@@ -18,44 +24,79 @@ log = logging.getLogger(__name__)
 CREATED = int(time.time())
 
 
-@web.middleware
-async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Every failure leaves as an OpenAI error object; tracebacks stay in the log."""
-    try:
-        return await handler(request)
-    except ApiError as e:
-        return e.response()
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(e.status)
-        return ApiError(e.status, e.reason if e.status != 413 else f"request body exceeds {request.app['max_body_bytes']} bytes",
-                        code=code).response()
-    except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return ApiError(500, "internal server error").response()
+@dataclass(frozen=True)
+class ApiSettings:
+    max_tokens_cap: int = 1024  # default and ceiling for max_tokens
+    max_body_bytes: int = 1 << 20
+    max_concurrent: int = 64  # requests generating at once; beyond -> 503
+    api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
+    cors_origins: tuple[str, ...] = ()  # empty: no CORS headers
 
 
 class Api:
-    def __init__(self, node: Node, max_tokens_cap: int):
-        self.node = node
-        self.max_tokens_cap = max_tokens_cap
+    def __init__(self, node: Node, settings: ApiSettings = ApiSettings()):
+        self.node, self.settings = node, settings
+        self.active = 0
 
     @property
     def model_id(self) -> str:
         return self.node.settings.model_id
 
-    def app(self, max_body_bytes: int = 1 << 20) -> web.Application:
-        app = web.Application(middlewares=[openai_errors], client_max_size=max_body_bytes)
-        app["max_body_bytes"] = max_body_bytes
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._cors, self._errors, self._auth],
+                              client_max_size=self.settings.max_body_bytes)
         app.add_routes([
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/completions", self.completions),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model_id:.+}", self.model),
             web.get("/v1/topology", self.topology),
             web.get("/healthcheck", self.healthcheck),
         ])
         return app
+
+    # -- middlewares ------------------------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every failure leaves as an OpenAI error object; tracebacks stay in the log."""
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return e.response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            message = f"request body exceeds {self.settings.max_body_bytes} bytes" if e.status == 413 else \
+                f"{e.reason}: {request.method} {request.path}"
+            code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(e.status)
+            return ApiError(e.status, message, code=code).response()
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return ApiError(500, "internal server error").response()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        key = self.settings.api_key
+        if key and request.path != "/healthcheck":
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        return await handler(request)
+
+    @web.middleware
+    async def _cors(self, request: web.Request, handler) -> web.StreamResponse:
+        origins = self.settings.cors_origins
+        origin = request.headers.get("Origin")
+        allowed = origins and origin and ("*" in origins or origin in origins)
+        if request.method == "OPTIONS" and allowed:
+            response: web.StreamResponse = web.Response(status=204)
+        else:
+            response = await handler(request)
+        if allowed and not response.prepared:
+            response.headers["Access-Control-Allow-Origin"] = "*" if "*" in origins else origin
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        return response
 
     # -- read-only endpoints ----------------------------------------------------------------------------------
     def _model_card(self) -> dict[str, Any]:
@@ -65,9 +106,7 @@ class Api:
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
-        if request.match_info["model_id"] != self.model_id:
-            raise ApiError(404, f"The model '{request.match_info['model_id']}' does not exist", param="model",
-                           code="model_not_found")
+        self._check_model(request.match_info["model_id"])
         return web.json_response(self._model_card())
 
     async def healthcheck(self, request: web.Request) -> web.Response:
@@ -75,68 +114,74 @@ class Api:
 
     async def topology(self, request: web.Request) -> web.Response:
         topo = self.node.topology()
-        nodes = []
-        for n in topo.nodes:
-            d = asdict(n)
-            d["loaded"] = [str(s) for s in n.loaded]
-            nodes.append(d)
+        nodes = [asdict(n) | {"loaded": [str(s) for s in n.loaded]} for n in topo.nodes]
         return web.json_response({"nodes": nodes, "links": [asdict(link) for link in topo.links]})
 
-    # -- chat completions -------------------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise ApiError(404, f"The model '{model}' does not exist; this cluster serves '{self.model_id}'",
+                           param="model", code="model_not_found")
+
+    # -- generation endpoints ---------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         chat = parse_chat(await read_json(request))
-        if chat.model != self.model_id:
-            raise ApiError(404, f"The model '{chat.model}' does not exist; this cluster serves '{self.model_id}'",
-                           param="model", code="model_not_found")
+        self._check_model(chat.options.model)
         try:
             prompt = self.node.tokenizer.encode_chat(chat.messages)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-        max_tokens = self._max_tokens(chat, len(prompt))
-        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_id}
-        events = self.node.generate(prompt, chat.sampling, max_tokens)  # plan errors surface on first iteration
-        if chat.stream:
-            return await self._stream(request, events, meta)
-        return await self._complete(events, meta, len(prompt))
+        return await self._generate(request, chat, prompt, "")
 
-    def _max_tokens(self, chat: ChatRequest, prompt_len: int) -> int:
-        room = self.node.config.max_position_embeddings - prompt_len
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_completion(await read_json(request))
+        self._check_model(req.options.model)
+        tok = self.node.tokenizer
+        if isinstance(req.prompt, str):
+            prompt, echo = tok.encode(req.prompt), req.prompt
+        else:
+            if max(req.prompt) >= self.node.config.vocab_size:
+                raise ApiError(400, f"token ids must be below the vocabulary size {self.node.config.vocab_size}",
+                               param="prompt", code="invalid_value")
+            prompt, echo = list(req.prompt), tok.decode(req.prompt)
+        return await self._generate(request, req, prompt, echo if req.echo else "")
+
+    def _job(self, opts: Options, prompt: list[int], param: str) -> Job:
+        context = self.node.config.max_position_embeddings
+        room = context - len(prompt)
         if room < 1:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is "
-                                f"{self.node.config.max_position_embeddings}", param="messages",
-                           code="context_length_exceeded")
-        if chat.max_tokens is None:
-            return min(self.max_tokens_cap, room)
-        if chat.max_tokens > room:
-            raise ApiError(400, f"prompt ({prompt_len} tokens) + max_tokens ({chat.max_tokens}) exceeds the context "
-                                f"length {self.node.config.max_position_embeddings}", param="max_tokens",
-                           code="context_length_exceeded")
-        return chat.max_tokens
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context is {context}",
+                           param=param, code="context_length_exceeded")
+        max_tokens = min(self.settings.max_tokens_cap, room) if opts.max_tokens is None else opts.max_tokens
+        if max_tokens > room:
+            raise ApiError(400, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                                f"length {context}", param="max_tokens", code="context_length_exceeded")
+        if max_tokens > self.settings.max_tokens_cap:
+            raise ApiError(400, f"max_tokens may be at most {self.settings.max_tokens_cap} on this node",
+                           param="max_tokens", code="invalid_value")
+        return Job(prompt, opts.sampling, max_tokens, opts.stop)
 
-    async def _complete(self, events, meta: dict, prompt_len: int) -> web.Response:
-        stream = self.node.tokenizer.stream()
-        text, n, reason = [], 0, None
+    async def _generate(self, request: web.Request, req: ChatRequest | CompletionRequest, prompt: list[int],
+                        echo: str) -> web.StreamResponse:
+        chat = isinstance(req, ChatRequest)
+        job = self._job(req.options, prompt, "messages" if chat else "prompt")
+        if self.active >= self.settings.max_concurrent:
+            raise ApiError(503, f"the node is at its limit of {self.settings.max_concurrent} concurrent requests; "
+                                "retry shortly", code="server_overloaded")
+        self.active += 1
         try:
-            async for ev in events:
-                for r in ev.results:
-                    n += 1
-                    text.append(stream.push(r.token))
-                reason = ev.finish_reason
-        except PlanError as e:
-            raise ApiError(503, f"the cluster cannot serve this model now: {e}") from None
-        except GenerationError as e:
-            raise ApiError(503, f"generation failed: {e}", code="generation_failed") from None
-        text.append(stream.flush())
-        return web.json_response({
-            **meta,
-            "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                         "logprobs": None, "finish_reason": reason}],
-            "usage": {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n},
-        })
+            fmt = _Format(chat, req.options, len(prompt), self.model_id)
+            pieces = run_job(self.node, job)
+            first = await _first(pieces)  # errors before any token become a plain HTTP error
+            if req.options.stream:
+                return await self._stream(request, fmt, first, pieces, echo)
+            collected = [first] if first else []
+            async for piece in _guard(pieces):
+                collected.append(piece)
+            return web.json_response(fmt.whole(collected, echo))
+        finally:
+            self.active -= 1
 
-    async def _stream(self, request: web.Request, events, meta: dict) -> web.StreamResponse:
-        first = await _first_event(events)  # fail before the 200 is sent when the ring can't start
+    async def _stream(self, request: web.Request, fmt: "_Format", first: Piece | None, pieces, echo: str):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
@@ -144,44 +189,113 @@ class Api:
             data = payload if isinstance(payload, str) else json.dumps(payload)
             await response.write(f"data: {data}\n\n".encode())
 
-        def chunk(delta: dict, reason: str | None = None) -> dict:
-            return {**meta, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+        await send(fmt.opening(echo))
+        last = first
 
-        stream = self.node.tokenizer.stream()
-        await send(chunk({"role": "assistant", "content": ""}))
-        reason = None
+        async def emit(piece: Piece) -> None:
+            if piece.text or piece.logprobs:
+                await send(fmt.chunk(piece.text, piece.logprobs, None))
+            if piece.finish_reason is not None:  # the closing chunk carries no content
+                await send(fmt.chunk("", (), piece.finish_reason))
+
         try:
-            async for ev in _chain(first, events):
-                piece = "".join(stream.push(r.token) for r in ev.results)
-                if ev.finished:
-                    piece += stream.flush()
-                    reason = ev.finish_reason
-                if piece:
-                    await send(chunk({"content": piece}))
-            await send(chunk({}, reason))
-        except GenerationError as e:
-            await send(ApiError(503, f"generation failed: {e}", code="generation_failed").body())
+            if first is not None:
+                await emit(first)
+                async for piece in _guard(pieces):
+                    await emit(piece)
+                    last = piece
+            if fmt.options.include_usage and last is not None:
+                await send(fmt.usage_chunk(last.completion_tokens))
+        except ApiError as e:  # the stream has started: the error goes in-band, then the stream ends
+            await send(e.body())
         await send("[DONE]")
         await response.write_eof()
         return response
 
 
-async def _first_event(events):
+async def _first(pieces) -> Piece | None:
+    async for piece in _guard(pieces):
+        return piece
+    return None
+
+
+async def _guard(pieces):
+    """Map failures of the ring to API errors."""
     try:
-        return await events.__anext__()
-    except StopAsyncIteration:
-        return None
+        async for piece in pieces:
+            yield piece
     except PlanError as e:
-        raise ApiError(503, f"the cluster cannot serve this model now: {e}") from None
+        raise ApiError(503, f"the cluster cannot serve this model now: {e}", code="no_plan") from None
     except GenerationError as e:
         raise ApiError(503, f"generation failed: {e}", code="generation_failed") from None
 
 
-async def _chain(first, events):
-    if first is None:
-        return
-    yield first
-    if not first.finished:
-        async for ev in events:
-            yield ev
+class _Format:
+    """Response bodies and stream chunks in the shapes of the two OpenAI endpoints."""
+
+    def __init__(self, chat: bool, options: Options, prompt_tokens: int, model: str):
+        self.chat, self.options, self.prompt_tokens = chat, options, prompt_tokens
+        prefix = "chatcmpl" if chat else "cmpl"
+        self.meta = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+        self.object = "chat.completion" if chat else "text_completion"
+        self.offset = 0  # text offset for legacy logprobs
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def logprobs(self, entries: tuple[TokenLogprob, ...]) -> dict | None:
+        if self.options.sampling.top_logprobs is None:
+            return None
+        if self.chat:
+            def one(token: str, lp: float) -> dict:
+                return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+            return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
+                                for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(self.offset)
+            self.offset += len(e.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+
+    def _choice(self, piece: Piece, text: str, delta: bool) -> dict:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta" if delta else "message"] = {"content": text} if delta else {"role": "assistant",
+                                                                                       "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self.logprobs(piece.logprobs)
+        choice["finish_reason"] = piece.finish_reason
+        return choice
+
+    def whole(self, pieces: list[Piece], echo: str) -> dict:
+        merged = Piece("".join(p.text for p in pieces), tuple(e for p in pieces for e in p.logprobs),
+                       pieces[-1].finish_reason if pieces else "stop")
+        n = pieces[-1].completion_tokens if pieces else 0
+        self.offset = len(echo)
+        return {**self.meta, "object": self.object, "choices": [self._choice(merged, echo + merged.text, False)],
+                "usage": self.usage(n)}
+
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def opening(self, echo: str) -> dict:
+        """Chat streams start with the assistant role; completion streams with the echoed prompt (maybe empty)."""
+        self.offset = len(echo)
+        delta = {"role": "assistant", "content": ""} if self.chat else None
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None} if self.chat else \
+            {"index": 0, "text": echo, "logprobs": None, "finish_reason": None}
+        return {**self.meta, "object": self.chunk_object(), "choices": [choice]}
+
+    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...], finish_reason: str | None) -> dict:
+        choice = self._choice(Piece(text, logprobs, finish_reason), text, True)
+        if finish_reason is not None:
+            choice["logprobs"] = None
+            if self.chat:
+                choice["delta"] = {}
+        return {**self.meta, "object": self.chunk_object(), "choices": [choice]}
+
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        return {**self.meta, "object": self.chunk_object(), "choices": [], "usage": self.usage(completion_tokens)}

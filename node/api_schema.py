@@ -1,4 +1,8 @@
-"""OpenAI request bodies: parsed and validated into typed requests, or an ApiError naming the bad field."""
+"""OpenAI request bodies: parsed and validated into typed requests, or an ApiError naming the bad field.
+
+Unknown fields are ignored, as OpenAI does. Known fields we cannot honour (n > 1, penalties, tools, logit_bias,
+non-text response formats, suffix) are refused with a 400 rather than silently ignored.
+"""
 from __future__ import annotations
 
 import json
@@ -8,50 +12,67 @@ from typing import Any
 
 from aiohttp import web
 
-from shards.sampling import SamplingParams
+from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
+
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+COMPLETIONS_MAX_LOGPROBS = 5
 
 
 class ApiError(Exception):
     """Becomes an OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+    TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                             503: "server_error", 500: "server_error"}.get(status, "invalid_request_error")
+        self.type = self.TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    model: str
-    messages: list[dict[str, str]]
-    max_tokens: int | None
-    sampling: SamplingParams
-    stream: bool
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=headers)
 
 
 def bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
 
 
+@dataclass(frozen=True)
+class Options:
+    """What both endpoints share."""
+
+    model: str
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    options: Options
+    messages: list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    options: Options
+    prompt: str | list[int]
+    echo: bool
+
+
 async def read_json(request: web.Request) -> dict[str, Any]:
     if request.content_type != "application/json":
         raise ApiError(400, f"Content-Type must be application/json, got {request.content_type!r}",
                        code="invalid_content_type")
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"request body exceeds {request.app['max_body_bytes']} bytes", code="body_too_large") from None
+    raw = await request.read()  # too large: aiohttp raises 413, which the error middleware words
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
@@ -80,6 +101,74 @@ def _int(body: dict, key: str, lo: int, hi: int) -> int | None:
     return value
 
 
+def _bool(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(key, f"'{key}' must be a boolean")
+    return value
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("stop", "'stop' must be a string or an array of strings")
+    if len(stops) > MAX_STOPS:
+        raise bad("stop", f"'stop' may hold at most {MAX_STOPS} sequences")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad("stop", f"stop sequences must be 1 to {MAX_STOP_CHARS} characters")
+    return tuple(dict.fromkeys(stops))
+
+
+def _unsupported(body: dict) -> None:
+    n = _int(body, "n", 1, 128)
+    if n not in (None, 1):
+        raise bad("n", "only n=1 is supported")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _number(body, key, 0.0, -2.0, 2.0) != 0.0:
+            raise bad(key, f"'{key}' is not supported (only 0)")
+    if body.get("logit_bias"):
+        raise bad("logit_bias", "'logit_bias' is not supported")
+    if body.get("tools") or body.get("functions"):
+        raise bad("tools", "tool calling is not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
+
+
+def _options(body: dict, top_logprobs: int | None, default_max_tokens: int | None) -> Options:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "'model' must be a non-empty string")
+    _unsupported(body)
+    max_tokens = _int(body, "max_completion_tokens", 1, 1 << 30)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, 1 << 30)
+    stream = _bool(body, "stream")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise bad("stream_options", "'stream_options' must be an object")
+    include_usage = _bool(stream_options or {}, "include_usage")
+    if stream_options is not None and not stream:
+        raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    seed = _int(body, "seed", -(1 << 63), (1 << 64) - 1)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    sampling = SamplingParams(
+        temperature=temperature,
+        top_p=top_p if top_p > 0 else 1e-9,  # top_p 0 means "only the most likely token"
+        top_k=_int(body, "top_k", 0, 1 << 31) or 0,
+        seed=None if seed is None else seed % (1 << 64),  # OpenAI accepts any integer seed
+        top_logprobs=top_logprobs,
+    )
+    return Options(model, max_tokens if max_tokens is not None else default_max_tokens, sampling, _stops(body),
+                   stream, include_usage)
+
+
 def _content(message: dict, i: int) -> str:
     content = message.get("content")
     if content is None and message.get("role") == "assistant":
@@ -96,7 +185,7 @@ def _content(message: dict, i: int) -> str:
     raise bad(f"messages[{i}].content", "content must be a string or a list of text parts")
 
 
-def parse_messages(body: dict) -> list[dict[str, str]]:
+def parse_chat(body: dict) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "'messages' must be a non-empty array")
@@ -108,22 +197,25 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
         if role not in ("system", "developer", "user", "assistant"):
             raise bad(f"messages[{i}].role", f"unsupported role {role!r}")
         out.append({"role": "system" if role == "developer" else role, "content": _content(m, i)})
-    return out
+    logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
+    return ChatRequest(_options(body, (top or 0) if logprobs else None, None), out)
 
 
-def parse_chat(body: dict) -> ChatRequest:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "'model' must be a non-empty string")
-    messages = parse_messages(body)
-    max_tokens = _int(body, "max_completion_tokens", 1, 1 << 30)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, 1 << 30)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("stream", "'stream' must be a boolean")
-    sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,  # top_p 0 means "only the most likely token"
-    )
-    return ChatRequest(model, messages, max_tokens, sampling, stream)
+def parse_completion(body: dict) -> CompletionRequest:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise bad("prompt", "'prompt' must be a string, or one array of token ids (batches are not supported)")
+    elif not isinstance(prompt, str) or not prompt:
+        raise bad("prompt", "'prompt' must be a non-empty string")
+    if body.get("suffix"):
+        raise bad("suffix", "'suffix' is not supported")
+    if _int(body, "best_of", 1, 1) not in (None, 1):
+        raise bad("best_of", "only best_of=1 is supported")
+    logprobs = _int(body, "logprobs", 0, COMPLETIONS_MAX_LOGPROBS)
+    return CompletionRequest(_options(body, logprobs, 16), prompt, _bool(body, "echo"))

@@ -24,7 +24,7 @@ from discovery.static import PeerListError, StaticDiscovery, parse_peers
 from shards.config import ModelConfig
 from shards.tokenizer import Tokenizer
 
-from .api import Api
+from .api import Api, ApiSettings
 from .engines import ENGINES, engine_factory
 from .membership import Membership
 from .node import Node, NodeSettings
@@ -52,6 +52,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=1024, help="cap on tokens generated per request")
     ap.add_argument("--memory-gb", type=float, help="memory to report for partitioning (default: available RAM)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a token before failing")
+    ap.add_argument("--max-body-kb", type=int, default=1024, help="HTTP request body size cap (default 1024 KiB)")
+    ap.add_argument("--max-concurrent-requests", type=int, default=64,
+                    help="requests generating at once on this entry node; more get 503 (default 64)")
+    ap.add_argument("--api-key", default=os.environ.get("EXO_NODE_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on the API (default: $EXO_NODE_API_KEY, else open)")
+    ap.add_argument("--cors-origins", default="",
+                    help="comma-separated origins allowed by CORS, or '*' (default: none, CORS off)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return ap.parse_args(argv)
 
@@ -106,7 +113,10 @@ async def run(args: argparse.Namespace) -> int:
     print(f"exo-node {node_id}: gRPC listening on {settings.address} (model {settings.model_id})", flush=True)
     runner = None
     if not args.no_api:
-        runner = web.AppRunner(Api(node, args.max_tokens).app(), handler_cancellation=True, access_log=None)
+        api_settings = ApiSettings(max_tokens_cap=args.max_tokens, max_body_bytes=args.max_body_kb * 1024,
+                                   max_concurrent=args.max_concurrent_requests, api_key=args.api_key or None,
+                                   cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))
+        runner = web.AppRunner(Api(node, api_settings).app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.api_host, args.api_port)
         await site.start()

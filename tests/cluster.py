@@ -37,9 +37,10 @@ class NodeProc:
         return "".join(self.lines)
 
 
-def http(method: str, url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
+def http(method: str, url: str, body: dict | None = None, timeout: float = 60, key: str | None = None) -> tuple[int, dict]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -51,8 +52,8 @@ class Cluster:
     """`with Cluster(model_dir, n=3, shards=[...]) as c:` -> n nodes, each peered with all others."""
 
     def __init__(self, model_dir: Path, n: int, shards: list[str] | None = None, memory_gb: list[float] | None = None,
-                 extra: list[str] | None = None, api_nodes: int | None = None):
-        self.model_dir, self.n = model_dir, n
+                 extra: list[str] | None = None, api_nodes: int | None = None, api_key: str | None = None):
+        self.model_dir, self.n, self.api_key = model_dir, n, api_key
         self.shards, self.memory_gb, self.extra = shards, memory_gb, extra or []
         self.api_nodes = n if api_nodes is None else api_nodes
         self.nodes: list[NodeProc] = []
@@ -79,6 +80,8 @@ class Cluster:
             args += ["--shard", self.shards[i]]
         if self.memory_gb:
             args += ["--memory-gb", str(self.memory_gb[i])]
+        if self.api_key:
+            args += ["--api-key", self.api_key]
         proc = subprocess.Popen(args + self.extra, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         node = NodeProc(proc, port)
@@ -111,13 +114,13 @@ class Cluster:
                 time.sleep(0.1)
 
     def topology(self, node: NodeProc | None = None) -> dict:
-        return http("GET", f"{(node or self.nodes[0]).api_url}/v1/topology")[1]
+        return http("GET", f"{(node or self.nodes[0]).api_url}/v1/topology", key=self.api_key)[1]
 
     def chat(self, messages: list[dict] | str, node: NodeProc | None = None, **params) -> tuple[int, dict]:
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         body = {"model": self.model_dir.name, "messages": messages, **params}
-        return http("POST", f"{(node or self.nodes[0]).api_url}/v1/chat/completions", body)
+        return http("POST", f"{(node or self.nodes[0]).api_url}/v1/chat/completions", body, key=self.api_key)
 
     def self_info(self) -> dict[str, dict]:
         """Each node's own fresh view of itself (a peer's view of it lags by a health-check interval)."""

@@ -21,3 +21,24 @@ def model(request) -> str:
 @pytest.fixture
 def model_dir(model) -> Path:
     return FIXTURES / model
+
+
+API_KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="session")
+def single_api():
+    """A live single node with an API key and CORS for one origin: (base url, key)."""
+    from tests.cluster import Cluster
+
+    with Cluster(FIXTURES / "llama", 1, api_key=API_KEY, extra=["--cors-origins", "http://app.example"]) as c:
+        yield c.nodes[0].api_url, API_KEY
+
+
+@pytest.fixture(scope="session")
+def cluster_api():
+    """A live 3-node cluster, layers pinned 0:2 / 2:4 / 4:6, entry node 0: (base url, key)."""
+    from tests.cluster import Cluster
+
+    with Cluster(FIXTURES / "llama", 3, shards=["0:2", "2:4", "4:6"]) as c:
+        yield c.nodes[0].api_url, "unused"
