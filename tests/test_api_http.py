@@ -30,8 +30,13 @@ def post(url, path, obj, **kw):
 CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
-def test_sse_framing(single_api):
-    status, headers, data = post(single_api[0], "/v1/chat/completions", CHAT | {"stream": True})
+@pytest.fixture(params=["single_api", "cluster_api"])
+def api(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_sse_framing(api):
+    status, headers, data = post(api[0], "/v1/chat/completions", CHAT | {"stream": True})
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     text = data.decode()
     assert text.endswith("data: [DONE]\n\n")
@@ -148,9 +153,9 @@ BAD = [
 
 
 @pytest.mark.parametrize("path,body,headers,status,param", BAD, ids=range(len(BAD)))
-def test_malformed_requests_get_a_clear_4xx_error_object(single_api, path, body, headers, status, param):
+def test_malformed_requests_get_a_clear_4xx_error_object(api, path, body, headers, status, param):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    got, _, raw_body = raw(single_api[0], "POST", path, data, headers=headers)
+    got, _, raw_body = raw(api[0], "POST", path, data, headers=headers)
     assert got == status, raw_body[:300]
     error = json.loads(raw_body)["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -162,8 +167,8 @@ def test_wrong_method_is_405_with_an_error_object(single_api):
     assert status == 405 and json.loads(data)["error"]["code"] == "method_not_allowed"
 
 
-def test_node_still_serves_after_all_that(single_api):
-    assert post(single_api[0], C, CHAT)[0] == 200
+def test_node_still_serves_after_all_that(api):
+    assert post(api[0], C, CHAT)[0] == 200
 
 
 def test_beyond_max_concurrent_requests_is_503_overloaded():

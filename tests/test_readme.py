@@ -1,0 +1,51 @@
+"""The README's commands and examples work exactly as written."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import READY_API, ROOT
+
+README = (ROOT / "README.md").read_text()
+
+
+def block(name: str) -> str:
+    m = re.search(rf"<!-- example:{name} -->\n```\w+\n(.*?)```", README, re.S)
+    assert m, f"README has no {name} example"
+    return m.group(1)
+
+
+def test_readme_commands():
+    assert "pip install uv && uv run --locked pytest" in README
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pip install uv && uv run --locked pytest" in ci
+
+
+@pytest.fixture(scope="module")
+def default_node():
+    """The README's run command (default ports), minus the install step."""
+    run = re.search(r"pip install uv && uv run --locked (exo-node[^\n]*)", README).group(1).split()
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", *run[1:], "--grpc-port", "0"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if READY_API.search(line):
+                break
+        else:
+            pytest.fail("node did not start (is port 52415 taken?)")
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_curl_example(default_node):
+    out = subprocess.run(["sh", "-c", block("curl")], capture_output=True, text=True, timeout=60)
+    assert '"object": "chat.completion"' in out.stdout, out.stdout + out.stderr
+
+
+def test_python_example(default_node):
+    out = subprocess.run([sys.executable, "-c", block("python")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
