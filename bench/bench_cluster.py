@@ -33,8 +33,9 @@ def stream_decode_rate(api_url: str, model: str, prompt: str, tokens: int) -> tu
     return len(stamps), (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def run(model: Path, n: int, shards: list[str] | None, tokens: int, concurrent: int = 1) -> float:
-    with Cluster(model, n, shards=shards, api_nodes=1) as c:
+def run(model: Path, n: int, shards: list[str] | None, tokens: int, concurrent: int = 1,
+        extra: list[str] | None = None) -> float:
+    with Cluster(model, n, shards=shards, api_nodes=1, extra=extra) as c:
         stream_decode_rate(c.nodes[0].api_url, model.name, "warm up", 4)
         if concurrent == 1:
             rates = [stream_decode_rate(c.nodes[0].api_url, model.name, f"prompt {i}", tokens)[1] for i in range(3)]
@@ -49,9 +50,17 @@ def run(model: Path, n: int, shards: list[str] | None, tokens: int, concurrent: 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--sampling-ab", action="store_true",
+                    help="only compare 8 concurrent streams on 3 nodes with the sampling batcher on vs off")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = write_random_llama(Path(tmp) / "mid")
+        if args.sampling_ab:
+            shards = ["0:3", "3:6", "6:8"]
+            for label, extra in (("on", None), ("off", ["--sample-batch-max", "1"]), ("on", None)):
+                agg = run(model, 3, shards, args.tokens, concurrent=8, extra=extra)
+                print(f"3 nodes, 8 concurrent streams, sampling batcher {label}: {agg:.1f} tok/s aggregate")
+            return
         one = run(model, 1, None, args.tokens)
         print(f"1 node : {one:.1f} tok/s decode (one stream)")
         three = run(model, 3, ["0:3", "3:6", "6:8"], args.tokens)

@@ -59,6 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="require 'Authorization: Bearer KEY' on the API (default: $EXO_NODE_API_KEY, else open)")
     ap.add_argument("--cors-origins", default="",
                     help="comma-separated origins allowed by CORS, or '*' (default: none, CORS off)")
+    ap.add_argument("--sample-batch-max", type=int, default=8,
+                    help="last shard: sample up to this many requests' rows in one call (1 disables batching)")
+    ap.add_argument("--sample-batch-window-ms", type=float, default=5.0,
+                    help="last shard: close a sampling batch this long after its first row (0 disables batching)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return ap.parse_args(argv)
 
@@ -101,7 +105,8 @@ async def run(args: argparse.Namespace) -> int:
     settings = NodeSettings(node_id=node_id, model_dir=args.model, model_id=args.model.resolve().name,
                             address="", memory_bytes=memory, engine=args.engine, pinned=pinned,
                             max_tensor_bytes=DEFAULT_MAX_MESSAGE_BYTES - (1 << 20),
-                            request_timeout=args.request_timeout)
+                            request_timeout=args.request_timeout, sample_batch_max=args.sample_batch_max,
+                            sample_batch_window_ms=args.sample_batch_window_ms)
     node = Node(settings, config, tokenizer, factory, peers)
     server, port = await start_server(node, args.host, args.grpc_port, DEFAULT_MAX_MESSAGE_BYTES)
     settings.address = f"{advertise}:{port}"

@@ -30,10 +30,12 @@ from shards.tokenizer import Tokenizer
 from . import wire
 from .peer import PeerPool
 from .plan import PlanError, PlanStep, RequestSpec
+from .sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
 from .shard_manager import EngineFactory, ShardManager
 from .topology import Capabilities, NodeInfo, PeerLink, Topology
 
 log = logging.getLogger(__name__)
+LOCAL_WAIT_S = 0.02  # longest the worker holds queued work back for a one-node ring's tokens in flight
 
 
 @dataclass
@@ -49,6 +51,8 @@ class NodeSettings:
     request_timeout: float = 300.0  # the entry gives up after this long without a token
     max_step_tokens: int = 4096  # rows packed into one forward pass
     max_requests: int = 256  # concurrent requests a node takes part in
+    sample_batch_max: int = 8  # sampling batcher: rows per batch ...
+    sample_batch_window_ms: float = 5.0  # ... or this long after the batch's first row
 
 
 class GenerationError(RuntimeError):
@@ -107,8 +111,12 @@ class Node:
         self.ended = _Tombstones()
         self.known_peers: dict[str, NodeInfo] = {}  # filled by discovery
         self.counters: Counter[str] = Counter()
+        self.batcher = SamplingBatcher(settings.sample_batch_max, settings.sample_batch_window_ms)
         self._pending: deque[_Work] = deque()
         self._wake = asyncio.Event()
+        # Requests of a one-node ring whose next token is being sampled/sent back to us right now: their next
+        # step is due within a millisecond or two, so the worker waits for them rather than split the batch.
+        self._local_inflight: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._worker: asyncio.Task | None = None
 
@@ -121,6 +129,7 @@ class Node:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.batcher.close()
         self.shards.close()
 
     def _spawn(self, coro) -> None:
@@ -138,7 +147,7 @@ class Node:
             pinned=s.pinned,
             loaded=self.shards.loaded,
             active_requests=len(self.requests) + len(self.inbox) + self.shards.active_requests,
-            status=dict(self.counters),
+            status=dict(self.counters) | dict(self.batcher.stats),
         )
 
     def topology(self) -> Topology:
@@ -259,6 +268,7 @@ class Node:
 
     def end_request(self, request_id: str, reason: str) -> None:
         self.ended.add(request_id)
+        self._local_inflight.discard(request_id)
         if self.requests.pop(request_id, None) is not None:
             self.counters[f"ended_{reason or 'unknown'}"] += 1
         self.shards.release(request_id)
@@ -279,15 +289,19 @@ class Node:
 
     def _enqueue(self, work: _Work) -> None:
         self._pending.append(work)
+        self._local_inflight.discard(work.request_id)
         self._wake.set()
 
     # -- the pipeline worker ----------------------------------------------------------------------------------
     async def _work_loop(self) -> None:
         while True:
-            if not self._pending:
+            if not self._pending or self._local_inflight:
                 self._wake.clear()
-                await self._wake.wait()
-                continue
+                try:
+                    await asyncio.wait_for(self._wake.wait(), LOCAL_WAIT_S if self._pending else None)
+                    continue
+                except asyncio.TimeoutError:
+                    self._local_inflight.clear()  # a straggler: stop waiting for it
             batch = self._take_batch()
             if batch:
                 try:
@@ -337,10 +351,9 @@ class Node:
                 self._fail(w.request_id, f"node {self.id}: {e}")
         if not inputs:
             return
-        reqs = [self.requests[i.request_id] for i in inputs]
         started = time.perf_counter()
         try:
-            outputs = await self.shards.run(_compute, engine, inputs, reqs)
+            outputs = await self.shards.run(engine.forward, inputs)
         except Exception as e:
             log.exception("forward failed")
             for i in inputs:
@@ -350,9 +363,26 @@ class Node:
         self.counters["step_rows"] += len(inputs)
         self.counters["step_ms_total"] += int((time.perf_counter() - started) * 1000)
         if engine.shard.is_last:
-            self._dispatch_tokens(inputs, outputs)
+            self._sample(engine, inputs, outputs)
         else:
             self._dispatch_hidden(inputs, outputs)
+
+    def _sample(self, engine: Engine, inputs: list[StepInput], logits: list[np.ndarray]) -> None:
+        """Hand each request's logits row to the sampling batcher; tokens are dispatched as they resolve."""
+        futures = {}
+        for item, rows in zip(inputs, logits):
+            req = self.requests.get(item.request_id)
+            if req is None:
+                continue
+            sample = SampleItem(item.request_id, rows[-1], req.spec.sampling, req.sampler, engine, self.settings.model_id)
+            try:
+                futures[item.request_id] = self.batcher.submit(sample)
+            except (ValueError, BatcherClosed) as e:
+                self._fail(item.request_id, f"node {self.id}: cannot sample: {e}")
+        if not self._pending:
+            self.batcher.flush()  # no more forward passes queued here: nothing else can join this batch
+        self._local_inflight.update(r for r in futures if len(self.requests[r].spec.plan) == 1)
+        self._spawn(self._dispatch_tokens(futures))
 
     def _dispatch_hidden(self, inputs: list[StepInput], outputs: list[np.ndarray]) -> None:
         by_address: dict[str, list[pb.TensorEntry]] = defaultdict(list)
@@ -364,11 +394,15 @@ class Node:
         for address, entries in by_address.items():
             self._spawn(self._send_tensors(address, entries))
 
-    def _dispatch_tokens(self, inputs: list[StepInput], results: list[SampleResult]) -> None:
+    async def _dispatch_tokens(self, futures: dict[str, asyncio.Future]) -> None:
+        results = await asyncio.gather(*futures.values(), return_exceptions=True)
         to_first: dict[str, list[pb.TensorEntry]] = defaultdict(list)
-        for item, result in zip(inputs, results):
-            req = self.requests.get(item.request_id)
+        for rid, result in zip(futures, results):
+            req = self.requests.get(rid)
             if req is None:
+                continue
+            if isinstance(result, BaseException):
+                self._fail(rid, f"node {self.id}: sampling failed: {type(result).__name__}: {result}")
                 continue
             req.generated += 1
             spec = req.spec
@@ -417,11 +451,3 @@ class Node:
         msg = pb.SendResultRequest(request_id=request_id, finished=True, finish_reason="error", error=message)
         self._spawn(self._send_result(req.spec.entry_address, msg))
 
-
-def _compute(engine: Engine, inputs: list[StepInput], reqs: list[_Request]) -> list:
-    """One forward pass (and, on the last shard, one sampling call) for all requests; runs on the engine thread."""
-    outputs = engine.forward(inputs)
-    if not engine.shard.is_last:
-        return outputs
-    logits = np.concatenate(outputs)
-    return engine.sample(logits, [r.spec.sampling for r in reqs], [r.sampler for r in reqs])

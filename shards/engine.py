@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
-from .sampling import SampleResult, SamplingParams, SamplerState, sample_rows
+from .sampling import SampleResult, SamplingParams, SamplerState, sample_one, sample_rows
 from .shard import Shard
 
 
@@ -65,9 +65,17 @@ class Engine(ABC):
     def nbytes(self) -> int:
         """Bytes of weights this engine keeps for its shard."""
 
+    # Whether `sample` takes a stacked batch. An engine without a batched sampler sets this False and the
+    # last node's sampling batcher falls back to `sample_one` per request for its rows.
+    batched_sampling: bool = True
+
     def sample(self, logits: np.ndarray, params: list[SamplingParams], states: list[SamplerState]) -> list[SampleResult]:
-        """Sample one token per row of `logits` [N, vocab]; row i uses params[i] and advances states[i]."""
+        """Batched sampler: one token per row of `logits` [N, vocab]; row i uses params[i] and advances states[i]."""
         return sample_rows(logits, params, states)
+
+    def sample_one(self, logits: np.ndarray, params: SamplingParams, state: SamplerState) -> SampleResult:
+        """Per-request sampler for one row [vocab]; must give the same token as `sample` would for that row."""
+        return sample_one(logits, params, state)
 
     def validate(self, batch: list[StepInput]) -> None:
         cfg, ids = self.config, set()

@@ -55,6 +55,13 @@ class SamplerState:
     def from_seed(cls, seed: int | None) -> "SamplerState":
         return cls(np.random.default_rng(seed))
 
+    def snapshot(self) -> dict:
+        return self.rng.bit_generator.state
+
+    def restore(self, snapshot: dict) -> None:
+        """Rewind the stream, e.g. after a batched call that failed part-way, so a retry draws the same numbers."""
+        self.rng.bit_generator.state = snapshot
+
 
 @dataclass(frozen=True)
 class SampleResult:
@@ -68,18 +75,21 @@ def sample_rows(logits: np.ndarray, params: list[SamplingParams], states: list[S
     logits = np.asarray(logits, dtype=np.float32)
     if logits.ndim != 2 or logits.shape[0] != len(params) or len(params) != len(states):
         raise ValueError(f"logits {logits.shape} do not match {len(params)} params / {len(states)} states")
-    temps = np.array([p.temperature if not p.greedy else 1.0 for p in params], dtype=np.float32)
-    scaled = logits / temps[:, None]
-    # Elementwise and last-axis ops are computed row by row, so batching never changes a row's result.
-    probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
-    out = []
-    for i, p in enumerate(params):
-        if p.greedy:
-            token = int(np.argmax(logits[i]))
-        else:
-            token = _draw(scaled[i], probs[i], p, states[i].rng)
-        out.append(_with_logprobs(logits[i], token, p.top_logprobs))
-    return out
+    tokens = [0] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    # The O(vocab) work is vectorized over rows. Elementwise and last-axis ops are computed row by row, so
+    # batching never changes a row's result.
+    if greedy:
+        for i, t in zip(greedy, np.argmax(logits[greedy], axis=1)):
+            tokens[i] = int(t)  # argmax picks the lowest id among equal maxima
+    if drawn:
+        temps = np.array([params[i].temperature for i in drawn], dtype=np.float32)
+        scaled = logits[drawn] / temps[:, None]
+        probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+        for j, i in enumerate(drawn):
+            tokens[i] = _draw(scaled[j], probs[j], params[i], states[i].rng)
+    return [_with_logprobs(logits[i], tokens[i], p.top_logprobs) for i, p in enumerate(params)]
 
 
 def sample_one(logits: np.ndarray, params: SamplingParams, state: SamplerState) -> SampleResult:
@@ -88,31 +98,37 @@ def sample_one(logits: np.ndarray, params: SamplingParams, state: SamplerState) 
 
 
 def _draw(scaled: np.ndarray, probs: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
-    vocab = len(scaled)
-    if p.top_k and p.top_k < vocab:
-        # Keep the k best ids, ties at the boundary resolved towards lower ids.
-        cand = _best_ids(scaled, p.top_k)
+    """Inverse-CDF draw over the surviving ids taken in id order, with one uniform from the request's RNG."""
+    ids = None  # None: every id survives
+    if p.top_k and p.top_k < len(scaled):
+        ids = _best_ids(scaled, p.top_k)
+        if p.top_p < 1.0:  # the nucleus is taken within the k survivors, as HF chains the two filters
+            mass = np.cumsum(probs[ids], dtype=np.float64)
+            ids = ids[: int(np.searchsorted(mass, p.top_p * mass[-1], side="left")) + 1]
     elif p.top_p < 1.0:
-        cand = _best_ids(scaled, min(_NUCLEUS_PRESELECT, vocab))
-        if len(cand) < vocab and probs[cand].sum(dtype=np.float64) < p.top_p * probs.sum(dtype=np.float64):
-            cand = _best_ids(scaled, vocab)
-    else:
-        cand = None
-    if cand is None:
-        w = probs.astype(np.float64)
-    else:
-        w = probs[cand].astype(np.float64)
-        if p.top_p < 1.0:
-            mass = np.cumsum(w)
-            # After a top-k cut the nucleus is taken within the k survivors (as HF chains the two filters).
-            cut_by_k = bool(p.top_k) or len(cand) == vocab
-            total = mass[-1] if cut_by_k else probs.sum(dtype=np.float64)
-            # Keep the shortest prefix whose mass reaches top_p (the token that crosses it is kept).
-            keep = int(np.searchsorted(mass, p.top_p * total, side="left")) + 1
-            cand, w = cand[:keep], w[:keep]
-    cdf = np.cumsum(w)
+        ids = _nucleus(scaled, probs, p.top_p)
+    if ids is not None:
+        ids = np.sort(ids)
+    cdf = np.cumsum(probs if ids is None else probs[ids], dtype=np.float64)
     j = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
-    return int(j if cand is None else cand[j])
+    return int(j if ids is None else ids[j])
+
+
+def _nucleus(scaled: np.ndarray, probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The shortest best-first prefix of ids whose probability mass reaches top_p (the crossing id included)."""
+    target = top_p * probs.sum(dtype=np.float64)
+    if len(scaled) > _NUCLEUS_PRESELECT:  # usual case: a peaked distribution, the nucleus is among a few best
+        ids = _best_ids(scaled, _NUCLEUS_PRESELECT)
+        mass = np.cumsum(probs[ids], dtype=np.float64)
+        if mass[-1] >= target:
+            return ids[: int(np.searchsorted(mass, target, side="left")) + 1]
+    # A flat distribution: find the threshold probability from the sorted values (no index sort needed), then
+    # keep everything above it and the lowest ids among the ties at it.
+    ranked = np.sort(probs)[::-1]
+    n = min(int(np.searchsorted(np.cumsum(ranked, dtype=np.float64), target, side="left")), len(ranked) - 1) + 1
+    threshold = ranked[n - 1]
+    above = np.flatnonzero(probs > threshold)
+    return np.concatenate([above, np.flatnonzero(probs == threshold)[: n - len(above)]])
 
 
 def _best_ids(scores: np.ndarray, k: int) -> np.ndarray:

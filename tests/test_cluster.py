@@ -112,3 +112,25 @@ def test_sigterm_stops_a_node_cleanly():
     with Cluster(MODEL, 1) as c:
         c.nodes[0].proc.send_signal(signal.SIGTERM)
         assert c.nodes[0].proc.wait(timeout=15) == 0
+
+
+def test_eight_concurrent_streams_batch_their_sampling_and_equal_sequential_runs():
+    import openai
+
+    def stream(client, i):
+        kw = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "seed": i, "top_p": 0.9}
+        chunks = client.chat.completions.create(
+            model="llama", messages=[{"role": "user", "content": f"Story number {i}:"}], max_tokens=20, stream=True, **kw)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    with Cluster(MODEL, 3, shards=["0:2", "2:4", "4:6"]) as c:
+        client = openai.OpenAI(base_url=f"{c.nodes[0].api_url}/v1", api_key="x", max_retries=0)
+        sequential = [stream(client, i) for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            concurrent = list(pool.map(lambda i: stream(client, i), range(8)))
+        assert concurrent == sequential
+        last = c.self_info()["node2"]["status"]  # node2 holds the last layers: it samples
+        sizes = {int(k.rsplit("_", 1)[1]): v for k, v in last.items() if k.startswith("sample_batch_size_")}
+        assert max(sizes) > 1, sizes
+        assert last.get("sample_fallbacks", 0) == 0
+        assert set(c.wait_idle().values()) == {0}

@@ -1,0 +1,79 @@
+"""Sampling cost per token with 8 concurrent requests: one batched call vs one call per request.
+
+    uv run python -m bench.bench_sampling
+
+Measures the numpy sampler directly (sample_rows on [8, vocab] vs 8 x sample_one) and through the
+SamplingBatcher (batching on vs --sample-batch-max 1), for vocab sizes 32k and 152k.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from node.sampling_batcher import SampleItem, SamplingBatcher
+from shards.engine import Engine
+from shards.sampling import SamplerState, SamplingParams, sample_one, sample_rows
+
+N = 8
+KINDS = {
+    "greedy": lambda i: SamplingParams(temperature=0.0),
+    "temp0.8,top_p0.95": lambda i: SamplingParams(temperature=0.8, top_p=0.95, seed=i),
+    "temp0.7,top_k40": lambda i: SamplingParams(temperature=0.7, top_k=40, seed=i),
+}
+
+
+class _SamplerOnly(Engine):
+    """Just the engine interface's samplers (the forward pass is not part of this benchmark)."""
+
+    name = "numpy"
+    forward = release = cache_length = nbytes = None  # type: ignore[assignment]
+    active_requests = 0  # type: ignore[assignment]
+
+
+_SamplerOnly.__abstractmethods__ = frozenset()
+
+
+def per_token_us(fn, reps: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps / N * 1e6
+
+
+async def through_batcher(logits, params, max_batch: int, reps: int) -> float:
+    engine, batcher = _SamplerOnly(), SamplingBatcher(max_batch, 5.0)
+    states = [SamplerState.from_seed(i) for i in range(N)]
+
+    async def step():
+        futures = [batcher.submit(SampleItem(f"r{i}", logits[i], params[i], states[i], engine, "m")) for i in range(N)]
+        batcher.flush()
+        await asyncio.gather(*futures)
+
+    await step()
+    t = time.perf_counter()
+    for _ in range(reps):
+        await step()
+    await batcher.close()
+    return (time.perf_counter() - t) / reps / N * 1e6
+
+
+def main() -> None:
+    print(f"{'vocab':>7} {'params':>18} | {'batched':>9} {'per-req':>9} | {'batcher on':>10} {'batcher off':>11}  (us/token)")
+    for vocab in (32_000, 152_064):
+        logits = np.random.default_rng(0).normal(0, 3, size=(N, vocab)).astype(np.float32)
+        for kind, make in KINDS.items():
+            params = [make(i) for i in range(N)]
+            states = [SamplerState.from_seed(i) for i in range(N)]
+            reps = 30
+            batched = per_token_us(lambda: sample_rows(logits, params, states), reps)
+            single = per_token_us(lambda: [sample_one(logits[i], params[i], states[i]) for i in range(N)], reps)
+            on = asyncio.run(through_batcher(logits, params, 8, reps))
+            off = asyncio.run(through_batcher(logits, params, 1, reps))
+            print(f"{vocab:>7} {kind:>18} | {batched:9.0f} {single:9.0f} | {on:10.0f} {off:11.0f}")
+
+
+if __name__ == "__main__":
+    main()
