@@ -329,7 +329,9 @@ class Node:
     async def _step(self, batch: list[_Work]) -> None:
         groups: dict = defaultdict(list)
         for w in batch:
-            req = self.requests[w.request_id]
+            req = self.requests.get(w.request_id)
+            if req is None:
+                continue
             groups[req.spec.plan[req.index].shard].append(w)
         for shard, works in groups.items():
             try:
@@ -343,6 +345,8 @@ class Node:
     async def _run(self, engine: Engine, works: list[_Work]) -> None:
         inputs = []
         for w in works:
+            if w.request_id not in self.requests:
+                continue  # ended while its shard was loading
             item = StepInput(w.request_id, tokens=w.data) if engine.shard.is_first else StepInput(w.request_id, hidden=w.data)
             try:
                 engine.validate([item])
@@ -359,6 +363,11 @@ class Node:
             for i in inputs:
                 self._fail(i.request_id, f"node {self.id}: forward failed: {e}")
             return
+        for i in inputs:
+            if i.request_id not in self.requests:
+                # Ended during the forward pass, maybe before this engine existed to queue a release: free the
+                # cache the pass just created.
+                self.shards.release(i.request_id)
         self.counters["steps"] += 1
         self.counters["step_rows"] += len(inputs)
         self.counters["step_ms_total"] += int((time.perf_counter() - started) * 1000)
