@@ -20,7 +20,9 @@ from pathlib import Path
 from aiohttp import web
 
 from discovery.interfaces import default_advertise_host
-from discovery.static import PeerListError, StaticDiscovery, parse_peers
+from discovery.manual import ManualDiscovery
+from discovery.static import StaticDiscovery, parse_peers
+from discovery.udp import Announcement, UdpDiscovery
 from shards.config import ModelConfig
 from shards.tokenizer import Tokenizer
 
@@ -46,7 +48,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="HTTP API bind address (default 127.0.0.1: local only; 0.0.0.0 to serve the LAN)")
     ap.add_argument("--api-port", type=int, default=52415, help="0 picks a free port (default 52415)")
     ap.add_argument("--no-api", action="store_true", help="no HTTP API on this node")
-    ap.add_argument("--peers", default="", help="static peers' gRPC endpoints, HOST:PORT,...")
+    ap.add_argument("--peers", default="", help="static peers' gRPC endpoints, HOST:PORT,... (with any discovery)")
+    ap.add_argument("--discovery", default="udp", choices=["udp", "manual", "none"],
+                    help="find peers by UDP broadcast (default), a JSON file (manual), or only --peers (none)")
+    ap.add_argument("--discovery-port", type=int, default=5678, help="UDP broadcast port (default 5678)")
+    ap.add_argument("--discovery-interval", type=float, default=1.0, help="seconds between announcements")
+    ap.add_argument("--discovery-timeout", type=float, default=5.0,
+                    help="drop a peer not heard from for this many seconds (default 5)")
+    ap.add_argument("--discovery-interfaces", help="broadcast only on these interfaces (comma-separated names; "
+                                                   "default: every non-loopback IPv4 interface)")
+    ap.add_argument("--discovery-config", type=Path, help="--discovery manual: the JSON peers file")
+    ap.add_argument("--wait-for-peers", type=int, default=0, help="print the ready lines only once N peers are known")
     ap.add_argument("--shard", help="own exactly layers START:END (half-open) instead of automatic partitioning")
     ap.add_argument("--engine", default="numpy", choices=sorted(ENGINES))
     ap.add_argument("--max-tokens", type=int, default=1024, help="cap on tokens generated per request")
@@ -89,11 +101,29 @@ def parse_shard(text: str | None, n_layers: int) -> tuple[int, int] | None:
     return int(start), int(end)
 
 
+def make_discoveries(args: argparse.Namespace, node: Node) -> list:
+    found: list = [StaticDiscovery(parse_peers(args.peers))]
+    if args.discovery == "manual":
+        if args.discovery_config is None:
+            raise ValueError("--discovery manual needs --discovery-config FILE")
+        found.append(ManualDiscovery(args.discovery_config))
+    elif args.discovery == "udp":
+        def announcement() -> Announcement:
+            s = node.settings
+            return Announcement(node.id, int(s.address.rpartition(":")[2]), s.model_id, s.engine, s.memory_bytes)
+
+        interfaces = [i.strip() for i in args.discovery_interfaces.split(",")] if args.discovery_interfaces else None
+        udp = UdpDiscovery(announcement, args.discovery_port, args.discovery_interval, args.discovery_timeout,
+                           interfaces)
+        node.stat_sources.append(udp.stats)
+        found.append(udp)
+    return found
+
+
 async def run(args: argparse.Namespace) -> int:
     config = ModelConfig.from_dir(args.model)
     tokenizer = Tokenizer(args.model)
     pinned = parse_shard(args.shard, config.n_layers)
-    discovery = StaticDiscovery(parse_peers(args.peers))
     factory = engine_factory(args.engine)
     node_id = args.node_id or (
         uuid.uuid5(uuid.NAMESPACE_DNS, f"{socket.gethostname()}:{args.grpc_port}").hex[:12]
@@ -111,8 +141,10 @@ async def run(args: argparse.Namespace) -> int:
     server, port = await start_server(node, args.host, args.grpc_port, DEFAULT_MAX_MESSAGE_BYTES)
     settings.address = f"{advertise}:{port}"
     node.start()
-    membership = Membership(node, discovery)
+    membership = Membership(node, make_discoveries(args, node), interval=args.discovery_interval)
     await membership.start()
+    if args.wait_for_peers:
+        await membership.wait_for_peers(args.wait_for_peers)
     if pinned is not None:  # a pinned node knows its shard up front: load it now, not on the first request
         await node.shards.get(node.make_pinned_shard())
     print(f"exo-node {node_id}: gRPC listening on {settings.address} (model {settings.model_id})", flush=True)

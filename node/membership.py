@@ -21,21 +21,31 @@ class Discovery(Protocol):
 
 
 class Membership:
-    def __init__(self, node: Node, discovery: Discovery, interval: float = 1.0, check_timeout: float = 2.0):
-        self.node, self.discovery = node, discovery
+    """Health-checks every candidate each interval; the peers that answer are the node's topology."""
+
+    def __init__(self, node: Node, discoveries: list[Discovery], interval: float = 1.0, check_timeout: float = 1.0):
+        self.node, self.discoveries = node, discoveries
         self.interval, self.check_timeout = interval, check_timeout
         self._task: asyncio.Task | None = None
         self.ready = asyncio.Event()  # set after the first round of health checks
+        self._changed = asyncio.Event()
 
     async def start(self) -> None:
-        await self.discovery.start()
+        for d in self.discoveries:
+            await d.start()
         self._task = asyncio.create_task(self._loop(), name="membership")
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await self.discovery.stop()
+        for d in self.discoveries:
+            await d.stop()
+
+    async def wait_for_peers(self, n: int) -> None:
+        while len(self.node.known_peers) < n:
+            self._changed.clear()
+            await self._changed.wait()
 
     async def _loop(self) -> None:
         while True:
@@ -44,7 +54,8 @@ class Membership:
             await asyncio.sleep(self.interval)
 
     async def refresh(self) -> None:
-        addresses = [a for a in self.discovery.candidates() if a != self.node.settings.address]
+        candidates = [a for d in self.discoveries for a in d.candidates()]
+        addresses = [a for a in dict.fromkeys(candidates) if a != self.node.settings.address]
         infos = await asyncio.gather(*(self._check(a) for a in addresses))
         peers = {}
         for address, info in zip(addresses, infos):
@@ -53,9 +64,12 @@ class Membership:
                 peers[info.node_id] = dataclasses.replace(info, address=address)
         for gone in self.node.known_peers.keys() - peers.keys():
             log.info("peer %s left", gone)
+            self.node.counters["peers_left"] += 1
         for new in peers.keys() - self.node.known_peers.keys():
             log.info("peer %s joined at %s", new, peers[new].address)
+            self.node.counters["peers_joined"] += 1
         self.node.known_peers = peers
+        self._changed.set()
 
     async def _check(self, address: str):
         try:

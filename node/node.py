@@ -112,6 +112,7 @@ class Node:
         self.known_peers: dict[str, NodeInfo] = {}  # filled by discovery
         self.counters: Counter[str] = Counter()
         self.batcher = SamplingBatcher(settings.sample_batch_max, settings.sample_batch_window_ms)
+        self.stat_sources: list[Counter[str]] = [self.counters, self.batcher.stats]  # shown in topology status
         self._pending: deque[_Work] = deque()
         self._wake = asyncio.Event()
         # Requests of a one-node ring whose next token is being sampled/sent back to us right now: their next
@@ -147,7 +148,7 @@ class Node:
             pinned=s.pinned,
             loaded=self.shards.loaded,
             active_requests=len(self.requests) + len(self.inbox) + self.shards.active_requests,
-            status=dict(self.counters) | dict(self.batcher.stats),
+            status={k: v for source in self.stat_sources for k, v in source.items()},
         )
 
     def topology(self) -> Topology:

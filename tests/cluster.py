@@ -52,15 +52,17 @@ class Cluster:
     """`with Cluster(model_dir, n=3, shards=[...]) as c:` -> n nodes, each peered with all others."""
 
     def __init__(self, model_dir: Path, n: int, shards: list[str] | None = None, memory_gb: list[float] | None = None,
-                 extra: list[str] | None = None, api_nodes: int | None = None, api_key: str | None = None):
-        self.model_dir, self.n, self.api_key = model_dir, n, api_key
+                 extra: list[str] | None = None, api_nodes: int | None = None, api_key: str | None = None,
+                 static_peers: bool = True, ports: list[int] | None = None):
+        self.model_dir, self.n, self.api_key, self.static_peers = model_dir, n, api_key, static_peers
         self.shards, self.memory_gb, self.extra = shards, memory_gb, extra or []
         self.api_nodes = n if api_nodes is None else api_nodes
         self.nodes: list[NodeProc] = []
+        self.ports = ports or []
 
     def __enter__(self) -> "Cluster":
         try:
-            ports = [free_port() for _ in range(self.n)]
+            ports = self.ports = self.ports or [free_port() for _ in range(self.n)]
             for i, port in enumerate(ports):
                 self.nodes.append(self._start(i, port, [p for p in ports if p != port]))
             for node in self.nodes:
@@ -74,7 +76,9 @@ class Cluster:
     def _start(self, i: int, port: int, peer_ports: list[int]) -> NodeProc:
         args = [sys.executable, "-m", "node.cli", "--model", str(self.model_dir), "--host", "127.0.0.1",
                 "--grpc-port", str(port), "--node-id", f"node{i}", "--log-level", "warning",
-                "--peers", ",".join(f"127.0.0.1:{p}" for p in peer_ports)]
+                "--discovery", "none"]  # tests never broadcast on the machine's real network
+        if self.static_peers:
+            args += ["--peers", ",".join(f"127.0.0.1:{p}" for p in peer_ports)]
         args += ["--api-port", "0"] if i < self.api_nodes else ["--no-api"]
         if self.shards:
             args += ["--shard", self.shards[i]]

@@ -134,3 +134,19 @@ def test_eight_concurrent_streams_batch_their_sampling_and_equal_sequential_runs
         assert max(sizes) > 1, sizes
         assert last.get("sample_fallbacks", 0) == 0
         assert set(c.wait_idle().values()) == {0}
+
+
+def test_manual_discovery_file_and_wait_for_peers(tmp_path):
+    import json
+
+    from tests.cluster import free_port
+
+    ports = [free_port() for _ in range(3)]
+    peers = tmp_path / "peers.json"
+    peers.write_text(json.dumps({"peers": [{"id": f"node{i}", "address": "127.0.0.1", "port": p}
+                                           for i, p in enumerate(ports)]}))
+    extra = ["--discovery", "manual", "--discovery-config", str(peers), "--wait-for-peers", "2"]
+    with Cluster(MODEL, 3, shards=["0:2", "2:4", "4:6"], static_peers=False, ports=ports, extra=extra) as c:
+        # --wait-for-peers 2: the ready lines came only once both other nodes were known
+        assert all(len(c.topology(n)["nodes"]) == 3 for n in c.nodes)
+        assert_matches_reference(c, PROMPTS[0])

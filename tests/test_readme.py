@@ -27,7 +27,7 @@ def test_readme_commands():
 def default_node():
     """The README's run command (default ports), minus the install step."""
     run = re.search(r"pip install uv && uv run --locked (exo-node[^\n]*)", README).group(1).split()
-    proc = subprocess.Popen([sys.executable, "-m", "node.cli", *run[1:], "--grpc-port", "0"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", *run[1:], "--grpc-port", "0", "--discovery", "none"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
