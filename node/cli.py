@@ -24,10 +24,10 @@ from discovery.manual import ManualDiscovery
 from discovery.static import StaticDiscovery, parse_peers
 from discovery.udp import Announcement, UdpDiscovery
 from shards.config import ModelConfig
+from shards.engines import CHOICES, engine_factory, resolve
 from shards.tokenizer import Tokenizer
 
 from .api import Api, ApiSettings
-from .engines import ENGINES, engine_factory
 from .membership import Membership
 from .node import Node, NodeSettings
 from .peer import DEFAULT_MAX_MESSAGE_BYTES, PeerPool
@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--discovery-config", type=Path, help="--discovery manual: the JSON peers file")
     ap.add_argument("--wait-for-peers", type=int, default=0, help="print the ready lines only once N peers are known")
     ap.add_argument("--shard", help="own exactly layers START:END (half-open) instead of automatic partitioning")
-    ap.add_argument("--engine", default="numpy", choices=sorted(ENGINES))
+    ap.add_argument("--engine", default="auto", choices=CHOICES,
+                    help="numpy, tinygrad, mlx, or auto: mlx on Apple Silicon macOS, numpy elsewhere (default)")
     ap.add_argument("--max-tokens", type=int, default=1024, help="cap on tokens generated per request")
     ap.add_argument("--memory-gb", type=float, help="memory to report for partitioning (default: available RAM)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a token before failing")
@@ -124,7 +125,8 @@ async def run(args: argparse.Namespace) -> int:
     config = ModelConfig.from_dir(args.model)
     tokenizer = Tokenizer(args.model)
     pinned = parse_shard(args.shard, config.n_layers)
-    factory = engine_factory(args.engine)
+    engine = resolve(args.engine)
+    factory = engine_factory(engine)
     node_id = args.node_id or (
         uuid.uuid5(uuid.NAMESPACE_DNS, f"{socket.gethostname()}:{args.grpc_port}").hex[:12]
         if args.grpc_port else uuid.uuid4().hex[:12]
@@ -133,7 +135,7 @@ async def run(args: argparse.Namespace) -> int:
     memory = int(args.memory_gb * 2**30) if args.memory_gb is not None else available_memory()
     peers = PeerPool(DEFAULT_MAX_MESSAGE_BYTES)
     settings = NodeSettings(node_id=node_id, model_dir=args.model, model_id=args.model.resolve().name,
-                            address="", memory_bytes=memory, engine=args.engine, pinned=pinned,
+                            address="", memory_bytes=memory, engine=engine, pinned=pinned,
                             max_tensor_bytes=DEFAULT_MAX_MESSAGE_BYTES - (1 << 20),
                             request_timeout=args.request_timeout, sample_batch_max=args.sample_batch_max,
                             sample_batch_window_ms=args.sample_batch_window_ms)

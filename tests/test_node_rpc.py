@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from node import wire
-from node.engines import engine_factory
+from shards.engines import engine_factory
 from node.node import Node, NodeSettings
 from node.peer import DEFAULT_MAX_MESSAGE_BYTES, PeerClient, PeerPool
 from node.plan import PlanStep, RequestSpec
