@@ -1,6 +1,6 @@
-"""Numpy engine speed on the mid-size random Llama: prefill tok/s, batch-1 and batch-8 decode tok/s.
+"""Engine speed on the mid-size random Llama: prefill tok/s, batch-1 and batch-8 decode tok/s.
 
-    uv run python bench/bench_engine.py [--model DIR] [--engine numpy]
+    uv run python -m bench.bench_engine [--model DIR] [--engine numpy|tinygrad|mlx]
 
 Without --model it writes the random 357.6M-parameter checkpoint to a temp folder first (~1.4 GB).
 """
@@ -16,7 +16,7 @@ import numpy as np
 from bench.random_model import write_random_llama
 from shards.config import ModelConfig
 from shards.engine import StepInput
-from shards.numpy_engine import NumpyEngine
+from shards.engines import engine_class
 from shards.shard import Shard
 
 
@@ -25,7 +25,8 @@ def decode_rate(engine, batch: int, steps: int, context: int) -> float:
     rng = np.random.default_rng(0)
     engine.forward([StepInput(r, tokens=rng.integers(0, 1000, context)) for r in ids])
     tok = [StepInput(r, tokens=np.array([7])) for r in ids]
-    engine.forward(tok)  # warm-up
+    for _ in range(3):  # warm-up (tinygrad captures its decode graph on the second call)
+        engine.forward(tok)
     t = time.perf_counter()
     for _ in range(steps):
         engine.forward(tok)
@@ -39,14 +40,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--engine", default="numpy")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or write_random_llama(Path(tmp) / "mid")
         cfg = ModelConfig.from_dir(model)
         t = time.perf_counter()
-        engine = NumpyEngine(model, Shard.whole("bench", cfg.n_layers), cfg)
+        engine = engine_class(args.engine)(model, Shard.whole("bench", cfg.n_layers), cfg)
         print(f"load: {time.perf_counter() - t:.1f}s, weights {engine.nbytes() / 1e9:.2f} GB")
-    read_per_token = engine.nbytes() - engine.embed.nbytes  # a decode step reads every matrix but the embedding
+    embed = cfg.vocab_size * cfg.hidden_size * 4
+    read_per_token = engine.nbytes() - embed  # a decode step reads every matrix but the embedding
+    t = time.perf_counter()
+    engine.forward([StepInput("w", tokens=np.arange(256) % 1000)])  # compile/warm up at this shape
+    engine.release("w")
     t = time.perf_counter()
     engine.forward([StepInput("p", tokens=np.arange(256) % 1000)])
     print(f"prefill 256 tokens: {256 / (time.perf_counter() - t):.0f} tok/s")

@@ -53,12 +53,14 @@ class Cluster:
 
     def __init__(self, model_dir: Path, n: int, shards: list[str] | None = None, memory_gb: list[float] | None = None,
                  extra: list[str] | None = None, api_nodes: int | None = None, api_key: str | None = None,
-                 static_peers: bool = True, ports: list[int] | None = None):
+                 static_peers: bool = True, ports: list[int] | None = None,
+                 per_node: list[list[str]] | None = None):
         self.model_dir, self.n, self.api_key, self.static_peers = model_dir, n, api_key, static_peers
         self.shards, self.memory_gb, self.extra = shards, memory_gb, extra or []
         self.api_nodes = n if api_nodes is None else api_nodes
         self.nodes: list[NodeProc] = []
         self.ports = ports or []
+        self.per_node = per_node  # extra arguments for each node
 
     def __enter__(self) -> "Cluster":
         try:
@@ -86,6 +88,8 @@ class Cluster:
             args += ["--memory-gb", str(self.memory_gb[i])]
         if self.api_key:
             args += ["--api-key", self.api_key]
+        if self.per_node:
+            args += self.per_node[i]
         proc = subprocess.Popen(args + self.extra, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         node = NodeProc(proc, port)

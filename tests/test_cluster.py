@@ -150,3 +150,20 @@ def test_manual_discovery_file_and_wait_for_peers(tmp_path):
         # --wait-for-peers 2: the ready lines came only once both other nodes were known
         assert all(len(c.topology(n)["nodes"]) == 3 for n in c.nodes)
         assert_matches_reference(c, PROMPTS[0])
+
+
+def test_mixed_engine_ring_equals_one_numpy_node():
+    """numpy -> mlx -> tinygrad: activations cross the wire as numpy float32 whatever the engine; the last node
+    (tinygrad, which has no batched sampler) samples concurrent rows through the batcher's per-request fallback."""
+    engines = [["--engine", "numpy"], ["--engine", "mlx"], ["--engine", "tinygrad"]]
+    with Cluster(MODEL, 3, shards=["0:2", "2:4", "4:6"], per_node=engines) as c:
+        assert [c.self_info()[f"node{i}"]["capabilities"]["engine"] for i in range(3)] == ["numpy", "mlx", "tinygrad"]
+        assert_matches_reference(c, PROMPTS[0], max_tokens=16)
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(c.chat, p, max_tokens=12, temperature=0) for p in PROMPTS]
+            results = [f.result() for f in futures]
+        for prompt, (status, body) in zip(PROMPTS, results):
+            assert status == 200 and body["choices"][0]["message"]["content"] == reference(prompt, 12)[0]
+        last = c.self_info()["node2"]["status"]
+        assert last.get("sample_fallbacks", 0) > 0  # rows batched together, sampled one by one
+        assert set(c.wait_idle().values()) == {0}
