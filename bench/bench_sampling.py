@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import numpy as np
 
 from node.sampling_batcher import SampleItem, SamplingBatcher
-from shards.engine import Engine
+from shards.numpy_engine import NumpyEngine
+from shards.shard import Shard
 from shards.sampling import SamplerState, SamplingParams, sample_one, sample_rows
 
 N = 8
@@ -24,15 +26,10 @@ KINDS = {
 }
 
 
-class _SamplerOnly(Engine):
-    """Just the engine interface's samplers (the forward pass is not part of this benchmark)."""
-
-    name = "numpy"
-    forward = release = cache_length = nbytes = None  # type: ignore[assignment]
-    active_requests = 0  # type: ignore[assignment]
-
-
-_SamplerOnly.__abstractmethods__ = frozenset()
+def _engine() -> NumpyEngine:
+    """A real engine for its samplers (which only look at the logits they are given)."""
+    d = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llama"
+    return NumpyEngine(d, Shard("llama", 5, 6, 6))
 
 
 def per_token_us(fn, reps: int) -> float:
@@ -44,7 +41,7 @@ def per_token_us(fn, reps: int) -> float:
 
 
 async def through_batcher(logits, params, max_batch: int, reps: int) -> float:
-    engine, batcher = _SamplerOnly(), SamplingBatcher(max_batch, 5.0)
+    engine, batcher = _engine(), SamplingBatcher(max_batch, 5.0)
     states = [SamplerState.from_seed(i) for i in range(N)]
 
     async def step():

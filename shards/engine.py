@@ -33,12 +33,30 @@ class StepInput:
         return len(self.tokens) if self.tokens is not None else len(self.hidden)
 
 
+@dataclass(frozen=True)
+class Packing:
+    """How one step's requests are packed into rows: each request's rows, cache offsets and rotary tables."""
+
+    lengths: list[int]
+    starts: list[int]  # positions already cached per request
+    bounds: np.ndarray  # request i owns rows bounds[i]:bounds[i+1]
+    cos: np.ndarray  # float32 [rows, 1, head_dim/2], broadcast over heads
+    sin: np.ndarray
+
+    def split(self, out: np.ndarray, last_rows_only: bool) -> list[np.ndarray]:
+        """Per-request slices of a packed output (`last_rows_only`: out holds one row per request)."""
+        if last_rows_only:
+            return [out[i : i + 1] for i in range(len(self.lengths))]
+        return [out[self.bounds[i] : self.bounds[i + 1]] for i in range(len(self.lengths))]
+
+
 class Engine(ABC):
     """Runs one shard's layers. Outputs are numpy float32 whatever the engine computes in."""
 
     name: str
     config: ModelConfig
     shard: Shard
+    caches: dict  # request id -> that request's KV cache, in the engine's own representation
 
     @abstractmethod
     def forward(self, batch: list[StepInput], all_logits: bool = False) -> list[np.ndarray]:
@@ -48,18 +66,18 @@ class Engine(ABC):
         [1, vocab] for the last position, or [T, vocab] for every position when `all_logits`.
         """
 
-    @abstractmethod
     def release(self, request_id: str) -> None:
         """Free the request's KV cache. Unknown ids are ignored (release is idempotent)."""
+        self.caches.pop(request_id, None)
 
     @abstractmethod
     def cache_length(self, request_id: str) -> int:
         """Positions already cached for the request (0 if unknown)."""
 
     @property
-    @abstractmethod
     def active_requests(self) -> int:
         """How many requests hold a KV cache."""
+        return len(self.caches)
 
     @abstractmethod
     def nbytes(self) -> int:
@@ -76,6 +94,24 @@ class Engine(ABC):
     def sample_one(self, logits: np.ndarray, params: SamplingParams, state: SamplerState) -> SampleResult:
         """Per-request sampler for one row [vocab]; must give the same token as `sample` would for that row."""
         return sample_one(logits, params, state)
+
+    def pack(self, batch: list[StepInput]) -> Packing:
+        """Validate a step's inputs and lay out its rows (shared by every engine, so all agree on positions)."""
+        self.validate(batch)
+        lengths = [item.length for item in batch]
+        starts = [self.cache_length(item.request_id) for item in batch]
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+        angles = positions[:, None].astype(np.float64) * self.config.rope.inv_freq(self.config.head_dim)[None, :]
+        return Packing(lengths, starts, np.cumsum([0] + lengths),
+                       np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :])
+
+    @staticmethod
+    def tokens(batch: list[StepInput]) -> np.ndarray:
+        return np.concatenate([item.tokens for item in batch])
+
+    @staticmethod
+    def hidden(batch: list[StepInput]) -> np.ndarray:
+        return np.concatenate([item.hidden for item in batch])
 
     def validate(self, batch: list[StepInput]) -> None:
         cfg, ids = self.config, set()

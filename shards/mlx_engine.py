@@ -15,7 +15,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
     raise ImportError("the mlx engine needs MLX: pip install 'exo-node[mlx]'") from e
 
 from .config import ModelConfig
-from .engine import Engine, StepInput
+from .engine import Engine, Packing, StepInput
 from .shard import Shard
 from .weights import LayerWeights, load_shard_weights
 
@@ -60,44 +60,29 @@ class MlxEngine(Engine):
         self.lm_head = None if w.lm_head is None else mx.array(w.lm_head.T)
         mx.eval([a for layer in self.layers for a in layer.arrays()] +
                 [a for a in (self.embed, self.norm, self.lm_head) if a is not None])
-        self.inv_freq = cfg.rope.inv_freq(cfg.head_dim)
         self.caches: dict[str, list[list]] = {}  # request -> per layer [keys, values] as [kv_heads, L, head_dim]
 
     def forward(self, batch: list[StepInput], all_logits: bool = False) -> list[np.ndarray]:
         if not batch:
             return []
-        self.validate(batch)
+        p = self.pack(batch)
         cfg = self.config
-        lengths = [item.length for item in batch]
-        starts = [self.cache_length(item.request_id) for item in batch]
-        if self.shard.is_first:
-            x = self.embed[mx.array(np.concatenate([item.tokens for item in batch]).astype(np.int32))]
-        else:
-            x = mx.array(np.concatenate([item.hidden for item in batch]))
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-        angles = positions[:, None].astype(np.float64) * self.inv_freq[None, :]
-        cos = mx.array(np.cos(angles).astype(np.float32)[:, None, :])
-        sin = mx.array(np.sin(angles).astype(np.float32)[:, None, :])
+        x = self.embed[mx.array(self.tokens(batch).astype(np.int32))] if self.shard.is_first else mx.array(self.hidden(batch))
+        cos, sin = mx.array(p.cos), mx.array(p.sin)
         caches = [self.caches.setdefault(item.request_id, [[None, None] for _ in self.layers]) for item in batch]
-        bounds = np.cumsum([0] + lengths)
         for li, layer in enumerate(self.layers):
-            h = self._attention(layer, _rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin,
-                                [c[li] for c in caches], bounds, starts)
-            x = x + h
+            x = x + self._attention(layer, _rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin, p,
+                                    [c[li] for c in caches])
             gu = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps) @ layer.w_gate_up
             gate, up = gu[:, : cfg.intermediate_size], gu[:, cfg.intermediate_size:]
             x = x + (gate * mx.sigmoid(gate) * up) @ layer.w_down
             mx.eval(x, [c[li] for c in caches])  # keep the graph one layer deep
         if not self.shard.is_last:
-            out = np.array(x)
-            return [out[bounds[i] : bounds[i + 1]] for i in range(len(batch))]
-        rows = x if all_logits else x[mx.array(bounds[1:] - 1)]
-        logits = np.array(_rms_norm(rows, self.norm, cfg.rms_norm_eps) @ self.lm_head)
-        if all_logits:
-            return [logits[bounds[i] : bounds[i + 1]] for i in range(len(batch))]
-        return [logits[i : i + 1] for i in range(len(batch))]
+            return p.split(np.array(x), False)
+        rows = x if all_logits else x[mx.array(p.bounds[1:] - 1)]
+        return p.split(np.array(_rms_norm(rows, self.norm, cfg.rms_norm_eps) @ self.lm_head), not all_logits)
 
-    def _attention(self, layer: _Layer, h, cos, sin, caches: list[list], bounds, starts):
+    def _attention(self, layer: _Layer, h, cos, sin, p: Packing, caches: list[list]):
         cfg = self.config
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv = h @ layer.w_qkv
@@ -112,7 +97,7 @@ class MlxEngine(Engine):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         group, outs = nh // nkv, []
         for i, cache in enumerate(caches):
-            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            lo, hi = int(p.bounds[i]), int(p.bounds[i + 1])
             t = hi - lo
             kn, vn = k[lo:hi].transpose(1, 0, 2), v[lo:hi].transpose(1, 0, 2)  # [nkv, T, hd]
             cache[0] = kn if cache[0] is None else mx.concatenate([cache[0], kn], axis=1)
@@ -121,22 +106,15 @@ class MlxEngine(Engine):
             scores = (qi @ cache[0].transpose(0, 2, 1)) * (1.0 / np.sqrt(hd))
             if t > 1:
                 total = cache[0].shape[1]
-                allowed = np.arange(total)[None, :] <= (starts[i] + np.arange(t))[:, None]
+                allowed = np.arange(total)[None, :] <= (p.starts[i] + np.arange(t))[:, None]
                 scores = mx.where(mx.array(np.tile(allowed, (group, 1))[None]), scores, -np.inf)
             ctx = mx.softmax(scores, axis=-1) @ cache[1]
             outs.append(ctx.reshape(nkv, group, t, hd).transpose(2, 0, 1, 3).reshape(t, nh * hd))
         return mx.concatenate(outs, axis=0) @ layer.w_o
 
-    def release(self, request_id: str) -> None:
-        self.caches.pop(request_id, None)
-
     def cache_length(self, request_id: str) -> int:
         cache = self.caches.get(request_id)
         return 0 if not cache or cache[0][0] is None else cache[0][0].shape[1]
-
-    @property
-    def active_requests(self) -> int:
-        return len(self.caches)
 
     def nbytes(self) -> int:
         arrays = [a for layer in self.layers for a in layer.arrays()]

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
-from .engine import Engine, StepInput
+from .engine import Engine, Packing, StepInput
 from .shard import Shard
 from .weights import LayerWeights, load_shard_weights
 
@@ -93,51 +93,29 @@ class NumpyEngine(Engine):
         self.embed = w.embed_tokens
         self.norm = w.norm
         self.lm_head = None if w.lm_head is None else np.ascontiguousarray(w.lm_head.T)  # [hidden, vocab]
-        self.inv_freq = cfg.rope.inv_freq(cfg.head_dim)
         self.caches: dict[str, list[KVCache]] = {}
 
     # -- Engine interface -------------------------------------------------------------------------------------
     def forward(self, batch: list[StepInput], all_logits: bool = False) -> list[np.ndarray]:
         if not batch:
             return []
-        self.validate(batch)
+        p = self.pack(batch)
         cfg = self.config
-        lengths = [item.length for item in batch]
-        starts = [self.cache_length(item.request_id) for item in batch]
-        if self.shard.is_first:
-            x = self.embed[np.concatenate([item.tokens for item in batch])]
-        else:
-            x = np.concatenate([item.hidden for item in batch]).astype(np.float32, copy=True)
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-        cos, sin = self._rope_tables(positions)
+        x = self.embed[self.tokens(batch)] if self.shard.is_first else self.hidden(batch).astype(np.float32, copy=True)
         caches = [self.caches.setdefault(item.request_id, self._new_cache()) for item in batch]
-        bounds = np.cumsum([0] + lengths)
         for li, layer in enumerate(self.layers):
-            h = self._attention(layer, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin,
-                                [c[li] for c in caches], bounds, starts)
-            x += h
+            x += self._attention(layer, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), p, [c[li] for c in caches])
             gu = rms_norm(x, layer.post_norm, cfg.rms_norm_eps) @ layer.w_gate_up
-            inter = cfg.intermediate_size
-            gate, up = gu[:, :inter], gu[:, inter:]
+            gate, up = gu[:, : cfg.intermediate_size], gu[:, cfg.intermediate_size :]
             x += (gate / (1.0 + np.exp(-gate)) * up) @ layer.w_down
         if not self.shard.is_last:
-            return [x[bounds[i] : bounds[i + 1]].copy() for i in range(len(batch))]
-        rows = x if all_logits else x[bounds[1:] - 1]
-        logits = rms_norm(rows, self.norm, cfg.rms_norm_eps) @ self.lm_head
-        if all_logits:
-            return [logits[bounds[i] : bounds[i + 1]] for i in range(len(batch))]
-        return [logits[i : i + 1] for i in range(len(batch))]
-
-    def release(self, request_id: str) -> None:
-        self.caches.pop(request_id, None)
+            return [a.copy() for a in p.split(x, False)]
+        rows = x if all_logits else x[p.bounds[1:] - 1]
+        return p.split(rms_norm(rows, self.norm, cfg.rms_norm_eps) @ self.lm_head, not all_logits)
 
     def cache_length(self, request_id: str) -> int:
         cache = self.caches.get(request_id)
         return cache[0].length if cache else 0
-
-    @property
-    def active_requests(self) -> int:
-        return len(self.caches)
 
     def nbytes(self) -> int:
         arrays = [a for layer in self.layers for a in layer.arrays()]
@@ -148,12 +126,7 @@ class NumpyEngine(Engine):
     def _new_cache(self) -> list[KVCache]:
         return [KVCache(self.config.n_kv_heads, self.config.head_dim) for _ in self.layers]
 
-    def _rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        angles = positions[:, None].astype(np.float64) * self.inv_freq[None, :]
-        # [T, 1, head_dim/2]: broadcast over heads
-        return np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :]
-
-    def _attention(self, layer: _Layer, h: np.ndarray, cos, sin, caches: list[KVCache], bounds, starts) -> np.ndarray:
+    def _attention(self, layer: _Layer, h: np.ndarray, p: Packing, caches: list[KVCache]) -> np.ndarray:
         cfg = self.config
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv = h @ layer.w_qkv
@@ -166,11 +139,11 @@ class NumpyEngine(Engine):
         if layer.q_norm is not None:
             q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = _rotate(q, p.cos, p.sin), _rotate(k, p.cos, p.sin)
         out = np.empty((n, nh * hd), dtype=np.float32)
         group, scale = nh // nkv, 1.0 / np.sqrt(hd)
         for i, cache in enumerate(caches):
-            lo, hi = bounds[i], bounds[i + 1]
+            lo, hi = p.bounds[i], p.bounds[i + 1]
             keys, values = cache.append(k[lo:hi], v[lo:hi])  # [nkv, L, hd]
             t = hi - lo
             # query heads sharing a kv head are adjacent: [T, nkv, group, hd] -> [nkv, group*T, hd]
@@ -178,7 +151,7 @@ class NumpyEngine(Engine):
             scores = (qi @ keys.transpose(0, 2, 1)) * np.float32(scale)  # [nkv, group*T, L]
             if t > 1:
                 total = keys.shape[1]
-                allowed = np.arange(total)[None, :] <= (starts[i] + np.arange(t))[:, None]  # [T, L]
+                allowed = np.arange(total)[None, :] <= (p.starts[i] + np.arange(t))[:, None]  # [T, L]
                 scores = np.where(np.tile(allowed, (group, 1))[None], scores, np.float32(-np.inf))
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             scores /= scores.sum(axis=-1, keepdims=True)

@@ -83,32 +83,22 @@ class TinygradEngine(Engine):
         while w.layers:
             self.layers.append(_Layer(w.layers.pop(0)))
         self.embed, self.norm, self.lm_head = _t(w.embed_tokens), _t(w.norm), _t(w.lm_head)
-        self.inv_freq = cfg.rope.inv_freq(cfg.head_dim)
         self.caches: dict[str, list[_Cache]] = {}
         self._jits: dict[tuple, TinyJit] = {}
 
     def forward(self, batch: list[StepInput], all_logits: bool = False) -> list[np.ndarray]:
         if not batch:
             return []
-        self.validate(batch)
-        cfg = self.config
-        lengths = [item.length for item in batch]
-        starts = [self.cache_length(item.request_id) for item in batch]
-        if self.shard.is_first:
-            x = Tensor(np.concatenate([item.tokens for item in batch]).astype(np.int32))
-        else:
-            x = Tensor(np.concatenate([item.hidden for item in batch]))
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-        angles = positions[:, None].astype(np.float64) * self.inv_freq[None, :]
-        cos = Tensor(np.cos(angles).astype(np.float32)[:, None, :])
-        sin = Tensor(np.sin(angles).astype(np.float32)[:, None, :])
+        p = self.pack(batch)
+        cfg, lengths, starts = self.config, p.lengths, p.starts
+        x = Tensor(self.tokens(batch).astype(np.int32)) if self.shard.is_first else Tensor(self.hidden(batch))
+        cos, sin = Tensor(p.cos), Tensor(p.sin)
         caches = [self.caches.setdefault(item.request_id, [_Cache(cfg.n_kv_heads, cfg.head_dim) for _ in self.layers])
                   for item in batch]
         for cache, start, n in zip(caches, starts, lengths):
             for c in cache:
                 c.reserve(start + n)
         kvs = [c.kv for cache in caches for c in cache]
-        bounds = np.cumsum([0] + lengths)
         if max(lengths) == 1 and not all_logits:
             # Decode: replay captured kernels. Positions are symbolic (one variable per batch slot), so one capture
             # serves every step with this many requests and these cache capacities.
@@ -124,9 +114,7 @@ class TinygradEngine(Engine):
         for cache, n in zip(caches, lengths):
             for c in cache:
                 c.length += n
-        if self.shard.is_last and not all_logits:
-            return [out[i : i + 1] for i in range(len(batch))]
-        return [out[bounds[i] : bounds[i + 1]] for i in range(len(batch))]
+        return p.split(out, self.shard.is_last and not all_logits)
 
     def _decode(self, x: "Tensor", cos: "Tensor", sin: "Tensor", *args) -> "Tensor":
         n = x.shape[0]
@@ -182,16 +170,9 @@ class TinygradEngine(Engine):
         attn = outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:], dim=0)
         return attn @ layer.w_o.T
 
-    def release(self, request_id: str) -> None:
-        self.caches.pop(request_id, None)
-
     def cache_length(self, request_id: str) -> int:
         cache = self.caches.get(request_id)
         return cache[0].length if cache else 0
-
-    @property
-    def active_requests(self) -> int:
-        return len(self.caches)
 
     def nbytes(self) -> int:
         tensors = [a for layer in self.layers for a in layer.tensors()]

@@ -9,7 +9,8 @@ from shards.generate import chain_forward
 from shards.numpy_engine import NumpyEngine
 from shards.shard import Shard
 
-TINY = lt.LlamaShape(vocab_size=50, hidden_size=16, n_layers=2, n_heads=2, intermediate_size=24, max_position_embeddings=32)
+TINY = lt.LlamaShape(vocab_size=50, hidden_size=16, n_layers=2, n_heads=2, intermediate_size=24,
+                     max_position_embeddings=32)
 
 
 def tiny_batch(rng, b=2, t=6):

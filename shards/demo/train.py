@@ -3,7 +3,10 @@
 Rerun (from the repository root, Debian/Ubuntu; about 40 minutes on 2 CPU cores):
 
     apt-get install -y bible-kjv-text bible-kjv     # the text (bible-kjv-text) and its reader `bible` (bible-kjv)
-    .venv/bin/python -m shards.demo.train --minutes 38 --out shards/demo/exo-demo
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python -m shards.demo.train --minutes 38 --out shards/demo/exo-demo
+
+(One BLAS thread keeps step times steady on a machine shared with other work; with two threads contending for two
+busy cores, OpenBLAS steps were up to 40x slower. On an idle machine more threads are faster.)
 
 `--steps N` instead of `--minutes` fixes the step count (and the learning-rate schedule) instead of the wall-clock
 budget; `--seed` seeds initialisation and batch sampling. Only the project's own dependencies are used (numpy,
@@ -37,7 +40,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from shards.demo import llama_train as lt
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
-CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+# The model continues text: a conversation is rendered as its messages' plain text, one per line, after the bos.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
+                 "{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}")
 CORPUS = {
     "name": "King James Version of the Bible (1611)",
     "source": "Debian package bible-kjv-text (read with `bible -f Gen1:1-Rev22:21` from bible-kjv)",
