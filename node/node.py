@@ -11,9 +11,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict, defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -23,13 +23,14 @@ from proto import node_service_pb2 as pb
 from shards.config import ModelConfig
 from shards.engine import Engine, EngineInputError, StepInput
 from shards.partition import NodeCapacity, PartitionError, partition
-from shards.sampling import SampleResult, SamplerState, SamplingParams
+from shards.sampling import SamplerState, SamplingParams
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
 
 from . import wire
 from .peer import PeerPool
 from .plan import PlanError, PlanStep, RequestSpec
+from .requests import GenerationError, TokenEvent, RequestState, Tombstones, Work
 from .sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
 from .shard_manager import EngineFactory, ShardManager
 from .topology import Capabilities, NodeInfo, PeerLink, Topology
@@ -55,65 +56,20 @@ class NodeSettings:
     sample_batch_window_ms: float = 5.0  # ... or this long after the batch's first row
 
 
-class GenerationError(RuntimeError):
-    """A request failed somewhere in the ring; the message says where and why."""
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    results: tuple[SampleResult, ...]
-    finished: bool
-    finish_reason: str | None = None
-
-
-@dataclass
-class _Request:
-    """This node's part of one request."""
-
-    spec: RequestSpec
-    index: int  # our step in the plan
-    sampler: SamplerState | None = None  # last node only
-    generated: int = 0  # last node only
-    spec_sent: bool = False  # has our successor received the spec?
-
-
-@dataclass
-class _Work:
-    request_id: str
-    data: np.ndarray  # int64 tokens [T] on the first shard, float32 hidden [T, hidden] elsewhere
-
-
-class _Tombstones:
-    """Ids of ended requests, so late messages for them are dropped instead of reviving state. Bounded."""
-
-    def __init__(self, size: int = 4096):
-        self.ids: OrderedDict[str, None] = OrderedDict()
-        self.size = size
-
-    def add(self, request_id: str) -> None:
-        self.ids[request_id] = None
-        self.ids.move_to_end(request_id)
-        while len(self.ids) > self.size:
-            self.ids.popitem(last=False)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.ids
-
-
 class Node:
     def __init__(self, settings: NodeSettings, config: ModelConfig, tokenizer: Tokenizer, factory: EngineFactory,
                  peers: PeerPool):
         self.settings, self.config, self.tokenizer, self.peers = settings, config, tokenizer, peers
         self.id = settings.node_id
         self.shards = ShardManager(settings.model_dir, config, factory)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self.inbox: dict[str, asyncio.Queue[pb.SendResultRequest]] = {}  # requests we are the entry node of
-        self.ended = _Tombstones()
+        self.ended = Tombstones()
         self.known_peers: dict[str, NodeInfo] = {}  # filled by discovery
         self.counters: Counter[str] = Counter()
         self.batcher = SamplingBatcher(settings.sample_batch_max, settings.sample_batch_window_ms)
         self.stat_sources: list[Counter[str]] = [self.counters, self.batcher.stats]  # shown in topology status
-        self._pending: deque[_Work] = deque()
+        self._pending: deque[Work] = deque()
         self._wake = asyncio.Event()
         # Requests of a one-node ring whose next token is being sampled/sent back to us right now: their next
         # step is due within a millisecond or two, so the worker waits for them rather than split the batch.
@@ -238,7 +194,7 @@ class Node:
         if spec.request_id in self.requests or spec.request_id in self.ended:
             raise PlanError(f"request {spec.request_id} already exists")
         self._admit(spec)
-        self._enqueue(_Work(spec.request_id, tokens))
+        self._enqueue(Work(spec.request_id, tokens))
 
     def accept_tensors(self, entries: list[tuple[str, np.ndarray, RequestSpec | None]]) -> list[tuple[str, str]]:
         """Queue each entry; returns (request_id, reason) for the ones refused."""
@@ -257,7 +213,7 @@ class Node:
                     raise PlanError("the first node expects the next token as int64 [1]")
                 if not first and (data.dtype != np.float32 or data.ndim != 2):
                     raise PlanError("expected float32 hidden states [T, hidden]")
-                self._enqueue(_Work(rid, data))
+                self._enqueue(Work(rid, data))
             except PlanError as e:
                 rejected.append((rid, str(e)))
         return rejected
@@ -274,7 +230,7 @@ class Node:
             self.counters[f"ended_{reason or 'unknown'}"] += 1
         self.shards.release(request_id)
 
-    def _admit(self, spec: RequestSpec) -> _Request:
+    def _admit(self, spec: RequestSpec) -> RequestState:
         index = spec.step_of(self.id)
         shard = spec.plan[index].shard
         if (shard.model_id, shard.n_layers) != (self.settings.model_id, self.config.n_layers):
@@ -282,13 +238,13 @@ class Node:
                             f"with {self.config.n_layers} layers")
         if len(self.requests) >= self.settings.max_requests:
             raise PlanError(f"node {self.id} is at its limit of {self.settings.max_requests} requests")
-        req = _Request(spec, index)
+        req = RequestState(spec, index)
         if shard.is_last:
             req.sampler = SamplerState.from_seed(spec.sampling.seed)
         self.requests[spec.request_id] = req
         return req
 
-    def _enqueue(self, work: _Work) -> None:
+    def _enqueue(self, work: Work) -> None:
         self._pending.append(work)
         self._local_inflight.discard(work.request_id)
         self._wake.set()
@@ -312,7 +268,7 @@ class Node:
                     for w in batch:
                         self._fail(w.request_id, f"node {self.id}: internal error: {e}")
 
-    def _take_batch(self) -> list[_Work]:
+    def _take_batch(self) -> list[Work]:
         batch, ids, rows, later = [], set(), 0, []
         while self._pending:
             w = self._pending.popleft()
@@ -327,7 +283,7 @@ class Node:
         self._pending.extendleft(reversed(later))
         return batch
 
-    async def _step(self, batch: list[_Work]) -> None:
+    async def _step(self, batch: list[Work]) -> None:
         groups: dict = defaultdict(list)
         for w in batch:
             req = self.requests.get(w.request_id)
@@ -343,7 +299,7 @@ class Node:
                 continue
             await self._run(engine, works)
 
-    async def _run(self, engine: Engine, works: list[_Work]) -> None:
+    async def _run(self, engine: Engine, works: list[Work]) -> None:
         inputs = []
         for w in works:
             if w.request_id not in self.requests:
@@ -427,7 +383,7 @@ class Node:
         for address, entries in to_first.items():
             self._spawn(self._send_tensors(address, entries))
 
-    def _entry(self, req: _Request, data: np.ndarray) -> pb.TensorEntry:
+    def _entry(self, req: RequestState, data: np.ndarray) -> pb.TensorEntry:
         entry = pb.TensorEntry(request_id=req.spec.request_id, tensor=wire.encode_tensor(data))
         if not req.spec_sent and req.index + 1 < len(req.spec.plan):
             entry.spec.CopyFrom(wire.encode_spec(req.spec))

@@ -1,7 +1,6 @@
 """Live clusters of real exo-node processes on loopback produce exactly the single-process tokens."""
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 
 from shards.config import ModelConfig
 from shards.generate import generate
