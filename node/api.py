@@ -170,12 +170,12 @@ class Api:
         self.active += 1
         try:
             fmt = _Format(chat, req.options, len(prompt), self.model_id)
-            pieces = run_job(self.node, job)
-            first = await _first(pieces)  # errors before any token become a plain HTTP error
+            pieces = _guard(run_job(self.node, job))
+            first = await anext(pieces, None)  # errors before any token become a plain HTTP error
             if req.options.stream:
                 return await self._stream(request, fmt, first, pieces, echo)
             collected = [first] if first else []
-            async for piece in _guard(pieces):
+            async for piece in pieces:
                 collected.append(piece)
             return web.json_response(fmt.whole(collected, echo))
         finally:
@@ -201,7 +201,7 @@ class Api:
         try:
             if first is not None:
                 await emit(first)
-                async for piece in _guard(pieces):
+                async for piece in pieces:
                     await emit(piece)
                     last = piece
             if fmt.options.include_usage and last is not None:
@@ -211,12 +211,6 @@ class Api:
         await send("[DONE]")
         await response.write_eof()
         return response
-
-
-async def _first(pieces) -> Piece | None:
-    async for piece in _guard(pieces):
-        return piece
-    return None
 
 
 async def _guard(pieces):

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+import shards
+
 from discovery.interfaces import default_advertise_host
 from discovery.manual import ManualDiscovery
 from discovery.static import StaticDiscovery, parse_peers
@@ -34,11 +36,13 @@ from .peer import DEFAULT_MAX_MESSAGE_BYTES, PeerPool
 from .server import start_server
 
 log = logging.getLogger("exo-node")
+DEMO_MODEL = Path(shards.__file__).resolve().parent / "demo" / "exo-demo"  # ships inside the package
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="exo-node", description="Serve a language model split across machines.")
-    ap.add_argument("--model", type=Path, required=True, help="Hugging Face model folder")
+    ap.add_argument("--model", type=Path, default=DEMO_MODEL,
+                    help="Hugging Face model folder (default: the bundled demo model, exo-demo)")
     ap.add_argument("--node-id", help="default: stable id derived from host name and gRPC port")
     ap.add_argument("--host", default="0.0.0.0", help="gRPC bind address (default 0.0.0.0)")
     ap.add_argument("--advertise-host", help="address peers use to reach this node (default: --host, or the "

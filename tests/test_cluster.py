@@ -166,3 +166,18 @@ def test_mixed_engine_ring_equals_one_numpy_node():
         last = c.self_info()["node2"]["status"]
         assert last.get("sample_fallbacks", 0) > 0  # rows batched together, sampled one by one
         assert set(c.wait_idle().values()) == {0}
+
+
+def test_bundled_demo_model_gives_the_same_text_on_three_nodes():
+    from node.cli import DEMO_MODEL
+
+    prompt = "And God said, Let there be"
+    cfg, tok = ModelConfig.from_dir(DEMO_MODEL), Tokenizer(DEMO_MODEL)
+    engine = NumpyEngine(DEMO_MODEL, Shard.whole("exo-demo", cfg.n_layers), cfg)
+    ids = [r.token for r in generate([engine], tok.encode_chat([{"role": "user", "content": prompt}]), 40,
+                                     eos_ids=tok.eos_token_ids)]
+    with Cluster(DEMO_MODEL, 3) as c:  # automatic partitioning
+        status, body = c.chat(prompt, max_tokens=40, temperature=0)
+        assert status == 200 and body["model"] == "exo-demo"
+        assert body["choices"][0]["message"]["content"] == tok.decode(ids)
+        assert all(info["loaded"] for info in c.self_info().values())  # every node took a share
