@@ -65,6 +65,7 @@ def test_greedy_continuation_is_made_of_real_words(prompt):
     text = continuation(prompt)
     words = re.findall(r"[a-z]+", text.lower())
     assert len(words) >= 20, text
+    assert len(set(words)) >= 12, f"too repetitive: {text!r}"
     known = sum(w in vocabulary() for w in words)
     assert known >= 0.9 * len(words), f"{known}/{len(words)} known words in {text!r}"
 
