@@ -75,7 +75,8 @@ def test_release_frees_the_cache(engine_name):
     engine.forward([StepInput("x", tokens=np.array([1, 2, 3])), StepInput("y", tokens=np.array([4]))])
     assert engine.active_requests == 2 and engine.cache_length("x") == 3
     engine.release("x")
-    engine.release("x")
+    engine.release("x")  # idempotent
+    engine.release("never-seen")
     assert engine.active_requests == 1 and engine.cache_length("x") == 0
 
 
