@@ -27,7 +27,6 @@ class Membership:
         self.node, self.discoveries = node, discoveries
         self.interval, self.check_timeout = interval, check_timeout
         self._task: asyncio.Task | None = None
-        self.ready = asyncio.Event()  # set after the first round of health checks
         self._changed = asyncio.Event()
 
     async def start(self) -> None:
@@ -50,7 +49,6 @@ class Membership:
     async def _loop(self) -> None:
         while True:
             await self.refresh()
-            self.ready.set()
             await asyncio.sleep(self.interval)
 
     async def refresh(self) -> None:

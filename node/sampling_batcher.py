@@ -83,9 +83,6 @@ class SamplingBatcher:
             self._timer = asyncio.get_running_loop().call_later(self.window, self.flush)
         return future
 
-    async def sample(self, item: SampleItem) -> SampleResult:
-        return await self.submit(item)
-
     def flush(self) -> None:
         """Close the current batch now (full batch, window elapsed, or the producer knows nothing else is coming)."""
         if self._timer is not None:

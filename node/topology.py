@@ -35,6 +35,3 @@ class PeerLink:
 class Topology:
     nodes: tuple[NodeInfo, ...]
     links: tuple[PeerLink, ...] = ()
-
-    def get(self, node_id: str) -> NodeInfo | None:
-        return next((n for n in self.nodes if n.node_id == node_id), None)

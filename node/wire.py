@@ -237,7 +237,7 @@ def decode_topology(m: pb.Topology) -> Topology:
     nodes = tuple(decode_node_info(n) for n in _count(m.nodes, "nodes", MAX_NODES))
     ids = [n.node_id for n in nodes]
     if len(set(ids)) != len(ids):
-        raise WireError("topology lists a node id twice")  # Topology.get would silently pick one
+        raise WireError("topology lists a node id twice")
     links = tuple(
         PeerLink(_text(link.from_id, "link from_id"), _text(link.to_id, "link to_id"))
         for link in _count(m.links, "links", MAX_LINKS)

@@ -34,10 +34,10 @@ class _Layer:
     def __init__(self, lw: LayerWeights):
         t = lambda a: None if a is None else mx.array(a)  # noqa: E731
         self.input_norm, self.post_norm = t(lw.input_norm), t(lw.post_norm)
-        self.w_qkv = mx.array(np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj]).T)  # [in, out]
-        self.b_qkv = None if lw.q_bias is None else mx.array(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]))
+        self.w_qkv = mx.array(lw.qkv().T)  # [in, out]
+        self.b_qkv = t(lw.qkv_bias())
         self.w_o = mx.array(lw.o_proj.T)
-        self.w_gate_up = mx.array(np.concatenate([lw.gate_proj, lw.up_proj]).T)
+        self.w_gate_up = mx.array(lw.gate_up().T)
         self.w_down = mx.array(lw.down_proj.T)
         self.q_norm, self.k_norm = t(lw.q_norm), t(lw.k_norm)
 

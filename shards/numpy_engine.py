@@ -35,14 +35,13 @@ class _Layer:
 
     @classmethod
     def build(cls, lw: LayerWeights) -> "_Layer":
-        bias = None if lw.q_bias is None else np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias])
         return cls(
             input_norm=lw.input_norm,
-            w_qkv=np.ascontiguousarray(np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj]).T),
-            b_qkv=bias,
+            w_qkv=np.ascontiguousarray(lw.qkv().T),
+            b_qkv=lw.qkv_bias(),
             w_o=np.ascontiguousarray(lw.o_proj.T),
             post_norm=lw.post_norm,
-            w_gate_up=np.ascontiguousarray(np.concatenate([lw.gate_proj, lw.up_proj]).T),
+            w_gate_up=np.ascontiguousarray(lw.gate_up().T),
             w_down=np.ascontiguousarray(lw.down_proj.T),
             q_norm=lw.q_norm,
             k_norm=lw.k_norm,

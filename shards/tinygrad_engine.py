@@ -41,10 +41,10 @@ def _rotate(x: "Tensor", cos: "Tensor", sin: "Tensor") -> "Tensor":
 class _Layer:
     def __init__(self, lw: LayerWeights):
         self.input_norm, self.post_norm = _t(lw.input_norm), _t(lw.post_norm)
-        self.w_qkv = _t(np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj]))  # [out, in]
-        self.b_qkv = None if lw.q_bias is None else _t(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]))
+        self.w_qkv = _t(lw.qkv())  # [out, in]
+        self.b_qkv = _t(lw.qkv_bias())
         self.w_o, self.w_down = _t(lw.o_proj), _t(lw.down_proj)
-        self.w_gate_up = _t(np.concatenate([lw.gate_proj, lw.up_proj]))
+        self.w_gate_up = _t(lw.gate_up())
         self.q_norm, self.k_norm = _t(lw.q_norm), _t(lw.k_norm)
 
     def tensors(self) -> list["Tensor"]:
