@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from .backend import Backend, KVCache
 from .config import ModelConfig
+from .model import ShardModel, Step
 from .sampling import SampleResult, SamplingParams, SamplerState, sample_one, sample_rows
 from .shard import Shard
+from .weights import load_shard_weights
 
 
 class EngineInputError(ValueError):
@@ -35,19 +39,35 @@ class StepInput:
 
 @dataclass(frozen=True)
 class Packing:
-    """How one step's requests are packed into rows: each request's rows, cache offsets and rotary tables."""
+    """How one step's requests are packed into rows: each request's rows, cache offsets, rotary tables and causal
+    masks, computed once per step for every layer and every engine."""
 
     lengths: list[int]
     starts: list[int]  # positions already cached per request
     bounds: np.ndarray  # request i owns rows bounds[i]:bounds[i+1]
     cos: np.ndarray  # float32 [rows, 1, head_dim/2], broadcast over heads
     sin: np.ndarray
+    masks: list[np.ndarray | None]  # bool [1, group*T, start+T] per request (True: may attend); None when T == 1
+
+    @property
+    def last_rows(self) -> np.ndarray:
+        """Index of each request's last row (where the next token's logits come from)."""
+        return self.bounds[1:] - 1
 
     def split(self, out: np.ndarray, last_rows_only: bool) -> list[np.ndarray]:
         """Per-request slices of a packed output (`last_rows_only`: out holds one row per request)."""
         if last_rows_only:
             return [out[i : i + 1] for i in range(len(self.lengths))]
         return [out[self.bounds[i] : self.bounds[i + 1]] for i in range(len(self.lengths))]
+
+
+def causal_mask(start: int, length: int, group: int) -> np.ndarray | None:
+    """Which cached positions each of `length` new positions may attend to (itself and everything before), with
+    rows repeated for the `group` query heads that share a kv head; None for one position (it sees everything)."""
+    if length == 1:
+        return None
+    allowed = np.arange(start + length)[None, :] <= (start + np.arange(length))[:, None]  # [T, start+T]
+    return np.tile(allowed, (group, 1))[None]
 
 
 class Engine(ABC):
@@ -102,8 +122,10 @@ class Engine(ABC):
         starts = [self.cache_length(item.request_id) for item in batch]
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
         angles = positions[:, None].astype(np.float64) * self.config.rope.inv_freq(self.config.head_dim)[None, :]
+        group = self.config.n_heads // self.config.n_kv_heads
         return Packing(lengths, starts, np.cumsum([0] + lengths),
-                       np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :])
+                       np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :],
+                       [causal_mask(s, n, group) for s, n in zip(starts, lengths)])
 
     @staticmethod
     def tokens(batch: list[StepInput]) -> np.ndarray:
@@ -114,26 +136,78 @@ class Engine(ABC):
         return np.concatenate([item.hidden for item in batch])
 
     def validate(self, batch: list[StepInput]) -> None:
-        cfg, ids = self.config, set()
+        ids = set()
         for item in batch:
             if item.request_id in ids:
                 raise EngineInputError(f"request {item.request_id!r} appears twice in one batch")
             ids.add(item.request_id)
-            if self.shard.is_first:
-                t = item.tokens
-                if t is None or t.ndim != 1 or t.dtype.kind not in "iu" or len(t) == 0:
-                    raise EngineInputError(f"request {item.request_id!r}: first shard needs a non-empty 1-D int token array")
-                if t.min() < 0 or t.max() >= cfg.vocab_size:
-                    raise EngineInputError(f"request {item.request_id!r}: token id out of range [0, {cfg.vocab_size})")
-            else:
-                h = item.hidden
-                if h is None or h.dtype != np.float32 or h.ndim != 2 or h.shape[0] == 0 or h.shape[1] != cfg.hidden_size:
-                    raise EngineInputError(
-                        f"request {item.request_id!r}: expected float32 hidden states [T>0, {cfg.hidden_size}]"
-                    )
+            check_input(self.config, self.shard.is_first, item.tokens if self.shard.is_first else item.hidden,
+                        f"request {item.request_id!r}")
             end = self.cache_length(item.request_id) + item.length
-            if end > cfg.max_position_embeddings:
+            if end > self.config.max_position_embeddings:
                 raise EngineInputError(
                     f"request {item.request_id!r}: {end} positions exceed max_position_embeddings "
-                    f"{cfg.max_position_embeddings}"
+                    f"{self.config.max_position_embeddings}"
                 )
+
+
+def check_input(cfg: ModelConfig, first: bool, data: np.ndarray | None, who: str) -> None:
+    """A step's input for a first shard is a non-empty 1-D int array of token ids in the vocabulary; for any other
+    shard float32 hidden states [T>0, hidden_size]. The one place these rules live."""
+    if first:
+        if data is None or data.ndim != 1 or data.dtype.kind not in "iu" or len(data) == 0:
+            raise EngineInputError(f"{who}: first shard needs a non-empty 1-D int token array")
+        if data.min() < 0 or data.max() >= cfg.vocab_size:
+            raise EngineInputError(f"{who}: token id out of range [0, {cfg.vocab_size})")
+    elif data is None or data.dtype != np.float32 or data.ndim != 2 or data.shape[0] == 0 \
+            or data.shape[1] != cfg.hidden_size:
+        raise EngineInputError(f"{who}: expected float32 hidden states [T>0, {cfg.hidden_size}]")
+
+
+class BlockEngine(Engine):
+    """An engine made of a backend's array operations and the shared model (shards/model.py)."""
+
+    def __init__(self, model_dir: str | Path, shard: Shard, config: ModelConfig | None = None):
+        self.config = cfg = config or ModelConfig.from_dir(model_dir)
+        self.shard = shard
+        self.ops = self.make_backend()
+        self.model = ShardModel(self.ops, cfg, load_shard_weights(model_dir, cfg, shard))
+        self.caches: dict[str, list[KVCache]] = {}  # request id -> its cache of every layer
+
+    @abstractmethod
+    def make_backend(self) -> Backend: ...
+
+    def forward(self, batch: list[StepInput], all_logits: bool = False) -> list[np.ndarray]:
+        return self.run(batch, self.pack(batch), all_logits) if batch else []
+
+    def run(self, batch: list[StepInput], p: Packing, all_logits: bool) -> list[np.ndarray]:
+        """The forward pass of a validated, packed batch."""
+        caches = [self.request_cache(item.request_id) for item in batch]
+        x = self.tokens(batch) if self.shard.is_first else self.ops.array(self.hidden(batch))
+        last_rows = p.last_rows if self.shard.is_last and not all_logits else None
+        out = self.model(x, self.step(p), caches, last_rows)
+        return p.split(self.ops.to_numpy(out), last_rows is not None)
+
+    def step(self, p: Packing) -> Step:
+        ops = self.ops
+        return Step(p.bounds, p.starts, ops.array(p.cos), ops.array(p.sin),
+                    [None if m is None else ops.array(m) for m in p.masks])
+
+    def request_cache(self, request_id: str) -> list[KVCache]:
+        cache = self.caches.get(request_id)
+        if cache is None:
+            cfg = self.config
+            cache = self.caches[request_id] = [self.ops.new_cache(cfg.n_kv_heads, cfg.head_dim)
+                                               for _ in self.model.layers]
+        return cache
+
+    def cache_length(self, request_id: str) -> int:
+        cache = self.caches.get(request_id)
+        return cache[0].length if cache else 0
+
+    def nbytes(self) -> int:
+        return sum(self.ops.nbytes(a) for a in self.model.parameters())
+
+    def cache_bytes(self) -> int:
+        """Memory held by every request's KV cache."""
+        return sum(c.nbytes for cache in self.caches.values() for c in cache)

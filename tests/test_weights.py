@@ -42,7 +42,8 @@ def test_half_the_layers_hold_about_half_the_layer_weights(model):
     half = NumpyEngine(d, Shard(model, 1, 3, 6), cfg)
     assert half.nbytes() * 2 == whole.nbytes()
     full = NumpyEngine(d, Shard.whole(model, 6), cfg)
-    layers_only = full.nbytes() - full.embed.nbytes - full.lm_head.nbytes - full.norm.nbytes
+    m = full.model
+    layers_only = full.nbytes() - m.embed_tokens.nbytes - m.lm_head.weight.nbytes - m.norm.weight.nbytes
     assert layers_only == 3 * half.nbytes()  # 6 layers vs 2
 
 
