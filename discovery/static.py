@@ -1,6 +1,8 @@
 """Static peers: a fixed list of gRPC endpoints given on the command line (`--peers HOST:PORT,...`)."""
 from __future__ import annotations
 
+from .address import parse_address
+
 
 class PeerListError(ValueError):
     pass
@@ -13,9 +15,10 @@ def parse_peers(text: str | None) -> list[str]:
         part = part.strip()
         if not part:
             continue
-        host, sep, port = part.rpartition(":")
-        if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-            raise PeerListError(f"peer {part!r} is not HOST:PORT")
+        try:
+            parse_address(part)
+        except ValueError:
+            raise PeerListError(f"peer {part!r} is not HOST:PORT") from None
         out.append(part)
     return out
 

@@ -9,15 +9,16 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
 
 from .api_schema import ApiError, ChatRequest, CompletionRequest, Options, parse_chat, parse_completion, read_json
-from .completion import Job, Piece, TokenLogprob, run_job
-from .node import GenerationError, Node
+from .api_format import ChatFormat, CompletionFormat, Format
+from .completion import Job, TextDelta, run_job
+from .node import Node
+from .requests import GenerationError
 from .plan import PlanError
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class Api:
                                 "retry shortly", code="server_overloaded")
         self.active += 1
         try:
-            fmt = _Format(chat, req.options, len(prompt), self.model_id)
+            fmt = (ChatFormat if chat else CompletionFormat)(req.options, len(prompt), self.model_id)
             pieces = _guard(run_job(self.node, job))
             first = await anext(pieces, None)  # errors before any token become a plain HTTP error
             if req.options.stream:
@@ -181,7 +182,7 @@ class Api:
         finally:
             self.active -= 1
 
-    async def _stream(self, request: web.Request, fmt: "_Format", first: Piece | None, pieces, echo: str):
+    async def _stream(self, request: web.Request, fmt: Format, first: TextDelta | None, pieces, echo: str):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
@@ -192,11 +193,9 @@ class Api:
         await send(fmt.opening(echo))
         last = first
 
-        async def emit(piece: Piece) -> None:
-            if piece.text or piece.logprobs:
-                await send(fmt.chunk(piece.text, piece.logprobs, None))
-            if piece.finish_reason is not None:  # the closing chunk carries no content
-                await send(fmt.chunk("", (), piece.finish_reason))
+        async def emit(piece: TextDelta) -> None:
+            for chunk in fmt.piece_chunks(piece):
+                await send(chunk)
 
         try:
             if first is not None:
@@ -222,74 +221,3 @@ async def _guard(pieces):
         raise ApiError(503, f"the cluster cannot serve this model now: {e}", code="no_plan") from None
     except GenerationError as e:
         raise ApiError(503, f"generation failed: {e}", code="generation_failed") from None
-
-
-class _Format:
-    """Response bodies and stream chunks in the shapes of the two OpenAI endpoints."""
-
-    def __init__(self, chat: bool, options: Options, prompt_tokens: int, model: str):
-        self.chat, self.options, self.prompt_tokens = chat, options, prompt_tokens
-        prefix = "chatcmpl" if chat else "cmpl"
-        self.meta = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
-        self.object = "chat.completion" if chat else "text_completion"
-        self.offset = 0  # text offset for legacy logprobs
-
-    def usage(self, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
-
-    def logprobs(self, entries: tuple[TokenLogprob, ...]) -> dict | None:
-        if self.options.sampling.top_logprobs is None:
-            return None
-        if self.chat:
-            def one(token: str, lp: float) -> dict:
-                return {"token": token, "logprob": lp, "bytes": list(token.encode())}
-            return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
-                                for e in entries]}
-        offsets = []
-        for e in entries:
-            offsets.append(self.offset)
-            self.offset += len(e.token)
-        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
-
-    def _choice(self, piece: Piece, text: str, delta: bool) -> dict:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["delta" if delta else "message"] = {"content": text} if delta else {"role": "assistant",
-                                                                                       "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self.logprobs(piece.logprobs)
-        choice["finish_reason"] = piece.finish_reason
-        return choice
-
-    def whole(self, pieces: list[Piece], echo: str) -> dict:
-        merged = Piece("".join(p.text for p in pieces), tuple(e for p in pieces for e in p.logprobs),
-                       pieces[-1].finish_reason if pieces else "stop")
-        n = pieces[-1].completion_tokens if pieces else 0
-        self.offset = len(echo)
-        return {**self.meta, "object": self.object, "choices": [self._choice(merged, echo + merged.text, False)],
-                "usage": self.usage(n)}
-
-    def chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.chat else "text_completion"
-
-    def opening(self, echo: str) -> dict:
-        """Chat streams start with the assistant role; completion streams with the echoed prompt (maybe empty)."""
-        self.offset = len(echo)
-        delta = {"role": "assistant", "content": ""} if self.chat else None
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None} if self.chat else \
-            {"index": 0, "text": echo, "logprobs": None, "finish_reason": None}
-        return {**self.meta, "object": self.chunk_object(), "choices": [choice]}
-
-    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...], finish_reason: str | None) -> dict:
-        choice = self._choice(Piece(text, logprobs, finish_reason), text, True)
-        if finish_reason is not None:
-            choice["logprobs"] = None
-            if self.chat:
-                choice["delta"] = {}
-        return {**self.meta, "object": self.chunk_object(), "choices": [choice]}
-
-    def usage_chunk(self, completion_tokens: int) -> dict:
-        return {**self.meta, "object": self.chunk_object(), "choices": [], "usage": self.usage(completion_tokens)}

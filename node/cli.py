@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import uuid
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 from aiohttp import web
@@ -32,8 +33,9 @@ from shards.tokenizer import Tokenizer
 from .api import Api, ApiSettings
 from .membership import Membership
 from .node import Node, NodeSettings
-from .peer import DEFAULT_MAX_MESSAGE_BYTES, PeerPool
-from .server import start_server
+from .peer import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport
+from .plan import parse_address
+from .server import GrpcServer
 
 log = logging.getLogger("exo-node")
 DEMO_MODEL = Path(shards.__file__).resolve().parent / "demo" / "exo-demo"  # ships inside the package
@@ -106,23 +108,31 @@ def parse_shard(text: str | None, n_layers: int) -> tuple[int, int] | None:
     return int(start), int(end)
 
 
-def make_discoveries(args: argparse.Namespace, node: Node) -> list:
+def make_discoveries(args: argparse.Namespace, settings: NodeSettings) -> list:
     found: list = [StaticDiscovery(parse_peers(args.peers))]
     if args.discovery == "manual":
         if args.discovery_config is None:
             raise ValueError("--discovery manual needs --discovery-config FILE")
         found.append(ManualDiscovery(args.discovery_config))
     elif args.discovery == "udp":
-        def announcement() -> Announcement:
-            s = node.settings
-            return Announcement(node.id, int(s.address.rpartition(":")[2]), s.model_id, s.engine, s.memory_bytes)
-
+        port = parse_address(settings.address)[1]
+        announcement = Announcement(settings.node_id, port, settings.model_id, settings.engine, settings.memory_bytes)
         interfaces = [i.strip() for i in args.discovery_interfaces.split(",")] if args.discovery_interfaces else None
-        udp = UdpDiscovery(announcement, args.discovery_port, args.discovery_interval, args.discovery_timeout,
-                           interfaces)
-        node.stat_sources.append(udp.stats)
-        found.append(udp)
+        found.append(UdpDiscovery(lambda: announcement, args.discovery_port, args.discovery_interval,
+                                  args.discovery_timeout, interfaces))
     return found
+
+
+async def serve_api(stack: AsyncExitStack, args: argparse.Namespace, node: Node) -> str:
+    settings = ApiSettings(max_tokens_cap=args.max_tokens, max_body_bytes=args.max_body_kb * 1024,
+                           max_concurrent=args.max_concurrent_requests, api_key=args.api_key or None,
+                           cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))
+    runner = web.AppRunner(Api(node, settings).app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    await web.TCPSite(runner, args.api_host, args.api_port).start()
+    host, port = runner.addresses[0][:2]
+    return f"http://{host}:{port}"
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -137,47 +147,41 @@ async def run(args: argparse.Namespace) -> int:
     )
     advertise = args.advertise_host or (args.host if args.host not in ("0.0.0.0", "::", "") else default_advertise_host())
     memory = int(args.memory_gb * 2**30) if args.memory_gb is not None else available_memory()
-    peers = PeerPool(DEFAULT_MAX_MESSAGE_BYTES)
-    settings = NodeSettings(node_id=node_id, model_dir=args.model, model_id=args.model.resolve().name,
-                            address="", memory_bytes=memory, engine=engine, pinned=pinned,
-                            max_tensor_bytes=DEFAULT_MAX_MESSAGE_BYTES - (1 << 20),
-                            request_timeout=args.request_timeout, sample_batch_max=args.sample_batch_max,
-                            sample_batch_window_ms=args.sample_batch_window_ms)
-    node = Node(settings, config, tokenizer, factory, peers)
-    server, port = await start_server(node, args.host, args.grpc_port, DEFAULT_MAX_MESSAGE_BYTES)
-    settings.address = f"{advertise}:{port}"
-    node.start()
-    membership = Membership(node, make_discoveries(args, node), interval=args.discovery_interval)
-    await membership.start()
-    if args.wait_for_peers:
-        await membership.wait_for_peers(args.wait_for_peers)
-    if pinned is not None:  # a pinned node knows its shard up front: load it now, not on the first request
-        await node.shards.get(node.make_pinned_shard())
-    print(f"exo-node {node_id}: gRPC listening on {settings.address} (model {settings.model_id})", flush=True)
-    runner = None
-    if not args.no_api:
-        api_settings = ApiSettings(max_tokens_cap=args.max_tokens, max_body_bytes=args.max_body_kb * 1024,
-                                   max_concurrent=args.max_concurrent_requests, api_key=args.api_key or None,
-                                   cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))
-        runner = web.AppRunner(Api(node, api_settings).app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, args.api_host, args.api_port)
-        await site.start()
-        host, api_port = runner.addresses[0][:2]
-        print(f"exo-node {node_id}: API listening on http://{host}:{api_port}", flush=True)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down")
-    if runner is not None:
-        await runner.cleanup()
-    await membership.stop()
-    await server.stop(grace=1.0)
-    await node.stop()
-    await peers.close()
+    # Everything started below is stopped in reverse order on the way out, also when start-up fails halfway.
+    async with AsyncExitStack() as stack:
+        server = GrpcServer(args.host, args.grpc_port, DEFAULT_MAX_MESSAGE_BYTES)  # binds now: our address is known
+        stack.push_async_callback(server.stop)
+        settings = NodeSettings(node_id=node_id, model_dir=args.model, model_id=args.model.resolve().name,
+                                address=f"{advertise}:{server.port}", memory_bytes=memory, engine=engine,
+                                pinned=pinned, max_tensor_bytes=DEFAULT_MAX_MESSAGE_BYTES - (1 << 20),
+                                request_timeout=args.request_timeout, sample_batch_max=args.sample_batch_max,
+                                sample_batch_window_ms=args.sample_batch_window_ms)
+        transport = GrpcTransport(DEFAULT_MAX_MESSAGE_BYTES)
+        stack.push_async_callback(transport.close)
+        discoveries = make_discoveries(args, settings)
+        node = Node(settings, config, tokenizer, factory, transport,
+                    stat_sources=[d.stats for d in discoveries if isinstance(d, UdpDiscovery)])
+        stack.push_async_callback(node.stop)
+        node.start()
+        await server.start(node)
+        membership = Membership(node.id, node.address, transport, discoveries, node.update_peers,
+                                interval=args.discovery_interval)
+        stack.push_async_callback(membership.stop)
+        await membership.start()
+        if args.wait_for_peers:
+            await membership.wait_for_peers(args.wait_for_peers)
+        if pinned is not None:  # a pinned node knows its shard up front: load it now, not on the first request
+            await node.shards.get(node.make_pinned_shard())
+        print(f"exo-node {node_id}: gRPC listening on {settings.address} (model {settings.model_id})", flush=True)
+        if not args.no_api:
+            url = await serve_api(stack, args, node)
+            print(f"exo-node {node_id}: API listening on {url}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down")
     return 0
 
 

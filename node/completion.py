@@ -22,7 +22,7 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
-class Piece:
+class TextDelta:
     """Newly released text, the tokens it came from (with logprobs if asked), and the finish reason at the end."""
 
     text: str
@@ -50,7 +50,7 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
-async def run_job(node: Node, job: Job) -> AsyncIterator[Piece]:
+async def run_job(node: Node, job: Job) -> AsyncIterator[TextDelta]:
     tok = node.tokenizer
     decoder = tok.stream()
     text, sent = "", 0  # everything decoded so far / how much of it the client has
@@ -58,16 +58,16 @@ async def run_job(node: Node, job: Job) -> AsyncIterator[Piece]:
     count = 0
     want_logprobs = job.sampling.top_logprobs is not None
 
-    def release(upto: int, reason: str | None = None, every_token: bool = False) -> Piece:
+    def release(upto: int, reason: str | None = None, every_token: bool = False) -> TextDelta:
         """Hand out text[sent:upto] with the logprobs of the tokens whose text starts before `upto`."""
         nonlocal sent, queued
         out = tuple(lp for off, lp in queued if off < upto or every_token)
         queued = [(off, lp) for off, lp in queued if not (off < upto or every_token)]
-        piece = Piece(text[sent:upto], out, reason, count)
+        piece = TextDelta(text[sent:upto], out, reason, count)
         sent = upto
         return piece
 
-    events = node.generate(job.prompt, job.sampling, job.max_tokens)
+    events = node.entry.generate(job.prompt, job.sampling, job.max_tokens)
     try:
         async for event in events:
             for result in event.results:

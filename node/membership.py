@@ -1,15 +1,14 @@
-"""Keeps the node's view of its peers: discovery proposes addresses, a gRPC HealthCheck confirms them."""
+"""Keeps the node's view of its peers: discovery proposes addresses, a health check over the transport confirms them."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
-import grpc
-
-from . import wire
-from .node import Node
+from .topology import NodeInfo
+from .transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -21,11 +20,14 @@ class Discovery(Protocol):
 
 
 class Membership:
-    """Health-checks every candidate each interval; the peers that answer are the node's topology."""
+    """Health-checks every candidate each interval; the peers that answer are reported to `on_change`."""
 
-    def __init__(self, node: Node, discoveries: list[Discovery], interval: float = 1.0, check_timeout: float = 1.0):
-        self.node, self.discoveries = node, discoveries
+    def __init__(self, self_id: str, self_address: str, transport: Transport, discoveries: list[Discovery],
+                 on_change: Callable[[dict[str, NodeInfo]], None], interval: float = 1.0, check_timeout: float = 1.0):
+        self.self_id, self.self_address, self.transport = self_id, self_address, transport
+        self.discoveries, self.on_change = discoveries, on_change
         self.interval, self.check_timeout = interval, check_timeout
+        self.peers: dict[str, NodeInfo] = {}
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()
 
@@ -42,7 +44,7 @@ class Membership:
             await d.stop()
 
     async def wait_for_peers(self, n: int) -> None:
-        while len(self.node.known_peers) < n:
+        while len(self.peers) < n:
             self._changed.clear()
             await self._changed.wait()
 
@@ -53,28 +55,21 @@ class Membership:
 
     async def refresh(self) -> None:
         candidates = [a for d in self.discoveries for a in d.candidates()]
-        addresses = [a for a in dict.fromkeys(candidates) if a != self.node.settings.address]
+        addresses = [a for a in dict.fromkeys(candidates) if a != self.self_address]
         infos = await asyncio.gather(*(self._check(a) for a in addresses))
         peers = {}
         for address, info in zip(addresses, infos):
-            if info is not None and info.node_id != self.node.id:
+            if info is not None and info.node_id != self.self_id:
                 # Reach the peer where we found it, whatever address it believes it has.
                 peers[info.node_id] = dataclasses.replace(info, address=address)
-        for gone in self.node.known_peers.keys() - peers.keys():
-            log.info("peer %s left", gone)
-            self.node.counters["peers_left"] += 1
-        for new in peers.keys() - self.node.known_peers.keys():
-            log.info("peer %s joined at %s", new, peers[new].address)
-            self.node.counters["peers_joined"] += 1
-        self.node.known_peers = peers
+        self.peers = peers
+        self.on_change(peers)
         self._changed.set()
 
-    async def _check(self, address: str):
+    async def _check(self, address: str) -> NodeInfo | None:
         try:
-            response = await self.node.peers.get(address).health_check(self.check_timeout)
-            return wire.decode_node_info(response.node) if response.ok else None
-        except grpc.aio.AioRpcError:
-            return None
-        except wire.WireError as e:
-            log.warning("peer at %s sent a bad HealthCheck answer: %s", address, e)
+            return await self.transport.health_check(address, self.check_timeout)
+        except TransportError as e:
+            if e.kind == "malformed":
+                log.warning("peer at %s sent a bad HealthCheck answer: %s", address, e)
             return None

@@ -1,13 +1,33 @@
-"""gRPC client for one peer: explicit message size limits and a deadline on every call."""
+"""The gRPC client side of the transport: one channel per peer, explicit message size limits, a deadline on every
+call, and gRPC's errors turned into `TransportError`s."""
 from __future__ import annotations
 
+import functools
+
 import grpc
+import numpy as np
 
 from proto import node_service_pb2 as pb
 from proto import node_service_pb2_grpc as pb_grpc
 
+from . import wire
+from .plan import RequestSpec
+from .requests import Activation, TokenMessage
+from .topology import NodeInfo
+from .transport import TransportError
+
 # Activations of a long prompt can be large (tokens x hidden x 4 bytes); grpc's default cap is 4 MiB.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+_KINDS = {
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+    grpc.StatusCode.INVALID_ARGUMENT: "refused",
+    grpc.StatusCode.FAILED_PRECONDITION: "refused",
+    grpc.StatusCode.UNAUTHENTICATED: "refused",
+    grpc.StatusCode.PERMISSION_DENIED: "refused",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "refused",
+}
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -17,53 +37,70 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-class PeerClient:
-    def __init__(self, address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rpc_timeout: float = 30.0):
-        self.address = address
-        self.rpc_timeout = rpc_timeout
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
-        self.stub = pb_grpc.NodeServiceStub(self.channel)
+def _translated(call):
+    """Turn a gRPC error of the wrapped call into a TransportError naming the peer."""
 
-    async def send_prompt(self, request: pb.SendPromptRequest) -> None:
-        await self.stub.SendPrompt(request, timeout=self.rpc_timeout)
+    @functools.wraps(call)
+    async def wrapper(self: "GrpcTransport", address: str, *args, **kwargs):
+        try:
+            return await call(self, address, *args, **kwargs)
+        except grpc.aio.AioRpcError as e:
+            raise TransportError(_KINDS.get(e.code(), "error"), f"{address}: {e.code().name} {e.details()}") from None
+        except wire.WireError as e:
+            raise TransportError("malformed", f"{address} answered with a malformed message: {e}") from None
 
-    async def send_tensor(self, request: pb.SendTensorRequest) -> pb.SendTensorResponse:
-        return await self.stub.SendTensor(request, timeout=self.rpc_timeout)
-
-    async def send_result(self, request: pb.SendResultRequest) -> None:
-        await self.stub.SendResult(request, timeout=self.rpc_timeout)
-
-    async def end_request(self, request_id: str, reason: str) -> None:
-        await self.stub.EndRequest(pb.EndRequestRequest(request_id=request_id, reason=reason), timeout=self.rpc_timeout)
-
-    async def health_check(self, timeout: float = 2.0) -> pb.HealthCheckResponse:
-        return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
-
-    async def collect_topology(self, timeout: float = 5.0) -> pb.Topology:
-        return await self.stub.CollectTopology(pb.CollectTopologyRequest(), timeout=timeout)
-
-    async def close(self) -> None:
-        await self.channel.close()
+    return wrapper
 
 
-class PeerPool:
-    """One channel per address, reused for every call."""
+class GrpcTransport:
+    """The `Transport` over gRPC."""
 
     def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rpc_timeout: float = 30.0):
         self.max_message_bytes, self.rpc_timeout = max_message_bytes, rpc_timeout
-        self.clients: dict[str, PeerClient] = {}
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, pb_grpc.NodeServiceStub] = {}
 
-    def get(self, address: str) -> PeerClient:
-        client = self.clients.get(address)
-        if client is None:
-            client = self.clients[address] = PeerClient(address, self.max_message_bytes, self.rpc_timeout)
-        return client
+    def stub(self, address: str) -> pb_grpc.NodeServiceStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = self.channels[address] = grpc.aio.insecure_channel(
+                address, options=channel_options(self.max_message_bytes))
+            stub = self._stubs[address] = pb_grpc.NodeServiceStub(channel)
+        return stub
 
-    async def drop(self, address: str) -> None:
-        client = self.clients.pop(address, None)
-        if client is not None:
-            await client.close()
+    @_translated
+    async def send_prompt(self, address: str, spec: RequestSpec, tokens: np.ndarray) -> None:
+        request = pb.SendPromptRequest(spec=wire.encode_spec(spec), tokens=wire.encode_tensor(tokens))
+        await self.stub(address).SendPrompt(request, timeout=self.rpc_timeout)
+
+    @_translated
+    async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[tuple[str, str]]:
+        request = pb.SendTensorRequest(entries=[wire.encode_activation(a) for a in activations])
+        response = await self.stub(address).SendTensor(request, timeout=self.rpc_timeout)
+        return [(r.request_id, r.reason) for r in response.rejected]
+
+    @_translated
+    async def send_tokens(self, address: str, message: TokenMessage) -> None:
+        await self.stub(address).SendResult(wire.encode_tokens(message), timeout=self.rpc_timeout)
+
+    @_translated
+    async def end_request(self, address: str, request_id: str, reason: str) -> None:
+        request = pb.EndRequestRequest(request_id=request_id, reason=reason)
+        await self.stub(address).EndRequest(request, timeout=self.rpc_timeout)
+
+    @_translated
+    async def health_check(self, address: str, timeout: float = 2.0) -> NodeInfo:
+        response = await self.stub(address).HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
+        if not response.ok:
+            raise TransportError("unavailable", f"{address} says it is not ready")
+        return wire.decode_node_info(response.node)
+
+    async def forget(self, address: str) -> None:
+        self._stubs.pop(address, None)
+        channel = self.channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
 
     async def close(self) -> None:
-        for address in list(self.clients):
-            await self.drop(address)
+        for address in list(self.channels):
+            await self.forget(address)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import discovery.address
 from shards.sampling import SamplingParams
 from shards.shard import Shard
 
@@ -85,7 +86,7 @@ def check_plan(plan: tuple[PlanStep, ...]) -> None:
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise PlanError(f"address must be host:port, got {address!r}")
-    return host.strip("[]"), int(port)
+    try:
+        return discovery.address.parse_address(address)
+    except ValueError as e:
+        raise PlanError(str(e)) from None

@@ -1,4 +1,4 @@
-"""Per-request records a node keeps, and what the entry node hands to its caller."""
+"""What nodes say to each other about requests, and what a node remembers of each, free of any transport."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from shards.sampling import SampleResult, SamplerState
+from shards.shard import Shard
 
-from .plan import RequestSpec
+from .plan import PlanStep, RequestSpec
 
 
 class GenerationError(RuntimeError):
@@ -16,10 +17,24 @@ class GenerationError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class TokenEvent:
-    results: tuple[SampleResult, ...]
-    finished: bool
-    finish_reason: str | None = None
+class Activation:
+    """One request's input for a node: int64 token ids [T] for the first shard, float32 hidden states [T, hidden]
+    for the others."""
+
+    request_id: str
+    data: np.ndarray
+    spec: RequestSpec | None = None  # travels with a request's first message to each node
+
+
+@dataclass(frozen=True)
+class TokenMessage:
+    """From the last node to the entry node: sampled tokens, and whether (and why) the request is over."""
+
+    request_id: str
+    results: tuple[SampleResult, ...] = ()
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | error
+    error: str | None = None  # what went wrong, when finish_reason is "error"
 
 
 @dataclass
@@ -27,16 +42,26 @@ class RequestState:
     """This node's part of one request."""
 
     spec: RequestSpec
-    index: int  # our step in the plan
+    step_index: int  # our position in the plan
     sampler: SamplerState | None = None  # last node only
-    generated: int = 0  # last node only
+    generated: int = 0  # last node only: tokens sampled so far
     spec_sent: bool = False  # has our successor received the spec?
 
+    @property
+    def id(self) -> str:
+        return self.spec.request_id
 
-@dataclass
-class Work:
-    request_id: str
-    data: np.ndarray  # int64 tokens [T] on the first shard, float32 hidden [T, hidden] elsewhere
+    @property
+    def step(self) -> PlanStep:
+        return self.spec.plan[self.step_index]
+
+    @property
+    def shard(self) -> Shard:
+        return self.step.shard
+
+    @property
+    def next_step(self) -> PlanStep | None:
+        return self.spec.plan[self.step_index + 1] if self.step_index + 1 < len(self.spec.plan) else None
 
 
 class Tombstones:

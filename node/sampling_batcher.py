@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 from collections import Counter, defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,11 +38,11 @@ class SampleItem:
     params: SamplingParams
     state: SamplerState
     engine: Engine
-    revision: str  # model identity: rows of different models never share a call
+    model_id: str  # rows of different models never share a call
 
     @property
     def group_key(self) -> tuple:
-        return (self.engine.name, self.revision, self.logits.shape[-1], self.logits.dtype.str)
+        return (self.engine.name, self.model_id, self.logits.shape[-1], self.logits.dtype.str)
 
 
 @dataclass
@@ -52,7 +52,10 @@ class _Pending:
 
 
 class SamplingBatcher:
-    def __init__(self, max_batch: int = 8, window_ms: float = 5.0):
+    """Batches rows and samples them on `executor`: the node passes its engine thread, where every engine call runs.
+    Counters are only touched on the event loop."""
+
+    def __init__(self, max_batch: int = 8, window_ms: float = 5.0, executor: Executor | None = None):
         if max_batch < 1 or window_ms < 0:
             raise ValueError("max_batch must be >= 1 and window_ms >= 0")
         self.max_batch, self.window = max_batch, window_ms / 1000.0
@@ -62,8 +65,9 @@ class SamplingBatcher:
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
-        # Sampling runs off the event loop, one call at a time, so the loop keeps serving RPCs meanwhile.
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
+        # Sampling runs off the event loop, so the loop keeps serving RPCs meanwhile.
+        self._own_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
 
     # -- producer side ----------------------------------------------------------------------------------------
     def submit(self, item: SampleItem) -> asyncio.Future:
@@ -105,7 +109,8 @@ class SamplingBatcher:
                 p.future.set_exception(BatcherClosed("the sampling batcher shut down before this row was sampled"))
         self._pending = []
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        if self._own_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- the sampling ----------------------------------------------------------------------------------------
     async def _run(self, batch: list[_Pending]) -> None:
@@ -116,7 +121,11 @@ class SamplingBatcher:
         self.stats[f"sample_batch_size_{len(batch)}"] += 1
         loop = asyncio.get_running_loop()
         for group in groups.values():
-            results = await loop.run_in_executor(self._thread, self._sample_group, [p.item for p in group])
+            results, counts = await loop.run_in_executor(self._executor, self._sample_group, [p.item for p in group])
+            self.stats.update(counts)
+            for item, reason in counts.fallbacks:
+                log.info("sampling fallback for %d rows (engine %s, vocab %d): %s", len(group), item.engine.name,
+                         item.logits.shape[-1], reason)  # metadata only: never logits or text
             for p, result in zip(group, results):
                 if p.future.done():
                     continue  # cancelled while we sampled; nobody waits for it
@@ -125,7 +134,9 @@ class SamplingBatcher:
                 else:
                     p.future.set_result(result)
 
-    def _sample_group(self, items: list[SampleItem]) -> list[SampleResult | BaseException]:
+    def _sample_group(self, items: list[SampleItem]) -> tuple[list[SampleResult | BaseException], "_Counts"]:
+        """On the executor's thread: sample one group, counting what happened (the loop adds the counts)."""
+        counts = _Counts()
         engine = items[0].engine
         if self.batching and len(items) > 1 and engine.batched_sampling:
             snapshots = [i.state.snapshot() for i in items]
@@ -133,32 +144,37 @@ class SamplingBatcher:
                 results = engine.sample(np.stack([i.logits for i in items]), [i.params for i in items],
                                         [i.state for i in items])
                 _validate(results, items)
-                self.stats["sample_calls"] += 1
-                return results
+                counts["sample_calls"] += 1
+                return results, counts
             except Exception as e:
                 for item, snap in zip(items, snapshots):
                     item.state.restore(snap)
-                self._note_fallback(items, f"batched sampler failed: {type(e).__name__}")
+                counts.fallback(items, f"batched sampler failed: {type(e).__name__}")
         elif len(items) > 1:
-            self._note_fallback(items, "engine has no batched sampler" if self.batching else "batching disabled")
-        return [self._sample_alone(item) for item in items]
+            counts.fallback(items, "engine has no batched sampler" if self.batching else "batching disabled")
+        return [_sample_alone(item, counts) for item in items], counts
 
-    def _sample_alone(self, item: SampleItem) -> SampleResult | BaseException:
-        try:
-            result = item.engine.sample_one(item.logits, item.params, item.state)
-            _validate([result], [item])
-            self.stats["sample_calls"] += 1
-            return result
-        except Exception as e:  # only this request fails
-            self.stats["sample_errors"] += 1
-            log.warning("sampling failed for request %s: %s", item.request_id, type(e).__name__)
-            return e
 
-    def _note_fallback(self, items: list[SampleItem], reason: str) -> None:
-        self.stats["sample_fallbacks"] += len(items)
-        # metadata only: never logits or text
-        log.info("sampling fallback for %d rows (engine %s, vocab %d): %s", len(items), items[0].engine.name,
-                 items[0].logits.shape[-1], reason)
+class _Counts(Counter):
+    def __init__(self):
+        super().__init__()
+        self.fallbacks: list[tuple[SampleItem, str]] = []
+
+    def fallback(self, items: list[SampleItem], reason: str) -> None:
+        self["sample_fallbacks"] += len(items)
+        self.fallbacks.append((items[0], reason))
+
+
+def _sample_alone(item: SampleItem, counts: _Counts) -> SampleResult | BaseException:
+    try:
+        result = item.engine.sample_one(item.logits, item.params, item.state)
+        _validate([result], [item])
+        counts["sample_calls"] += 1
+        return result
+    except Exception as e:  # only this request fails
+        counts["sample_errors"] += 1
+        log.warning("sampling failed for request %s: %s", item.request_id, type(e).__name__)
+        return e
 
 
 def _validate(results: object, items: list[SampleItem]) -> None:

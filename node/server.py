@@ -1,71 +1,83 @@
-"""gRPC service: decode and validate what peers send, hand it to the Node, map bad input to INVALID_ARGUMENT."""
+"""The gRPC service side of the transport: decode and validate what peers send (once, here), hand typed values to
+the node, and map bad input to INVALID_ARGUMENT."""
 from __future__ import annotations
 
+from typing import Protocol
+
 import grpc
+import numpy as np
 
 from proto import node_service_pb2 as pb
 from proto import node_service_pb2_grpc as pb_grpc
 
 from . import wire
-from .node import Node
 from .peer import channel_options
-from .plan import PlanError
+from .plan import PlanError, RequestSpec
+from .requests import Activation, TokenMessage
+from .topology import NodeInfo
+
+
+class Handler(Protocol):
+    """What the service needs of a node."""
+
+    max_tensor_bytes: int
+
+    def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray) -> None: ...
+    def accept_activations(self, activations: list[Activation]) -> list[tuple[str, str]]: ...
+    def accept_tokens(self, message: TokenMessage) -> None: ...
+    def end_request(self, request_id: str, reason: str) -> None: ...
+    def info(self) -> NodeInfo: ...
 
 
 class NodeServicer(pb_grpc.NodeServiceServicer):
-    def __init__(self, node: Node):
+    def __init__(self, node: Handler):
         self.node = node
 
     async def SendPrompt(self, request: pb.SendPromptRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         try:
             spec = wire.decode_spec(request.spec)
-            tokens = wire.decode_tensor(request.tokens, self.node.settings.max_tensor_bytes)
-            self.node.accept_prompt(spec, tokens)
+            self.node.accept_prompt(spec, wire.decode_tensor(request.tokens, self.node.max_tensor_bytes))
         except (wire.WireError, PlanError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.Ack()
 
     async def SendTensor(self, request: pb.SendTensorRequest, context: grpc.aio.ServicerContext) -> pb.SendTensorResponse:
         try:
-            entries = [
-                (
-                    e.request_id,
-                    wire.decode_tensor(e.tensor, self.node.settings.max_tensor_bytes),
-                    wire.decode_spec(e.spec) if e.HasField("spec") else None,
-                )
-                for e in request.entries
-            ]
+            activations = [wire.decode_activation(e, self.node.max_tensor_bytes) for e in request.entries]
         except wire.WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rejected = self.node.accept_tensors(entries)
+        rejected = self.node.accept_activations(activations)
         return pb.SendTensorResponse(rejected=[pb.Rejected(request_id=r, reason=why) for r, why in rejected])
 
     async def SendResult(self, request: pb.SendResultRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         try:
-            for t in request.tokens:
-                wire.decode_result(t)
+            message = wire.decode_tokens(request)
         except wire.WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self.node.accept_result(request)
+        self.node.accept_tokens(message)
         return pb.Ack()
 
     async def EndRequest(self, request: pb.EndRequestRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         self.node.end_request(request.request_id, request.reason[:32])
         return pb.Ack()
 
-    async def CollectTopology(self, request: pb.CollectTopologyRequest, context: grpc.aio.ServicerContext) -> pb.Topology:
-        return wire.encode_topology(self.node.topology())
-
     async def HealthCheck(self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
         return pb.HealthCheckResponse(ok=True, node=wire.encode_node_info(self.node.info()))
 
 
-async def start_server(node: Node, host: str, port: int, max_message_bytes: int) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the bound port (port 0 picks a free one)."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes))
-    pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(node), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen for gRPC on {host}:{port}")
-    await server.start()
-    return server, bound
+class GrpcServer:
+    """The node's gRPC server: the port is bound first (so the node's address is known before the node is built),
+    the service is attached and started afterwards."""
+
+    def __init__(self, host: str, port: int, max_message_bytes: int):
+        self.server = grpc.aio.server(options=channel_options(max_message_bytes))
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen for gRPC on {host}:{port}")
+
+    async def start(self, node: Handler) -> None:
+        pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(node), self.server)
+        await self.server.start()
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)

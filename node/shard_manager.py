@@ -1,4 +1,4 @@
-"""Engines for the shards a node has been assigned, loaded on demand, once, on the engine thread."""
+"""Engines for the shards a node has been assigned, loaded on demand, once, and the one thread that runs them."""
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from shards.config import ModelConfig
-from shards.engine import Engine
+from shards.engine import Engine, EngineInputError, StepInput
 from shards.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -20,8 +22,8 @@ EngineFactory = Callable[[Path, Shard, ModelConfig], Engine]
 class ShardManager:
     """Owns the engines and the single thread that runs them.
 
-    Every engine call (load, forward, sample, release) runs on one thread, in submission order: KV caches are
-    not thread-safe, and a release queued after a forward can never be overtaken by it.
+    Every engine call (load, validate, forward, sample, release) runs on one thread, in submission order: KV caches
+    are not thread-safe, and a release queued after a forward can never be overtaken by it.
     """
 
     def __init__(self, model_dir: Path, config: ModelConfig, factory: EngineFactory):
@@ -56,6 +58,12 @@ class ShardManager:
         self.engines[shard] = engine
         return engine
 
+    async def forward(self, engine: Engine, inputs: list[tuple[str, np.ndarray]]) \
+            -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """One forward pass over (request id, input) pairs: outputs per request, and the requests whose input the
+        engine refused (with why), which are left out of the pass instead of failing it."""
+        return await self.run(_forward, engine, inputs)
+
     def release(self, request_id: str) -> None:
         """Queue the release of a request's caches in every engine (after any forward already queued)."""
         for engine in list(self.engines.values()):
@@ -71,3 +79,16 @@ class ShardManager:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _forward(engine: Engine, inputs: list[tuple[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    items, refused = [], {}
+    for rid, data in inputs:
+        item = StepInput(rid, tokens=data) if engine.shard.is_first else StepInput(rid, hidden=data)
+        try:
+            engine.validate([item])
+            items.append(item)
+        except EngineInputError as e:
+            refused[rid] = str(e)
+    outputs = engine.forward(items) if items else []
+    return {item.request_id: out for item, out in zip(items, outputs)}, refused

@@ -12,8 +12,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from node.plan import PlanStep, RequestSpec, parse_address
-from node.topology import Capabilities, NodeInfo, PeerLink, Topology
+from node.plan import MAX_REQUEST_ID, PlanStep, RequestSpec, parse_address
+from node.requests import Activation, TokenMessage
+from node.topology import Capabilities, NodeInfo
 from proto import node_service_pb2 as pb
 from shards.sampling import MAX_TOP_LOGPROBS, SampleResult, SamplingParams
 from shards.shard import Shard
@@ -27,8 +28,9 @@ MAX_PLAN_STEPS = 64
 MAX_STOP_IDS = 1024
 MAX_LOADED = 64
 MAX_STATUS = 256
-MAX_NODES = 1024
-MAX_LINKS = 16384
+MAX_TOKENS_PER_MESSAGE = 1024
+MAX_ERROR = 4096
+FINISH_REASONS = ("", "stop", "length", "error")
 _UINT64 = 2**64
 
 # The allow-list: wire name -> little-endian dtype. The names are exact ("<f4", "float64", "" are rejected).
@@ -226,25 +228,6 @@ def decode_node_info(m: pb.NodeInfo) -> NodeInfo:
     return NodeInfo(node_id, address, caps, pinned, loaded, m.active_requests, status)
 
 
-def encode_topology(t: Topology) -> pb.Topology:
-    return pb.Topology(
-        nodes=[encode_node_info(n) for n in t.nodes],
-        links=[pb.PeerLink(from_id=link.from_id, to_id=link.to_id) for link in t.links],
-    )
-
-
-def decode_topology(m: pb.Topology) -> Topology:
-    nodes = tuple(decode_node_info(n) for n in _count(m.nodes, "nodes", MAX_NODES))
-    ids = [n.node_id for n in nodes]
-    if len(set(ids)) != len(ids):
-        raise WireError("topology lists a node id twice")
-    links = tuple(
-        PeerLink(_text(link.from_id, "link from_id"), _text(link.to_id, "link to_id"))
-        for link in _count(m.links, "links", MAX_LINKS)
-    )
-    return Topology(nodes, links)
-
-
 # --- results ---------------------------------------------------------------------------------------------
 
 
@@ -272,3 +255,34 @@ def decode_result(m: pb.TokenResult) -> SampleResult:
         logprob=_logprob(m.logprob) if m.HasField("logprob") else None,
         top_logprobs=tuple((t.token, _logprob(t.logprob)) for t in m.top_logprobs),
     )
+
+
+def encode_tokens(m: TokenMessage) -> pb.SendResultRequest:
+    return pb.SendResultRequest(request_id=m.request_id, tokens=[encode_result(r) for r in m.results],
+                                finished=m.finished, finish_reason=m.finish_reason or "", error=m.error or "")
+
+
+def decode_tokens(m: pb.SendResultRequest) -> TokenMessage:
+    request_id = _text(m.request_id, "request_id", MAX_REQUEST_ID)
+    results = tuple(decode_result(t) for t in _count(m.tokens, "tokens", MAX_TOKENS_PER_MESSAGE))
+    if m.finish_reason not in FINISH_REASONS:
+        raise WireError(f"unknown finish_reason {m.finish_reason[:32]!r}")
+    if m.finish_reason and not m.finished:
+        raise WireError("finish_reason given for an unfinished request")
+    return TokenMessage(request_id, results, m.finished, m.finish_reason or None,
+                        _text(m.error, "error", MAX_ERROR, required=False) or None)
+
+
+# --- activations -----------------------------------------------------------------------------------------
+
+
+def encode_activation(a: Activation) -> pb.TensorEntry:
+    entry = pb.TensorEntry(request_id=a.request_id, tensor=encode_tensor(a.data))
+    if a.spec is not None:
+        entry.spec.CopyFrom(encode_spec(a.spec))
+    return entry
+
+
+def decode_activation(m: pb.TensorEntry, max_bytes: int) -> Activation:
+    return Activation(_text(m.request_id, "request_id", MAX_REQUEST_ID), decode_tensor(m.tensor, max_bytes),
+                      decode_spec(m.spec) if m.HasField("spec") else None)

@@ -189,14 +189,6 @@ class NodeInfo(_message.Message):
     status: _containers.ScalarMap[str, int]
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., pinned: _Optional[_Union[ShardRange, _Mapping]] = ..., loaded: _Optional[_Iterable[_Union[ShardRange, _Mapping]]] = ..., active_requests: _Optional[int] = ..., status: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
-class PeerLink(_message.Message):
-    __slots__ = ("from_id", "to_id")
-    FROM_ID_FIELD_NUMBER: _ClassVar[int]
-    TO_ID_FIELD_NUMBER: _ClassVar[int]
-    from_id: str
-    to_id: str
-    def __init__(self, from_id: _Optional[str] = ..., to_id: _Optional[str] = ...) -> None: ...
-
 class HealthCheckRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -208,15 +200,3 @@ class HealthCheckResponse(_message.Message):
     ok: bool
     node: NodeInfo
     def __init__(self, ok: _Optional[bool] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
-
-class CollectTopologyRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class Topology(_message.Message):
-    __slots__ = ("nodes", "links")
-    NODES_FIELD_NUMBER: _ClassVar[int]
-    LINKS_FIELD_NUMBER: _ClassVar[int]
-    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
-    links: _containers.RepeatedCompositeFieldContainer[PeerLink]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ...) -> None: ...

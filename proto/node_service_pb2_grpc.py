@@ -54,11 +54,6 @@ class NodeServiceStub:
                 request_serializer=proto_dot_node__service__pb2.EndRequestRequest.SerializeToString,
                 response_deserializer=proto_dot_node__service__pb2.Ack.FromString,
                 _registered_method=True)
-        self.CollectTopology = channel.unary_unary(
-                '/exo_node.NodeService/CollectTopology',
-                request_serializer=proto_dot_node__service__pb2.CollectTopologyRequest.SerializeToString,
-                response_deserializer=proto_dot_node__service__pb2.Topology.FromString,
-                _registered_method=True)
         self.HealthCheck = channel.unary_unary(
                 '/exo_node.NodeService/HealthCheck',
                 request_serializer=proto_dot_node__service__pb2.HealthCheckRequest.SerializeToString,
@@ -93,12 +88,6 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def CollectTopology(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def HealthCheck(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -127,11 +116,6 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.EndRequest,
                     request_deserializer=proto_dot_node__service__pb2.EndRequestRequest.FromString,
                     response_serializer=proto_dot_node__service__pb2.Ack.SerializeToString,
-            ),
-            'CollectTopology': grpc.unary_unary_rpc_method_handler(
-                    servicer.CollectTopology,
-                    request_deserializer=proto_dot_node__service__pb2.CollectTopologyRequest.FromString,
-                    response_serializer=proto_dot_node__service__pb2.Topology.SerializeToString,
             ),
             'HealthCheck': grpc.unary_unary_rpc_method_handler(
                     servicer.HealthCheck,
@@ -247,33 +231,6 @@ class NodeService:
             '/exo_node.NodeService/EndRequest',
             proto_dot_node__service__pb2.EndRequestRequest.SerializeToString,
             proto_dot_node__service__pb2.Ack.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CollectTopology(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/exo_node.NodeService/CollectTopology',
-            proto_dot_node__service__pb2.CollectTopologyRequest.SerializeToString,
-            proto_dot_node__service__pb2.Topology.FromString,
             options,
             channel_credentials,
             insecure,

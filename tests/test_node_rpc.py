@@ -8,11 +8,12 @@ import pytest
 from node import wire
 from shards.engines import engine_factory
 from node.node import Node, NodeSettings
-from node.peer import DEFAULT_MAX_MESSAGE_BYTES, PeerClient, PeerPool
+from node.peer import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, channel_options
 from node.plan import PlanStep, RequestSpec
-from node.server import start_server
+from node.server import GrpcServer
 from node.shard_manager import ShardManager
 from proto import node_service_pb2 as pb
+from proto import node_service_pb2_grpc as pb_grpc
 from shards.config import ModelConfig
 from shards.numpy_engine import NumpyEngine
 from shards.sampling import SamplingParams
@@ -27,22 +28,45 @@ def run(coro):
     return asyncio.run(coro)
 
 
+class RawClient:
+    """Sends protobuf messages as they are, hostile ones included (the transport would refuse to build them)."""
+
+    def __init__(self, address):
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(DEFAULT_MAX_MESSAGE_BYTES))
+        self.stub = pb_grpc.NodeServiceStub(self.channel)
+
+    async def send_prompt(self, request):
+        return await self.stub.SendPrompt(request, timeout=10)
+
+    async def send_tensor(self, request):
+        return await self.stub.SendTensor(request, timeout=10)
+
+    async def end_request(self, request_id, reason):
+        return await self.stub.EndRequest(pb.EndRequestRequest(request_id=request_id, reason=reason), timeout=10)
+
+    async def health_check(self):
+        return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=10)
+
+    async def close(self):
+        await self.channel.close()
+
+
 async def serving(pinned=None, node_id="n0"):
     cfg = ModelConfig.from_dir(MODEL)
-    settings = NodeSettings(node_id=node_id, model_dir=MODEL, model_id="llama", address="", memory_bytes=1 << 30,
-                            pinned=pinned, max_tensor_bytes=8 << 20)
-    node = Node(settings, cfg, Tokenizer(MODEL), engine_factory("numpy"), PeerPool())
-    server, port = await start_server(node, "127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES)
-    settings.address = f"127.0.0.1:{port}"
+    server = GrpcServer("127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES)
+    settings = NodeSettings(node_id=node_id, model_dir=MODEL, model_id="llama", address=f"127.0.0.1:{server.port}",
+                            memory_bytes=1 << 30, pinned=pinned, max_tensor_bytes=8 << 20)
+    node = Node(settings, cfg, Tokenizer(MODEL), engine_factory("numpy"), GrpcTransport())
     node.start()
-    return node, server, PeerClient(settings.address)
+    await server.start(node)
+    return node, server, RawClient(settings.address)
 
 
 async def shutdown(node, server, client):
     await client.close()
     await server.stop(0)
     await node.stop()
-    await node.peers.close()
+    await node.transport.close()
 
 
 def spec_for(node, plan_nodes=(("n0", 0, 3), ("other", 3, 6)), rid="r1"):

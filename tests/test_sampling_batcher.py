@@ -50,8 +50,8 @@ def params(i):
     return SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, top_logprobs=2 if i % 2 else None)
 
 
-def items(engine, logits, states, revision="m"):
-    return [SampleItem(f"r{i}", row, params(i), st, engine, revision) for i, (row, st) in enumerate(zip(logits, states))]
+def items(engine, logits, states, model_id="m"):
+    return [SampleItem(f"r{i}", row, params(i), st, engine, model_id) for i, (row, st) in enumerate(zip(logits, states))]
 
 
 async def sample_all(batcher, its, flush=False):
@@ -96,7 +96,7 @@ def test_mixed_vocab_sizes_and_revisions_form_separate_groups():
     async def go():
         engine, b = Recording(), SamplingBatcher(8, LONG)
         its = items(engine, rows(3, 100), fresh_states(3)) + items(engine, rows(3, 200), fresh_states(3))
-        its += items(engine, rows(2, 100), fresh_states(2), revision="other-model")
+        its += items(engine, rows(2, 100), fresh_states(2), "other-model")
         results = await sample_all(b, its)
         assert sorted(engine.calls) == [2, 3, 3] and b.stats["sample_batches"] == 1
         assert all(r.token < 100 for r in results[:3]) and all(r.token < 200 for r in results[3:6])

@@ -8,7 +8,8 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from node.plan import PlanStep, RequestSpec
-from node.topology import Capabilities, NodeInfo, PeerLink, Topology
+from node.requests import Activation, TokenMessage
+from node.topology import Capabilities, NodeInfo
 from node.wire import (
     MAX_PLAN_STEPS,
     MAX_STOP_IDS,
@@ -19,14 +20,16 @@ from node.wire import (
     decode_shard,
     decode_spec,
     decode_tensor,
-    decode_topology,
+    decode_activation,
+    decode_tokens,
     encode_node_info,
     encode_result,
     encode_sampling,
     encode_shard,
     encode_spec,
     encode_tensor,
-    encode_topology,
+    encode_activation,
+    encode_tokens,
 )
 from proto import node_service_pb2 as pb
 from shards.sampling import SampleResult, SamplingParams
@@ -421,22 +424,6 @@ def test_invalid_node_info_is_rejected(mutate):
         decode_node_info(m)
 
 
-def test_topology_round_trip():
-    t = Topology(
-        nodes=(make_node(), make_node(node_id="n2", address="h2:5000", pinned=(8, 16))),
-        links=(PeerLink("n1", "n2"), PeerLink("n2", "n1")),
-    )
-    assert decode_topology(encode_topology(t)) == t
-    assert decode_topology(pb.Topology()) == Topology(())
-
-
-def test_topology_rejects_duplicate_nodes_and_empty_links():
-    with pytest.raises(WireError, match="twice"):
-        decode_topology(encode_topology(Topology((make_node(), make_node()))))
-    with pytest.raises(WireError):
-        decode_topology(encode_topology(Topology((make_node(),), (PeerLink("n1", ""),))))
-
-
 @pytest.mark.parametrize(
     "r",
     [
@@ -508,3 +495,33 @@ def test_mutated_valid_messages_raise_only_wire_errors():
             raw[rng.randrange(len(raw))] = rng.randrange(256)
         reached += _decode_entries(bytes(raw))
     assert reached > 20  # the test really exercises the validators
+
+
+@pytest.mark.parametrize("m", [
+    TokenMessage("r1", (SampleResult(7, -0.5),)),
+    TokenMessage("r1", (SampleResult(2),), finished=True, finish_reason="stop"),
+    TokenMessage("r1", finished=True, finish_reason="error", error="node n2: forward failed"),
+])
+def test_token_message_round_trip(m):
+    assert decode_tokens(encode_tokens(m)) == m
+
+
+@pytest.mark.parametrize("m", [
+    pb.SendResultRequest(request_id=""),
+    pb.SendResultRequest(request_id="r", finished=True, finish_reason="because"),
+    pb.SendResultRequest(request_id="r", finish_reason="stop"),  # a reason, but not finished
+    pb.SendResultRequest(request_id="r", tokens=[pb.TokenResult(token=1)] * 1025),
+    pb.SendResultRequest(request_id="r", finished=True, finish_reason="error", error="x" * 5000),
+])
+def test_invalid_token_messages_are_rejected(m):
+    with pytest.raises(WireError):
+        decode_tokens(m)
+
+
+def test_activation_round_trip_with_and_without_spec():
+    spec = RequestSpec("r1", (PlanStep("a", "h:1", Shard("m", 0, 2, 4)), PlanStep("b", "h:2", Shard("m", 2, 4, 4))),
+                       SamplingParams(temperature=0), 8, frozenset({2}), "a", "h:1")
+    hidden = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for a in (Activation("r1", hidden, spec), Activation("r1", hidden)):
+        back = decode_activation(encode_activation(a), 1 << 20)
+        assert (back.request_id, back.spec) == (a.request_id, a.spec) and np.array_equal(back.data, hidden)

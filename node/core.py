@@ -1,0 +1,268 @@
+"""A node's part of every request's ring, as plain Python: no transport, no threads, no event loop.
+
+The core admits requests, queues their inputs, chooses what one forward pass runs, and says what to do with its
+outputs. It is driven with typed inputs (a prompt arrived, activations arrived, a step finished, tokens were
+sampled, a send failed, a request ended) and answers with typed actions (`Send`, `Deliver`, `Release`, `Sample`)
+that the driver (node/node.py) carries out over the engine thread, the sampling batcher and the transport.
+
+Token ring: the entry node sends the prompt to the first-shard node; each node runs its layers and sends the
+activations on; the last node samples, delivers the token to the entry node (for the client) and sends it to the
+first node (for the next step).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from shards.config import ModelConfig
+from shards.engine import EngineInputError, check_input
+from shards.sampling import SampleResult, SamplerState, SamplingParams
+from shards.shard import Shard
+
+from .plan import PlanError, RequestSpec
+from .requests import Activation, RequestState, TokenMessage, Tombstones
+
+log = logging.getLogger(__name__)
+
+
+# -- actions the driver carries out ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Send:
+    """Activations to the next node of their plans (or sampled tokens back to the first node)."""
+
+    address: str
+    activations: tuple[Activation, ...]
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Tokens, or the end of a request, to its entry node."""
+
+    address: str
+    message: TokenMessage
+
+
+@dataclass(frozen=True)
+class Release:
+    """Free the request's KV caches (in every engine of this node)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Sample the next token of a request from its logits row (through the sampling batcher)."""
+
+    request_id: str
+    logits: np.ndarray  # [vocab]
+    params: SamplingParams
+    state: SamplerState
+
+
+Action = Send | Deliver | Release | Sample
+
+
+@dataclass(frozen=True)
+class Queued:
+    """An input waiting for a forward pass."""
+
+    request_id: str
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class CoreLimits:
+    max_requests: int = 256  # concurrent requests this node takes part in
+    max_step_tokens: int = 4096  # rows packed into one forward pass
+
+
+class NodeCore:
+    def __init__(self, node_id: str, model_id: str, config: ModelConfig, limits: CoreLimits = CoreLimits()):
+        self.id, self.model_id, self.config, self.limits = node_id, model_id, config, limits
+        self.requests: dict[str, RequestState] = {}
+        self.ended = Tombstones()
+        self.queue: deque[Queued] = deque()
+        # Requests of a one-node ring whose next token is being sampled right now: their next step is due within a
+        # millisecond or two, so the driver holds the queue back for them (briefly) rather than split the batch.
+        self.local_inflight: set[str] = set()
+        self.counters: Counter[str] = Counter()
+
+    # -- inputs from other nodes ------------------------------------------------------------------------------
+    def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray) -> None:
+        """A new request whose plan makes us the first node. Raises PlanError when it can't be taken."""
+        if spec.first.node_id != self.id:
+            raise PlanError(f"prompt sent to {self.id}, but the plan's first node is {spec.first.node_id}")
+        if spec.request_id in self.requests or spec.request_id in self.ended:
+            raise PlanError(f"request {spec.request_id} already exists")
+        self._check(True, tokens)
+        self._admit(spec)
+        self._enqueue(Queued(spec.request_id, tokens))
+
+    def accept_activations(self, activations: list[Activation]) -> list[tuple[str, str]]:
+        """Queue each activation; returns (request_id, reason) for the ones refused."""
+        rejected = []
+        for a in activations:
+            if a.request_id in self.ended:
+                continue  # the request is over; a late activation is simply dropped
+            try:
+                req = self.requests.get(a.request_id)
+                if req is None:
+                    if a.spec is None:
+                        raise PlanError(f"unknown request {a.request_id} (this node has no state for it)")
+                    req = self._admit(a.spec)
+                self._check(req.shard.is_first, a.data)
+                self._enqueue(Queued(a.request_id, a.data))
+            except PlanError as e:
+                rejected.append((a.request_id, str(e)))
+        return rejected
+
+    def end_request(self, request_id: str, reason: str) -> list[Action]:
+        """The request is over (finished, cancelled or failed): forget it and free its caches."""
+        self.ended.add(request_id)
+        self.local_inflight.discard(request_id)
+        if self.requests.pop(request_id, None) is not None:
+            self.counters[f"ended_{reason or 'unknown'}"] += 1
+        return [Release(request_id)]
+
+    def _check(self, first: bool, data: np.ndarray) -> None:
+        try:
+            check_input(self.config, first, data, "input")
+        except EngineInputError as e:
+            raise PlanError(str(e)) from None
+
+    def _admit(self, spec: RequestSpec) -> RequestState:
+        index = spec.step_of(self.id)
+        shard = spec.plan[index].shard
+        if (shard.model_id, shard.n_layers) != (self.model_id, self.config.n_layers):
+            raise PlanError(f"plan asks for {shard}, this node serves {self.model_id} "
+                            f"with {self.config.n_layers} layers")
+        if len(self.requests) >= self.limits.max_requests:
+            raise PlanError(f"node {self.id} is at its limit of {self.limits.max_requests} requests")
+        req = RequestState(spec, index)
+        if shard.is_last:
+            req.sampler = SamplerState.from_seed(spec.sampling.seed)
+        self.requests[spec.request_id] = req
+        return req
+
+    def _enqueue(self, item: Queued) -> None:
+        self.queue.append(item)
+        self.local_inflight.discard(item.request_id)
+
+    # -- choosing a forward pass ------------------------------------------------------------------------------
+    @property
+    def should_wait(self) -> bool:
+        """Hold queued work back: a one-node ring's tokens are about to join it (see `local_inflight`)."""
+        return bool(self.queue) and bool(self.local_inflight)
+
+    def stop_waiting(self) -> None:
+        """The wait ran out: a straggler; run without it."""
+        self.local_inflight.clear()
+
+    def take_batch(self) -> list[tuple[Shard, list[Queued]]]:
+        """The next forward pass: queued inputs in arrival order, one per request, up to the step's token budget
+        (always at least one), grouped by the shard they run on."""
+        batch: list[Queued] = []
+        ids: set[str] = set()
+        rows, later = 0, []
+        while self.queue:
+            item = self.queue.popleft()
+            if item.request_id not in self.requests:
+                continue  # ended while queued
+            if item.request_id in ids or (batch and rows + len(item.data) > self.limits.max_step_tokens):
+                later.append(item)
+                break
+            batch.append(item)
+            ids.add(item.request_id)
+            rows += len(item.data)
+        self.queue.extendleft(reversed(later))
+        groups: dict[Shard, list[Queued]] = defaultdict(list)
+        for item in batch:
+            groups[self.requests[item.request_id].shard].append(item)
+        return list(groups.items())
+
+    # -- outputs of a forward pass ----------------------------------------------------------------------------
+    def step_done(self, shard: Shard, outputs: dict[str, np.ndarray], errors: dict[str, str]) -> list[Action]:
+        """A forward pass over `shard` gave `outputs` (hidden rows, or logits on the last shard) per request;
+        `errors` are requests the pass refused or could not run."""
+        actions: list[Action] = []
+        for rid, message in errors.items():
+            actions += self.fail(rid, message)
+        self.counters["steps"] += 1
+        self.counters["step_rows"] += len(outputs)
+        sends: dict[str, list[Activation]] = defaultdict(list)
+        for rid, out in outputs.items():
+            req = self.requests.get(rid)
+            if req is None:
+                # Ended during the pass, maybe before its engine existed to queue a release: free what the pass made.
+                actions.append(Release(rid))
+            elif shard.is_last:
+                actions.append(Sample(rid, out[-1], req.spec.sampling, req.sampler))
+                if len(req.spec.plan) == 1:
+                    self.local_inflight.add(rid)
+            else:
+                sends[req.next_step.address].append(self._outgoing(req, out))
+        return actions + [Send(address, tuple(acts)) for address, acts in sends.items()]
+
+    def sampled(self, results: dict[str, SampleResult | BaseException]) -> list[Action]:
+        """Tokens sampled on the last shard: deliver each to its entry node; continue or end the request."""
+        actions: list[Action] = []
+        to_first: dict[str, list[Activation]] = defaultdict(list)
+        for rid, result in results.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if isinstance(result, BaseException):
+                actions += self.fail(rid, f"node {self.id}: sampling failed: {type(result).__name__}: {result}")
+                continue
+            req.generated += 1
+            spec = req.spec
+            reason = "stop" if result.token in spec.stop_token_ids else \
+                "length" if req.generated >= spec.max_tokens else None
+            actions.append(Deliver(spec.entry_address, TokenMessage(rid, (result,), reason is not None, reason)))
+            if reason is None:
+                to_first[spec.first.address].append(self._outgoing(req, np.array([result.token], dtype=np.int64)))
+            else:
+                actions += self.end_request(rid, "finished")
+        return actions + [Send(address, tuple(acts)) for address, acts in to_first.items()]
+
+    def _outgoing(self, req: RequestState, data: np.ndarray) -> Activation:
+        """The spec goes with the first message to our successor (the first node already has it)."""
+        spec = None
+        if not req.spec_sent and req.next_step is not None:
+            spec, req.spec_sent = req.spec, True
+        return Activation(req.id, data, spec)
+
+    # -- failures ---------------------------------------------------------------------------------------------
+    def fail(self, request_id: str, message: str) -> list[Action]:
+        """Drop our state for a failed request and tell its entry node why."""
+        req = self.requests.get(request_id)
+        actions = self.end_request(request_id, "failed")
+        if req is not None:
+            log.warning("request %s failed: %s", request_id, message)
+            actions.append(Deliver(req.spec.entry_address,
+                                   TokenMessage(request_id, finished=True, finish_reason="error", error=message)))
+        return actions
+
+    def send_failed(self, address: str, activations: tuple[Activation, ...], why: str) -> list[Action]:
+        actions: list[Action] = []
+        for a in activations:
+            actions += self.fail(a.request_id, f"node {self.id}: sending to {address} failed: {why}")
+        return actions
+
+    def refused(self, address: str, rejected: list[tuple[str, str]]) -> list[Action]:
+        actions: list[Action] = []
+        for rid, reason in rejected:
+            actions += self.fail(rid, f"node at {address} refused: {reason}")
+        return actions
+
+    def deliver_failed(self, message: TokenMessage, why: str) -> list[Action]:
+        """The entry node can't be told: nobody waits for this request any more."""
+        log.warning("result for %s could not reach its entry node: %s", message.request_id, why)
+        return self.end_request(message.request_id, "failed")
+
+    @property
+    def active(self) -> int:
+        return len(self.requests)

@@ -1,0 +1,42 @@
+"""How a node reaches its peers, as the rest of the node sees it: typed messages in, typed errors out.
+
+The gRPC adapter (node/peer.py: client; node/server.py: service; node/wire.py: codec) is the only code that knows
+about grpc or protobuf; everything else talks to a `Transport`.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from .plan import RequestSpec
+from .requests import Activation, TokenMessage
+from .topology import NodeInfo
+
+
+class TransportError(RuntimeError):
+    """A call to a peer failed. `kind` says how: unavailable (not reachable, or not yet), timeout (no answer in
+    time), refused (the peer rejected the call as invalid or unauthorised), malformed (its answer made no sense), or
+    error (anything else)."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.detail = kind, detail
+
+
+class Transport(Protocol):
+    async def send_prompt(self, address: str, spec: RequestSpec, tokens: np.ndarray) -> None: ...
+
+    async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[tuple[str, str]]:
+        """Returns (request_id, reason) for each activation the peer refused."""
+
+    async def send_tokens(self, address: str, message: TokenMessage) -> None: ...
+
+    async def end_request(self, address: str, request_id: str, reason: str) -> None: ...
+
+    async def health_check(self, address: str, timeout: float) -> NodeInfo: ...
+
+    async def forget(self, address: str) -> None:
+        """Drop whatever is kept for a peer that left (its channel)."""
+
+    async def close(self) -> None: ...

@@ -1,0 +1,252 @@
+"""The node core, driven with plain values: admission, batch selection, routing, ending and failing.
+
+No engine, no network, no event loop: each test feeds the core what would have arrived and checks the actions it
+answers with.
+"""
+import numpy as np
+import pytest
+
+from node.core import CoreLimits, Deliver, NodeCore, Release, Sample, Send
+from node.plan import PlanError, PlanStep, RequestSpec
+from node.requests import Activation, TokenMessage, Tombstones
+from shards.config import ModelConfig
+from shards.sampling import SampleResult, SamplingParams
+from shards.shard import Shard
+from tests.conftest import FIXTURES
+
+CFG = ModelConfig.from_dir(FIXTURES / "llama")  # 6 layers, hidden 64, vocab 512
+STOP = 509
+ADDR = {"a": "h:1", "b": "h:2", "c": "h:3", "entry": "h:9"}
+
+
+def spec(rid="r1", nodes=(("a", 0, 2), ("b", 2, 4), ("c", 4, 6)), max_tokens=3, entry="entry"):
+    plan = tuple(PlanStep(n, ADDR[n], Shard("llama", s, e, 6)) for n, s, e in nodes)
+    return RequestSpec(rid, plan, SamplingParams(temperature=0), max_tokens, frozenset({STOP}), entry, ADDR[entry])
+
+
+def core(node_id, **limits):
+    return NodeCore(node_id, "llama", CFG, CoreLimits(**limits))
+
+
+def hidden(rows=1):
+    return np.zeros((rows, CFG.hidden_size), np.float32)
+
+
+def tokens(*ids):
+    return np.array(ids, np.int64)
+
+
+def of(kind, actions):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+# -- admission ------------------------------------------------------------------------------------------------
+def test_the_first_node_takes_a_prompt_and_queues_it():
+    a = core("a")
+    a.accept_prompt(spec(), tokens(1, 2, 3))
+    assert list(a.requests) == ["r1"] and [q.request_id for q in a.queue] == ["r1"]
+
+
+@pytest.mark.parametrize("bad,message", [
+    (tokens(), "non-empty"),
+    (np.array([1.0, 2.0]), "int token array"),
+    (tokens(1, 512), "out of range"),
+])
+def test_a_malformed_prompt_is_refused_before_any_state_is_kept(bad, message):
+    a = core("a")
+    with pytest.raises(PlanError, match=message):
+        a.accept_prompt(spec(), bad)
+    assert not a.requests and not a.queue
+
+
+def test_a_prompt_for_another_first_node_or_a_known_request_is_refused():
+    b = core("b")
+    with pytest.raises(PlanError, match="first node is a"):
+        b.accept_prompt(spec(), tokens(1))
+    a = core("a")
+    a.accept_prompt(spec(), tokens(1))
+    with pytest.raises(PlanError, match="already exists"):
+        a.accept_prompt(spec(), tokens(1))
+    a.end_request("r1", "cancelled")
+    with pytest.raises(PlanError, match="already exists"):  # an ended id never comes back to life
+        a.accept_prompt(spec(), tokens(1))
+
+
+def test_activations_admit_with_their_spec_and_refuse_strays_per_entry():
+    b = core("b")
+    rejected = b.accept_activations([Activation("r1", hidden(3), spec()), Activation("stray", hidden())])
+    assert [rid for rid, _ in rejected] == ["stray"] and "unknown request" in rejected[0][1]
+    assert list(b.requests) == ["r1"] and b.requests["r1"].step_index == 1
+
+
+def test_activations_of_the_wrong_shape_or_for_other_nodes_are_refused():
+    b = core("b")
+    rejected = b.accept_activations([
+        Activation("r1", np.zeros((1, 7), np.float32), spec("r1")),
+        Activation("r2", hidden(), spec("r2", nodes=(("a", 0, 3), ("c", 3, 6)))),
+    ])
+    assert "hidden states" in rejected[0][1] and "not in the plan" in rejected[1][1]
+
+
+def test_late_activations_of_an_ended_request_are_dropped_silently():
+    b = core("b")
+    b.accept_activations([Activation("r1", hidden(), spec())])
+    assert b.end_request("r1", "cancelled") == [Release("r1")]
+    assert b.accept_activations([Activation("r1", hidden(), spec())]) == []
+    assert not b.requests and b.counters["ended_cancelled"] == 1
+
+
+def test_a_node_at_its_request_limit_refuses_more():
+    b = core("b", max_requests=2)
+    rejected = b.accept_activations([Activation(f"r{i}", hidden(), spec(f"r{i}")) for i in range(3)])
+    assert [rid for rid, _ in rejected] == ["r2"] and "limit of 2" in rejected[0][1]
+
+
+def test_a_plan_for_another_model_is_refused():
+    b = core("b")
+    other = spec()
+    other = RequestSpec("r1", tuple(PlanStep(s.node_id, s.address, Shard("other", s.shard.start_layer,
+                                                                           s.shard.end_layer, 6)) for s in other.plan),
+                        other.sampling, 3, other.stop_token_ids, "entry", ADDR["entry"])
+    (rejected,) = b.accept_activations([Activation("r1", hidden(), other)])
+    assert "this node serves llama" in rejected[1]
+
+
+# -- choosing a forward pass ----------------------------------------------------------------------------------
+def test_a_batch_takes_one_input_per_request_in_arrival_order():
+    b = core("b")
+    b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
+    b.accept_activations([Activation("r1", hidden())])  # r1's next input must wait for the next pass
+    ((shard, items),) = b.take_batch()
+    assert shard == Shard("llama", 2, 4, 6) and [i.request_id for i in items] == ["r1", "r2"]
+    assert [i.request_id for i in b.queue] == ["r1"]
+
+
+def test_a_batch_stays_within_the_token_budget_but_always_runs_something():
+    b = core("b", max_step_tokens=100)
+    b.accept_activations([Activation("big", hidden(300), spec("big")), Activation("r2", hidden(60), spec("r2")),
+                          Activation("r3", hidden(60), spec("r3"))])
+    assert [i.request_id for _, items in b.take_batch() for i in items] == ["big"]  # alone, though over budget
+    assert [i.request_id for _, items in b.take_batch() for i in items] == ["r2"]  # 60 + 60 > 100
+    assert [i.request_id for _, items in b.take_batch() for i in items] == ["r3"]
+
+
+def test_a_batch_skips_ended_requests_and_groups_by_shard():
+    b = core("b")
+    b.accept_activations([Activation("r1", hidden(), spec("r1")),
+                          Activation("r2", hidden(), spec("r2", nodes=(("a", 0, 1), ("b", 1, 6)))),
+                          Activation("r3", hidden(), spec("r3"))])
+    b.end_request("r3", "cancelled")
+    groups = dict(b.take_batch())
+    assert {s: [i.request_id for i in items] for s, items in groups.items()} == {
+        Shard("llama", 2, 4, 6): ["r1"], Shard("llama", 1, 6, 6): ["r2"]}
+
+
+# -- routing outputs ------------------------------------------------------------------------------------------
+def test_hidden_states_go_to_the_next_node_with_the_spec_only_the_first_time():
+    b = core("b")
+    b.accept_activations([Activation("r1", hidden(), spec())])
+    ((shard, _),) = b.take_batch()
+    (send,) = b.step_done(shard, {"r1": hidden(4)}, {})
+    assert send.address == ADDR["c"] and send.activations[0].spec == spec()
+    b.accept_activations([Activation("r1", hidden())])
+    (send,) = b.step_done(shard, {"r1": hidden()}, {})
+    assert send.activations[0].spec is None
+    assert (b.counters["steps"], b.counters["step_rows"]) == (2, 2)
+
+
+def test_the_last_node_samples_delivers_and_sends_the_token_back_to_the_first():
+    c = core("c")
+    c.accept_activations([Activation("r1", hidden(), spec())])
+    logits = np.arange(10, dtype=np.float32)[None]
+    (sample,) = c.step_done(Shard("llama", 4, 6, 6), {"r1": logits}, {})
+    assert isinstance(sample, Sample) and np.array_equal(sample.logits, logits[-1])
+    deliver, send = c.sampled({"r1": SampleResult(42)})
+    assert deliver == Deliver(ADDR["entry"], TokenMessage("r1", (SampleResult(42),), False, None))
+    assert send.address == ADDR["a"] and send.activations[0].data.tolist() == [42]
+    assert send.activations[0].spec is None  # the first node has the spec already
+
+
+@pytest.mark.parametrize("results,reason", [
+    ([SampleResult(STOP)], "stop"),
+    ([SampleResult(1), SampleResult(2), SampleResult(3)], "length"),  # max_tokens 3
+])
+def test_a_stop_token_or_max_tokens_finishes_the_request_on_the_last_node(results, reason):
+    c = core("c")
+    c.accept_activations([Activation("r1", hidden(), spec())])
+    for r in results:
+        actions = c.sampled({"r1": r})
+    assert of(Deliver, actions)[0].message == TokenMessage("r1", (results[-1],), True, reason)
+    assert of(Release, actions) == [Release("r1")] and not of(Send, actions) and "r1" not in c.requests
+
+
+def test_outputs_of_a_request_that_ended_during_the_pass_are_released_not_routed():
+    b = core("b")
+    b.accept_activations([Activation("r1", hidden(), spec())])
+    b.end_request("r1", "cancelled")
+    assert b.step_done(Shard("llama", 2, 4, 6), {"r1": hidden()}, {}) == [Release("r1")]
+
+
+# -- failures -------------------------------------------------------------------------------------------------
+def failed(actions, rid="r1"):
+    (deliver,) = of(Deliver, actions)
+    assert deliver.address == ADDR["entry"] and deliver.message.finish_reason == "error"
+    assert Release(rid) in actions
+    return deliver.message.error
+
+
+def test_an_input_the_engine_refused_fails_only_its_request():
+    b = core("b")
+    b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
+    actions = b.step_done(Shard("llama", 2, 4, 6), {"r2": hidden()}, {"r1": "node b: too long"})
+    assert failed(actions) == "node b: too long"
+    assert list(b.requests) == ["r2"] and [s.activations[0].request_id for s in of(Send, actions)] == ["r2"]
+
+
+def test_a_failed_send_or_a_refusal_downstream_fails_the_request_and_tells_the_entry():
+    b = core("b")
+    b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
+    assert "sending to h:3 failed: unavailable" in failed(b.send_failed("h:3", (Activation("r1", hidden()),),
+                                                                           "unavailable"))
+    assert "refused: bad shape" in failed(b.refused("h:3", [("r2", "bad shape")]), "r2")
+    assert not b.requests and b.counters["ended_failed"] == 2
+
+
+def test_sampling_errors_fail_their_request():
+    c = core("c")
+    c.accept_activations([Activation("r1", hidden(), spec())])
+    assert "sampling failed: ValueError: boom" in failed(c.sampled({"r1": ValueError("boom")}))
+
+
+def test_a_result_that_cannot_reach_the_entry_ends_the_request_here():
+    c = core("c")
+    c.accept_activations([Activation("r1", hidden(), spec())])
+    assert c.deliver_failed(TokenMessage("r1", (SampleResult(1),)), "unavailable") == [Release("r1")]
+    assert not c.requests
+
+
+def test_failing_an_unknown_request_only_releases():
+    assert core("b").fail("ghost", "whatever") == [Release("ghost")]
+
+
+def test_tombstones_are_bounded():
+    t = Tombstones(size=3)
+    for i in range(5):
+        t.add(f"r{i}")
+    assert [f"r{i}" in t for i in range(5)] == [False, False, True, True, True]
+
+
+# -- the one-node ring ----------------------------------------------------------------------------------------
+def test_a_one_node_ring_holds_the_queue_for_its_token_in_flight():
+    n = core("a")
+    n.accept_prompt(spec("r1", nodes=(("a", 0, 6),), entry="a"), tokens(1, 2))
+    n.accept_prompt(spec("r2", nodes=(("a", 0, 6),), entry="a"), tokens(3))
+    ((shard, _),) = n.take_batch()
+    n.step_done(shard, {"r1": np.zeros((1, 8), np.float32), "r2": np.zeros((1, 8), np.float32)}, {})
+    n.accept_prompt(spec("r3", nodes=(("a", 0, 6),), entry="a"), tokens(4))
+    assert n.should_wait  # r1 and r2 are being sampled: r3 waits for them to batch together
+    n.accept_activations([Activation("r1", tokens(7))])
+    assert n.should_wait  # still r2
+    n.stop_waiting()  # r2 is a straggler
+    assert not n.should_wait
+    assert [i.request_id for _, items in n.take_batch() for i in items] == ["r3", "r1"]
