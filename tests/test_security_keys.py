@@ -1,4 +1,5 @@
 """The cluster secret: key files, the environment, derived keys, `exo-node keygen`, and never printing it."""
+import argparse
 import logging
 import os
 import pickle
@@ -6,8 +7,8 @@ import stat
 
 import pytest
 
-from node.security import ENV_VAR, ClusterKey, ClusterKeyError, generate_secret, keygen_main, load_secret, \
-    read_key_file, write_key_file
+from node.security import ENV_VAR, ClusterKey, ClusterKeyError, add_key_argument, generate_secret, keygen_main, \
+    load_secret, read_key_file, write_key_file
 from node.security.keys import LABEL_CA, LABEL_DISCOVERY, PREFIX, encode_key
 
 SECRET = bytes(range(32))
@@ -177,3 +178,12 @@ def test_keygen_default_file_lands_in_the_working_directory(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     assert keygen_main([]) == 0
     assert mode(tmp_path / "exo-node-cluster.key") == 0o600
+
+
+def test_the_node_flag_feeds_load_secret(tmp_path):
+    ap = argparse.ArgumentParser()
+    add_key_argument(ap)
+    write_key_file(tmp_path / "k", SECRET)
+    assert load_secret(ap.parse_args(["--cluster-key-file", str(tmp_path / "k")]).cluster_key_file, env={}) \
+        == ClusterKey(SECRET)
+    assert load_secret(ap.parse_args([]).cluster_key_file, env={}) is None

@@ -183,3 +183,30 @@ def test_the_tls_state_prints_without_private_keys():
         assert "PRIVATE KEY" not in text and "BEGIN" not in text
     assert b"PRIVATE KEY" in identity.key_pem  # it is there, just not printed
     assert _pem_cert(KEY_A.ca().cert) == KEY_A.ca().cert_pem
+
+
+class FakeContext:
+    def __init__(self, auth):
+        self.auth = auth
+
+    def auth_context(self):
+        return self.auth
+
+
+SSL = {"transport_security_type": [b"ssl"]}
+
+
+@pytest.mark.parametrize("auth,expected", [
+    (SSL | {"peer_uri": [b"urn:exo-node:node:n1"]}, "n1"),
+    # grpc releases without 'peer_uri' list every SAN under one key
+    (SSL | {"x509_subject_alternative_name": [SERVER_NAME.encode(), b"urn:exo-node:node:n2"]}, "n2"),
+    ({"peer_uri": [b"urn:exo-node:node:n1"]}, None),  # not a TLS connection
+    ({}, None),
+    (SSL, None),  # TLS without a node certificate
+    (SSL | {"peer_uri": [b"urn:exo-node:node:a", b"urn:exo-node:node:b"]}, None),  # ambiguous: trust neither
+    (SSL | {"peer_uri": [b"urn:exo-node:node:a b"]}, None),
+    (SSL | {"peer_uri": [b"urn:exo-node:node:\xff"]}, None),
+    (SSL | {"peer_uri": [b"urn:other:node:n1"]}, None),
+])
+def test_the_peer_node_id_is_read_only_from_one_well_formed_node_uri_over_tls(auth, expected):
+    assert peer_node_id(FakeContext(auth)) == expected

@@ -214,6 +214,14 @@ def load_secret(path: str | Path | None = None, env: Mapping[str, str] | None = 
         raise ClusterKeyError(f"{e}{hint}") from None
 
 
+def add_key_argument(parser: argparse.ArgumentParser) -> None:
+    """The node's `--cluster-key-file` flag; pass its value to `load_secret`."""
+    parser.add_argument("--cluster-key-file", type=Path, metavar="PATH",
+                        help=f"the cluster key (from `exo-node keygen`): encrypt and authenticate all traffic "
+                             f"between nodes, accept only peers holding the same key (default: ${ENV_VAR}, which "
+                             f"holds the key itself; neither: no authentication)")
+
+
 # --- `exo-node keygen` --------------------------------------------------------------------------------------
 
 
