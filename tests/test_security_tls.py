@@ -163,6 +163,7 @@ def test_leaves_are_renewed_at_half_life_and_the_server_serves_the_new_one():
     clock[0] += dt.timedelta(minutes=2)
     renewed = tls.identity()
     assert renewed is not first and tls.generation == 1 and renewed.expires > real_now
+    assert tls.identity() is renewed  # what a peer pool compares to rebuild channels made with the old leaf
     # A client would refuse the expired first leaf: the call succeeds only because grpc's certificate fetcher
     # handed the renewed leaf to the running server's new handshake.
     assert call(server_credentials, KEY_A.channel_credentials("caller"), KEY_A.channel_options()) == "caller"

@@ -196,9 +196,10 @@ class NodeTls:
         return grpc.ssl_server_certificate_configuration([(identity.key_pem, identity.cert_pem)],
                                                          root_certificates=self.ca.cert_pem)
 
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        """For `grpc.aio.secure_channel`: trust only the cluster CA, present our leaf."""
-        identity = self.identity()
+    def channel_credentials(self, identity: NodeIdentity | None = None) -> grpc.ChannelCredentials:
+        """For `grpc.aio.secure_channel`: trust only the cluster CA, present our leaf (the current one, or the
+        `identity` the caller fetched, so it can later tell whether the channel's leaf is still current)."""
+        identity = identity or self.identity()
         return grpc.ssl_channel_credentials(root_certificates=self.ca.cert_pem, private_key=identity.key_pem,
                                             certificate_chain=identity.cert_pem)
 
