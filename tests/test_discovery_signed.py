@@ -37,19 +37,20 @@ def test_an_announcement_signed_with_our_key_is_accepted():
     assert d.candidates() == ["10.0.0.7:50051"] and d.stats["udp_received"] == 1 and drops(d) == {}
 
 
-@pytest.mark.parametrize("packet,counter", [
-    (PEER.encode(), "udp_unsigned"),  # today's plain announcement
-    (signed(key=OTHER_KEY), "udp_bad_signature"),  # another cluster
-    (signed(skew=-31), "udp_stale"),
-    (signed(skew=+31), "udp_future"),
-    (signed()[:-1], "udp_bad_signature"),  # tag truncated
-    (signed()[:OVERHEAD - 1], "udp_bad_signature"),  # envelope too short to hold a tag
-    (MAGIC, "udp_bad_signature"),
-    (signed() + b"x" * (MAX_PACKET + 1), "udp_invalid"),  # oversized: dropped before any work
-])
-def test_a_node_with_a_key_drops_and_counts_everything_else(packet, counter):
+# Factories, not packets: a packet made at collection time would age while other tests run.
+@pytest.mark.parametrize("make,counter", [
+    (lambda: PEER.encode(), "udp_unsigned"),  # today's plain announcement
+    (lambda: signed(key=OTHER_KEY), "udp_bad_signature"),  # another cluster
+    (lambda: signed(skew=-31), "udp_stale"),
+    (lambda: signed(skew=+31), "udp_future"),
+    (lambda: signed()[:-1], "udp_bad_signature"),  # tag truncated
+    (lambda: signed()[:OVERHEAD - 1], "udp_bad_signature"),  # envelope too short to hold a tag
+    (lambda: MAGIC, "udp_bad_signature"),
+    (lambda: signed() + b"x" * (MAX_PACKET + 1), "udp_invalid"),  # oversized: dropped before any work
+], ids=["unsigned", "other-key", "stale", "future", "truncated-tag", "short-envelope", "magic-only", "oversized"])
+def test_a_node_with_a_key_drops_and_counts_everything_else(make, counter):
     d = listener()
-    d.received(packet, SRC)
+    d.received(make(), SRC)
     assert d.candidates() == [] and drops(d) == {counter: 1}
 
 
