@@ -3,6 +3,13 @@
 Announcements are small versioned JSON objects. Everything received is validated (size, JSON, schema, version)
 and junk is counted and dropped; our own packets are ignored. A peer heard within `timeout` seconds is a
 candidate; the node's membership confirms candidates with a gRPC HealthCheck before using them.
+
+With a cluster key (`key`: the cluster secret's discovery key) every announcement is signed and only signed,
+fresh, first-seen packets are accepted (see `signed.py`); what is dropped is counted (`udp_unsigned`,
+`udp_bad_signature`, `udp_stale`, `udp_future`, `udp_replayed`). Without a key, announcements are plain JSON as
+before, and *signed* packets are dropped and counted (`udp_signed_ignored`) with one warning: a keyless node
+cannot check them, and their senders only accept TLS peers holding the key, so taking them would only make us
+health-check nodes we can never join. The warning tells the operator this node is missing the cluster key.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .interfaces import Interface, ipv4_interfaces
+from .signed import OVERHEAD, PacketAuth, Rejected, is_signed
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +78,11 @@ def parse_announcement(data: bytes) -> Announcement:
 
 class UdpDiscovery:
     def __init__(self, announcement: Callable[[], Announcement], port: int = 5678, interval: float = 1.0,
-                 timeout: float = 5.0, interfaces: list[str] | None = None):
+                 timeout: float = 5.0, interfaces: list[str] | None = None, key: bytes | None = None):
         self.announcement, self.port, self.interval, self.timeout = announcement, port, interval, timeout
         self.allowed = interfaces  # None: every non-loopback IPv4 interface
+        self.auth = PacketAuth(key) if key is not None else None
+        self._warned_signed = False
         self.stats: Counter[str] = Counter()
         self.heard: dict[str, tuple[str, float]] = {}  # node_id -> (host:port, when last heard, monotonic)
         self._transport: asyncio.DatagramTransport | None = None
@@ -111,8 +121,11 @@ class UdpDiscovery:
 
     async def _announce_loop(self) -> None:
         while True:
-            packet = self.announcement().encode()
+            payload = self.announcement().encode()
             for iface in self.interfaces():
+                # Signed per send: each copy gets its own nonce, or a host hearing us on two interfaces would
+                # count the second copy as a replay.
+                packet = self.auth.sign(payload) if self.auth else payload
                 try:
                     self._transport.sendto(packet, (iface.broadcast, self.port))
                     self.stats["udp_sent"] += 1
@@ -122,6 +135,23 @@ class UdpDiscovery:
             await asyncio.sleep(self.interval)
 
     def received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if len(data) > MAX_PACKET + OVERHEAD:
+            self.stats["udp_invalid"] += 1  # before any work on it, signed or not
+            return
+        if self.auth is not None:
+            try:
+                data = self.auth.open(data)
+            except Rejected as e:
+                self.stats[f"udp_{e.reason}"] += 1
+                log.debug("dropped discovery packet from %s: %s", addr[0], e.reason)
+                return
+        elif is_signed(data):
+            self.stats["udp_signed_ignored"] += 1
+            if not self._warned_signed:
+                self._warned_signed = True
+                log.warning("heard signed discovery announcements (from %s) but this node has no cluster key: "
+                            "they are ignored; start it with --cluster-key-file to join that cluster", addr[0])
+            return
         try:
             a = parse_announcement(data)
         except BadPacket as e:

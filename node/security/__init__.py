@@ -1,0 +1,12 @@
+"""Cluster security: one shared secret authenticates every node (mutual TLS for gRPC, signed discovery).
+
+`keys` loads and stores the secret and derives per-purpose keys; `tls` turns it into grpc credentials and
+identifies calling peers. See each module's docstring for the design.
+"""
+from .keys import (ENV_VAR, ClusterKey, ClusterKeyError, add_key_argument, generate_secret, keygen_main,
+                   load_secret, read_key_file, write_key_file)
+from .tls import SERVER_NAME, ClusterCa, NodeIdentity, NodeTls, peer_node_id
+
+__all__ = ["ENV_VAR", "ClusterKey", "ClusterKeyError", "add_key_argument", "generate_secret", "keygen_main",
+           "load_secret", "read_key_file", "write_key_file", "SERVER_NAME", "ClusterCa", "NodeIdentity", "NodeTls",
+           "peer_node_id"]
