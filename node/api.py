@@ -165,6 +165,8 @@ class Api:
                         echo: str) -> web.StreamResponse:
         chat = isinstance(req, ChatRequest)
         job = self._job(req.options, prompt, "messages" if chat else "prompt")
+        if self.node.draining:
+            raise ApiError(503, "this node is shutting down; send the request to another node", code="shutting_down")
         if self.active >= self.settings.max_concurrent:
             raise ApiError(503, f"the node is at its limit of {self.settings.max_concurrent} concurrent requests; "
                                 "retry shortly", code="server_overloaded")

@@ -71,6 +71,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=1024, help="cap on tokens generated per request")
     ap.add_argument("--memory-gb", type=float, help="memory to report for partitioning (default: available RAM)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a token before failing")
+    ap.add_argument("--max-replays", type=int, default=2,
+                    help="replay a request on a new plan at most this often when a node of its plan is lost")
+    ap.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on SIGTERM, wait at most this long for requests in flight before exiting (default 30)")
     ap.add_argument("--max-body-kb", type=int, default=1024, help="HTTP request body size cap (default 1024 KiB)")
     ap.add_argument("--max-concurrent-requests", type=int, default=64,
                     help="requests generating at once on this entry node; more get 503 (default 64)")
@@ -155,7 +159,7 @@ async def run(args: argparse.Namespace) -> int:
                                 address=f"{advertise}:{server.port}", memory_bytes=memory, engine=engine,
                                 pinned=pinned, max_tensor_bytes=DEFAULT_MAX_MESSAGE_BYTES - (1 << 20),
                                 request_timeout=args.request_timeout, sample_batch_max=args.sample_batch_max,
-                                sample_batch_window_ms=args.sample_batch_window_ms)
+                                sample_batch_window_ms=args.sample_batch_window_ms, max_replays=args.max_replays)
         transport = GrpcTransport(DEFAULT_MAX_MESSAGE_BYTES)
         stack.push_async_callback(transport.close)
         discoveries = make_discoveries(args, settings)
@@ -176,13 +180,27 @@ async def run(args: argparse.Namespace) -> int:
         if not args.no_api:
             url = await serve_api(stack, args, node)
             print(f"exo-node {node_id}: API listening on {url}", flush=True)
-        stop = asyncio.Event()
+        signals = asyncio.Queue()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        log.info("shutting down")
+            loop.add_signal_handler(sig, signals.put_nowait, sig)
+        await signals.get()
+        await drain(node, transport, args.drain_timeout, signals)
     return 0
+
+
+async def drain(node: Node, transport: GrpcTransport, timeout: float, signals: asyncio.Queue) -> None:
+    """Leave cleanly: take no new requests, tell the peers (they plan without us at once), let the requests in flight
+    finish for up to `timeout` seconds (a second signal cuts this short); whatever is left is replayed elsewhere by
+    its entry node once we are gone."""
+    node.start_draining()
+    log.info("shutting down: draining %d requests (up to %gs)", node.core.active + node.entry.active, timeout)
+    await asyncio.gather(*(transport.leave(p.address, node.id) for p in list(node.peers.values())),
+                         return_exceptions=True)
+    waits = [asyncio.ensure_future(node.drained()), asyncio.ensure_future(signals.get())]
+    await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:

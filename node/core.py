@@ -89,6 +89,7 @@ class NodeCore:
         # millisecond or two, so the driver holds the queue back for them (briefly) rather than split the batch.
         self.local_inflight: set[str] = set()
         self.counters: Counter[str] = Counter()
+        self.draining = False  # shutting down: no new requests, the ones we have run to their end
 
     # -- inputs from other nodes ------------------------------------------------------------------------------
     def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray) -> None:
@@ -139,11 +140,13 @@ class NodeCore:
         if (shard.model_id, shard.n_layers) != (self.model_id, self.config.n_layers):
             raise PlanError(f"plan asks for {shard}, this node serves {self.model_id} "
                             f"with {self.config.n_layers} layers")
+        if self.draining:
+            raise PlanError(f"node {self.id} is shutting down")
         if len(self.requests) >= self.limits.max_requests:
             raise PlanError(f"node {self.id} is at its limit of {self.limits.max_requests} requests")
         req = RequestState(spec, index)
         if shard.is_last:
-            req.sampler = SamplerState.from_seed(spec.sampling.seed)
+            req.sampler = SamplerState.from_seed(spec.sampling.seed, 0 if spec.sampling.greedy else spec.resumed)
         self.requests[spec.request_id] = req
         return req
 
@@ -236,20 +239,23 @@ class NodeCore:
         return Activation(req.id, data, spec)
 
     # -- failures ---------------------------------------------------------------------------------------------
-    def fail(self, request_id: str, message: str) -> list[Action]:
-        """Drop our state for a failed request and tell its entry node why."""
+    def fail(self, request_id: str, message: str, retryable: bool = False) -> list[Action]:
+        """Drop our state for a failed request and tell its entry node why, and whether it was a node or link
+        failure (`retryable`: the entry may replay the request on another plan)."""
         req = self.requests.get(request_id)
         actions = self.end_request(request_id, "failed")
         if req is not None:
             log.warning("request %s failed: %s", request_id, message)
-            actions.append(Deliver(req.spec.entry_address,
-                                   TokenMessage(request_id, finished=True, finish_reason="error", error=message)))
+            actions.append(Deliver(req.spec.entry_address, TokenMessage(
+                request_id, finished=True, finish_reason="error", error=message, retryable=retryable)))
         return actions
 
-    def send_failed(self, address: str, activations: tuple[Activation, ...], why: str) -> list[Action]:
+    def send_failed(self, address: str, activations: tuple[Activation, ...], why: str, retryable: bool) \
+            -> list[Action]:
+        """The next node could not be reached (`retryable`), or the call failed otherwise."""
         actions: list[Action] = []
         for a in activations:
-            actions += self.fail(a.request_id, f"node {self.id}: sending to {address} failed: {why}")
+            actions += self.fail(a.request_id, f"node {self.id}: sending to {address} failed: {why}", retryable)
         return actions
 
     def refused(self, address: str, rejected: list[tuple[str, str]]) -> list[Action]:

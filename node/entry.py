@@ -1,12 +1,22 @@
 """The entry side of a request: fix its plan, send the prompt to the first node, hand the caller the tokens that
-come back, and make sure every node of the plan forgets the request when it ends, however it ends."""
+come back, and make sure every node of the plan forgets the request when it ends, however it ends.
+
+Replay: the entry keeps each request's prompt and the tokens generated so far. When a node of its plan dies, freezes
+or can't be reached, the entry ends the old attempt everywhere and resubmits prompt + generated tokens, as one
+prefill, on a new plan over the nodes still alive; the caller's stream continues where it was. Sampling is exact
+across a replay: every request has a seed (the entry picks one when the client doesn't) and the new last node
+skips the random draws the earlier attempts consumed, so greedy and seeded requests give the tokens they would have
+given without the failure.
+"""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 
 import numpy as np
 
@@ -19,71 +29,136 @@ from .transport import Transport, TransportError
 log = logging.getLogger(__name__)
 
 
+class _Lost(Exception):
+    """The attempt lost a node or a link: replay it (`suspects`: nodes to leave out of the next plan)."""
+
+    def __init__(self, why: str, suspects: Collection[str] = ()):
+        super().__init__(why)
+        self.suspects = frozenset(suspects)
+
+
+@dataclasses.dataclass
+class _Attempt:
+    spec: RequestSpec
+    inbox: asyncio.Queue  # TokenMessage, or an exception that ends the attempt
+    lost: bool = False
+
+
 class Entry:
-    def __init__(self, node_id: str, address: str, transport: Transport, plan: Callable[[], tuple[PlanStep, ...]],
-                 stop_token_ids: frozenset[int], request_timeout: float, counters: Counter[str],
-                 spawn: Callable[..., object]):
+    def __init__(self, node_id: str, address: str, transport: Transport,
+                 plan: Callable[[Collection[str]], tuple[PlanStep, ...]], stop_token_ids: frozenset[int],
+                 request_timeout: float, max_replays: int, counters: Counter[str], spawn: Callable[..., object]):
         self.node_id, self.address, self.transport, self.plan = node_id, address, transport, plan
-        self.stop_token_ids, self.request_timeout = stop_token_ids, request_timeout
+        self.stop_token_ids, self.request_timeout, self.max_replays = stop_token_ids, request_timeout, max_replays
         self.counters, self.spawn = counters, spawn
-        self.inbox: dict[str, asyncio.Queue[TokenMessage]] = {}  # requests we are the entry node of
+        self.attempts: dict[str, _Attempt] = {}  # request id -> the attempt we are the entry node of
 
     async def generate(self, prompt: list[int], sampling: SamplingParams, max_tokens: int) -> AsyncIterator[TokenMessage]:
-        """Run one request through the ring, yielding tokens as the last node samples them.
-
-        Whatever way this ends (finished, failed, or the consumer went away), every node of the plan is told to
-        free the request's state.
-        """
-        spec = RequestSpec(
-            request_id=uuid.uuid4().hex,
-            plan=self.plan(),
-            sampling=sampling,
-            max_tokens=max_tokens,
-            stop_token_ids=self.stop_token_ids,
-            entry_node_id=self.node_id,
-            entry_address=self.address,
-        )
-        inbox = self.inbox[spec.request_id] = asyncio.Queue()
-        reason = "cancelled"
+        """Run one request through the ring, yielding tokens as the last node samples them, replaying it on a new
+        plan (at most `max_replays` times) when a node of its plan is lost."""
+        if sampling.seed is None and not sampling.greedy:
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))  # so a replay samples the same
         self.counters["requests"] += 1
-        try:
+        history: list[int] = []  # tokens the caller has received
+        excluded: set[str] = set()
+        replays = 0
+        while True:
+            attempt = self._start(prompt + history, sampling, max_tokens - len(history), len(history), excluded)
+            reason = "cancelled"
             try:
-                await self.transport.send_prompt(spec.first.address, spec, np.asarray(prompt, np.int64))
+                async for message in self._run(attempt):
+                    history += [r.token for r in message.results]
+                    yield message
+                    if message.finished:
+                        reason = "finished"
+                        return
+            except _Lost as lost:
+                reason = "replayed"
+                replays += 1
+                self.counters["replays"] += 1
+                if replays > self.max_replays:
+                    reason = "failed"
+                    self.counters["requests_failed"] += 1
+                    raise GenerationError(f"{lost} (gave up after {self.max_replays} replays)") from None
+                excluded |= lost.suspects | await self._unreachable(attempt.spec)
+                log.warning("request %s: %s; replaying %d prompt + %d generated tokens on a new plan",
+                            attempt.spec.request_id, lost, len(prompt), len(history))
+            except GenerationError:
+                reason = "failed"
+                self.counters["requests_failed"] += 1
+                raise
+            finally:
+                self.attempts.pop(attempt.spec.request_id, None)
+                self.spawn(self._end_everywhere(attempt.spec, reason))
+
+    def _start(self, tokens: list[int], sampling: SamplingParams, max_tokens: int, resumed: int,
+               excluded: Collection[str]) -> _Attempt:
+        spec = RequestSpec(request_id=uuid.uuid4().hex, plan=self.plan(excluded), sampling=sampling,
+                           max_tokens=max_tokens, stop_token_ids=self.stop_token_ids, entry_node_id=self.node_id,
+                           entry_address=self.address, resumed=resumed)
+        attempt = self.attempts[spec.request_id] = _Attempt(spec, asyncio.Queue())
+
+        async def send_prompt() -> None:
+            try:
+                await self.transport.send_prompt(spec.first.address, spec, np.asarray(tokens, np.int64))
             except TransportError as e:
-                raise GenerationError(f"first node {spec.first.node_id}: {e}") from None
-            while True:
-                try:
-                    message = await asyncio.wait_for(inbox.get(), self.request_timeout)
-                except asyncio.TimeoutError:
-                    raise GenerationError(f"no token within {self.request_timeout:g}s") from None
-                if message.finish_reason == "error":
-                    raise GenerationError(message.error or "request failed")
-                yield message
-                if message.finished:
-                    reason = "finished"
-                    return
-        except GenerationError:
-            reason = "failed"
-            self.counters["requests_failed"] += 1
-            raise
-        finally:
-            self.inbox.pop(spec.request_id, None)
-            self.spawn(self._end_everywhere(spec, reason))
+                why = f"first node {spec.first.node_id}: {e}"
+                attempt.inbox.put_nowait(_Lost(why, {spec.first.node_id}) if e.retryable else GenerationError(why))
+
+        self.spawn(send_prompt())
+        return attempt
+
+    async def _run(self, attempt: _Attempt) -> AsyncIterator[TokenMessage]:
+        while True:
+            try:
+                message = await asyncio.wait_for(attempt.inbox.get(), self.request_timeout)
+            except asyncio.TimeoutError:
+                raise GenerationError(f"no token within {self.request_timeout:g}s") from None
+            if isinstance(message, Exception):
+                raise message
+            if message.finish_reason == "error":
+                if message.retryable:
+                    raise _Lost(message.error or "a node of the plan failed")
+                raise GenerationError(message.error or "request failed")
+            yield message
+            if message.finished:
+                return
 
     def accept_tokens(self, message: TokenMessage) -> None:
-        inbox = self.inbox.get(message.request_id)
-        if inbox is not None:
-            inbox.put_nowait(message)
+        attempt = self.attempts.get(message.request_id)
+        if attempt is not None and not attempt.lost:
+            attempt.inbox.put_nowait(message)
+
+    def nodes_alive(self, alive: Collection[str]) -> None:
+        """Membership's latest view: every attempt whose plan has a node no longer alive is lost."""
+        for attempt in self.attempts.values():
+            gone = [s.node_id for s in attempt.spec.plan if s.node_id != self.node_id and s.node_id not in alive]
+            if gone and not attempt.lost:
+                attempt.lost = True
+                attempt.inbox.put_nowait(_Lost(f"node {', '.join(gone)} of the plan stopped answering", gone))
 
     @property
     def active(self) -> int:
-        return len(self.inbox)
+        return len(self.attempts)
+
+    async def _unreachable(self, spec: RequestSpec) -> set[str]:
+        """Which of the plan's nodes fail a health check right now (membership may not have noticed yet)."""
+        async def down(step: PlanStep) -> bool:
+            try:
+                await self.transport.health_check(step.address, 1.0)
+                return False
+            except TransportError:
+                return True
+
+        steps = [s for s in spec.plan if s.node_id != self.node_id]
+        results = await asyncio.gather(*(down(s) for s in steps))
+        return {s.node_id for s, is_down in zip(steps, results) if is_down}
 
     async def _end_everywhere(self, spec: RequestSpec, reason: str) -> None:
         async def end(step: PlanStep) -> None:
             try:
                 await self.transport.end_request(step.address, spec.request_id, reason)
             except TransportError as e:
-                log.warning("EndRequest %s to %s failed: %s", spec.request_id, step.node_id, e)
+                log.info("EndRequest %s to %s failed: %s", spec.request_id, step.node_id, e)
 
         await asyncio.gather(*(end(step) for step in spec.plan))

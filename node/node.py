@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,7 @@ class NodeSettings:
     max_requests: int = 256  # concurrent requests a node takes part in
     sample_batch_max: int = 8  # sampling batcher: rows per batch ...
     sample_batch_window_ms: float = 5.0  # ... or this long after the batch's first row
+    max_replays: int = 2  # the entry replays a request on a new plan at most this often when it loses a node
 
 
 class Node:
@@ -64,9 +65,9 @@ class Node:
                                        executor=self.shards.executor)
         self.transport = _Loopback(self, transport)
         self.counters: Counter[str] = Counter()
-        self.peers: dict[str, NodeInfo] = {}  # the live peers, as membership last saw them
+        self.peers: dict[str, NodeInfo] = {}  # the live peers new plans may use, as membership last saw them
         self.entry = Entry(self.id, self.address, self.transport, self.make_plan, tokenizer.eos_token_ids,
-                           settings.request_timeout, self.counters, self._spawn)
+                           settings.request_timeout, settings.max_replays, self.counters, self._spawn)
         self.stat_sources = [self.counters, self.core.counters, self.batcher.stats, *stat_sources]
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -100,18 +101,35 @@ class Node:
             loaded=self.shards.loaded,
             active_requests=self.core.active + self.entry.active + self.shards.active_requests,
             status={k: v for source in self.stat_sources for k, v in source.items()},
+            draining=self.draining,
         )
+
+    @property
+    def draining(self) -> bool:
+        return self.core.draining
+
+    def start_draining(self) -> None:
+        """Shutting down: take no new request; the ones in flight run to their end (or are replayed elsewhere by
+        their entry nodes once this node is gone)."""
+        self.core.draining = True
+
+    async def drained(self) -> None:
+        """Returns once this node holds no request any more, as entry or as a member of a plan."""
+        while self.core.active or self.entry.active:
+            await asyncio.sleep(0.05)
 
     def topology(self) -> Topology:
         peers = tuple(sorted(self.peers.values(), key=lambda n: n.node_id))
         return Topology(nodes=(self.info(), *peers), links=tuple(PeerLink(self.id, p.node_id) for p in peers))
 
-    def update_peers(self, peers: dict[str, NodeInfo]) -> None:
-        """Membership's latest view: the peers that answered a health check."""
+    def update_peers(self, peers: dict[str, NodeInfo], alive: set[str]) -> None:
+        """Membership's latest view: the peers new plans may use, and every peer that answered (draining ones too).
+        Requests we are the entry of lose the nodes that did not answer."""
+        self.entry.nodes_alive(alive | {self.id})
         for gone in self.peers.keys() - peers.keys():
             log.info("peer %s left", gone)
             self.counters["peers_left"] += 1
-            if self.peers[gone].address not in {p.address for p in peers.values()}:
+            if gone not in alive:  # a draining peer still finishes requests with us: keep its channel till then
                 self._spawn(self.transport.forget(self.peers[gone].address))
         for new in peers.keys() - self.peers.keys():
             log.info("peer %s joined at %s", new, peers[new].address)
@@ -122,13 +140,22 @@ class Node:
         start, end = self.settings.pinned
         return Shard(self.settings.model_id, start, end, self.config.n_layers)
 
-    def make_plan(self) -> tuple[PlanStep, ...]:
-        """Partition the layers over this node and the peers serving the same model."""
+    def peer_leaving(self, node_id: str) -> None:
+        """A peer said it is shutting down: plan without it from now on (its requests in flight go on)."""
+        if self.peers.pop(node_id, None) is not None:
+            log.info("peer %s is leaving", node_id)
+            self.counters["peers_left"] += 1
+
+    def make_plan(self, excluded: Collection[str] = ()) -> tuple[PlanStep, ...]:
+        """Partition the layers over this node and the peers serving the same model, leaving out `excluded` nodes
+        (and this node while it drains)."""
         me = self.info()
-        nodes = {me.node_id: me} | {
+        nodes = {} if self.draining else {me.node_id: me}
+        nodes |= {
             n.node_id: n for n in self.peers.values()
             if (n.capabilities.model_id, n.capabilities.n_layers) == (self.settings.model_id, self.config.n_layers)
         }
+        nodes = {node_id: n for node_id, n in nodes.items() if node_id not in excluded}
         caps = [NodeCapacity(n.node_id, n.capabilities.memory_bytes, n.pinned) for n in nodes.values()]
         try:
             ring = partition(caps, self.settings.model_id, self.config.n_layers)
@@ -222,7 +249,7 @@ class Node:
         try:
             rejected = await self.transport.send_activations(send.address, send.activations)
         except TransportError as e:
-            self._do(self.core.send_failed(send.address, send.activations, str(e)))
+            self._do(self.core.send_failed(send.address, send.activations, str(e), e.retryable))
             return
         self._do(self.core.refused(send.address, rejected))
 

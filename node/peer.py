@@ -34,6 +34,11 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        # A peer that is starting (or restarting) is retried within 0.1-1 s, not after gRPC's default backoff of up
+        # to two minutes: with wait_for_ready, calls made meanwhile wait for the connection instead of failing.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 
@@ -53,9 +58,11 @@ def _translated(call):
 
 
 class GrpcTransport:
-    """The `Transport` over gRPC."""
+    """The `Transport` over gRPC. Calls on a request's data path wait for a connection that is not up yet
+    (`wait_for_ready`: a peer still starting, a reconnect in progress) but never longer than `rpc_timeout`; a peer
+    that is down for longer is noticed by membership's health checks, which fail fast."""
 
-    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rpc_timeout: float = 30.0):
+    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rpc_timeout: float = 10.0):
         self.max_message_bytes, self.rpc_timeout = max_message_bytes, rpc_timeout
         self.channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.NodeServiceStub] = {}
@@ -71,22 +78,22 @@ class GrpcTransport:
     @_translated
     async def send_prompt(self, address: str, spec: RequestSpec, tokens: np.ndarray) -> None:
         request = pb.SendPromptRequest(spec=wire.encode_spec(spec), tokens=wire.encode_tensor(tokens))
-        await self.stub(address).SendPrompt(request, timeout=self.rpc_timeout)
+        await self.stub(address).SendPrompt(request, timeout=self.rpc_timeout, wait_for_ready=True)
 
     @_translated
     async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[tuple[str, str]]:
         request = pb.SendTensorRequest(entries=[wire.encode_activation(a) for a in activations])
-        response = await self.stub(address).SendTensor(request, timeout=self.rpc_timeout)
+        response = await self.stub(address).SendTensor(request, timeout=self.rpc_timeout, wait_for_ready=True)
         return [(r.request_id, r.reason) for r in response.rejected]
 
     @_translated
     async def send_tokens(self, address: str, message: TokenMessage) -> None:
-        await self.stub(address).SendResult(wire.encode_tokens(message), timeout=self.rpc_timeout)
+        await self.stub(address).SendResult(wire.encode_tokens(message), timeout=self.rpc_timeout, wait_for_ready=True)
 
     @_translated
     async def end_request(self, address: str, request_id: str, reason: str) -> None:
         request = pb.EndRequestRequest(request_id=request_id, reason=reason)
-        await self.stub(address).EndRequest(request, timeout=self.rpc_timeout)
+        await self.stub(address).EndRequest(request, timeout=self.rpc_timeout, wait_for_ready=True)
 
     @_translated
     async def health_check(self, address: str, timeout: float = 2.0) -> NodeInfo:
@@ -94,6 +101,10 @@ class GrpcTransport:
         if not response.ok:
             raise TransportError("unavailable", f"{address} says it is not ready")
         return wire.decode_node_info(response.node)
+
+    @_translated
+    async def leave(self, address: str, node_id: str, timeout: float = 1.0) -> None:
+        await self.stub(address).Leave(pb.LeaveRequest(node_id=node_id), timeout=timeout)
 
     async def forget(self, address: str) -> None:
         self._stubs.pop(address, None)

@@ -35,6 +35,7 @@ class TokenMessage:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | error
     error: str | None = None  # what went wrong, when finish_reason is "error"
+    retryable: bool = False  # the error was a node or link failure: the request may be replayed elsewhere
 
 
 @dataclass

@@ -26,6 +26,7 @@ class Handler(Protocol):
     def accept_activations(self, activations: list[Activation]) -> list[tuple[str, str]]: ...
     def accept_tokens(self, message: TokenMessage) -> None: ...
     def end_request(self, request_id: str, reason: str) -> None: ...
+    def peer_leaving(self, node_id: str) -> None: ...
     def info(self) -> NodeInfo: ...
 
 
@@ -63,6 +64,10 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
 
     async def HealthCheck(self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
         return pb.HealthCheckResponse(ok=True, node=wire.encode_node_info(self.node.info()))
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
+        self.node.peer_leaving(request.node_id[:256])
+        return pb.Ack()
 
 
 class GrpcServer:

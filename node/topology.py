@@ -23,6 +23,7 @@ class NodeInfo:
     loaded: tuple[Shard, ...] = ()  # shards whose weights are in memory now
     active_requests: int = 0  # per-request state held (request records + KV caches)
     status: dict[str, int] = field(default_factory=dict, compare=False)  # counters for observability
+    draining: bool = False  # shutting down: finishing what it has, taking nothing new
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,11 @@ class TransportError(RuntimeError):
         super().__init__(f"{kind}: {detail}")
         self.kind, self.detail = kind, detail
 
+    @property
+    def retryable(self) -> bool:
+        """A node or link failure (as opposed to a refusal): the same call elsewhere may succeed."""
+        return self.kind in ("unavailable", "timeout")
+
 
 class Transport(Protocol):
     async def send_prompt(self, address: str, spec: RequestSpec, tokens: np.ndarray) -> None: ...
@@ -35,6 +40,9 @@ class Transport(Protocol):
     async def end_request(self, address: str, request_id: str, reason: str) -> None: ...
 
     async def health_check(self, address: str, timeout: float) -> NodeInfo: ...
+
+    async def leave(self, address: str, node_id: str, timeout: float = 1.0) -> None:
+        """Tell a peer we are shutting down."""
 
     async def forget(self, address: str) -> None:
         """Drop whatever is kept for a peer that left (its channel)."""

@@ -153,6 +153,7 @@ def encode_spec(s: RequestSpec) -> pb.RequestSpec:
         stop_token_ids=sorted(s.stop_token_ids),  # sorted: the same spec always encodes to the same bytes
         entry_node_id=s.entry_node_id,
         entry_address=s.entry_address,
+        resumed_tokens=s.resumed,
     )
 
 
@@ -173,7 +174,8 @@ def decode_spec(m: pb.RequestSpec) -> RequestSpec:
     entry_address = _text(m.entry_address, "entry_address")
     try:
         return RequestSpec(
-            m.request_id, plan, sampling, m.max_tokens, frozenset(m.stop_token_ids), entry_node_id, entry_address
+            m.request_id, plan, sampling, m.max_tokens, frozenset(m.stop_token_ids), entry_node_id, entry_address,
+            m.resumed_tokens,
         )
     # PlanError, or the plain ValueError parse_address raises on ports like "1²" ("²".isdigit() is True).
     except ValueError as e:
@@ -194,6 +196,7 @@ def encode_node_info(n: NodeInfo) -> pb.NodeInfo:
         loaded=[encode_shard(s) for s in n.loaded],
         active_requests=n.active_requests,
         status=n.status,
+        draining=n.draining,
     )
     if n.pinned is not None:  # the proto's ShardRange repeats the model of the capabilities
         start, end = n.pinned
@@ -225,7 +228,7 @@ def decode_node_info(m: pb.NodeInfo) -> NodeInfo:
     if m.active_requests < 0:
         raise WireError(f"node {node_id!r} reports {m.active_requests} active requests")
     status = {_text(k, "status key"): int(v) for k, v in _count(m.status, "status counters", MAX_STATUS).items()}
-    return NodeInfo(node_id, address, caps, pinned, loaded, m.active_requests, status)
+    return NodeInfo(node_id, address, caps, pinned, loaded, m.active_requests, status, m.draining)
 
 
 # --- results ---------------------------------------------------------------------------------------------
@@ -259,7 +262,8 @@ def decode_result(m: pb.TokenResult) -> SampleResult:
 
 def encode_tokens(m: TokenMessage) -> pb.SendResultRequest:
     return pb.SendResultRequest(request_id=m.request_id, tokens=[encode_result(r) for r in m.results],
-                                finished=m.finished, finish_reason=m.finish_reason or "", error=m.error or "")
+                                finished=m.finished, finish_reason=m.finish_reason or "", error=m.error or "",
+                                retryable=m.retryable)
 
 
 def decode_tokens(m: pb.SendResultRequest) -> TokenMessage:
@@ -269,8 +273,10 @@ def decode_tokens(m: pb.SendResultRequest) -> TokenMessage:
         raise WireError(f"unknown finish_reason {m.finish_reason[:32]!r}")
     if m.finish_reason and not m.finished:
         raise WireError("finish_reason given for an unfinished request")
+    if m.retryable and m.finish_reason != "error":
+        raise WireError("only an error can be retryable")
     return TokenMessage(request_id, results, m.finished, m.finish_reason or None,
-                        _text(m.error, "error", MAX_ERROR, required=False) or None)
+                        _text(m.error, "error", MAX_ERROR, required=False) or None, m.retryable)
 
 
 # --- activations -----------------------------------------------------------------------------------------

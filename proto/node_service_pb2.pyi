@@ -53,7 +53,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
-    __slots__ = ("request_id", "plan", "sampling", "max_tokens", "stop_token_ids", "entry_node_id", "entry_address")
+    __slots__ = ("request_id", "plan", "sampling", "max_tokens", "stop_token_ids", "entry_node_id", "entry_address", "resumed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class RequestSpec(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ENTRY_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ENTRY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     plan: _containers.RepeatedCompositeFieldContainer[PlanStep]
     sampling: Sampling
@@ -68,7 +69,8 @@ class RequestSpec(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     entry_node_id: str
     entry_address: str
-    def __init__(self, request_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanStep, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., entry_node_id: _Optional[str] = ..., entry_address: _Optional[str] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanStep, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., entry_node_id: _Optional[str] = ..., entry_address: _Optional[str] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class SendPromptRequest(_message.Message):
     __slots__ = ("spec", "tokens")
@@ -127,18 +129,20 @@ class TokenResult(_message.Message):
     def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class SendResultRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "finished", "finish_reason", "error")
+    __slots__ = ("request_id", "tokens", "finished", "finish_reason", "error", "retryable")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedCompositeFieldContainer[TokenResult]
     finished: bool
     finish_reason: str
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    retryable: bool
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class EndRequestRequest(_message.Message):
     __slots__ = ("request_id", "reason")
@@ -165,7 +169,7 @@ class Capabilities(_message.Message):
     def __init__(self, memory_bytes: _Optional[int] = ..., engine: _Optional[str] = ..., model_id: _Optional[str] = ..., n_layers: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "address", "capabilities", "pinned", "loaded", "active_requests", "status")
+    __slots__ = ("node_id", "address", "capabilities", "pinned", "loaded", "active_requests", "status", "draining")
     class StatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +184,7 @@ class NodeInfo(_message.Message):
     LOADED_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     capabilities: Capabilities
@@ -187,11 +192,18 @@ class NodeInfo(_message.Message):
     loaded: _containers.RepeatedCompositeFieldContainer[ShardRange]
     active_requests: int
     status: _containers.ScalarMap[str, int]
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., pinned: _Optional[_Union[ShardRange, _Mapping]] = ..., loaded: _Optional[_Iterable[_Union[ShardRange, _Mapping]]] = ..., active_requests: _Optional[int] = ..., status: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., pinned: _Optional[_Union[ShardRange, _Mapping]] = ..., loaded: _Optional[_Iterable[_Union[ShardRange, _Mapping]]] = ..., active_requests: _Optional[int] = ..., status: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HealthCheckRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class HealthCheckResponse(_message.Message):
     __slots__ = ("ok", "node")

@@ -59,6 +59,11 @@ class NodeServiceStub:
                 request_serializer=proto_dot_node__service__pb2.HealthCheckRequest.SerializeToString,
                 response_deserializer=proto_dot_node__service__pb2.HealthCheckResponse.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/exo_node.NodeService/Leave',
+                request_serializer=proto_dot_node__service__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=proto_dot_node__service__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -94,6 +99,12 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.HealthCheck,
                     request_deserializer=proto_dot_node__service__pb2.HealthCheckRequest.FromString,
                     response_serializer=proto_dot_node__service__pb2.HealthCheckResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=proto_dot_node__service__pb2.LeaveRequest.FromString,
+                    response_serializer=proto_dot_node__service__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class NodeService:
             '/exo_node.NodeService/HealthCheck',
             proto_dot_node__service__pb2.HealthCheckRequest.SerializeToString,
             proto_dot_node__service__pb2.HealthCheckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/exo_node.NodeService/Leave',
+            proto_dot_node__service__pb2.LeaveRequest.SerializeToString,
+            proto_dot_node__service__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

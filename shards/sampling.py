@@ -52,8 +52,13 @@ class SamplerState:
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
 
     @classmethod
-    def from_seed(cls, seed: int | None) -> "SamplerState":
-        return cls(np.random.default_rng(seed))
+    def from_seed(cls, seed: int | None, skip: int = 0) -> "SamplerState":
+        """A stream from `seed`, `skip` draws in: where a request that already sampled `skip` tokens (not greedily)
+        left it, so a replay elsewhere continues with the very numbers the first attempt would have used."""
+        state = cls(np.random.default_rng(seed))
+        if skip:
+            state.rng.random(skip)  # exactly one uniform per sampled token (see the module docstring)
+        return state
 
     def snapshot(self) -> dict:
         return self.rng.bit_generator.state

@@ -1,4 +1,5 @@
 """Live clusters of real exo-node processes on loopback produce exactly the single-process tokens."""
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 
@@ -82,8 +83,11 @@ def test_a_dead_node_fails_the_request_quickly_and_cleanly():
     with Cluster(MODEL, 3, shards=["0:2", "2:4", "4:6"]) as c:
         c.nodes[1].proc.kill()
         c.nodes[1].proc.wait()
+        started = time.monotonic()
         status, body = c.chat("hi", max_tokens=4)
-        assert status == 503 and "failed" in body["error"]["message"]
+        # pinned shards: no other node holds layers 2-3, so no replay can help; the error names them at once
+        assert status == 503 and "layers 2-3 are not covered" in body["error"]["message"]
+        assert time.monotonic() - started < 5
         assert c.active_requests()["node0"] == 0 or c.wait_idle()["node0"] == 0
 
 

@@ -206,9 +206,10 @@ def test_an_input_the_engine_refused_fails_only_its_request():
 def test_a_failed_send_or_a_refusal_downstream_fails_the_request_and_tells_the_entry():
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
-    assert "sending to h:3 failed: unavailable" in failed(b.send_failed("h:3", (Activation("r1", hidden()),),
-                                                                           "unavailable"))
-    assert "refused: bad shape" in failed(b.refused("h:3", [("r2", "bad shape")]), "r2")
+    lost = b.send_failed("h:3", (Activation("r1", hidden()),), "unavailable: connection refused", retryable=True)
+    assert "sending to h:3 failed: unavailable" in failed(lost) and of(Deliver, lost)[0].message.retryable
+    refused = b.refused("h:3", [("r2", "bad shape")])
+    assert "refused: bad shape" in failed(refused, "r2") and not of(Deliver, refused)[0].message.retryable
     assert not b.requests and b.counters["ended_failed"] == 2
 
 
