@@ -93,9 +93,16 @@ class GGUFFile:
             raise GGUFError(f"{path}: no such file") from None
         except Exception as e:  # the reader raises anything from ValueError to IndexError on damaged headers
             raise GGUFError(f"{path}: not a readable GGUF file ({self._why(e)})") from None
-        self._reader = reader
         self.data: np.ndarray = reader.data  # the whole file, memory-mapped read-only
-        self.fields = reader.fields
+        # Keep plain values, not the reader: its per-element numpy parts of a 49k-token vocabulary hold ~60 MB, for
+        # the life of the node. A value that cannot be decoded is kept as its error, raised if someone asks for it.
+        self.meta: dict[str, tuple[tuple[GGUFValueType, ...], Any]] = {}
+        for key, field in reader.fields.items():
+            try:
+                value = field.contents()
+            except Exception as e:  # e.g. a string that is not UTF-8
+                value = _Unreadable(f"{type(e).__name__}: {e}")
+            self.meta[key] = (tuple(field.types), value)
         if (splits := self.get_int("split.count", 1)) > 1:
             raise GGUFError(f"{path}: split GGUF files (split.count={splits}) are not supported; "
                             "merge them first (llama.cpp's gguf-split --merge)")
@@ -160,26 +167,24 @@ class GGUFFile:
 
     # -- metadata ---------------------------------------------------------------------------------------------
     def has(self, key: str) -> bool:
-        return key in self.fields
+        return key in self.meta
 
     def get(self, key: str, kinds: set[GGUFValueType], what: str, default: Any = _MISSING) -> Any:
         """The value of `key`, which must be of one of `kinds` (an array: of items of `kinds`), else `default`."""
-        field = self.fields.get(key)
-        if field is None:
+        if key not in self.meta:
             if default is _MISSING:
                 raise GGUFError(f"{self.path}: missing metadata key {key!r}")
             return default
-        is_array = field.types[0] == GGUFValueType.ARRAY
-        item = field.types[-1] if is_array and len(field.types) > 1 else None
+        types, value = self.meta[key]
+        is_array = types[0] == GGUFValueType.ARRAY
+        item = types[-1] if is_array and len(types) > 1 else None
         if is_array != (GGUFValueType.ARRAY in kinds) or (item is not None and item not in kinds) or (
-            not is_array and field.types[0] not in kinds
+            not is_array and types[0] not in kinds
         ):
-            raise GGUFError(f"{self.path}: metadata {key!r} must be {what}, got "
-                            f"{'/'.join(t.name for t in field.types)}")
-        try:
-            return field.contents()
-        except Exception as e:  # e.g. a string that is not UTF-8
-            raise GGUFError(f"{self.path}: metadata {key!r} is unreadable ({type(e).__name__}: {e})") from None
+            raise GGUFError(f"{self.path}: metadata {key!r} must be {what}, got {'/'.join(t.name for t in types)}")
+        if isinstance(value, _Unreadable):
+            raise GGUFError(f"{self.path}: metadata {key!r} is unreadable ({value.why})")
+        return value
 
     def get_int(self, key: str, default: Any = _MISSING) -> int:
         value = self.get(key, INTS, "an integer", default)
@@ -197,6 +202,11 @@ class GGUFFile:
 
     def get_list(self, key: str, items: set[GGUFValueType], what: str, default: Any = _MISSING) -> list:
         return self.get(key, items | {GGUFValueType.ARRAY}, f"an array of {what}", default)
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    why: str
 
 
 INTS = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16, GGUFValueType.UINT32,

@@ -165,10 +165,7 @@ def quantized(f: GGUFFile, info: TensorInfo, shape: tuple[int, ...]) -> Quantize
                         f"support (supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")
     if info.hf_shape != shape:
         raise GGUFError(f"{f.path}: tensor {info.name!r} has shape {list(info.hf_shape)}, expected {list(shape)}")
-    data = f.raw(info)
-    if len(shape) == 1:  # vectors are one row
-        data = data.reshape(1, -1)
-    return QuantizedTensor(info.name, info.ggml_type, shape, data)
+    return QuantizedTensor(info.name, info.ggml_type, shape, f.raw(info))  # a vector is one row
 
 
 def load_gguf_shard_weights(path: str | Path, cfg: ModelConfig, shard: Shard) -> ShardWeights:

@@ -66,7 +66,10 @@ class Tokenizer:
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
 
-    load = classmethod(lambda cls, path: cls(path))  # Tokenizer.load(path), like ModelConfig.load
+    @classmethod
+    def load(cls, path: str | Path) -> "Tokenizer":
+        """From a Hugging Face folder or a GGUF file (the constructor dispatches; named like ModelConfig.load)."""
+        return cls(path)
 
     def _from_gguf(self, path: Path) -> None:
         from .gguf_tokenizer import gguf_tokenizer
