@@ -1,6 +1,9 @@
 """Tokenizers built from GGUF metadata agree with transformers' GGUF tokenizer conversion, token for token."""
 import pytest
+from tokenizers import Regex, models, pre_tokenizers
+from tokenizers import Tokenizer as HF
 
+from shards.gguf_tokenizer import PRE_TOKENIZERS
 from shards.tokenizer import Tokenizer
 from tests.gguf_util import GGUF_MODELS, fixture, gguf_golden, smollm2_path
 
@@ -56,3 +59,20 @@ def test_user_defined_tokens_stay_whole_but_are_not_special():
     ids = tok.encode("a <tool> b", add_special_tokens=False)
     assert tok.hf.token_to_id("<tool>") in ids
     assert tok.decode(ids) == "a <tool> b"
+
+
+def test_pre_tokenizer_splits_follow_llama_cpp_per_tokenizer_ggml_pre():
+    # what the merges were learned on: SmolLM2 ('smollm') isolates every digit, Llama 3 groups up to three, Qwen2
+    # isolates digits and attaches a leading non-letter to words, GPT-2 keeps digit runs with their space
+    def pieces(pre: str, text: str) -> list[str]:
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre].regexes]
+        tok = HF(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
+        return [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+
+    assert pieces("smollm", "in 2024!") == ["in", " ", "2", "0", "2", "4", "!"]
+    assert pieces("llama-bpe", "in 2024!") == ["in", " ", "202", "4", "!"]
+    assert pieces("qwen2", "in 2024,x") == ["in", " ", "2", "0", "2", "4", ",x"]
+    assert pieces("gpt-2", "in 2024!") == ["in", " 2024", "!"]
+    assert PRE_TOKENIZERS["llama-bpe"].ignore_merges and not PRE_TOKENIZERS["smollm"].ignore_merges
+    assert Tokenizer.load(smollm2_path()).encode("2024", add_special_tokens=False) == [34, 32, 34, 36]
