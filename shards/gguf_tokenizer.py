@@ -164,8 +164,8 @@ def _sentencepiece(f: GGUFFile, tokens: list[str], vocab: dict[str, int], unk: s
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     except Exception as e:
         raise GGUFError(f"{f.path}: cannot build the SentencePiece tokenizer ({e})") from None
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if add_prefix else "never",
-                                                 split=False)
+    scheme = "first" if add_prefix else "never"  # llama.cpp's add_space_prefix: one space before the text
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_prefix else []))
     return tok

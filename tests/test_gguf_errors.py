@@ -37,7 +37,7 @@ def test_truncated_tensor_data(tmp_path):
     data = fixture("qwen2").read_bytes()
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(data[: len(data) - 1000])
-    with pytest.raises(GGUFError, match=rf"{bad}: truncated: tensor '.+' .* needs bytes \d+\.\.\d+ but the file ends at"):
+    with pytest.raises(GGUFError, match=rf"{bad}: truncated: tensor '.+' .* needs bytes \d+\.\.\d+ but the file ends"):
         load_all(bad)
 
 

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from shards.config import ModelConfig
-from shards.gguf_file import find_gguf, GGUFError, open_gguf
+from shards.gguf_file import GGUFError, find_gguf, open_gguf
 from shards.gguf_model import load_shard_tensors
 from shards.quant import SUPPORTED_TYPES, QuantizedTensor, unpermute_order
 from shards.shard import Shard
