@@ -20,14 +20,13 @@ from pathlib import Path
 
 from aiohttp import web
 
-import shards
-
 from discovery.interfaces import default_advertise_host
 from discovery.manual import ManualDiscovery
 from discovery.static import StaticDiscovery, parse_peers
 from discovery.udp import Announcement, UdpDiscovery
 from shards.config import ModelConfig
 from shards.engines import CHOICES, engine_factory, resolve
+from shards.models import DEFAULT_MODEL, DEMO_DIR, list_models, resolve_model
 from shards.tokenizer import Tokenizer
 
 from .api import Api, ApiSettings
@@ -38,13 +37,15 @@ from .plan import parse_address
 from .server import GrpcServer
 
 log = logging.getLogger("exo-node")
-DEMO_MODEL = Path(shards.__file__).resolve().parent / "demo" / "exo-demo"  # ships inside the package
+DEMO_MODEL = DEMO_DIR  # the bundled demo model (--model exo-demo)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="exo-node", description="Serve a language model split across machines.")
-    ap.add_argument("--model", type=Path, default=DEMO_MODEL,
-                    help="Hugging Face model folder (default: the bundled demo model, exo-demo)")
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="a packaged model's name (see --list-models), a .gguf file, or a Hugging Face model folder "
+                         f"(default: {DEFAULT_MODEL}, SmolLM2-135M-Instruct)")
+    ap.add_argument("--list-models", action="store_true", help="list the packaged models and exit")
     ap.add_argument("--node-id", help="default: stable id derived from host name and gRPC port")
     ap.add_argument("--host", default="0.0.0.0", help="gRPC bind address (default 0.0.0.0)")
     ap.add_argument("--advertise-host", help="address peers use to reach this node (default: --host, or the "
@@ -140,8 +141,9 @@ async def serve_api(stack: AsyncExitStack, args: argparse.Namespace, node: Node)
 
 
 async def run(args: argparse.Namespace) -> int:
-    config = ModelConfig.from_dir(args.model)
-    tokenizer = Tokenizer(args.model)
+    model_path, model_id = resolve_model(args.model)
+    config = ModelConfig.load(model_path)
+    tokenizer = Tokenizer.load(model_path)
     pinned = parse_shard(args.shard, config.n_layers)
     engine = resolve(args.engine)
     factory = engine_factory(engine)
@@ -155,7 +157,7 @@ async def run(args: argparse.Namespace) -> int:
     async with AsyncExitStack() as stack:
         server = GrpcServer(args.host, args.grpc_port, DEFAULT_MAX_MESSAGE_BYTES)  # binds now: our address is known
         stack.push_async_callback(server.stop)
-        settings = NodeSettings(node_id=node_id, model_dir=args.model, model_id=args.model.resolve().name,
+        settings = NodeSettings(node_id=node_id, model_dir=model_path, model_id=model_id,
                                 address=f"{advertise}:{server.port}", memory_bytes=memory, engine=engine,
                                 pinned=pinned, max_tensor_bytes=DEFAULT_MAX_MESSAGE_BYTES - (1 << 20),
                                 request_timeout=args.request_timeout, sample_batch_max=args.sample_batch_max,
@@ -205,6 +207,9 @@ async def drain(node: Node, transport: GrpcTransport, timeout: float, signals: a
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.list_models:
+        print(list_models())
+        return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(run(args))

@@ -1,4 +1,4 @@
-"""Model configuration read from a Hugging Face folder's config.json (Llama family)."""
+"""Model configuration read from a Hugging Face folder's config.json (Llama family); GGUF via `load`."""
 from __future__ import annotations
 
 import json
@@ -68,6 +68,17 @@ class ModelConfig:
     qk_norm: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        """From a Hugging Face folder, or a GGUF file (or a folder holding one)."""
+        from .gguf_file import find_gguf  # GGUF support lives in its own modules
+
+        if (gguf := find_gguf(path)) is not None:
+            from .gguf_model import gguf_config
+
+            return gguf_config(gguf)
+        return cls.from_dir(path)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":

@@ -1,4 +1,4 @@
-"""Tokenizer + chat template of a Hugging Face model folder, and incremental detokenization.
+"""Tokenizer + chat template of a Hugging Face model folder (or a GGUF file), and incremental detokenization.
 
 `tokenizers` does the BPE, jinja2 renders the chat template (from tokenizer_config.json's `chat_template` or a
 `chat_template.jinja` file), and eos ids are collected from config.json, generation_config.json and the
@@ -42,7 +42,13 @@ def _token_text(value: Any) -> str | None:
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
+        """From a Hugging Face folder, or a GGUF file (or a folder holding one)."""
         model_dir = Path(model_dir)
+        from .gguf_file import find_gguf
+
+        if (gguf := find_gguf(model_dir)) is not None:
+            self._from_gguf(gguf)
+            return
         path = model_dir / "tokenizer.json"
         try:
             self.hf = HFTokenizer.from_file(str(path))
@@ -58,6 +64,19 @@ class Tokenizer:
         if self.eos_token is not None and (tid := self.hf.token_to_id(self.eos_token)) is not None:
             eos.add(tid)
         self.eos_token_ids = frozenset(eos)
+        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Tokenizer":
+        """From a Hugging Face folder or a GGUF file (the constructor dispatches; named like ModelConfig.load)."""
+        return cls(path)
+
+    def _from_gguf(self, path: Path) -> None:
+        from .gguf_tokenizer import gguf_tokenizer
+
+        g = gguf_tokenizer(path)
+        self.hf, self.bos_token, self.eos_token = g.hf, g.bos_token, g.eos_token
+        self.chat_template, self.eos_token_ids = g.chat_template, g.eos_token_ids
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
 
     @staticmethod

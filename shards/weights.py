@@ -96,6 +96,13 @@ def layer_tensor_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[str, tuple[
 
 
 def load_shard_weights(model_dir: str | Path, cfg: ModelConfig, shard: Shard) -> ShardWeights:
+    """A shard's weights as float32 from a Hugging Face folder or a GGUF file (dequantized at load)."""
+    from .gguf_file import find_gguf
+
+    if (gguf := find_gguf(model_dir)) is not None:
+        from .gguf_model import load_gguf_shard_weights
+
+        return load_gguf_shard_weights(gguf, cfg, shard)
     if shard.n_layers != cfg.n_layers:
         raise WeightsError(f"shard {shard} has n_layers={shard.n_layers} but the model has {cfg.n_layers}")
     ckpt = Checkpoint(Path(model_dir))

@@ -54,8 +54,9 @@ class Cluster:
     def __init__(self, model_dir: Path, n: int, shards: list[str] | None = None, memory_gb: list[float] | None = None,
                  extra: list[str] | None = None, api_nodes: int | None = None, api_key: str | None = None,
                  static_peers: bool = True, ports: list[int] | None = None,
-                 per_node: list[list[str]] | None = None):
+                 per_node: list[list[str]] | None = None, model_id: str | None = None):
         self.model_dir, self.n, self.api_key, self.static_peers = model_dir, n, api_key, static_peers
+        self.model_id = model_id or Path(model_dir).name  # the API's model id (a packaged model's differs)
         self.shards, self.memory_gb, self.extra = shards, memory_gb, extra or []
         self.api_nodes = n if api_nodes is None else api_nodes
         self.nodes: list[NodeProc] = []
@@ -127,7 +128,7 @@ class Cluster:
     def chat(self, messages: list[dict] | str, node: NodeProc | None = None, **params) -> tuple[int, dict]:
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        body = {"model": self.model_dir.name, "messages": messages, **params}
+        body = {"model": self.model_id, "messages": messages, **params}
         return http("POST", f"{(node or self.nodes[0]).api_url}/v1/chat/completions", body, key=self.api_key)
 
     def self_info(self) -> dict[str, dict]:

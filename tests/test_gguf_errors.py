@@ -1,0 +1,111 @@
+"""A damaged or unsupported GGUF is refused with one clear error naming the file and the problem, at start-up."""
+import subprocess
+import sys
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
+
+from shards.config import ModelConfig
+from shards.gguf_file import GGUFError
+from shards.tokenizer import Tokenizer
+from tests.cluster import ROOT
+from tests.gguf_util import fixture, patch_tensor_info, rewrite
+
+
+def load_all(path):
+    ModelConfig.load(path)
+    Tokenizer.load(path)
+
+
+def test_wrong_magic(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + fixture("qwen2").read_bytes()[4:])
+    with pytest.raises(GGUFError, match=rf"{bad}: .*wrong magic"):
+        load_all(bad)
+
+
+@pytest.mark.parametrize("keep", [0, 3, 40, 2000])
+def test_truncated_header(tmp_path, keep):
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(fixture("qwen2").read_bytes()[:keep])
+    with pytest.raises(GGUFError, match=rf"{bad}: not a readable GGUF file"):
+        load_all(bad)
+
+
+def test_truncated_tensor_data(tmp_path):
+    data = fixture("qwen2").read_bytes()
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(GGUFError, match=rf"{bad}: truncated: tensor '.+' .* needs bytes \d+\.\.\d+ but the file ends"):
+        load_all(bad)
+
+
+def test_tensor_shape_not_whole_blocks(tmp_path):
+    bad = patch_tensor_info(fixture("qwen2"), tmp_path / "b.gguf", "blk.1.ffn_up.weight", dims=(48, 256))  # Q5_1: 32
+    with pytest.raises(GGUFError, match=r"'blk.1.ffn_up.weight' has shape \[48, 256\], which is not whole Q5_1 blocks"):
+        load_all(bad)
+
+
+def test_tensor_byte_count_that_does_not_match_its_type_and_shape(tmp_path):
+    # the header claims 4x the rows: its bytes would run into the next tensor's
+    bad = patch_tensor_info(fixture("qwen2"), tmp_path / "b.gguf", "blk.0.attn_q.weight", dims=(64, 256))
+    with pytest.raises(GGUFError, match=rf"{bad}: tensors .* overlap: the byte count of .* does not match"):
+        load_all(bad)
+
+
+def test_unknown_and_unsupported_tensor_types(tmp_path):
+    unknown = patch_tensor_info(fixture("qwen2"), tmp_path / "u.gguf", "blk.0.attn_q.weight", ggml_type=250)
+    with pytest.raises(GGUFError, match=r"tensor 'blk.0.attn_q.weight' has unknown ggml type 250"):
+        load_all(unknown)
+    # ffn_down is Q6_K [64, 256]: as Q2_K it is still whole blocks (and smaller), a type we do not run
+    q2k = patch_tensor_info(fixture("qwen2"), tmp_path / "k.gguf", "blk.0.ffn_down.weight", ggml_type=int(Q.Q2_K))
+    with pytest.raises(GGUFError, match=r"'blk.0.ffn_down.weight' has type Q2_K, which exo-node does not support"):
+        ModelConfig.load(q2k)
+
+
+@pytest.mark.parametrize("key", ["qwen2.block_count", "qwen2.embedding_length", "qwen2.attention.head_count",
+                                 "tokenizer.ggml.tokens", "tokenizer.ggml.model", "general.architecture"])
+def test_missing_metadata_keys(tmp_path, key):
+    if key == "general.architecture":
+        bad = rewrite(fixture("qwen2"), tmp_path / "m.gguf", replace={key: ("", V.STRING)})
+        match = r"unsupported architecture ''"
+    else:
+        bad = rewrite(fixture("qwen2"), tmp_path / "m.gguf", drop=(key,))
+        match = rf"{bad}: missing metadata key '{key}'"
+    with pytest.raises(GGUFError, match=match):
+        load_all(bad)
+
+
+def test_metadata_of_the_wrong_type(tmp_path):
+    bad = rewrite(fixture("qwen2"), tmp_path / "t.gguf", replace={"qwen2.block_count": ("three", V.STRING)})
+    with pytest.raises(GGUFError, match=r"metadata 'qwen2.block_count' must be an integer, got STRING"):
+        ModelConfig.load(bad)
+
+
+def test_a_byte_level_vocabulary_without_merges(tmp_path):
+    bad = rewrite(fixture("llama"), tmp_path / "nm.gguf", drop=("tokenizer.ggml.merges",))
+    ModelConfig.load(bad)  # the model itself is fine
+    with pytest.raises(GGUFError, match=rf"{bad}: a gpt2 \(byte-level BPE\) vocabulary needs merges"):
+        Tokenizer.load(bad)
+
+
+def test_unsupported_architecture_tokenizer_and_pre_tokenizer(tmp_path):
+    arch = rewrite(fixture("qwen2"), tmp_path / "a.gguf", replace={"general.architecture": ("gemma3", V.STRING)})
+    with pytest.raises(GGUFError, match=r"unsupported architecture 'gemma3'; supported: \['llama', 'qwen2', 'qwen3'\]"):
+        ModelConfig.load(arch)
+    model = rewrite(fixture("qwen2"), tmp_path / "t.gguf", replace={"tokenizer.ggml.model": ("bert", V.STRING)})
+    with pytest.raises(GGUFError, match=r"unsupported tokenizer model 'bert'"):
+        Tokenizer.load(model)
+    pre = rewrite(fixture("qwen2"), tmp_path / "p.gguf", replace={"tokenizer.ggml.pre": ("mystery", V.STRING)})
+    with pytest.raises(GGUFError, match=r"unsupported pre-tokenizer 'mystery'"):
+        Tokenizer.load(pre)
+
+
+def test_a_node_refuses_a_corrupt_gguf_at_start_up(tmp_path):
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(fixture("qwen2").read_bytes()[:-1000])
+    out = subprocess.run([sys.executable, "-m", "node.cli", "--model", str(bad), "--discovery", "none",
+                          "--grpc-port", "0", "--api-port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"exo-node: error: {bad}: truncated: tensor") and "Traceback" not in out.stderr
