@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a token before failing")
     ap.add_argument("--max-replays", type=int, default=2,
                     help="replay a request on a new plan at most this often when a node of its plan is lost")
+    ap.add_argument("--request-idle-timeout", type=float, default=60.0,
+                    help="forget a request whose next input has not come for this many seconds (default 60)")
     ap.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM, wait at most this long for requests in flight before exiting (default 30)")
     ap.add_argument("--max-body-kb", type=int, default=1024, help="HTTP request body size cap (default 1024 KiB)")
@@ -161,7 +163,8 @@ async def run(args: argparse.Namespace) -> int:
                                 address=f"{advertise}:{server.port}", memory_bytes=memory, engine=engine,
                                 pinned=pinned, max_tensor_bytes=DEFAULT_MAX_MESSAGE_BYTES - (1 << 20),
                                 request_timeout=args.request_timeout, sample_batch_max=args.sample_batch_max,
-                                sample_batch_window_ms=args.sample_batch_window_ms, max_replays=args.max_replays)
+                                sample_batch_window_ms=args.sample_batch_window_ms, max_replays=args.max_replays,
+                                request_idle_timeout=args.request_idle_timeout)
         transport = GrpcTransport(DEFAULT_MAX_MESSAGE_BYTES)
         stack.push_async_callback(transport.close)
         discoveries = make_discoveries(args, settings)

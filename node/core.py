@@ -12,7 +12,9 @@ first node (for the next step).
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,11 +79,13 @@ class Queued:
 class CoreLimits:
     max_requests: int = 256  # concurrent requests this node takes part in
     max_step_tokens: int = 4096  # rows packed into one forward pass
+    idle_timeout: float = 60.0  # a request whose next input doesn't come for this long is forgotten
 
 
 class NodeCore:
-    def __init__(self, node_id: str, model_id: str, config: ModelConfig, limits: CoreLimits = CoreLimits()):
-        self.id, self.model_id, self.config, self.limits = node_id, model_id, config, limits
+    def __init__(self, node_id: str, model_id: str, config: ModelConfig, limits: CoreLimits = CoreLimits(),
+                 clock: Callable[[], float] = time.monotonic):
+        self.id, self.model_id, self.config, self.limits, self.clock = node_id, model_id, config, limits, clock
         self.requests: dict[str, RequestState] = {}
         self.ended = Tombstones()
         self.queue: deque[Queued] = deque()
@@ -144,13 +148,14 @@ class NodeCore:
             raise PlanError(f"node {self.id} is shutting down")
         if len(self.requests) >= self.limits.max_requests:
             raise PlanError(f"node {self.id} is at its limit of {self.limits.max_requests} requests")
-        req = RequestState(spec, index)
+        req = RequestState(spec, index, last_active=self.clock())
         if shard.is_last:
             req.sampler = SamplerState.from_seed(spec.sampling.seed, 0 if spec.sampling.greedy else spec.resumed)
         self.requests[spec.request_id] = req
         return req
 
     def _enqueue(self, item: Queued) -> None:
+        self.requests[item.request_id].last_active = self.clock()
         self.queue.append(item)
         self.local_inflight.discard(item.request_id)
 
@@ -198,6 +203,8 @@ class NodeCore:
         sends: dict[str, list[Activation]] = defaultdict(list)
         for rid, out in outputs.items():
             req = self.requests.get(rid)
+            if req is not None:
+                req.last_active = self.clock()
             if req is None:
                 # Ended during the pass, maybe before its engine existed to queue a release: free what the pass made.
                 actions.append(Release(rid))
@@ -239,11 +246,11 @@ class NodeCore:
         return Activation(req.id, data, spec)
 
     # -- failures ---------------------------------------------------------------------------------------------
-    def fail(self, request_id: str, message: str, retryable: bool = False) -> list[Action]:
+    def fail(self, request_id: str, message: str, retryable: bool = False, ended_as: str = "failed") -> list[Action]:
         """Drop our state for a failed request and tell its entry node why, and whether it was a node or link
         failure (`retryable`: the entry may replay the request on another plan)."""
         req = self.requests.get(request_id)
-        actions = self.end_request(request_id, "failed")
+        actions = self.end_request(request_id, ended_as)
         if req is not None:
             log.warning("request %s failed: %s", request_id, message)
             actions.append(Deliver(req.spec.entry_address, TokenMessage(
@@ -268,6 +275,17 @@ class NodeCore:
         """The entry node can't be told: nobody waits for this request any more."""
         log.warning("result for %s could not reach its entry node: %s", message.request_id, why)
         return self.end_request(message.request_id, "failed")
+
+    def expire(self) -> list[Action]:
+        """Forget requests idle for longer than the idle timeout: their next input is not coming (an upstream node
+        froze or died, or their end was lost). The entry, if it still listens, may replay them."""
+        now, actions = self.clock(), []
+        queued = {item.request_id for item in self.queue}
+        for rid, req in list(self.requests.items()):
+            if rid not in queued and now - req.last_active > self.limits.idle_timeout:
+                actions += self.fail(rid, f"node {self.id}: no input for {self.limits.idle_timeout:g}s", retryable=True,
+                                     ended_as="expired")
+        return actions
 
     @property
     def active(self) -> int:

@@ -51,6 +51,7 @@ class NodeSettings:
     sample_batch_max: int = 8  # sampling batcher: rows per batch ...
     sample_batch_window_ms: float = 5.0  # ... or this long after the batch's first row
     max_replays: int = 2  # the entry replays a request on a new plan at most this often when it loses a node
+    request_idle_timeout: float = 60.0  # forget a request whose next input doesn't come for this long
 
 
 class Node:
@@ -59,7 +60,7 @@ class Node:
         self.settings, self.config, self.tokenizer = settings, config, tokenizer
         self.id, self.address, self.max_tensor_bytes = settings.node_id, settings.address, settings.max_tensor_bytes
         self.core = NodeCore(self.id, settings.model_id, config,
-                             CoreLimits(settings.max_requests, settings.max_step_tokens))
+                             CoreLimits(settings.max_requests, settings.max_step_tokens, settings.request_idle_timeout))
         self.shards = ShardManager(settings.model_dir, config, factory)
         self.batcher = SamplingBatcher(settings.sample_batch_max, settings.sample_batch_window_ms,
                                        executor=self.shards.executor)
@@ -76,6 +77,12 @@ class Node:
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
         self._worker = asyncio.create_task(self._work_loop(), name="pipeline-worker")
+        self._spawn(self._expire_loop())
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.settings.request_idle_timeout / 4))
+            self._do(self.core.expire())
 
     async def stop(self) -> None:
         tasks = [t for t in [self._worker, *self._tasks] if t is not None]

@@ -47,6 +47,7 @@ class RequestState:
     sampler: SamplerState | None = None  # last node only
     generated: int = 0  # last node only: tokens sampled so far
     spec_sent: bool = False  # has our successor received the spec?
+    last_active: float = 0.0  # when its last input arrived or its last step ran (the core's clock)
 
     @property
     def id(self) -> str:

@@ -54,7 +54,7 @@ class Cluster:
     def __init__(self, model_dir: Path, n: int, shards: list[str] | None = None, memory_gb: list[float] | None = None,
                  extra: list[str] | None = None, api_nodes: int | None = None, api_key: str | None = None,
                  static_peers: bool = True, ports: list[int] | None = None,
-                 per_node: list[list[str]] | None = None, model_id: str | None = None):
+                 per_node: list[list[str]] | None = None, model_id: str | None = None, entry_late_by: float = 0):
         self.model_dir, self.n, self.api_key, self.static_peers = model_dir, n, api_key, static_peers
         self.model_id = model_id or Path(model_dir).name  # the API's model id (a packaged model's differs)
         self.shards, self.memory_gb, self.extra = shards, memory_gb, extra or []
@@ -62,12 +62,18 @@ class Cluster:
         self.nodes: list[NodeProc] = []
         self.ports = ports or []
         self.per_node = per_node  # extra arguments for each node
+        self.entry_late_by = entry_late_by  # start node0 this long after the others (they retry reaching it)
 
     def __enter__(self) -> "Cluster":
         try:
             ports = self.ports = self.ports or [free_port() for _ in range(self.n)]
-            for i, port in enumerate(ports):
-                self.nodes.append(self._start(i, port, [p for p in ports if p != port]))
+            order = [*range(1, self.n), 0] if self.entry_late_by else range(self.n)
+            started = {}
+            for i in order:
+                if i == 0 and self.entry_late_by:
+                    time.sleep(self.entry_late_by)
+                started[i] = self._start(i, ports[i], [p for p in ports if p != ports[i]])
+            self.nodes.extend(started[i] for i in range(self.n))
             for node in self.nodes:
                 self._wait_ready(node)
             self.wait_for_peers()
@@ -155,3 +161,41 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 node.proc.kill()
                 node.proc.wait()
+
+
+@dataclass
+class StreamEvent:
+    at: float  # time.monotonic() when it arrived
+    text: str = ""
+    finish_reason: str | None = None
+    error: dict | None = None
+
+
+def stream_completion(url: str, body: dict, timeout: float = 60):
+    """POST a streaming /v1/completions or /v1/chat/completions request; yield a StreamEvent per SSE event until
+    [DONE] (the generator ends) — text chunks, the finish reason, or an in-band error."""
+    request = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                return
+            event = json.loads(data)
+            if "error" in event:
+                yield StreamEvent(time.monotonic(), error=event["error"])
+                continue
+            for choice in event["choices"]:
+                text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                yield StreamEvent(time.monotonic(), text, choice.get("finish_reason"))
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")

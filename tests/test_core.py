@@ -251,3 +251,19 @@ def test_a_one_node_ring_holds_the_queue_for_its_token_in_flight():
     n.stop_waiting()  # r2 is a straggler
     assert not n.should_wait
     assert [i.request_id for _, items in n.take_batch() for i in items] == ["r3", "r1"]
+
+
+def test_a_request_whose_next_input_never_comes_expires_and_the_entry_may_replay_it():
+    now = [0.0]
+    b = NodeCore("b", "llama", CFG, CoreLimits(idle_timeout=5), clock=lambda: now[0])
+    b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
+    ((shard, _),) = b.take_batch()
+    now[0] = 4
+    b.step_done(shard, {"r1": hidden(), "r2": hidden()}, {})
+    now[0] = 8
+    b.accept_activations([Activation("r2", hidden())])
+    assert b.expire() == []  # r1 idle for 4 s only
+    now[0] = 9.5
+    actions = b.expire()
+    assert "no input for 5s" in failed(actions) and of(Deliver, actions)[0].message.retryable
+    assert list(b.requests) == ["r2"] and b.counters["ended_expired"] == 1

@@ -40,21 +40,32 @@ def wait_until(predicate, timeout: float) -> float:
     return time.monotonic() - start
 
 
+def start_hosts(lan, n: int) -> list[subprocess.Popen]:
+    procs = []
+    for i in range(n):
+        procs.append(subprocess.Popen(lan.exec(i, sys.executable, "-m", "node.cli", "--model", str(FIXTURES / "llama"),
+                                               "--node-id", f"host{i}"),
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        for line in p.stdout:
+            if READY_API.search(line):
+                break
+        threading.Thread(target=p.stdout.read, daemon=True).start()  # keep the pipe drained
+    return procs
+
+
+def stop_hosts(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 def test_three_hosts_find_each_other_serve_and_survive_a_death(capsys):
     with netns.PrivateLan(3) as lan:
-        procs = []
+        started = time.monotonic()
+        procs = start_hosts(lan, 3)
         try:
-            started = time.monotonic()
-            for i in range(3):
-                p = subprocess.Popen(lan.exec(i, sys.executable, "-m", "node.cli", "--model", str(FIXTURES / "llama"),
-                                              "--node-id", f"host{i}"),
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                procs.append(p)
-            for p in procs:
-                for line in p.stdout:
-                    if READY_API.search(line):
-                        break
-                threading.Thread(target=p.stdout.read, daemon=True).start()  # keep the pipe drained
             everyone = {"host0", "host1", "host2"}
             join = wait_until(lambda: all(peers_seen(lan, i) == everyone for i in range(3)), 30)
             join_time = time.monotonic() - started
@@ -77,7 +88,35 @@ def test_three_hosts_find_each_other_serve_and_survive_a_death(capsys):
                 print(f"\n[multihost] all 3 nodes joined {join_time:.1f}s after start ({join:.1f}s after ready); "
                       f"dead node evicted in {eviction:.1f}s")
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
+            stop_hosts(procs)
+
+
+def test_a_host_whose_link_goes_down_mid_request_is_routed_around(capsys):
+    body = {"model": "llama", "prompt": "Once upon a time, in a land far away, there lived", "max_tokens": 200,
+            "temperature": 0}
+    with netns.PrivateLan(3, subnet=78) as lan:
+        procs = start_hosts(lan, 3)
+        try:
+            wait_until(lambda: peers_seen(lan, 0) == {"host0", "host1", "host2"}, 30)
+            expected = call(lan, 0, "/v1/completions", body)["choices"][0]["text"]
+            plan_members = {n["node_id"] for n in call(lan, 0, "/v1/topology")["nodes"] if n["loaded"]}
+            assert plan_members == {"host0", "host1", "host2"}  # all three carry layers
+            answer = {}
+
+            def ask():
+                started = time.monotonic()
+                answer["body"], answer["seconds"] = call(lan, 0, "/v1/completions", body), time.monotonic() - started
+
+            asker = threading.Thread(target=ask)
+            asker.start()
+            time.sleep(0.3)
+            netns.sh("ip", "-n", lan.hosts[1], "link", "set", "eth0", "down")  # host1 drops off the network
+            asker.join(timeout=60)
+            assert answer["body"]["choices"][0]["text"] == expected
+            assert answer["seconds"] < 15
+            status = call(lan, 0, "/v1/topology")["nodes"][0]["status"]
+            with capsys.disabled():
+                print(f"\n[multihost] link of host1 cut mid-request: answered in {answer['seconds']:.1f}s "
+                      f"after {status.get('replays', 0)} replay(s), text identical")
+        finally:
+            stop_hosts(procs)
