@@ -18,7 +18,7 @@ from .api_schema import ApiError, ChatRequest, CompletionRequest, Options, parse
 from .api_format import ChatFormat, CompletionFormat, Format
 from .completion import Job, TextDelta, run_job
 from .node import Node
-from .requests import GenerationError
+from .requests import GenerationError, Overloaded
 from .plan import PlanError
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class Api:
             raise ApiError(503, "this node is shutting down; send the request to another node", code="shutting_down")
         if self.active >= self.settings.max_concurrent:
             raise ApiError(503, f"the node is at its limit of {self.settings.max_concurrent} concurrent requests; "
-                                "retry shortly", code="server_overloaded")
+                                "retry shortly", code="server_overloaded", retry_after=1)
         self.active += 1
         try:
             fmt = (ChatFormat if chat else CompletionFormat)(req.options, len(prompt), self.model_id)
@@ -221,5 +221,7 @@ async def _guard(pieces):
             yield piece
     except PlanError as e:
         raise ApiError(503, f"the cluster cannot serve this model now: {e}", code="no_plan") from None
+    except Overloaded as e:
+        raise ApiError(503, f"the cluster is busy: {e}", code="server_overloaded", retry_after=2) from None
     except GenerationError as e:
         raise ApiError(503, f"generation failed: {e}", code="generation_failed") from None

@@ -24,15 +24,18 @@ class ApiError(Exception):
 
     TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after  # seconds, for a Retry-After header (503 when busy)
         self.type = self.TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        headers = (headers or {}) | ({"Retry-After": str(self.retry_after)} if self.retry_after else {})
         return web.json_response(self.body(), status=self.status, headers=headers)
 
 

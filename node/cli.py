@@ -25,7 +25,7 @@ from discovery.manual import ManualDiscovery
 from discovery.static import StaticDiscovery, parse_peers
 from discovery.udp import Announcement, UdpDiscovery
 from shards.config import ModelConfig
-from shards.engines import CHOICES, engine_factory, resolve
+from shards.engines import CHOICES, engine_class, engine_factory, resolve
 from shards.models import DEFAULT_MODEL, DEMO_DIR, list_models, resolve_model
 from shards.tokenizer import Tokenizer
 
@@ -34,6 +34,7 @@ from .membership import Membership
 from .node import Node, NodeSettings
 from .peer import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport
 from .plan import parse_address
+from .scheduler import SchedulerLimits
 from .server import GrpcServer
 
 log = logging.getLogger("exo-node")
@@ -85,6 +86,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="require 'Authorization: Bearer KEY' on the API (default: $EXO_NODE_API_KEY, else open)")
     ap.add_argument("--cors-origins", default="",
                     help="comma-separated origins allowed by CORS, or '*' (default: none, CORS off)")
+    ap.add_argument("--step-tokens", type=int, default=SchedulerLimits.step_tokens,
+                    help="positions one forward pass may carry (decode rows + prompt chunks, padded)")
+    ap.add_argument("--max-batch-rows", type=int, default=SchedulerLimits.max_batch_rows,
+                    help="decoding requests one forward pass carries; more wait their turn")
+    ap.add_argument("--prefill-chunk", type=int, default=SchedulerLimits.prefill_chunk,
+                    help="longest piece of a prompt prefilled in one forward pass (long prompts take several)")
+    ap.add_argument("--kv-memory-gb", type=float,
+                    help="KV cache memory this node may reserve for requests (default: 40%% of the available memory); "
+                         "a request that doesn't fit waits for room, then gets a 503")
+    ap.add_argument("--queue-timeout", type=float, default=30.0,
+                    help="how long a request waits for room in the cluster before a 503 (default 30 s)")
     ap.add_argument("--sample-batch-max", type=int, default=8,
                     help="last shard: sample up to this many requests' rows in one call (1 disables batching)")
     ap.add_argument("--sample-batch-window-ms", type=float, default=5.0,
@@ -164,7 +176,11 @@ async def run(args: argparse.Namespace) -> int:
                                 pinned=pinned, max_tensor_bytes=DEFAULT_MAX_MESSAGE_BYTES - (1 << 20),
                                 request_timeout=args.request_timeout, sample_batch_max=args.sample_batch_max,
                                 sample_batch_window_ms=args.sample_batch_window_ms, max_replays=args.max_replays,
-                                request_idle_timeout=args.request_idle_timeout)
+                                request_idle_timeout=args.request_idle_timeout, queue_timeout=args.queue_timeout,
+                                kv_budget=int((args.kv_memory_gb * 2**30) if args.kv_memory_gb is not None
+                                              else 0.4 * available_memory()),
+                                scheduling=SchedulerLimits(args.step_tokens, args.max_batch_rows, args.prefill_chunk,
+                                                           engine_class(engine).prefill_buckets))
         transport = GrpcTransport(DEFAULT_MAX_MESSAGE_BYTES)
         stack.push_async_callback(transport.close)
         discoveries = make_discoveries(args, settings)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,8 +24,9 @@ from shards.engine import EngineInputError, check_input
 from shards.sampling import SampleResult, SamplerState, SamplingParams
 from shards.shard import Shard
 
-from .plan import PlanError, RequestSpec
-from .requests import Activation, RequestState, TokenMessage, Tombstones
+from .plan import Busy, PlanError, RequestSpec
+from .requests import Activation, Refusal, RequestState, TokenMessage, Tombstones
+from .scheduler import Group, Queued, SchedulerLimits, StepScheduler
 
 log = logging.getLogger(__name__)
 
@@ -68,32 +69,26 @@ Action = Send | Deliver | Release | Sample
 
 
 @dataclass(frozen=True)
-class Queued:
-    """An input waiting for a forward pass."""
-
-    request_id: str
-    data: np.ndarray
-
-
-@dataclass(frozen=True)
 class CoreLimits:
     max_requests: int = 256  # concurrent requests this node takes part in
-    max_step_tokens: int = 4096  # rows packed into one forward pass
+    kv_budget: int | None = None  # bytes of KV cache this node may hold for all its requests (None: no limit)
+    kv_value_bytes: int = 4  # bytes of one cached key or value element (float32)
     idle_timeout: float = 60.0  # a request whose next input doesn't come for this long is forgotten
 
 
 class NodeCore:
     def __init__(self, node_id: str, model_id: str, config: ModelConfig, limits: CoreLimits = CoreLimits(),
-                 clock: Callable[[], float] = time.monotonic):
+                 scheduling: SchedulerLimits = SchedulerLimits(), clock: Callable[[], float] = time.monotonic):
         self.id, self.model_id, self.config, self.limits, self.clock = node_id, model_id, config, limits, clock
         self.requests: dict[str, RequestState] = {}
         self.ended = Tombstones()
-        self.queue: deque[Queued] = deque()
+        self.queue = StepScheduler(scheduling)
         # Requests of a one-node ring whose next token is being sampled right now: their next step is due within a
         # millisecond or two, so the driver holds the queue back for them (briefly) rather than split the batch.
         self.local_inflight: set[str] = set()
         self.counters: Counter[str] = Counter()
         self.draining = False  # shutting down: no new requests, the ones we have run to their end
+        self.kv_reserved = 0  # bytes of KV cache reserved by the requests held
 
     # -- inputs from other nodes ------------------------------------------------------------------------------
     def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray) -> None:
@@ -106,8 +101,8 @@ class NodeCore:
         self._admit(spec)
         self._enqueue(Queued(spec.request_id, tokens))
 
-    def accept_activations(self, activations: list[Activation]) -> list[tuple[str, str]]:
-        """Queue each activation; returns (request_id, reason) for the ones refused."""
+    def accept_activations(self, activations: list[Activation]) -> list[Refusal]:
+        """Queue each activation; returns the ones refused, and why."""
         rejected = []
         for a in activations:
             if a.request_id in self.ended:
@@ -119,17 +114,18 @@ class NodeCore:
                         raise PlanError(f"unknown request {a.request_id} (this node has no state for it)")
                     req = self._admit(a.spec)
                 self._check(req.shard.is_first, a.data)
-                self._enqueue(Queued(a.request_id, a.data))
+                self._enqueue(Queued(a.request_id, a.data, a.partial))
             except PlanError as e:
-                rejected.append((a.request_id, str(e)))
+                rejected.append(Refusal(a.request_id, str(e), isinstance(e, Busy)))
         return rejected
 
     def end_request(self, request_id: str, reason: str) -> list[Action]:
         """The request is over (finished, cancelled or failed): forget it and free its caches."""
         self.ended.add(request_id)
         self.local_inflight.discard(request_id)
-        if self.requests.pop(request_id, None) is not None:
+        if (req := self.requests.pop(request_id, None)) is not None:
             self.counters[f"ended_{reason or 'unknown'}"] += 1
+            self.kv_reserved -= req.kv_bytes
         return [Release(request_id)]
 
     def _check(self, first: bool, data: np.ndarray) -> None:
@@ -147,16 +143,30 @@ class NodeCore:
         if self.draining:
             raise PlanError(f"node {self.id} is shutting down")
         if len(self.requests) >= self.limits.max_requests:
-            raise PlanError(f"node {self.id} is at its limit of {self.limits.max_requests} requests")
-        req = RequestState(spec, index, last_active=self.clock())
+            raise Busy(f"node {self.id} is at its limit of {self.limits.max_requests} requests")
+        kv_bytes = self.kv_bytes(shard, spec.positions)
+        budget = self.limits.kv_budget
+        if budget is not None and kv_bytes > budget:
+            raise PlanError(f"{spec.positions} positions need {kv_bytes / 2**20:.1f} MiB of KV cache on node {self.id}, "
+                            f"more than its budget of {budget / 2**20:.1f} MiB")
+        if budget is not None and self.kv_reserved + kv_bytes > budget:
+            raise Busy(f"node {self.id}: KV cache memory is full ({self.kv_reserved / 2**20:.1f} of "
+                       f"{budget / 2**20:.1f} MiB reserved)")
+        req = RequestState(spec, index, last_active=self.clock(), kv_bytes=kv_bytes)
+        self.kv_reserved += kv_bytes
         if shard.is_last:
             req.sampler = SamplerState.from_seed(spec.sampling.seed, 0 if spec.sampling.greedy else spec.resumed)
         self.requests[spec.request_id] = req
         return req
 
+    def kv_bytes(self, shard: Shard, positions: int) -> int:
+        """KV cache memory `positions` positions take on `shard`: a key and a value per layer and kv head."""
+        cfg = self.config
+        return positions * shard.layer_count * 2 * cfg.n_kv_heads * cfg.head_dim * self.limits.kv_value_bytes
+
     def _enqueue(self, item: Queued) -> None:
         self.requests[item.request_id].last_active = self.clock()
-        self.queue.append(item)
+        self.queue.push(item)
         self.local_inflight.discard(item.request_id)
 
     # -- choosing a forward pass ------------------------------------------------------------------------------
@@ -169,51 +179,39 @@ class NodeCore:
         """The wait ran out: a straggler; run without it."""
         self.local_inflight.clear()
 
-    def take_batch(self) -> list[tuple[Shard, list[Queued]]]:
-        """The next forward pass: queued inputs in arrival order, one per request, up to the step's token budget
-        (always at least one), grouped by the shard they run on."""
-        batch: list[Queued] = []
-        ids: set[str] = set()
-        rows, later = 0, []
-        while self.queue:
-            item = self.queue.popleft()
-            if item.request_id not in self.requests:
-                continue  # ended while queued
-            if item.request_id in ids or (batch and rows + len(item.data) > self.limits.max_step_tokens):
-                later.append(item)
-                break
-            batch.append(item)
-            ids.add(item.request_id)
-            rows += len(item.data)
-        self.queue.extendleft(reversed(later))
-        groups: dict[Shard, list[Queued]] = defaultdict(list)
-        for item in batch:
-            groups[self.requests[item.request_id].shard].append(item)
-        return list(groups.items())
+    def take_batch(self) -> list[Group]:
+        """The next forward pass, as groups of inputs that share an engine call (see node/scheduler.py)."""
+        return self.queue.take(lambda rid: req.shard if (req := self.requests.get(rid)) else None)
 
     # -- outputs of a forward pass ----------------------------------------------------------------------------
-    def step_done(self, shard: Shard, outputs: dict[str, np.ndarray], errors: dict[str, str]) -> list[Action]:
-        """A forward pass over `shard` gave `outputs` (hidden rows, or logits on the last shard) per request;
+    def step_done(self, group: Group, outputs: dict[str, np.ndarray], errors: dict[str, str]) -> list[Action]:
+        """A forward pass over `group` gave `outputs` (hidden rows, or logits on the last shard) per request;
         `errors` are requests the pass refused or could not run."""
         actions: list[Action] = []
         for rid, message in errors.items():
             actions += self.fail(rid, message)
         self.counters["steps"] += 1
         self.counters["step_rows"] += len(outputs)
+        self.counters["step_positions"] += sum(len(item.data) for item in group.items if item.request_id in outputs)
         sends: dict[str, list[Activation]] = defaultdict(list)
-        for rid, out in outputs.items():
+        for item in group.items:
+            rid = item.request_id
+            if rid not in outputs:
+                continue
             req = self.requests.get(rid)
-            if req is not None:
-                req.last_active = self.clock()
             if req is None:
                 # Ended during the pass, maybe before its engine existed to queue a release: free what the pass made.
                 actions.append(Release(rid))
-            elif shard.is_last:
-                actions.append(Sample(rid, out[-1], req.spec.sampling, req.sampler))
+                continue
+            req.last_active = self.clock()
+            if item.partial and group.shard.is_last:
+                continue  # more of the prompt to come: nothing to sample yet
+            if group.shard.is_last:
+                actions.append(Sample(rid, outputs[rid][-1], req.spec.sampling, req.sampler))
                 if len(req.spec.plan) == 1:
                     self.local_inflight.add(rid)
             else:
-                sends[req.next_step.address].append(self._outgoing(req, out))
+                sends[req.next_step.address].append(self._outgoing(req, outputs[rid], item.partial))
         return actions + [Send(address, tuple(acts)) for address, acts in sends.items()]
 
     def sampled(self, results: dict[str, SampleResult | BaseException]) -> list[Action]:
@@ -238,23 +236,25 @@ class NodeCore:
                 actions += self.end_request(rid, "finished")
         return actions + [Send(address, tuple(acts)) for address, acts in to_first.items()]
 
-    def _outgoing(self, req: RequestState, data: np.ndarray) -> Activation:
+    def _outgoing(self, req: RequestState, data: np.ndarray, partial: bool = False) -> Activation:
         """The spec goes with the first message to our successor (the first node already has it)."""
         spec = None
         if not req.spec_sent and req.next_step is not None:
             spec, req.spec_sent = req.spec, True
-        return Activation(req.id, data, spec)
+        return Activation(req.id, data, spec, partial)
 
     # -- failures ---------------------------------------------------------------------------------------------
-    def fail(self, request_id: str, message: str, retryable: bool = False, ended_as: str = "failed") -> list[Action]:
+    def fail(self, request_id: str, message: str, retryable: bool = False, ended_as: str = "failed",
+             busy: bool = False) -> list[Action]:
         """Drop our state for a failed request and tell its entry node why, and whether it was a node or link
-        failure (`retryable`: the entry may replay the request on another plan)."""
+        failure (`retryable`: the entry may replay the request on another plan) or a lack of room (`busy`: the
+        entry may try again later)."""
         req = self.requests.get(request_id)
         actions = self.end_request(request_id, ended_as)
         if req is not None:
             log.warning("request %s failed: %s", request_id, message)
             actions.append(Deliver(req.spec.entry_address, TokenMessage(
-                request_id, finished=True, finish_reason="error", error=message, retryable=retryable)))
+                request_id, finished=True, finish_reason="error", error=message, retryable=retryable, busy=busy)))
         return actions
 
     def send_failed(self, address: str, activations: tuple[Activation, ...], why: str, retryable: bool) \
@@ -265,10 +265,10 @@ class NodeCore:
             actions += self.fail(a.request_id, f"node {self.id}: sending to {address} failed: {why}", retryable)
         return actions
 
-    def refused(self, address: str, rejected: list[tuple[str, str]]) -> list[Action]:
+    def refused(self, address: str, refusals: list[Refusal]) -> list[Action]:
         actions: list[Action] = []
-        for rid, reason in rejected:
-            actions += self.fail(rid, f"node at {address} refused: {reason}")
+        for r in refusals:
+            actions += self.fail(r.request_id, f"node at {address} refused: {r.reason}", busy=r.busy)
         return actions
 
     def deliver_failed(self, message: TokenMessage, why: str) -> list[Action]:
@@ -280,7 +280,7 @@ class NodeCore:
         """Forget requests idle for longer than the idle timeout: their next input is not coming (an upstream node
         froze or died, or their end was lost). The entry, if it still listens, may replay them."""
         now, actions = self.clock(), []
-        queued = {item.request_id for item in self.queue}
+        queued = {item.request_id for item in self.queue.queue}
         for rid, req in list(self.requests.items()):
             if rid not in queued and now - req.last_active > self.limits.idle_timeout:
                 actions += self.fail(rid, f"node {self.id}: no input for {self.limits.idle_timeout:g}s", retryable=True,

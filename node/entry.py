@@ -1,6 +1,9 @@
 """The entry side of a request: fix its plan, send the prompt to the first node, hand the caller the tokens that
 come back, and make sure every node of the plan forgets the request when it ends, however it ends.
 
+Busy nodes: a node with no room for a request (its KV cache memory is reserved by others) refuses it as busy; the
+entry tries again, backing off, for up to the queue timeout, then gives up with `Overloaded`.
+
 Replay: the entry keeps each request's prompt and the tokens generated so far. When a node of its plan dies, freezes
 or can't be reached, the entry ends the old attempt everywhere and resubmits prompt + generated tokens, as one
 prefill, on a new plan over the nodes still alive; the caller's stream continues where it was. Sampling is exact
@@ -14,6 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import secrets
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection
@@ -23,10 +27,14 @@ import numpy as np
 from shards.sampling import SamplingParams
 
 from .plan import PlanStep, RequestSpec
-from .requests import GenerationError, TokenMessage
+from .requests import GenerationError, Overloaded, TokenMessage
 from .transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
+
+
+class _Busy(Exception):
+    """A node of the plan had no room for the request: try again a little later."""
 
 
 class _Lost(Exception):
@@ -47,9 +55,11 @@ class _Attempt:
 class Entry:
     def __init__(self, node_id: str, address: str, transport: Transport,
                  plan: Callable[[Collection[str]], tuple[PlanStep, ...]], stop_token_ids: frozenset[int],
-                 request_timeout: float, max_replays: int, counters: Counter[str], spawn: Callable[..., object]):
+                 request_timeout: float, max_replays: int, queue_timeout: float, counters: Counter[str],
+                 spawn: Callable[..., object]):
         self.node_id, self.address, self.transport, self.plan = node_id, address, transport, plan
         self.stop_token_ids, self.request_timeout, self.max_replays = stop_token_ids, request_timeout, max_replays
+        self.queue_timeout = queue_timeout
         self.counters, self.spawn = counters, spawn
         self.attempts: dict[str, _Attempt] = {}  # request id -> the attempt we are the entry node of
 
@@ -61,7 +71,7 @@ class Entry:
         self.counters["requests"] += 1
         history: list[int] = []  # tokens the caller has received
         excluded: set[str] = set()
-        replays = 0
+        replays, busy_since, backoff = 0, None, 0.05
         while True:
             attempt = self._start(prompt + history, sampling, max_tokens - len(history), len(history), excluded)
             reason = "cancelled"
@@ -72,6 +82,17 @@ class Entry:
                     if message.finished:
                         reason = "finished"
                         return
+            except _Busy as busy:
+                reason = "busy"
+                now = time.monotonic()
+                busy_since = busy_since or now
+                if now - busy_since > self.queue_timeout:
+                    reason = "failed"
+                    self.counters["requests_overloaded"] += 1
+                    raise Overloaded(f"no room for the request within {self.queue_timeout:g}s: {busy}") from None
+                self.counters["busy_retries"] += 1
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 1.0)
             except _Lost as lost:
                 reason = "replayed"
                 replays += 1
@@ -95,7 +116,7 @@ class Entry:
                excluded: Collection[str]) -> _Attempt:
         spec = RequestSpec(request_id=uuid.uuid4().hex, plan=self.plan(excluded), sampling=sampling,
                            max_tokens=max_tokens, stop_token_ids=self.stop_token_ids, entry_node_id=self.node_id,
-                           entry_address=self.address, resumed=resumed)
+                           entry_address=self.address, resumed=resumed, prompt_tokens=len(tokens))
         attempt = self.attempts[spec.request_id] = _Attempt(spec, asyncio.Queue())
 
         async def send_prompt() -> None:
@@ -103,7 +124,8 @@ class Entry:
                 await self.transport.send_prompt(spec.first.address, spec, np.asarray(tokens, np.int64))
             except TransportError as e:
                 why = f"first node {spec.first.node_id}: {e}"
-                attempt.inbox.put_nowait(_Lost(why, {spec.first.node_id}) if e.retryable else GenerationError(why))
+                attempt.inbox.put_nowait(_Lost(why, {spec.first.node_id}) if e.retryable else
+                                         _Busy(why) if e.kind == "busy" else GenerationError(why))
 
         self.spawn(send_prompt())
         return attempt
@@ -117,6 +139,8 @@ class Entry:
             if isinstance(message, Exception):
                 raise message
             if message.finish_reason == "error":
+                if message.busy:
+                    raise _Busy(message.error)
                 if message.retryable:
                     raise _Lost(message.error or "a node of the plan failed")
                 raise GenerationError(message.error or "request failed")

@@ -22,11 +22,12 @@ from shards.partition import NodeCapacity, PartitionError, partition
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
 
-from .core import Action, CoreLimits, Deliver, NodeCore, Queued, Release, Sample, Send
+from .core import Action, CoreLimits, Deliver, NodeCore, Release, Sample, Send
 from .entry import Entry
-from .plan import PlanError, PlanStep, RequestSpec
-from .requests import Activation, TokenMessage
+from .plan import Busy, PlanError, PlanStep, RequestSpec
+from .requests import Activation, Refusal, TokenMessage
 from .sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
+from .scheduler import Group, SchedulerLimits
 from .shard_manager import EngineFactory, ShardManager
 from .topology import Capabilities, NodeInfo, PeerLink, Topology
 from .transport import Transport, TransportError
@@ -46,12 +47,14 @@ class NodeSettings:
     pinned: tuple[int, int] | None = None
     max_tensor_bytes: int = 255 * 1024 * 1024
     request_timeout: float = 300.0  # the entry gives up after this long without a token
-    max_step_tokens: int = 4096  # rows packed into one forward pass
     max_requests: int = 256  # concurrent requests a node takes part in
     sample_batch_max: int = 8  # sampling batcher: rows per batch ...
     sample_batch_window_ms: float = 5.0  # ... or this long after the batch's first row
     max_replays: int = 2  # the entry replays a request on a new plan at most this often when it loses a node
     request_idle_timeout: float = 60.0  # forget a request whose next input doesn't come for this long
+    scheduling: SchedulerLimits = SchedulerLimits()  # what one forward pass carries
+    kv_budget: int | None = None  # bytes of KV cache this node may reserve for requests (None: no limit)
+    queue_timeout: float = 30.0  # the entry retries a request that found no room for this long, then gives up
 
 
 class Node:
@@ -60,7 +63,8 @@ class Node:
         self.settings, self.config, self.tokenizer = settings, config, tokenizer
         self.id, self.address, self.max_tensor_bytes = settings.node_id, settings.address, settings.max_tensor_bytes
         self.core = NodeCore(self.id, settings.model_id, config,
-                             CoreLimits(settings.max_requests, settings.max_step_tokens, settings.request_idle_timeout))
+                             CoreLimits(max_requests=settings.max_requests, kv_budget=settings.kv_budget,
+                                        idle_timeout=settings.request_idle_timeout), settings.scheduling)
         self.shards = ShardManager(settings.model_dir, config, factory)
         self.batcher = SamplingBatcher(settings.sample_batch_max, settings.sample_batch_window_ms,
                                        executor=self.shards.executor)
@@ -68,7 +72,8 @@ class Node:
         self.counters: Counter[str] = Counter()
         self.peers: dict[str, NodeInfo] = {}  # the live peers new plans may use, as membership last saw them
         self.entry = Entry(self.id, self.address, self.transport, self.make_plan, tokenizer.eos_token_ids,
-                           settings.request_timeout, settings.max_replays, self.counters, self._spawn)
+                           settings.request_timeout, settings.max_replays, settings.queue_timeout, self.counters,
+                           self._spawn)
         self.stat_sources = [self.counters, self.core.counters, self.batcher.stats, *stat_sources]
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -175,7 +180,7 @@ class Node:
         self.core.accept_prompt(spec, tokens)
         self._wake.set()
 
-    def accept_activations(self, activations: list[Activation]) -> list[tuple[str, str]]:
+    def accept_activations(self, activations: list[Activation]) -> list[Refusal]:
         rejected = self.core.accept_activations(activations)
         self._wake.set()
         return rejected
@@ -196,22 +201,22 @@ class Node:
                     continue
                 except asyncio.TimeoutError:
                     self.core.stop_waiting()
-            for shard, items in self.core.take_batch():
+            for group in self.core.take_batch():
                 try:
-                    await self._run(shard, items)
+                    await self._run(group)
                 except Exception as e:  # a bug: fail this batch's requests, keep serving the others
                     log.exception("pipeline step failed")
-                    for item in items:
+                    for item in group.items:
                         self._do(self.core.fail(item.request_id, f"node {self.id}: internal error: {e}"))
 
-    async def _run(self, shard: Shard, items: list[Queued]) -> None:
+    async def _run(self, group: Group) -> None:
         try:
-            engine = await self.shards.get(shard)
+            engine = await self.shards.get(group.shard)
         except Exception as e:
-            for item in items:
-                self._do(self.core.fail(item.request_id, f"node {self.id} cannot load {shard}: {e}"))
+            for item in group.items:
+                self._do(self.core.fail(item.request_id, f"node {self.id} cannot load {group.shard}: {e}"))
             return
-        inputs = [(i.request_id, i.data) for i in items if i.request_id in self.core.requests]  # not ended meanwhile
+        inputs = [(i.request_id, i.data) for i in group.items if i.request_id in self.core.requests]  # not ended
         if not inputs:
             return
         started = time.perf_counter()
@@ -224,7 +229,7 @@ class Node:
             return
         self.counters["step_ms_total"] += int((time.perf_counter() - started) * 1000)
         errors = {rid: f"node {self.id}: {why}" for rid, why in refused.items()}
-        self._do(self.core.step_done(shard, outputs, errors), engine)
+        self._do(self.core.step_done(group, outputs, errors), engine)
 
     # -- carrying out the core's actions ----------------------------------------------------------------------
     def _do(self, actions: list[Action], engine: Engine | None = None) -> None:
@@ -280,9 +285,9 @@ class _Loopback:
         try:
             self.node.accept_prompt(spec, tokens)
         except PlanError as e:
-            raise TransportError("refused", str(e)) from None
+            raise TransportError("busy" if isinstance(e, Busy) else "refused", str(e)) from None
 
-    async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[tuple[str, str]]:
+    async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[Refusal]:
         if address != self.node.address:
             return await self.inner.send_activations(address, activations)
         return self.node.accept_activations(list(activations))

@@ -12,7 +12,7 @@ from proto import node_service_pb2_grpc as pb_grpc
 
 from . import wire
 from .plan import RequestSpec
-from .requests import Activation, TokenMessage
+from .requests import Activation, Refusal, TokenMessage
 from .topology import NodeInfo
 from .transport import TransportError
 
@@ -26,7 +26,7 @@ _KINDS = {
     grpc.StatusCode.FAILED_PRECONDITION: "refused",
     grpc.StatusCode.UNAUTHENTICATED: "refused",
     grpc.StatusCode.PERMISSION_DENIED: "refused",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "refused",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "busy",
 }
 
 
@@ -81,10 +81,10 @@ class GrpcTransport:
         await self.stub(address).SendPrompt(request, timeout=self.rpc_timeout, wait_for_ready=True)
 
     @_translated
-    async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[tuple[str, str]]:
+    async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[Refusal]:
         request = pb.SendTensorRequest(entries=[wire.encode_activation(a) for a in activations])
         response = await self.stub(address).SendTensor(request, timeout=self.rpc_timeout, wait_for_ready=True)
-        return [(r.request_id, r.reason) for r in response.rejected]
+        return [wire.decode_refusal(r) for r in response.rejected]
 
     @_translated
     async def send_tokens(self, address: str, message: TokenMessage) -> None:

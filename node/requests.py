@@ -16,6 +16,10 @@ class GenerationError(RuntimeError):
     """A request failed somewhere in the ring; the message says where and why."""
 
 
+class Overloaded(GenerationError):
+    """No room for the request in the cluster (KV cache memory, request slots) within the queue timeout."""
+
+
 @dataclass(frozen=True)
 class Activation:
     """One request's input for a node: int64 token ids [T] for the first shard, float32 hidden states [T, hidden]
@@ -24,6 +28,7 @@ class Activation:
     request_id: str
     data: np.ndarray
     spec: RequestSpec | None = None  # travels with a request's first message to each node
+    partial: bool = False  # a chunk of the prompt, with more to come: the last node computes it but samples nothing
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,16 @@ class TokenMessage:
     finish_reason: str | None = None  # stop | length | error
     error: str | None = None  # what went wrong, when finish_reason is "error"
     retryable: bool = False  # the error was a node or link failure: the request may be replayed elsewhere
+    busy: bool = False  # a node of the plan had no room for the request: it may be tried again later
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An activation a node would not take, and why."""
+
+    request_id: str
+    reason: str
+    busy: bool = False  # no room right now (KV cache memory, request slots), rather than a bad input
 
 
 @dataclass
@@ -48,6 +63,7 @@ class RequestState:
     generated: int = 0  # last node only: tokens sampled so far
     spec_sent: bool = False  # has our successor received the spec?
     last_active: float = 0.0  # when its last input arrived or its last step ran (the core's clock)
+    kv_bytes: int = 0  # KV cache memory reserved for it on this node
 
     @property
     def id(self) -> str:

@@ -12,8 +12,8 @@ from proto import node_service_pb2_grpc as pb_grpc
 
 from . import wire
 from .peer import channel_options
-from .plan import PlanError, RequestSpec
-from .requests import Activation, TokenMessage
+from .plan import Busy, PlanError, RequestSpec
+from .requests import Activation, Refusal, TokenMessage
 from .topology import NodeInfo
 
 
@@ -23,7 +23,7 @@ class Handler(Protocol):
     max_tensor_bytes: int
 
     def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray) -> None: ...
-    def accept_activations(self, activations: list[Activation]) -> list[tuple[str, str]]: ...
+    def accept_activations(self, activations: list[Activation]) -> list[Refusal]: ...
     def accept_tokens(self, message: TokenMessage) -> None: ...
     def end_request(self, request_id: str, reason: str) -> None: ...
     def peer_leaving(self, node_id: str) -> None: ...
@@ -38,6 +38,8 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         try:
             spec = wire.decode_spec(request.spec)
             self.node.accept_prompt(spec, wire.decode_tensor(request.tokens, self.node.max_tensor_bytes))
+        except Busy as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (wire.WireError, PlanError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.Ack()
@@ -47,8 +49,8 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
             activations = [wire.decode_activation(e, self.node.max_tensor_bytes) for e in request.entries]
         except wire.WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rejected = self.node.accept_activations(activations)
-        return pb.SendTensorResponse(rejected=[pb.Rejected(request_id=r, reason=why) for r, why in rejected])
+        refused = self.node.accept_activations(activations)
+        return pb.SendTensorResponse(rejected=[wire.encode_refusal(r) for r in refused])
 
     async def SendResult(self, request: pb.SendResultRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         try:

@@ -10,14 +10,14 @@ from typing import Protocol
 import numpy as np
 
 from .plan import RequestSpec
-from .requests import Activation, TokenMessage
+from .requests import Activation, Refusal, TokenMessage
 from .topology import NodeInfo
 
 
 class TransportError(RuntimeError):
     """A call to a peer failed. `kind` says how: unavailable (not reachable, or not yet), timeout (no answer in
-    time), refused (the peer rejected the call as invalid or unauthorised), malformed (its answer made no sense), or
-    error (anything else)."""
+    time), busy (no room right now: try later), refused (the peer rejected the call as invalid or unauthorised),
+    malformed (its answer made no sense), or error (anything else)."""
 
     def __init__(self, kind: str, detail: str):
         super().__init__(f"{kind}: {detail}")
@@ -32,8 +32,8 @@ class TransportError(RuntimeError):
 class Transport(Protocol):
     async def send_prompt(self, address: str, spec: RequestSpec, tokens: np.ndarray) -> None: ...
 
-    async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[tuple[str, str]]:
-        """Returns (request_id, reason) for each activation the peer refused."""
+    async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[Refusal]:
+        """The activations the peer refused, and why."""
 
     async def send_tokens(self, address: str, message: TokenMessage) -> None: ...
 

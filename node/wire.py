@@ -13,7 +13,7 @@ from typing import TypeVar
 import numpy as np
 
 from node.plan import MAX_REQUEST_ID, PlanStep, RequestSpec, parse_address
-from node.requests import Activation, TokenMessage
+from node.requests import Activation, Refusal, TokenMessage
 from node.topology import Capabilities, NodeInfo
 from proto import node_service_pb2 as pb
 from shards.sampling import MAX_TOP_LOGPROBS, SampleResult, SamplingParams
@@ -154,6 +154,7 @@ def encode_spec(s: RequestSpec) -> pb.RequestSpec:
         entry_node_id=s.entry_node_id,
         entry_address=s.entry_address,
         resumed_tokens=s.resumed,
+        prompt_tokens=s.prompt_tokens,
     )
 
 
@@ -175,7 +176,7 @@ def decode_spec(m: pb.RequestSpec) -> RequestSpec:
     try:
         return RequestSpec(
             m.request_id, plan, sampling, m.max_tokens, frozenset(m.stop_token_ids), entry_node_id, entry_address,
-            m.resumed_tokens,
+            m.resumed_tokens, m.prompt_tokens,
         )
     # PlanError, or the plain ValueError parse_address raises on ports like "1²" ("²".isdigit() is True).
     except ValueError as e:
@@ -263,7 +264,7 @@ def decode_result(m: pb.TokenResult) -> SampleResult:
 def encode_tokens(m: TokenMessage) -> pb.SendResultRequest:
     return pb.SendResultRequest(request_id=m.request_id, tokens=[encode_result(r) for r in m.results],
                                 finished=m.finished, finish_reason=m.finish_reason or "", error=m.error or "",
-                                retryable=m.retryable)
+                                retryable=m.retryable, busy=m.busy)
 
 
 def decode_tokens(m: pb.SendResultRequest) -> TokenMessage:
@@ -273,17 +274,17 @@ def decode_tokens(m: pb.SendResultRequest) -> TokenMessage:
         raise WireError(f"unknown finish_reason {m.finish_reason[:32]!r}")
     if m.finish_reason and not m.finished:
         raise WireError("finish_reason given for an unfinished request")
-    if m.retryable and m.finish_reason != "error":
-        raise WireError("only an error can be retryable")
+    if (m.retryable or m.busy) and m.finish_reason != "error":
+        raise WireError("only an error can be retryable or busy")
     return TokenMessage(request_id, results, m.finished, m.finish_reason or None,
-                        _text(m.error, "error", MAX_ERROR, required=False) or None, m.retryable)
+                        _text(m.error, "error", MAX_ERROR, required=False) or None, m.retryable, m.busy)
 
 
 # --- activations -----------------------------------------------------------------------------------------
 
 
 def encode_activation(a: Activation) -> pb.TensorEntry:
-    entry = pb.TensorEntry(request_id=a.request_id, tensor=encode_tensor(a.data))
+    entry = pb.TensorEntry(request_id=a.request_id, tensor=encode_tensor(a.data), partial=a.partial)
     if a.spec is not None:
         entry.spec.CopyFrom(encode_spec(a.spec))
     return entry
@@ -291,4 +292,12 @@ def encode_activation(a: Activation) -> pb.TensorEntry:
 
 def decode_activation(m: pb.TensorEntry, max_bytes: int) -> Activation:
     return Activation(_text(m.request_id, "request_id", MAX_REQUEST_ID), decode_tensor(m.tensor, max_bytes),
-                      decode_spec(m.spec) if m.HasField("spec") else None)
+                      decode_spec(m.spec) if m.HasField("spec") else None, m.partial)
+
+
+def encode_refusal(r: Refusal) -> pb.Rejected:
+    return pb.Rejected(request_id=r.request_id, reason=r.reason, busy=r.busy)
+
+
+def decode_refusal(m: pb.Rejected) -> Refusal:
+    return Refusal(_text(m.request_id, "request_id", MAX_REQUEST_ID), _text(m.reason, "reason", MAX_ERROR), m.busy)

@@ -53,7 +53,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
-    __slots__ = ("request_id", "plan", "sampling", "max_tokens", "stop_token_ids", "entry_node_id", "entry_address", "resumed_tokens")
+    __slots__ = ("request_id", "plan", "sampling", "max_tokens", "stop_token_ids", "entry_node_id", "entry_address", "resumed_tokens", "prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class RequestSpec(_message.Message):
     ENTRY_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ENTRY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     plan: _containers.RepeatedCompositeFieldContainer[PlanStep]
     sampling: Sampling
@@ -70,7 +71,8 @@ class RequestSpec(_message.Message):
     entry_node_id: str
     entry_address: str
     resumed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanStep, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., entry_node_id: _Optional[str] = ..., entry_address: _Optional[str] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanStep, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., entry_node_id: _Optional[str] = ..., entry_address: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SendPromptRequest(_message.Message):
     __slots__ = ("spec", "tokens")
@@ -81,14 +83,16 @@ class SendPromptRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
-    __slots__ = ("request_id", "tensor", "spec")
+    __slots__ = ("request_id", "tensor", "spec", "partial")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tensor: Tensor
     spec: RequestSpec
-    def __init__(self, request_id: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[RequestSpec, _Mapping]] = ...) -> None: ...
+    partial: bool
+    def __init__(self, request_id: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class SendTensorRequest(_message.Message):
     __slots__ = ("entries",)
@@ -97,12 +101,14 @@ class SendTensorRequest(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
 
 class Rejected(_message.Message):
-    __slots__ = ("request_id", "reason")
+    __slots__ = ("request_id", "reason", "busy")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    busy: bool
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., busy: _Optional[bool] = ...) -> None: ...
 
 class SendTensorResponse(_message.Message):
     __slots__ = ("rejected",)
@@ -129,20 +135,22 @@ class TokenResult(_message.Message):
     def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class SendResultRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "finished", "finish_reason", "error", "retryable")
+    __slots__ = ("request_id", "tokens", "finished", "finish_reason", "error", "retryable", "busy")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedCompositeFieldContainer[TokenResult]
     finished: bool
     finish_reason: str
     error: str
     retryable: bool
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
+    busy: bool
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., busy: _Optional[bool] = ...) -> None: ...
 
 class EndRequestRequest(_message.Message):
     __slots__ = ("request_id", "reason")

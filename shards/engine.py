@@ -103,6 +103,10 @@ class Engine(ABC):
     def nbytes(self) -> int:
         """Bytes of weights this engine keeps for its shard."""
 
+    # Length buckets the engine pads prompt chunks to (few distinct shapes: compiled kernels, reusable graphs), or
+    # None when any length runs as fast. The node's scheduler cuts and charges chunks accordingly.
+    prefill_buckets: tuple[int, ...] | None = None
+
     # Whether `sample` takes a stacked batch. An engine without a batched sampler sets this False and the
     # last node's sampling batcher falls back to `sample_one` per request for its rows.
     batched_sampling: bool = True

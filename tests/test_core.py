@@ -3,12 +3,15 @@
 No engine, no network, no event loop: each test feeds the core what would have arrived and checks the actions it
 answers with.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
 from node.core import CoreLimits, Deliver, NodeCore, Release, Sample, Send
+from node.scheduler import Group, Queued, SchedulerLimits
 from node.plan import PlanError, PlanStep, RequestSpec
-from node.requests import Activation, TokenMessage, Tombstones
+from node.requests import Activation, Refusal, TokenMessage, Tombstones
 from shards.config import ModelConfig
 from shards.sampling import SampleResult, SamplingParams
 from shards.shard import Shard
@@ -24,8 +27,13 @@ def spec(rid="r1", nodes=(("a", 0, 2), ("b", 2, 4), ("c", 4, 6)), max_tokens=3, 
     return RequestSpec(rid, plan, SamplingParams(temperature=0), max_tokens, frozenset({STOP}), entry, ADDR[entry])
 
 
-def core(node_id, **limits):
-    return NodeCore(node_id, "llama", CFG, CoreLimits(**limits))
+def core(node_id, scheduling=SchedulerLimits(), **limits):
+    return NodeCore(node_id, "llama", CFG, CoreLimits(**limits), scheduling)
+
+
+def ran(shard, **outputs):
+    """A group as the scheduler would have handed it out, for requests' single-position inputs."""
+    return Group(shard, None, tuple(Queued(rid, np.zeros(1)) for rid in outputs))
 
 
 def hidden(rows=1):
@@ -44,7 +52,7 @@ def of(kind, actions):
 def test_the_first_node_takes_a_prompt_and_queues_it():
     a = core("a")
     a.accept_prompt(spec(), tokens(1, 2, 3))
-    assert list(a.requests) == ["r1"] and [q.request_id for q in a.queue] == ["r1"]
+    assert list(a.requests) == ["r1"] and [q.request_id for q in a.queue.queue] == ["r1"]
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -75,7 +83,7 @@ def test_a_prompt_for_another_first_node_or_a_known_request_is_refused():
 def test_activations_admit_with_their_spec_and_refuse_strays_per_entry():
     b = core("b")
     rejected = b.accept_activations([Activation("r1", hidden(3), spec()), Activation("stray", hidden())])
-    assert [rid for rid, _ in rejected] == ["stray"] and "unknown request" in rejected[0][1]
+    assert [r.request_id for r in rejected] == ["stray"] and "unknown request" in rejected[0].reason
     assert list(b.requests) == ["r1"] and b.requests["r1"].step_index == 1
 
 
@@ -85,7 +93,7 @@ def test_activations_of_the_wrong_shape_or_for_other_nodes_are_refused():
         Activation("r1", np.zeros((1, 7), np.float32), spec("r1")),
         Activation("r2", hidden(), spec("r2", nodes=(("a", 0, 3), ("c", 3, 6)))),
     ])
-    assert "hidden states" in rejected[0][1] and "not in the plan" in rejected[1][1]
+    assert "hidden states" in rejected[0].reason and "not in the plan" in rejected[1].reason
 
 
 def test_late_activations_of_an_ended_request_are_dropped_silently():
@@ -99,7 +107,7 @@ def test_late_activations_of_an_ended_request_are_dropped_silently():
 def test_a_node_at_its_request_limit_refuses_more():
     b = core("b", max_requests=2)
     rejected = b.accept_activations([Activation(f"r{i}", hidden(), spec(f"r{i}")) for i in range(3)])
-    assert [rid for rid, _ in rejected] == ["r2"] and "limit of 2" in rejected[0][1]
+    assert [(r.request_id, r.busy) for r in rejected] == [("r2", True)] and "limit of 2" in rejected[0].reason
 
 
 def test_a_plan_for_another_model_is_refused():
@@ -109,26 +117,21 @@ def test_a_plan_for_another_model_is_refused():
                                                                            s.shard.end_layer, 6)) for s in other.plan),
                         other.sampling, 3, other.stop_token_ids, "entry", ADDR["entry"])
     (rejected,) = b.accept_activations([Activation("r1", hidden(), other)])
-    assert "this node serves llama" in rejected[1]
+    assert "this node serves llama" in rejected.reason and not rejected.busy
 
 
 # -- choosing a forward pass ----------------------------------------------------------------------------------
+def ids(groups):
+    return [i.request_id for g in groups for i in g.items]
+
+
 def test_a_batch_takes_one_input_per_request_in_arrival_order():
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
     b.accept_activations([Activation("r1", hidden())])  # r1's next input must wait for the next pass
-    ((shard, items),) = b.take_batch()
-    assert shard == Shard("llama", 2, 4, 6) and [i.request_id for i in items] == ["r1", "r2"]
-    assert [i.request_id for i in b.queue] == ["r1"]
-
-
-def test_a_batch_stays_within_the_token_budget_but_always_runs_something():
-    b = core("b", max_step_tokens=100)
-    b.accept_activations([Activation("big", hidden(300), spec("big")), Activation("r2", hidden(60), spec("r2")),
-                          Activation("r3", hidden(60), spec("r3"))])
-    assert [i.request_id for _, items in b.take_batch() for i in items] == ["big"]  # alone, though over budget
-    assert [i.request_id for _, items in b.take_batch() for i in items] == ["r2"]  # 60 + 60 > 100
-    assert [i.request_id for _, items in b.take_batch() for i in items] == ["r3"]
+    (group,) = b.take_batch()
+    assert group.shard == Shard("llama", 2, 4, 6) and ids([group]) == ["r1", "r2"]
+    assert [i.request_id for i in b.queue.queue] == ["r1"]
 
 
 def test_a_batch_skips_ended_requests_and_groups_by_shard():
@@ -137,20 +140,42 @@ def test_a_batch_skips_ended_requests_and_groups_by_shard():
                           Activation("r2", hidden(), spec("r2", nodes=(("a", 0, 1), ("b", 1, 6)))),
                           Activation("r3", hidden(), spec("r3"))])
     b.end_request("r3", "cancelled")
-    groups = dict(b.take_batch())
-    assert {s: [i.request_id for i in items] for s, items in groups.items()} == {
+    assert {g.shard: ids([g]) for g in b.take_batch()} == {
         Shard("llama", 2, 4, 6): ["r1"], Shard("llama", 1, 6, 6): ["r2"]}
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_marked_partial_until_the_last():
+    a = core("a", SchedulerLimits(step_tokens=64, prefill_chunk=32))
+    a.accept_prompt(spec(), tokens(*range(70)))
+    chunks = []
+    while a.queue:
+        (group,) = a.take_batch()
+        (item,) = group.items
+        chunks.append((len(item.data), item.partial))
+        (send,) = a.step_done(group, {"r1": hidden(len(item.data))}, {})
+        assert send.activations[0].partial == item.partial
+    assert chunks == [(32, True), (32, True), (6, False)]
+
+
+def test_the_last_node_samples_only_after_the_prompts_last_chunk():
+    c = core("c")
+    c.accept_activations([Activation("r1", hidden(32), spec(), partial=True)])
+    (group,) = c.take_batch()
+    assert group.items[0].partial and c.step_done(group, {"r1": np.zeros((1, 8), np.float32)}, {}) == []
+    c.accept_activations([Activation("r1", hidden(6))])
+    (group,) = c.take_batch()
+    assert [type(a) for a in c.step_done(group, {"r1": np.zeros((1, 8), np.float32)}, {})] == [Sample]
 
 
 # -- routing outputs ------------------------------------------------------------------------------------------
 def test_hidden_states_go_to_the_next_node_with_the_spec_only_the_first_time():
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec())])
-    ((shard, _),) = b.take_batch()
-    (send,) = b.step_done(shard, {"r1": hidden(4)}, {})
+    (group,) = b.take_batch()
+    (send,) = b.step_done(group, {"r1": hidden(4)}, {})
     assert send.address == ADDR["c"] and send.activations[0].spec == spec()
     b.accept_activations([Activation("r1", hidden())])
-    (send,) = b.step_done(shard, {"r1": hidden()}, {})
+    (send,) = b.step_done(b.take_batch()[0], {"r1": hidden()}, {})
     assert send.activations[0].spec is None
     assert (b.counters["steps"], b.counters["step_rows"]) == (2, 2)
 
@@ -159,7 +184,7 @@ def test_the_last_node_samples_delivers_and_sends_the_token_back_to_the_first():
     c = core("c")
     c.accept_activations([Activation("r1", hidden(), spec())])
     logits = np.arange(10, dtype=np.float32)[None]
-    (sample,) = c.step_done(Shard("llama", 4, 6, 6), {"r1": logits}, {})
+    (sample,) = c.step_done(ran(Shard("llama", 4, 6, 6), r1=1), {"r1": logits}, {})
     assert isinstance(sample, Sample) and np.array_equal(sample.logits, logits[-1])
     deliver, send = c.sampled({"r1": SampleResult(42)})
     assert deliver == Deliver(ADDR["entry"], TokenMessage("r1", (SampleResult(42),), False, None))
@@ -184,7 +209,7 @@ def test_outputs_of_a_request_that_ended_during_the_pass_are_released_not_routed
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec())])
     b.end_request("r1", "cancelled")
-    assert b.step_done(Shard("llama", 2, 4, 6), {"r1": hidden()}, {}) == [Release("r1")]
+    assert b.step_done(ran(Shard("llama", 2, 4, 6), r1=1), {"r1": hidden()}, {}) == [Release("r1")]
 
 
 # -- failures -------------------------------------------------------------------------------------------------
@@ -198,7 +223,7 @@ def failed(actions, rid="r1"):
 def test_an_input_the_engine_refused_fails_only_its_request():
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
-    actions = b.step_done(Shard("llama", 2, 4, 6), {"r2": hidden()}, {"r1": "node b: too long"})
+    actions = b.step_done(ran(Shard("llama", 2, 4, 6), r1=1, r2=1), {"r2": hidden()}, {"r1": "node b: too long"})
     assert failed(actions) == "node b: too long"
     assert list(b.requests) == ["r2"] and [s.activations[0].request_id for s in of(Send, actions)] == ["r2"]
 
@@ -208,7 +233,7 @@ def test_a_failed_send_or_a_refusal_downstream_fails_the_request_and_tells_the_e
     b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
     lost = b.send_failed("h:3", (Activation("r1", hidden()),), "unavailable: connection refused", retryable=True)
     assert "sending to h:3 failed: unavailable" in failed(lost) and of(Deliver, lost)[0].message.retryable
-    refused = b.refused("h:3", [("r2", "bad shape")])
+    refused = b.refused("h:3", [Refusal("r2", "bad shape")])
     assert "refused: bad shape" in failed(refused, "r2") and not of(Deliver, refused)[0].message.retryable
     assert not b.requests and b.counters["ended_failed"] == 2
 
@@ -242,24 +267,24 @@ def test_a_one_node_ring_holds_the_queue_for_its_token_in_flight():
     n = core("a")
     n.accept_prompt(spec("r1", nodes=(("a", 0, 6),), entry="a"), tokens(1, 2))
     n.accept_prompt(spec("r2", nodes=(("a", 0, 6),), entry="a"), tokens(3))
-    ((shard, _),) = n.take_batch()
-    n.step_done(shard, {"r1": np.zeros((1, 8), np.float32), "r2": np.zeros((1, 8), np.float32)}, {})
+    (group,) = n.take_batch()
+    n.step_done(group, {"r1": np.zeros((1, 8), np.float32), "r2": np.zeros((1, 8), np.float32)}, {})
     n.accept_prompt(spec("r3", nodes=(("a", 0, 6),), entry="a"), tokens(4))
     assert n.should_wait  # r1 and r2 are being sampled: r3 waits for them to batch together
     n.accept_activations([Activation("r1", tokens(7))])
     assert n.should_wait  # still r2
     n.stop_waiting()  # r2 is a straggler
     assert not n.should_wait
-    assert [i.request_id for _, items in n.take_batch() for i in items] == ["r3", "r1"]
+    assert ids(n.take_batch()) == ["r3", "r1"]  # one position each: in arrival order
 
 
 def test_a_request_whose_next_input_never_comes_expires_and_the_entry_may_replay_it():
     now = [0.0]
     b = NodeCore("b", "llama", CFG, CoreLimits(idle_timeout=5), clock=lambda: now[0])
     b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
-    ((shard, _),) = b.take_batch()
+    (group,) = b.take_batch()
     now[0] = 4
-    b.step_done(shard, {"r1": hidden(), "r2": hidden()}, {})
+    b.step_done(group, {"r1": hidden(), "r2": hidden()}, {})
     now[0] = 8
     b.accept_activations([Activation("r2", hidden())])
     assert b.expire() == []  # r1 idle for 4 s only
@@ -267,3 +292,33 @@ def test_a_request_whose_next_input_never_comes_expires_and_the_entry_may_replay
     actions = b.expire()
     assert "no input for 5s" in failed(actions) and of(Deliver, actions)[0].message.retryable
     assert list(b.requests) == ["r2"] and b.counters["ended_expired"] == 1
+
+
+# -- KV cache memory ------------------------------------------------------------------------------------------
+def sized(rid, prompt_tokens, max_tokens):
+    return dataclasses.replace(spec(rid, max_tokens=max_tokens), prompt_tokens=prompt_tokens)
+
+
+def test_each_request_reserves_its_kv_cache_and_one_that_does_not_fit_is_refused_as_busy():
+    per_position = 2 * 2 * CFG.n_kv_heads * CFG.head_dim * 4  # node b holds 2 layers; key + value, float32
+    b = core("b", kv_budget=1000 * per_position)
+    assert b.kv_bytes(Shard("llama", 2, 4, 6), 1) == per_position
+    assert b.accept_activations([Activation("r1", hidden(), sized("r1", 300, 300))]) == []
+    assert b.kv_reserved == 600 * per_position
+    (refusal,) = b.accept_activations([Activation("r2", hidden(), sized("r2", 300, 200))])  # 600 + 500 > 1000
+    assert refusal.busy and "KV cache memory is full" in refusal.reason and "r2" not in b.requests
+    b.end_request("r1", "finished")
+    assert b.kv_reserved == 0 and b.accept_activations([Activation("r2", hidden(), sized("r2", 300, 200))]) == []
+
+
+def test_a_request_larger_than_the_whole_kv_budget_is_refused_for_good():
+    b = core("b", kv_budget=10_000)
+    (refusal,) = b.accept_activations([Activation("r1", hidden(), sized("r1", 100, 100))])
+    assert not refusal.busy and "more than its budget" in refusal.reason
+
+
+def test_a_busy_refusal_downstream_reaches_the_entry_as_busy():
+    b = core("b")
+    b.accept_activations([Activation("r1", hidden(), spec())])
+    (deliver,) = of(Deliver, b.refused("h:3", [Refusal("r1", "KV cache memory is full", busy=True)]))
+    assert deliver.message.busy and not deliver.message.retryable
