@@ -190,6 +190,13 @@ class NodeCore:
         actions: list[Action] = []
         for rid, message in errors.items():
             actions += self.fail(rid, message)
+        if (problem := self._malformed(group, outputs)) is not None:
+            # Validated as a whole before any row is routed: an engine that got one row wrong can't be trusted
+            # with the others of the same call.
+            self.counters["malformed_steps"] += 1
+            for rid in outputs:
+                actions += self.fail(rid, f"node {self.id}: the engine returned {problem}")
+            return actions
         self.counters["steps"] += 1
         self.counters["step_rows"] += len(outputs)
         self.counters["step_positions"] += sum(len(item.data) for item in group.items if item.request_id in outputs)
@@ -213,6 +220,21 @@ class NodeCore:
             else:
                 sends[req.next_step.address].append(self._outgoing(req, outputs[rid], item.partial))
         return actions + [Send(address, tuple(acts)) for address, acts in sends.items()]
+
+    def _malformed(self, group: Group, outputs: dict[str, np.ndarray]) -> str | None:
+        """What is wrong with a step's outputs, if anything: one float32 array per input, [1, vocab] logits on the
+        last shard, [T, hidden] hidden states elsewhere, every value finite."""
+        for item in group.items:
+            out = outputs.get(item.request_id)
+            if out is None:
+                continue
+            want = (1, self.config.vocab_size) if group.shard.is_last else (len(item.data), self.config.hidden_size)
+            if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != want:
+                shape = getattr(out, "shape", type(out).__name__)
+                return f"{shape} for request {item.request_id}, expected float32 {list(want)}"
+            if not np.isfinite(out).all():
+                return f"non-finite values for request {item.request_id}"
+        return None
 
     def sampled(self, results: dict[str, SampleResult | BaseException]) -> list[Action]:
         """Tokens sampled on the last shard: deliver each to its entry node; continue or end the request."""

@@ -24,6 +24,7 @@ from shards.tokenizer import Tokenizer
 
 from .core import Action, CoreLimits, Deliver, NodeCore, Release, Sample, Send
 from .entry import Entry
+from .outbox import Outbox
 from .plan import Busy, PlanError, PlanStep, RequestSpec
 from .requests import Activation, Refusal, TokenMessage
 from .sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
@@ -78,6 +79,7 @@ class Node:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._worker: asyncio.Task | None = None
+        self._outboxes: dict[tuple[str, str], Outbox] = {}
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -216,7 +218,9 @@ class Node:
             for item in group.items:
                 self._do(self.core.fail(item.request_id, f"node {self.id} cannot load {group.shard}: {e}"))
             return
-        inputs = [(i.request_id, i.data) for i in group.items if i.request_id in self.core.requests]  # not ended
+        requests = self.core.requests
+        inputs = [(i.request_id, i.data, _positions(requests[i.request_id].spec)) for i in group.items
+                  if i.request_id in requests]  # not ended meanwhile
         if not inputs:
             return
         started = time.perf_counter()
@@ -224,7 +228,7 @@ class Node:
             outputs, refused = await self.shards.forward(engine, inputs)
         except Exception as e:
             log.exception("forward failed")
-            for rid, _ in inputs:
+            for rid, _, _ in inputs:
                 self._do(self.core.fail(rid, f"node {self.id}: forward failed: {e}"))
             return
         self.counters["step_ms_total"] += int((time.perf_counter() - started) * 1000)
@@ -238,9 +242,9 @@ class Node:
             if isinstance(action, Release):
                 self.shards.release(action.request_id)
             elif isinstance(action, Send):
-                self._spawn(self._send(action))
+                self._outbox("activations", action.address).put(*action.activations)
             elif isinstance(action, Deliver):
-                self._spawn(self._deliver(action))
+                self._outbox("tokens", action.address).put(action.message)
             elif isinstance(action, Sample):
                 item = SampleItem(action.request_id, action.logits, action.params, action.state, engine,
                                   self.settings.model_id)
@@ -257,19 +261,35 @@ class Node:
         results = await asyncio.gather(*futures.values(), return_exceptions=True)
         self._do(self.core.sampled(dict(zip(futures, results))))
 
-    async def _send(self, send: Send) -> None:
-        try:
-            rejected = await self.transport.send_activations(send.address, send.activations)
-        except TransportError as e:
-            self._do(self.core.send_failed(send.address, send.activations, str(e), e.retryable))
-            return
-        self._do(self.core.refused(send.address, rejected))
+    def _outbox(self, kind: str, address: str) -> Outbox:
+        """The ordered outbox of activations (or token messages) for `address`; gone again once it is empty."""
+        key = (kind, address)
+        box = self._outboxes.get(key)
+        if box is None:
+            send = self._send if kind == "activations" else self._deliver
+            box = self._outboxes[key] = Outbox(lambda batch: send(address, batch), self._spawn,
+                                               lambda: self._outboxes.pop(key, None))
+        return box
 
-    async def _deliver(self, deliver: Deliver) -> None:
+    async def _send(self, address: str, activations: tuple[Activation, ...]) -> None:
         try:
-            await self.transport.send_tokens(deliver.address, deliver.message)
+            refused = await self.transport.send_activations(address, activations)
         except TransportError as e:
-            self._do(self.core.deliver_failed(deliver.message, str(e)))
+            self._do(self.core.send_failed(address, activations, str(e), e.retryable))
+            return
+        self._do(self.core.refused(address, refused))
+
+    async def _deliver(self, address: str, messages: tuple[TokenMessage, ...]) -> None:
+        try:
+            await self.transport.send_tokens(address, messages)
+        except TransportError as e:
+            for message in messages:
+                self._do(self.core.deliver_failed(message, str(e)))
+
+
+def _positions(spec: RequestSpec) -> int | None:
+    """The most positions a request's KV cache will hold, when the spec says (it sizes the cache once)."""
+    return spec.positions if spec.prompt_tokens else None
 
 
 class _Loopback:
@@ -292,10 +312,11 @@ class _Loopback:
             return await self.inner.send_activations(address, activations)
         return self.node.accept_activations(list(activations))
 
-    async def send_tokens(self, address: str, message: TokenMessage) -> None:
+    async def send_tokens(self, address: str, messages: tuple[TokenMessage, ...]) -> None:
         if address != self.node.address:
-            return await self.inner.send_tokens(address, message)
-        self.node.accept_tokens(message)
+            return await self.inner.send_tokens(address, messages)
+        for message in messages:
+            self.node.accept_tokens(message)
 
     async def end_request(self, address: str, request_id: str, reason: str) -> None:
         if address != self.node.address:

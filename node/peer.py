@@ -87,8 +87,9 @@ class GrpcTransport:
         return [wire.decode_refusal(r) for r in response.rejected]
 
     @_translated
-    async def send_tokens(self, address: str, message: TokenMessage) -> None:
-        await self.stub(address).SendResult(wire.encode_tokens(message), timeout=self.rpc_timeout, wait_for_ready=True)
+    async def send_tokens(self, address: str, messages: tuple[TokenMessage, ...]) -> None:
+        request = wire.encode_token_batch(messages)
+        await self.stub(address).SendResults(request, timeout=self.rpc_timeout, wait_for_ready=True)
 
     @_translated
     async def end_request(self, address: str, request_id: str, reason: str) -> None:

@@ -46,18 +46,19 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
 
     async def SendTensor(self, request: pb.SendTensorRequest, context: grpc.aio.ServicerContext) -> pb.SendTensorResponse:
         try:
-            activations = [wire.decode_activation(e, self.node.max_tensor_bytes) for e in request.entries]
+            activations = wire.decode_activation_batch(request, self.node.max_tensor_bytes)
         except wire.WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         refused = self.node.accept_activations(activations)
         return pb.SendTensorResponse(rejected=[wire.encode_refusal(r) for r in refused])
 
-    async def SendResult(self, request: pb.SendResultRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
+    async def SendResults(self, request: pb.SendResultsRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         try:
-            message = wire.decode_tokens(request)
+            messages = wire.decode_token_batch(request)
         except wire.WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self.node.accept_tokens(message)
+        for message in messages:
+            self.node.accept_tokens(message)
         return pb.Ack()
 
     async def EndRequest(self, request: pb.EndRequestRequest, context: grpc.aio.ServicerContext) -> pb.Ack:

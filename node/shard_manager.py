@@ -58,10 +58,10 @@ class ShardManager:
         self.engines[shard] = engine
         return engine
 
-    async def forward(self, engine: Engine, inputs: list[tuple[str, np.ndarray]]) \
+    async def forward(self, engine: Engine, inputs: list[tuple[str, np.ndarray, int]]) \
             -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """One forward pass over (request id, input) pairs: outputs per request, and the requests whose input the
-        engine refused (with why), which are left out of the pass instead of failing it."""
+        """One forward pass over (request id, input, most positions it will reach): outputs per request, and the
+        requests whose input the engine refused (with why), which are left out of the pass instead of failing it."""
         return await self.run(_forward, engine, inputs)
 
     def release(self, request_id: str) -> None:
@@ -81,10 +81,12 @@ class ShardManager:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _forward(engine: Engine, inputs: list[tuple[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def _forward(engine: Engine, inputs: list[tuple[str, np.ndarray, int]]) \
+        -> tuple[dict[str, np.ndarray], dict[str, str]]:
     items, refused = [], {}
-    for rid, data in inputs:
-        item = StepInput(rid, tokens=data) if engine.shard.is_first else StepInput(rid, hidden=data)
+    for rid, data, positions in inputs:
+        item = StepInput(rid, tokens=data, max_positions=positions) if engine.shard.is_first else \
+            StepInput(rid, hidden=data, max_positions=positions)
         try:
             engine.validate([item])
             items.append(item)

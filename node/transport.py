@@ -35,7 +35,8 @@ class Transport(Protocol):
     async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[Refusal]:
         """The activations the peer refused, and why."""
 
-    async def send_tokens(self, address: str, message: TokenMessage) -> None: ...
+    async def send_tokens(self, address: str, messages: tuple[TokenMessage, ...]) -> None:
+        """Token messages for an entry node, delivered in order."""
 
     async def end_request(self, address: str, request_id: str, reason: str) -> None: ...
 

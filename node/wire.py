@@ -29,6 +29,7 @@ MAX_STOP_IDS = 1024
 MAX_LOADED = 64
 MAX_STATUS = 256
 MAX_TOKENS_PER_MESSAGE = 1024
+MAX_MESSAGES = 4096  # token messages or activations in one call
 MAX_ERROR = 4096
 FINISH_REASONS = ("", "stop", "length", "error")
 _UINT64 = 2**64
@@ -301,3 +302,15 @@ def encode_refusal(r: Refusal) -> pb.Rejected:
 
 def decode_refusal(m: pb.Rejected) -> Refusal:
     return Refusal(_text(m.request_id, "request_id", MAX_REQUEST_ID), _text(m.reason, "reason", MAX_ERROR), m.busy)
+
+
+def encode_token_batch(messages: tuple[TokenMessage, ...]) -> pb.SendResultsRequest:
+    return pb.SendResultsRequest(results=[encode_tokens(m) for m in messages])
+
+
+def decode_token_batch(m: pb.SendResultsRequest) -> list[TokenMessage]:
+    return [decode_tokens(r) for r in _count(m.results, "token messages", MAX_MESSAGES)]
+
+
+def decode_activation_batch(m: pb.SendTensorRequest, max_bytes: int) -> list[Activation]:
+    return [decode_activation(e, max_bytes) for e in _count(m.entries, "activations", MAX_MESSAGES)]

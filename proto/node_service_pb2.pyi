@@ -152,6 +152,12 @@ class SendResultRequest(_message.Message):
     busy: bool
     def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., busy: _Optional[bool] = ...) -> None: ...
 
+class SendResultsRequest(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SendResultRequest]
+    def __init__(self, results: _Optional[_Iterable[_Union[SendResultRequest, _Mapping]]] = ...) -> None: ...
+
 class EndRequestRequest(_message.Message):
     __slots__ = ("request_id", "reason")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,9 +44,9 @@ class NodeServiceStub:
                 request_serializer=proto_dot_node__service__pb2.SendTensorRequest.SerializeToString,
                 response_deserializer=proto_dot_node__service__pb2.SendTensorResponse.FromString,
                 _registered_method=True)
-        self.SendResult = channel.unary_unary(
-                '/exo_node.NodeService/SendResult',
-                request_serializer=proto_dot_node__service__pb2.SendResultRequest.SerializeToString,
+        self.SendResults = channel.unary_unary(
+                '/exo_node.NodeService/SendResults',
+                request_serializer=proto_dot_node__service__pb2.SendResultsRequest.SerializeToString,
                 response_deserializer=proto_dot_node__service__pb2.Ack.FromString,
                 _registered_method=True)
         self.EndRequest = channel.unary_unary(
@@ -81,7 +81,7 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SendResult(self, request, context):
+    def SendResults(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,9 +118,9 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     request_deserializer=proto_dot_node__service__pb2.SendTensorRequest.FromString,
                     response_serializer=proto_dot_node__service__pb2.SendTensorResponse.SerializeToString,
             ),
-            'SendResult': grpc.unary_unary_rpc_method_handler(
-                    servicer.SendResult,
-                    request_deserializer=proto_dot_node__service__pb2.SendResultRequest.FromString,
+            'SendResults': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendResults,
+                    request_deserializer=proto_dot_node__service__pb2.SendResultsRequest.FromString,
                     response_serializer=proto_dot_node__service__pb2.Ack.SerializeToString,
             ),
             'EndRequest': grpc.unary_unary_rpc_method_handler(
@@ -204,7 +204,7 @@ class NodeService:
             _registered_method=True)
 
     @staticmethod
-    def SendResult(request,
+    def SendResults(request,
             target,
             options=(),
             channel_credentials=None,
@@ -217,8 +217,8 @@ class NodeService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/exo_node.NodeService/SendResult',
-            proto_dot_node__service__pb2.SendResultRequest.SerializeToString,
+            '/exo_node.NodeService/SendResults',
+            proto_dot_node__service__pb2.SendResultsRequest.SerializeToString,
             proto_dot_node__service__pb2.Ack.FromString,
             options,
             channel_credentials,

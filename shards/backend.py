@@ -38,7 +38,9 @@ class SlabCache(KVCache):
     """Keys and values in preallocated [kv_heads, capacity, head_dim] slabs, written in place and grown by doubling;
     fetches are views of the slabs, not copies. For libraries with in-place slice assignment (numpy, MLX)."""
 
-    def __init__(self, zeros: Callable[[tuple[int, ...]], Array], n_kv: int, head_dim: int, capacity: int = 64):
+    def __init__(self, zeros: Callable[[tuple[int, ...]], Array], n_kv: int, head_dim: int,
+                 capacity: int | None = None):
+        capacity = capacity or 64  # unknown: start small and double
         self.zeros = zeros
         self.k, self.v = zeros((n_kv, capacity, head_dim)), zeros((n_kv, capacity, head_dim))
         self.length = 0
@@ -83,7 +85,8 @@ class Backend(ABC):
     def nbytes(self, x: Array) -> int: ...
 
     @abstractmethod
-    def new_cache(self, n_kv_heads: int, head_dim: int) -> KVCache: ...
+    def new_cache(self, n_kv_heads: int, head_dim: int, capacity: int | None = None) -> KVCache:
+        """An empty cache; `capacity`, when known, is the most positions the request will reach."""
 
     # -- operations -------------------------------------------------------------------------------------------
     @abstractmethod

@@ -31,6 +31,7 @@ class StepInput:
     request_id: str
     tokens: np.ndarray | None = None  # int [T]
     hidden: np.ndarray | None = None  # float32 [T, hidden_size]
+    max_positions: int | None = None  # the most positions the request will reach: its KV cache is sized once
 
     @property
     def length(self) -> int:
@@ -186,7 +187,7 @@ class BlockEngine(Engine):
 
     def run(self, batch: list[StepInput], p: Packing, all_logits: bool) -> list[np.ndarray]:
         """The forward pass of a validated, packed batch."""
-        caches = [self.request_cache(item.request_id) for item in batch]
+        caches = [self.request_cache(item.request_id, item.max_positions) for item in batch]
         x = self.tokens(batch) if self.shard.is_first else self.ops.array(self.hidden(batch))
         last_rows = p.last_rows if self.shard.is_last and not all_logits else None
         out = self.model(x, self.step(p), caches, last_rows)
@@ -197,11 +198,11 @@ class BlockEngine(Engine):
         return Step(p.bounds, p.starts, ops.array(p.cos), ops.array(p.sin),
                     [None if m is None else ops.array(m) for m in p.masks])
 
-    def request_cache(self, request_id: str) -> list[KVCache]:
+    def request_cache(self, request_id: str, max_positions: int | None = None) -> list[KVCache]:
         cache = self.caches.get(request_id)
         if cache is None:
             cfg = self.config
-            cache = self.caches[request_id] = [self.ops.new_cache(cfg.n_kv_heads, cfg.head_dim)
+            cache = self.caches[request_id] = [self.ops.new_cache(cfg.n_kv_heads, cfg.head_dim, max_positions)
                                                for _ in self.model.layers]
         return cache
 

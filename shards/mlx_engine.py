@@ -30,8 +30,8 @@ class MlxBackend(Backend):
     def nbytes(self, x: "mx.array") -> int:
         return x.nbytes
 
-    def new_cache(self, n_kv_heads: int, head_dim: int) -> SlabCache:
-        return SlabCache(lambda shape: mx.zeros(shape, mx.float32), n_kv_heads, head_dim)
+    def new_cache(self, n_kv_heads: int, head_dim: int, capacity: int | None = None) -> SlabCache:
+        return SlabCache(lambda shape: mx.zeros(shape, mx.float32), n_kv_heads, head_dim, capacity)
 
     def linear(self, x: "mx.array", w: "mx.array", bias: "mx.array | None" = None) -> "mx.array":
         return x @ w if bias is None else x @ w + bias

@@ -26,8 +26,9 @@ class NumpyBackend(Backend):
     def nbytes(self, x: np.ndarray) -> int:
         return x.nbytes
 
-    def new_cache(self, n_kv_heads: int, head_dim: int) -> SlabCache:
-        return SlabCache(lambda shape: np.empty(shape, dtype=np.float32), n_kv_heads, head_dim)
+    def new_cache(self, n_kv_heads: int, head_dim: int, capacity: int | None = None) -> SlabCache:
+        # np.empty: pages of a slab sized for the request's whole reservation are only backed as they are written
+        return SlabCache(lambda shape: np.empty(shape, dtype=np.float32), n_kv_heads, head_dim, capacity)
 
     def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         y = x @ w

@@ -74,7 +74,9 @@ class TinygradBackend(Backend):
     def nbytes(self, x: "Tensor") -> int:
         return x.nbytes()
 
-    def new_cache(self, n_kv_heads: int, head_dim: int) -> TinygradCache:
+    def new_cache(self, n_kv_heads: int, head_dim: int, capacity: int | None = None) -> TinygradCache:
+        # Capacity buckets (doubling from 256) rather than the request's reservation: each bucket is a captured
+        # decode graph, so few distinct capacities keep captures few.
         return TinygradCache.empty(n_kv_heads, head_dim)
 
     def linear(self, x: "Tensor", w: "Tensor", bias: "Tensor | None" = None) -> "Tensor":

@@ -40,6 +40,10 @@ def hidden(rows=1):
     return np.zeros((rows, CFG.hidden_size), np.float32)
 
 
+def logits():
+    return np.zeros((1, CFG.vocab_size), np.float32)
+
+
 def tokens(*ids):
     return np.array(ids, np.int64)
 
@@ -161,16 +165,16 @@ def test_the_last_node_samples_only_after_the_prompts_last_chunk():
     c = core("c")
     c.accept_activations([Activation("r1", hidden(32), spec(), partial=True)])
     (group,) = c.take_batch()
-    assert group.items[0].partial and c.step_done(group, {"r1": np.zeros((1, 8), np.float32)}, {}) == []
+    assert group.items[0].partial and c.step_done(group, {"r1": logits()}, {}) == []
     c.accept_activations([Activation("r1", hidden(6))])
     (group,) = c.take_batch()
-    assert [type(a) for a in c.step_done(group, {"r1": np.zeros((1, 8), np.float32)}, {})] == [Sample]
+    assert [type(a) for a in c.step_done(group, {"r1": logits()}, {})] == [Sample]
 
 
 # -- routing outputs ------------------------------------------------------------------------------------------
 def test_hidden_states_go_to_the_next_node_with_the_spec_only_the_first_time():
     b = core("b")
-    b.accept_activations([Activation("r1", hidden(), spec())])
+    b.accept_activations([Activation("r1", hidden(4), spec())])
     (group,) = b.take_batch()
     (send,) = b.step_done(group, {"r1": hidden(4)}, {})
     assert send.address == ADDR["c"] and send.activations[0].spec == spec()
@@ -184,6 +188,7 @@ def test_the_last_node_samples_delivers_and_sends_the_token_back_to_the_first():
     c = core("c")
     c.accept_activations([Activation("r1", hidden(), spec())])
     logits = np.arange(10, dtype=np.float32)[None]
+    logits = np.arange(CFG.vocab_size, dtype=np.float32)[None]
     (sample,) = c.step_done(ran(Shard("llama", 4, 6, 6), r1=1), {"r1": logits}, {})
     assert isinstance(sample, Sample) and np.array_equal(sample.logits, logits[-1])
     deliver, send = c.sampled({"r1": SampleResult(42)})
@@ -268,7 +273,7 @@ def test_a_one_node_ring_holds_the_queue_for_its_token_in_flight():
     n.accept_prompt(spec("r1", nodes=(("a", 0, 6),), entry="a"), tokens(1, 2))
     n.accept_prompt(spec("r2", nodes=(("a", 0, 6),), entry="a"), tokens(3))
     (group,) = n.take_batch()
-    n.step_done(group, {"r1": np.zeros((1, 8), np.float32), "r2": np.zeros((1, 8), np.float32)}, {})
+    n.step_done(group, {"r1": logits(), "r2": logits()}, {})
     n.accept_prompt(spec("r3", nodes=(("a", 0, 6),), entry="a"), tokens(4))
     assert n.should_wait  # r1 and r2 are being sampled: r3 waits for them to batch together
     n.accept_activations([Activation("r1", tokens(7))])
@@ -322,3 +327,14 @@ def test_a_busy_refusal_downstream_reaches_the_entry_as_busy():
     b.accept_activations([Activation("r1", hidden(), spec())])
     (deliver,) = of(Deliver, b.refused("h:3", [Refusal("r1", "KV cache memory is full", busy=True)]))
     assert deliver.message.busy and not deliver.message.retryable
+
+
+@pytest.mark.parametrize("bad", [np.zeros((2, CFG.hidden_size), np.float32), np.zeros((1, CFG.hidden_size)),
+                                 np.full((1, CFG.hidden_size), np.nan, np.float32)])
+def test_a_step_with_any_malformed_output_fails_all_its_requests_before_routing_any(bad):
+    b = core("b")
+    b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
+    (group,) = b.take_batch()
+    actions = b.step_done(group, {"r1": hidden(), "r2": bad}, {})
+    assert not of(Send, actions) and len(of(Deliver, actions)) == 2 and not b.requests
+    assert "the engine returned" in of(Deliver, actions)[0].message.error

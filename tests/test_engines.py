@@ -106,3 +106,34 @@ def test_a_missing_engine_names_the_extra_to_install(monkeypatch):
 
     with pytest.raises(EngineUnavailable, match=r"pip install 'exo-node\[tinygrad\]'"):
         engine_class("tinygrad")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_prompt_prefilled_in_chunks_equals_one_whole_prefill(engine_name, model):
+    # The scheduler may cut a prompt anywhere (and at different places on different nodes): the cache and every
+    # output after it are those of a whole-prompt prefill.
+    g = golden(model)
+    prompt = np.array(g["prompt_ids"])
+    whole, chunked = make(engine_name, model), make(engine_name, model)
+    expected = whole.forward([StepInput("r", tokens=prompt)], all_logits=True)[0]
+    pieces = [chunked.forward([StepInput("r", tokens=chunk)], all_logits=True)[0]
+              for chunk in np.split(prompt, [3, 4, 9])]  # chunks of 3, 1, 5 and the rest
+    assert np.allclose(np.concatenate(pieces), expected, atol=1e-5, rtol=0)
+    assert chunked.cache_length("r") == whole.cache_length("r") == len(prompt)
+    tokens = []
+    for engine in (whole, chunked):
+        out, ids = expected[-1:], []
+        for _ in range(8):
+            ids.append(int(np.argmax(out[-1])))
+            out = engine.forward([StepInput("r", tokens=np.array(ids[-1:]))])[0]
+        tokens.append(ids)
+    assert tokens[0] == tokens[1]
+
+
+def test_a_cache_sized_for_the_requests_reservation_is_not_grown(engine_name):
+    engine = make(engine_name, "llama")
+    engine.forward([StepInput("r", tokens=np.arange(20), max_positions=40)])
+    before = engine.cache_bytes()
+    for t in range(20):
+        engine.forward([StepInput("r", tokens=np.array([t]))])
+    assert engine.cache_bytes() == before and engine.cache_length("r") == 40
