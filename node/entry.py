@@ -78,9 +78,10 @@ class Entry:
             try:
                 async for message in self._run(attempt):
                     history += [r.token for r in message.results]
+                    if message.finished:
+                        reason = "finished"  # before the yield: the consumer may close us right there
                     yield message
                     if message.finished:
-                        reason = "finished"
                         return
             except _Busy as busy:
                 reason = "busy"

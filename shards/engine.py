@@ -125,12 +125,15 @@ class Engine(ABC):
         self.validate(batch)
         lengths = [item.length for item in batch]
         starts = [self.cache_length(item.request_id) for item in batch]
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-        angles = positions[:, None].astype(np.float64) * self.config.rope.inv_freq(self.config.head_dim)[None, :]
+        cos, sin = self.rotary(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)]))
         group = self.config.n_heads // self.config.n_kv_heads
-        return Packing(lengths, starts, np.cumsum([0] + lengths),
-                       np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :],
+        return Packing(lengths, starts, np.cumsum([0] + lengths), cos, sin,
                        [causal_mask(s, n, group) for s, n in zip(starts, lengths)])
+
+    def rotary(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin tables float32 [len(positions), 1, head_dim/2] (broadcast over heads)."""
+        angles = positions[:, None].astype(np.float64) * self.config.rope.inv_freq(self.config.head_dim)[None, :]
+        return np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :]
 
     @staticmethod
     def tokens(batch: list[StepInput]) -> np.ndarray:

@@ -4,7 +4,9 @@ CPU backend, which needs clang).
 Weights keep the Hugging Face [out, in] layout and are applied as `x @ W.T` (measured ~5x faster than `x @ W` with
 tinygrad's CPU kernels). Each request's KV cache is preallocated in capacity buckets and written at a symbolic
 position, so decode steps are captured once per (batch size, capacities) with TinyJit and replayed, instead of
-being compiled for every step. Activations leave as numpy float32.
+being compiled for every step. Prompt chunks are padded to length buckets (16/64/256) and attend over the cache's
+whole capacity with a mask from the true lengths, so a prefill is captured once per (requests, bucket,
+capacities): a new prompt length no longer compiles new kernels. Activations leave as numpy float32.
 """
 from __future__ import annotations
 
@@ -23,10 +25,13 @@ MIN_CAPACITY = 256
 
 
 class TinygradCache(KVCache):
-    """One request's keys and values for one layer: [2, capacity, kv_heads, head_dim], capacity doubling."""
+    """One request's keys and values for one layer: [2, capacity, kv_heads, head_dim], capacity doubling.
 
-    def __init__(self, kv: "Tensor"):
-        self.kv = kv
+    `whole`: fetch the whole capacity (a padded prefill, which masks what lies beyond each position) instead of the
+    positions written so far."""
+
+    def __init__(self, kv: "Tensor", whole: bool = False):
+        self.kv, self.whole = kv, whole
         self.length = 0
 
     @classmethod
@@ -50,8 +55,9 @@ class TinygradCache(KVCache):
         self.kv.shrink((None, (start, start + t), None, None)).assign(k.stack(v)).realize()
         if isinstance(start, int):
             self.length = start + t
-        keys = self.kv[0].shrink(((0, start + t), None, None)).permute(1, 0, 2)  # [nkv, L, hd]
-        values = self.kv[1].shrink(((0, start + t), None, None)).permute(1, 0, 2)
+        end = self.kv.shape[1] if self.whole else start + t
+        keys = self.kv[0].shrink(((0, end), None, None)).permute(1, 0, 2)  # [nkv, L, hd]
+        values = self.kv[1].shrink(((0, end), None, None)).permute(1, 0, 2)
         return keys, values
 
     @property
@@ -103,8 +109,8 @@ class TinygradBackend(Backend):
     def where(self, mask: "Tensor", x: "Tensor", fill: float) -> "Tensor":
         return mask.where(x, fill)
 
-    def take_rows(self, x: "Tensor", rows: np.ndarray) -> "Tensor":
-        return x[Tensor(rows.astype(np.int32))]
+    def take_rows(self, x: "Tensor", rows) -> "Tensor":
+        return x[rows if isinstance(rows, Tensor) else Tensor(rows.astype(np.int32))]
 
     def layer_done(self, x: "Tensor", caches: list[KVCache]) -> "Tensor":
         return x.realize()
@@ -114,6 +120,7 @@ class TinygradEngine(BlockEngine):
     name = "tinygrad"
     # No batched sampler yet: the last node's sampling batcher samples tinygrad rows one request at a time.
     batched_sampling = False
+    prefill_buckets = (16, 64, 256)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -123,8 +130,13 @@ class TinygradEngine(BlockEngine):
         return TinygradBackend()
 
     def run(self, batch: list[StepInput], p: Packing, all_logits: bool) -> list[np.ndarray]:
-        if max(p.lengths) > 1 or all_logits:
+        if all_logits:
             return super().run(batch, p, all_logits)
+        if max(p.lengths) > 1:
+            buckets = {next((b for b in self.prefill_buckets if b >= n), None) for n in p.lengths}
+            if len(buckets) == 1 and None not in buckets:
+                return self._padded_prefill(batch, p, buckets.pop())
+            return super().run(batch, p, all_logits)  # lengths of several buckets, or beyond the largest
         # Decode: replay captured kernels. Positions are symbolic (one variable per batch slot), so one capture
         # serves every step with this many requests and these cache capacities.
         caches = [self.request_cache(item.request_id) for item in batch]
@@ -144,6 +156,48 @@ class TinygradEngine(BlockEngine):
             for c in cache:
                 c.length = start + 1
         return p.split(out, self.shard.is_last)
+
+    def _padded_prefill(self, batch: list[StepInput], p: Packing, bucket: int) -> list[np.ndarray]:
+        """Every request's chunk padded to `bucket` rows, through a capture for this (requests, bucket, capacities).
+        Pad rows write cache positions beyond the true length (overwritten by the next chunk or token) and their
+        outputs are dropped; the masks come from the true lengths, so a real token 0 is still input."""
+        caches = [self.request_cache(item.request_id, item.max_positions) for item in batch]
+        for cache, start in zip(caches, p.starts):
+            for c in cache:
+                c.reserve(start + bucket)
+        kvs = [c.kv for cache in caches for c in cache]
+        capacities = [cache[0].kv.shape[1] for cache in caches]
+        key = ("prefill", len(batch), bucket, tuple(kv.shape[1] for kv in kvs))
+        jit = self._jits.get(key)
+        if jit is None:
+            jit = self._jits[key] = TinyJit(self._prefill)
+        group = self.config.n_heads // self.config.n_kv_heads
+        cos, sin = self.rotary(np.concatenate([np.arange(s, s + bucket) for s in p.starts]))
+        masks = [Tensor(np.tile(np.arange(cap)[None, :] <= (s + np.arange(bucket))[:, None], (group, 1))[None])
+                 for s, cap in zip(p.starts, capacities)]
+        last = Tensor(np.array([i * bucket + n - 1 for i, n in enumerate(p.lengths)], dtype=np.int32))
+        pos = [Variable(f"start_pos{i}", 0, cap - 1).bind(s) for i, (s, cap) in enumerate(zip(p.starts, capacities))]
+        if self.shard.is_first:
+            x = Tensor(np.concatenate([np.pad(item.tokens, (0, bucket - len(item.tokens))) for item in batch])
+                       .astype(np.int32))
+        else:
+            x = Tensor(np.concatenate([np.pad(item.hidden, ((0, bucket - len(item.hidden)), (0, 0))) for item in batch]))
+        out = jit(x, Tensor(cos), Tensor(sin), last, *masks, *kvs, *pos).numpy()
+        for cache, start, n in zip(caches, p.starts, p.lengths):
+            for c in cache:
+                c.length = start + n
+        if self.shard.is_last:
+            return p.split(out, True)
+        return [out[i * bucket: i * bucket + n] for i, n in enumerate(p.lengths)]
+
+    def _prefill(self, x: "Tensor", cos: "Tensor", sin: "Tensor", last: "Tensor", *args) -> "Tensor":
+        """One padded prefill step over caches and masks given as arguments (see `_decode`)."""
+        n, n_layers = last.shape[0], len(self.model.layers)
+        masks, kvs, pos = args[:n], args[n: n + n * n_layers], list(args[n + n * n_layers:])
+        caches = [[TinygradCache(kv, whole=True) for kv in kvs[r * n_layers:(r + 1) * n_layers]] for r in range(n)]
+        bucket = x.shape[0] // n
+        step = Step(range(0, n * bucket + 1, bucket), pos, cos, sin, masks)
+        return self.model(x, step, caches, last if self.shard.is_last else None).realize()
 
     def _decode(self, x: "Tensor", cos: "Tensor", sin: "Tensor", *args) -> "Tensor":
         """One decode step over caches given as arguments, so TinyJit swaps in each call's own buffers."""
