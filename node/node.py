@@ -24,6 +24,7 @@ from shards.tokenizer import Tokenizer
 
 from .core import Action, CoreLimits, Deliver, NodeCore, Queued, Release, Sample, Send
 from .entry import Entry
+from .metrics import NodeMetrics
 from .plan import PlanError, PlanStep, RequestSpec
 from .requests import Activation, TokenMessage
 from .sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
@@ -67,7 +68,8 @@ class Node:
         self.peers: dict[str, NodeInfo] = {}  # the live peers, as membership last saw them
         self.entry = Entry(self.id, self.address, self.transport, self.make_plan, tokenizer.eos_token_ids,
                            settings.request_timeout, self.counters, self._spawn)
-        self.stat_sources = [self.counters, self.core.counters, self.batcher.stats, *stat_sources]
+        self.metrics = NodeMetrics(self)
+        self.stat_sources = [self.counters, self.core.counters, self.batcher.stats, self.metrics.status, *stat_sources]
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._worker: asyncio.Task | None = None
@@ -189,6 +191,7 @@ class Node:
                 self._do(self.core.fail(rid, f"node {self.id}: forward failed: {e}"))
             return
         self.counters["step_ms_total"] += int((time.perf_counter() - started) * 1000)
+        self.metrics.step_done(time.perf_counter() - started, len(inputs), sum(len(data) for _, data in inputs))
         errors = {rid: f"node {self.id}: {why}" for rid, why in refused.items()}
         self._do(self.core.step_done(shard, outputs, errors), engine)
 
@@ -222,6 +225,7 @@ class Node:
         try:
             rejected = await self.transport.send_activations(send.address, send.activations)
         except TransportError as e:
+            self.metrics.rpc_error(send.address, "activations")
             self._do(self.core.send_failed(send.address, send.activations, str(e)))
             return
         self._do(self.core.refused(send.address, rejected))
@@ -230,6 +234,7 @@ class Node:
         try:
             await self.transport.send_tokens(deliver.address, deliver.message)
         except TransportError as e:
+            self.metrics.rpc_error(deliver.address, "tokens")
             self._do(self.core.deliver_failed(deliver.message, str(e)))
 
 
