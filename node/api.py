@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from .api_schema import ApiError, ChatRequest, CompletionRequest, Options, parse_chat, parse_completion, read_json
 from .api_format import ChatFormat, CompletionFormat, Format
@@ -131,8 +131,9 @@ class Api:
                                   "plan": plan, "plan_error": plan_error})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.node.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        # The classic text format unless the scraper asks for OpenMetrics.
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encode(self.node.metrics.registry), headers={"Content-Type": content_type})
 
     def _check_model(self, model: str) -> None:
         if model != self.model_id:

@@ -9,13 +9,13 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.wait import WebDriverWait
 
 from bench.random_model import write_random_llama
 from tests.browser import chromium
 from tests.cluster import Cluster
+from tests.test_metrics import scrape, value
 
 KEY = "sk-page-test"
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -128,17 +128,8 @@ def test_stop_button_ends_the_request_on_every_node(cluster, page):
     for node_id, info in cluster.self_info().items():
         assert info["status"].get("ended_cancelled", 0) >= 1, node_id
     assert len(page.answer()["text"].split()) < 4000  # it did not run to the end
-    metrics = scrape(cluster)
-    assert metrics[("exo_requests_total", (("endpoint", "chat"), ("outcome", "cancelled")))] == 1
+    assert value(scrape(cluster.nodes[0].api_url, KEY), "exo_requests_total", endpoint="chat", outcome="cancelled") == 1
     assert page.find("#send").is_enabled() and not page.find("#stop-button").is_enabled()
-
-
-def scrape(cluster) -> dict:
-    request = urllib.request.Request(f"{cluster.nodes[0].api_url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(request, timeout=10) as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def test_page_and_assets_need_no_key_but_the_api_does(cluster):
