@@ -92,7 +92,7 @@ def page(cluster):
 def test_chat_streams_the_apis_greedy_answer_and_the_view_shows_both_nodes(cluster, page, tmp_path):
     assert page.asked_for_key
     page.wait(lambda: page.nodes() == {"node0": "0:1", "node1": "1:4"})
-    assert page.segments() == ["node0: layers 0–0", "node1: layers 1–3"]
+    assert page.segments() == ["node0 · 0", "node1 · 1–3"]  # the model's 4 layers, as two segments of a bar
 
     page.send("w5 w6 w7", temperature=0, max_tokens=24)
     page.wait(lambda: page.answer()["state"] != "streaming")
@@ -141,3 +141,14 @@ def test_page_and_assets_need_no_key_but_the_api_does(cluster):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(base + path, timeout=10)
         assert e.value.code == 401
+
+
+def test_the_page_loads_nothing_from_elsewhere():
+    """No CDN, no external fonts or scripts: nodes may have no internet (the CSP header enforces it as well)."""
+    from node.webui import WEB
+
+    files = {p.name: p.read_text() for p in WEB.iterdir()}
+    assert set(files) == {"index.html", "app.js", "style.css"}
+    for name, text in files.items():
+        assert "http://" not in text and "https://" not in text and "@import" not in text, name
+        assert "src=\"//" not in text and "href=\"//" not in text and "url(" not in text, name

@@ -238,9 +238,9 @@ function segment(nodeId, start, end, n, color) {
   div.className = nodeId ? "segment" : "segment uncovered";
   div.style.flex = String(end - start);
   if (color) div.style.background = color;
-  const label = `${nodeId || "not covered"}: layers ${start}–${end - 1}`;
-  div.textContent = label;
-  div.title = `${label} of ${n}`;
+  const layers = end - start === 1 ? `layer ${start}` : `layers ${start}–${end - 1}`;
+  div.textContent = `${nodeId || "not covered"} · ${start === end - 1 ? start : `${start}–${end - 1}`}`;
+  div.title = `${nodeId || "not covered"}: ${layers} of ${n}`;
   if (nodeId) div.dataset.nodeId = nodeId;
   return div;
 }
@@ -272,7 +272,7 @@ function nodeCard(node, index, range, color, nLayers) {
   const rows = rate(node.node_id, "step_rows", "steps");
   const [start, end] = range ? range.split(":").map(Number) : [null, null];
   const fields = [
-    ["layers", range ? `${start}–${end - 1} of ${nLayers}` : "none"],
+    ["layers", range ? `${end - start === 1 ? start : `${start}–${end - 1}`} of ${nLayers}` : "none"],
     ["address", node.address],
     ["engine", node.capabilities.engine],
     ["memory", gib(node.capabilities.memory_bytes)],
