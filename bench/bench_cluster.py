@@ -118,6 +118,8 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # progress lines when not on a terminal
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the clusters' nodes are stopped too
+    if not args.no_plot:
+        plots.require()  # before minutes of measuring, not after
     with tempfile.TemporaryDirectory() as tmp:
         model = write_random_llama(Path(tmp) / "mid")
         if args.sampling_ab:

@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # progress lines when not on a terminal
+    if "," in args.engine and not args.no_plot:
+        plots.require()  # before minutes of measuring, not after
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or write_random_llama(Path(tmp) / "mid")

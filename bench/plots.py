@@ -11,11 +11,17 @@ PLOTS = Path(__file__).resolve().parent / "plots"
 COLORS = ["#2f6fde", "#d9480f", "#2b8a3e", "#862e9c"]
 
 
-def _pyplot():
+def require() -> None:
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         raise SystemExit("plots need matplotlib: run with `uv run --group bench ...` (or pass --no-plot)") from None
+
+
+def _pyplot():
+    require()
+    import matplotlib
+
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 

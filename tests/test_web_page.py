@@ -152,3 +152,15 @@ def test_the_page_loads_nothing_from_elsewhere():
     for name, text in files.items():
         assert "http://" not in text and "https://" not in text and "@import" not in text, name
         assert "src=\"//" not in text and "href=\"//" not in text and "url(" not in text, name
+
+
+def test_a_peer_that_leaves_drops_out_of_the_view_with_an_event(cluster, page):
+    """(The module's last browser test: it stops node1.)"""
+    cluster.nodes[1].proc.terminate()
+    cluster.nodes[1].proc.wait(timeout=15)
+    page.wait(lambda: page.nodes() == {"node0": "0:1"})
+    events = [e.text for e in page.driver.find_elements(By.CSS_SELECTOR, "#events li")]
+    assert events[0].endswith("node1 left") and events[-1].endswith("2 node(s): node0, node1")
+    # node0 alone can't cover layers 1-3: the bar shows the gap and the view says why requests would fail
+    page.wait(lambda: page.segments() == ["node0 · 0", "not covered · 1–3"])
+    assert "layers 1-3 are not covered" in page.find("#cluster-error").text

@@ -130,6 +130,7 @@ async function send(text) {
       }
       if (choice.finish_reason) finish = choice.finish_reason;
     }
+    if (!finish) throw new ApiError("the answer broke off: the connection to the node was lost");
     div.dataset.state = "done";
     div.dataset.finish = finish || "";
     history.push({ role: "assistant", content: out.textContent });
