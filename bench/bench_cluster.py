@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import statistics
 import sys
@@ -127,9 +126,7 @@ def main() -> None:
         sweeps = sweep(model, args.tokens)
         nodes = by_nodes(model, args.tokens)
     if not args.no_plot:
-        where = "all nodes on one 2-core machine"
-        if threads := os.environ.get("OPENBLAS_NUM_THREADS"):
-            where += f", {threads} BLAS thread{'s' if threads != '1' else ''} per node"
+        where = f"all nodes on {plots.machine_note()}"
         title = f"random 357.6M Llama (f32), numpy engine, {args.tokens} tokens per stream\n{where}"
         print("wrote", plots.concurrency(sweeps, args.plot_dir / "concurrency.png", title))
         print("wrote", plots.nodes(nodes, args.plot_dir / "nodes.png", f"random 357.6M Llama, numpy engine\n{where}"))

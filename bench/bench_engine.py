@@ -87,7 +87,7 @@ def main() -> None:
             gc.collect()  # one engine's weights at a time
     if len(results) > 1 and not args.no_plot:
         print("wrote", plots.engines(results, args.plot_dir / "engines.png",
-                                     "random 357.6M Llama (f32) on one 2-core CPU machine"))
+                                     f"random 357.6M Llama (f32), {plots.machine_note()}"))
 
 
 if __name__ == "__main__":

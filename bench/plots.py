@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 PLOTS = Path(__file__).resolve().parent / "plots"
@@ -29,10 +31,18 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig, path: Path, data) -> Path:
+    """The PNG, and beside it the numbers it was drawn from (PATH.json), so a plot can be checked or redrawn."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100, bbox_inches="tight")
+    path.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     return path
+
+
+def machine_note() -> str:
+    threads = os.environ.get("OPENBLAS_NUM_THREADS")
+    note = "one 2-core machine"
+    return note + (f", {threads} BLAS thread{'s' if threads != '1' else ''} per process" if threads else "")
 
 
 def concurrency(sweeps: dict[int, list[dict]], path: Path, title: str) -> Path:
@@ -56,7 +66,7 @@ def concurrency(sweeps: dict[int, list[dict]], path: Path, title: str) -> Path:
     right.set_ylabel("inter-token latency (ms)")
     right.set_ylim(bottom=0)
     fig.suptitle(title)
-    return _save(fig, path)
+    return _save(fig, path, {"title": title, "sweeps": sweeps})
 
 
 def engines(results: dict[str, dict[str, float]], path: Path, title: str) -> Path:
@@ -74,7 +84,7 @@ def engines(results: dict[str, dict[str, float]], path: Path, title: str) -> Pat
     ax.set_yscale("log")
     ax.legend(frameon=False)
     ax.set_title(title)
-    return _save(fig, path)
+    return _save(fig, path, {"title": title, "engines": results})
 
 
 def nodes(results: list[dict], path: Path, title: str) -> Path:
@@ -91,4 +101,4 @@ def nodes(results: list[dict], path: Path, title: str) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(frameon=False)
     ax.set_title(title)
-    return _save(fig, path)
+    return _save(fig, path, {"title": title, "nodes": results})
