@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API on the entry node (aiohttp).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming with server-sent events or not),
-GET /v1/models, GET /v1/models/{id}, GET /v1/topology, GET /healthcheck.
+GET /v1/models, GET /v1/models/{id}, GET /v1/topology, GET /healthcheck; GET /metrics (Prometheus text format,
+node/metrics.py); the web page at GET / (node/webui.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
+from prometheus_client.exposition import choose_encoder
 
 from .api_schema import ApiError, ChatRequest, CompletionRequest, Options, parse_chat, parse_completion, read_json
 from .api_format import ChatFormat, CompletionFormat, Format
@@ -20,6 +22,7 @@ from .completion import Job, TextDelta, run_job
 from .node import Node
 from .requests import GenerationError, Overloaded
 from .plan import PlanError
+from . import webui
 
 log = logging.getLogger(__name__)
 CREATED = int(time.time())
@@ -44,7 +47,7 @@ class Api:
         return self.node.settings.model_id
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._cors, self._errors, self._auth],
+        app = web.Application(middlewares=[self._cors, webui.security_headers, self._errors, self._auth],
                               client_max_size=self.settings.max_body_bytes)
         app.add_routes([
             web.post("/v1/chat/completions", self.chat_completions),
@@ -53,6 +56,8 @@ class Api:
             web.get("/v1/models/{model_id:.+}", self.model),
             web.get("/v1/topology", self.topology),
             web.get("/healthcheck", self.healthcheck),
+            web.get("/metrics", self.metrics),
+            *webui.routes(),
         ])
         return app
 
@@ -78,7 +83,7 @@ class Api:
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
         key = self.settings.api_key
-        if key and request.path != "/healthcheck":
+        if key and not webui.is_public(request.path):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
@@ -116,7 +121,19 @@ class Api:
     async def topology(self, request: web.Request) -> web.Response:
         topo = self.node.topology()
         nodes = [asdict(n) | {"loaded": [str(s) for s in n.loaded]} for n in topo.nodes]
-        return web.json_response({"nodes": nodes, "links": [asdict(link) for link in topo.links]})
+        try:  # the layers each node would run for a request arriving now (what the web page draws)
+            plan, plan_error = [{"node_id": step.node_id, "start": step.shard.start_layer, "end": step.shard.end_layer}
+                                for step in self.node.make_plan()], None
+        except PlanError as e:
+            plan, plan_error = None, str(e)
+        return web.json_response({"nodes": nodes, "links": [asdict(link) for link in topo.links],
+                                  "model": {"id": self.model_id, "n_layers": self.node.config.n_layers},
+                                  "plan": plan, "plan_error": plan_error})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        # The classic text format unless the scraper asks for OpenMetrics.
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encode(self.node.metrics.registry), headers={"Content-Type": content_type})
 
     def _check_model(self, model: str) -> None:
         if model != self.model_id:
@@ -164,25 +181,28 @@ class Api:
     async def _generate(self, request: web.Request, req: ChatRequest | CompletionRequest, prompt: list[int],
                         echo: str) -> web.StreamResponse:
         chat = isinstance(req, ChatRequest)
-        job = self._job(req.options, prompt, "messages" if chat else "prompt")
-        if self.node.draining:
-            raise ApiError(503, "this node is shutting down; send the request to another node", code="shutting_down")
-        if self.active >= self.settings.max_concurrent:
-            raise ApiError(503, f"the node is at its limit of {self.settings.max_concurrent} concurrent requests; "
-                                "retry shortly", code="server_overloaded", retry_after=1)
-        self.active += 1
-        try:
-            fmt = (ChatFormat if chat else CompletionFormat)(req.options, len(prompt), self.model_id)
-            pieces = _guard(run_job(self.node, job))
-            first = await anext(pieces, None)  # errors before any token become a plain HTTP error
-            if req.options.stream:
-                return await self._stream(request, fmt, first, pieces, echo)
-            collected = [first] if first else []
-            async for piece in pieces:
-                collected.append(piece)
-            return web.json_response(fmt.whole(collected, echo))
-        finally:
-            self.active -= 1
+        with self.node.metrics.request("chat" if chat else "completions") as observed:
+            job = self._job(req.options, prompt, "messages" if chat else "prompt")
+            if self.node.draining:
+                raise ApiError(503, "this node is shutting down; send the request to another node",
+                               code="shutting_down")
+            if self.active >= self.settings.max_concurrent:
+                raise ApiError(503, f"the node is at its limit of {self.settings.max_concurrent} concurrent requests; "
+                                    "retry shortly", code="server_overloaded", retry_after=1)
+            observed.admitted(len(prompt))
+            self.active += 1
+            try:
+                fmt = (ChatFormat if chat else CompletionFormat)(req.options, len(prompt), self.model_id)
+                pieces = observed.watch(_guard(run_job(self.node, job, observed.tokens)))
+                first = await anext(pieces, None)  # errors before any token become a plain HTTP error
+                if req.options.stream:
+                    return await self._stream(request, fmt, first, pieces, echo)
+                collected = [first] if first else []
+                async for piece in pieces:
+                    collected.append(piece)
+                return web.json_response(fmt.whole(collected, echo))
+            finally:
+                self.active -= 1
 
     async def _stream(self, request: web.Request, fmt: Format, first: TextDelta | None, pieces, echo: str):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

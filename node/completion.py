@@ -6,7 +6,7 @@ string is held back, so the client never receives the stop text.
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from shards.sampling import SamplingParams
@@ -50,7 +50,9 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
-async def run_job(node: Node, job: Job) -> AsyncIterator[TextDelta]:
+async def run_job(node: Node, job: Job, on_tokens: Callable[[int], None] | None = None) -> AsyncIterator[TextDelta]:
+    """The request's text, piece by piece; `on_tokens(n)` hears of tokens as they arrive (for latency metrics),
+    before any of their text is held back."""
     tok = node.tokenizer
     decoder = tok.stream()
     text, sent = "", 0  # everything decoded so far / how much of it the client has
@@ -70,6 +72,8 @@ async def run_job(node: Node, job: Job) -> AsyncIterator[TextDelta]:
     events = node.entry.generate(job.prompt, job.sampling, job.max_tokens)
     try:
         async for event in events:
+            if on_tokens is not None and event.results:
+                on_tokens(len(event.results))
             for result in event.results:
                 count += 1
                 offset = len(text)

@@ -24,6 +24,7 @@ from shards.tokenizer import Tokenizer
 
 from .core import Action, CoreLimits, Deliver, NodeCore, Release, Sample, Send
 from .entry import Entry
+from .metrics import NodeMetrics
 from .outbox import Outbox
 from .plan import Busy, PlanError, PlanStep, RequestSpec
 from .requests import Activation, Refusal, TokenMessage
@@ -75,7 +76,9 @@ class Node:
         self.entry = Entry(self.id, self.address, self.transport, self.make_plan, tokenizer.eos_token_ids,
                            settings.request_timeout, settings.max_replays, settings.queue_timeout, self.counters,
                            self._spawn)
-        self.stat_sources = [self.counters, self.core.counters, self.batcher.stats, *stat_sources]
+        self.metrics = NodeMetrics(self)
+        self.stat_sources = [self.counters, self.core.counters, self.batcher.stats, self.metrics.status,
+                             *stat_sources]
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._worker: asyncio.Task | None = None
@@ -232,6 +235,7 @@ class Node:
                 self._do(self.core.fail(rid, f"node {self.id}: forward failed: {e}"))
             return
         self.counters["step_ms_total"] += int((time.perf_counter() - started) * 1000)
+        self.metrics.step_done(time.perf_counter() - started, len(inputs), sum(len(data) for _, data, _ in inputs))
         errors = {rid: f"node {self.id}: {why}" for rid, why in refused.items()}
         self._do(self.core.step_done(group, outputs, errors), engine)
 
@@ -275,6 +279,7 @@ class Node:
         try:
             refused = await self.transport.send_activations(address, activations)
         except TransportError as e:
+            self.metrics.rpc_error(address, "activations")
             self._do(self.core.send_failed(address, activations, str(e), e.retryable))
             return
         self._do(self.core.refused(address, refused))
@@ -283,6 +288,7 @@ class Node:
         try:
             await self.transport.send_tokens(address, messages)
         except TransportError as e:
+            self.metrics.rpc_error(address, "tokens")
             for message in messages:
                 self._do(self.core.deliver_failed(message, str(e)))
 

@@ -6,6 +6,7 @@ Only the files holding a needed tensor are opened, and only the needed tensors a
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .progress import Progress
 from .shard import Shard
 
 ALLOWED_DTYPES = {"F32", "F16", "BF16"}
@@ -166,6 +168,11 @@ class Checkpoint:
         return name in self.where
 
     def read(self, wanted: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        """The wanted tensors as float32, with progress shown as they are read (a bar on a terminal, else logs)."""
+        with Progress(f"loading {self.dir.name}", sum(4 * math.prod(shape) for shape in wanted.values())) as bar:
+            return self._read(wanted, bar.update)
+
+    def _read(self, wanted: dict[str, tuple[int, ...]], advance) -> dict[str, np.ndarray]:
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name in wanted:
             if name not in self.where:
@@ -180,6 +187,7 @@ class Checkpoint:
                         if name not in present:
                             raise WeightsError(f"{path}: tensor {name!r} listed in the index but not in the file")
                         out[name] = _read_tensor(f, path, name, wanted[name])
+                        advance(out[name].nbytes)
             except WeightsError:
                 raise
             except Exception as e:

@@ -36,9 +36,15 @@ def single_api():
 
 
 @pytest.fixture(scope="session")
-def cluster_api():
-    """A live 3-node cluster, layers pinned 0:2 / 2:4 / 4:6, entry node 0: (base url, key)."""
+def live_cluster():
+    """A live 3-node cluster, layers pinned 0:2 / 2:4 / 4:6, an API on every node, no key."""
     from tests.cluster import Cluster
 
     with Cluster(FIXTURES / "llama", 3, shards=["0:2", "2:4", "4:6"]) as c:
-        yield c.nodes[0].api_url, "unused"
+        yield c
+
+
+@pytest.fixture(scope="session")
+def cluster_api(live_cluster):
+    """live_cluster's entry node 0: (base url, key)."""
+    return live_cluster.nodes[0].api_url, "unused"

@@ -1,0 +1,145 @@
+"""/metrics: Prometheus text that prometheus_client's own parser reads, with numbers that add up after real traffic."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import numpy as np
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shards.shard import Shard
+from tests.test_node_rpc import serving, shutdown, spec_for
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    """(sample name, sorted labels) -> value, as Prometheus would read them."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def scrape(url: str, key: str | None = None) -> Samples:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/metrics", headers=headers), timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        return parse(r.read().decode())
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, bytes]:
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_counters_and_histograms_add_up_after_real_traffic(live_cluster):
+    """3 nodes pinned 0:2 / 2:4 / 4:6, entry node0; each node's own /metrics."""
+    urls = {n.node_id: n.api_url for n in live_cluster.nodes}
+    entry = urls["node0"]
+    before = {node: scrape(url) for node, url in urls.items()}
+
+    status, body = post(entry, "/v1/chat/completions", {"model": "llama", "max_tokens": 7, "temperature": 0,
+                                                        "messages": [{"role": "user", "content": "count"}]})
+    assert status == 200
+    usages = [json.loads(body)["usage"]]
+    status, body = post(entry, "/v1/completions", {"model": "llama", "prompt": "Once upon", "max_tokens": 5,
+                                                   "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200
+    usages.append(next(json.loads(line[6:])["usage"] for line in body.decode().split("\n\n")
+                       if line.startswith("data: {") and '"usage"' in line))
+    status, _ = post(entry, "/v1/chat/completions", {"model": "llama", "max_tokens": 300,  # beyond the context
+                                                     "messages": [{"role": "user", "content": "x"}]})
+    assert status == 400
+    wait_idle(urls)
+    after = {node: scrape(url) for node, url in urls.items()}
+
+    def delta(node: str, name: str, **labels: str) -> float:
+        return value(after[node], name, **labels) - value(before[node], name, **labels)
+
+    generated = sum(u["completion_tokens"] for u in usages)
+    assert delta("node0", "exo_requests_total", endpoint="chat", outcome="length") == 1
+    assert delta("node0", "exo_requests_total", endpoint="completions", outcome="length") == 1
+    assert delta("node0", "exo_requests_total", endpoint="chat", outcome="rejected") == 1
+    assert delta("node0", "exo_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert delta("node0", "exo_completion_tokens_total") == generated == 12
+    assert delta("node0", "exo_time_to_first_token_seconds_count") == 2
+    assert delta("node0", "exo_time_to_first_token_seconds_sum") > 0
+    assert delta("node0", "exo_inter_token_latency_seconds_count") == generated - 2  # gaps between tokens
+    assert delta("node0", "exo_inter_token_latency_seconds_bucket", le="+Inf") == generated - 2
+    for node in urls:
+        # one pass per token on every node (the prompt's pass gives the first); sequential requests: one row each
+        assert delta(node, "exo_forward_step_seconds_count") == generated, node
+        assert delta(node, "exo_forward_step_rows_sum") == generated, node
+        assert delta(node, "exo_forward_step_rows_bucket", le="1.0") == generated, node
+        assert value(after[node], "exo_peers") == 2
+        assert value(after[node], "exo_requests_in_flight") == 0
+        assert value(after[node], "exo_kv_cache_bytes") == 0  # every cache was released
+        assert value(after[node], "exo_weights_bytes") > 0
+    assert delta("node2", "exo_sampling_rows_total") == generated  # the last node samples
+    assert delta("node2", "exo_sampling_batch_size_count") == generated
+    assert delta("node2", "exo_sampling_batch_size_sum") == generated
+    assert delta("node0", "exo_sampling_rows_total") == 0
+    assert value(after["node2"], "exo_sampling_fallbacks_total") == 0
+    # (the entry ends a finished request on the other nodes with reason "cancelled" today: count every reason)
+    assert sum(delta("node1", "exo_node_requests_ended_total", reason=r) for r in ("finished", "cancelled")) == 2
+
+
+def wait_idle(urls: dict[str, str], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while any(value(scrape(url), "exo_requests_in_flight") for url in urls.values()):
+        assert time.monotonic() < deadline, "requests still in flight"
+        time.sleep(0.05)
+
+
+def test_metrics_needs_the_api_key_like_the_rest_of_the_api(single_api):
+    url, key = single_api
+    try:
+        urllib.request.urlopen(f"{url}/metrics", timeout=10)
+        raise AssertionError("/metrics answered without the key")
+    except urllib.error.HTTPError as e:
+        assert e.code == 401
+    assert value(scrape(url, key), "exo_peers") == 0
+
+
+def test_rpc_errors_per_peer_and_kv_cache_bytes_in_process():
+    """Two nodes in one process keep separate registries; a send to a dead next hop is counted under its address;
+    the KV-cache gauge follows a real engine's caches."""
+    async def go():
+        node, server, client = await serving(pinned=(0, 3))
+        other, other_server, other_client = await serving(node_id="n1")
+        try:
+            node.accept_prompt(spec_for(node), np.array([1, 2, 3]))  # the plan's next node, 127.0.0.1:9, is dead
+            for _ in range(200):
+                if value(parse(generate_latest(node.metrics.registry).decode()), "exo_peer_rpc_errors_total",
+                         peer="127.0.0.1:9", call="activations"):
+                    break
+                await asyncio.sleep(0.025)
+            samples = parse(generate_latest(node.metrics.registry).decode())
+            assert value(samples, "exo_peer_rpc_errors_total", peer="127.0.0.1:9", call="activations") == 1
+            assert value(samples, "exo_node_requests_ended_total", reason="failed") == 1
+            assert not any(name == "exo_peer_rpc_errors_total"
+                           for name, _ in parse(generate_latest(other.metrics.registry).decode()))
+
+            engine = await other.shards.get(Shard("llama", 0, 6, 6))
+            await other.shards.forward(engine, [("r", np.array([5, 6, 7, 8]))])
+            samples = parse(generate_latest(other.metrics.registry).decode())
+            assert value(samples, "exo_kv_cache_bytes") == engine.cache_bytes() > 0
+            assert other.info().status["kv_cache_bytes"] == engine.cache_bytes()
+            other.shards.release("r")
+            await other.shards.run(lambda: None)  # after the queued release
+            assert value(parse(generate_latest(other.metrics.registry).decode()), "exo_kv_cache_bytes") == 0
+        finally:
+            await shutdown(other, other_server, other_client)
+            await shutdown(node, server, client)
+    asyncio.run(go())
