@@ -120,7 +120,7 @@ def test_rpc_errors_per_peer_and_kv_cache_bytes_in_process():
         other, other_server, other_client = await serving(node_id="n1")
         try:
             node.accept_prompt(spec_for(node), np.array([1, 2, 3]))  # the plan's next node, 127.0.0.1:9, is dead
-            for _ in range(200):
+            for _ in range(600):  # the send waits up to its 10 s deadline for a connection that never comes
                 if value(parse(generate_latest(node.metrics.registry).decode()), "exo_peer_rpc_errors_total",
                          peer="127.0.0.1:9", call="activations"):
                     break
@@ -132,7 +132,7 @@ def test_rpc_errors_per_peer_and_kv_cache_bytes_in_process():
                            for name, _ in parse(generate_latest(other.metrics.registry).decode()))
 
             engine = await other.shards.get(Shard("llama", 0, 6, 6))
-            await other.shards.forward(engine, [("r", np.array([5, 6, 7, 8]))])
+            await other.shards.forward(engine, [("r", np.array([5, 6, 7, 8]), None)])
             samples = parse(generate_latest(other.metrics.registry).decode())
             assert value(samples, "exo_kv_cache_bytes") == engine.cache_bytes() > 0
             assert other.info().status["kv_cache_bytes"] == engine.cache_bytes()
