@@ -179,6 +179,7 @@ async def run(args: argparse.Namespace) -> int:
                                 request_idle_timeout=args.request_idle_timeout, queue_timeout=args.queue_timeout,
                                 kv_budget=int((args.kv_memory_gb * 2**30) if args.kv_memory_gb is not None
                                               else 0.4 * available_memory()),
+                                kv_value_bytes=engine_class(engine).kv_value_bytes,
                                 scheduling=SchedulerLimits(args.step_tokens, args.max_batch_rows, args.prefill_chunk,
                                                            engine_class(engine).prefill_buckets))
         transport = GrpcTransport(DEFAULT_MAX_MESSAGE_BYTES)

@@ -56,6 +56,7 @@ class NodeSettings:
     request_idle_timeout: float = 60.0  # forget a request whose next input doesn't come for this long
     scheduling: SchedulerLimits = SchedulerLimits()  # what one forward pass carries
     kv_budget: int | None = None  # bytes of KV cache this node may reserve for requests (None: no limit)
+    kv_value_bytes: int = 4  # bytes per cached key/value element in this node's engine
     queue_timeout: float = 30.0  # the entry retries a request that found no room for this long, then gives up
 
 
@@ -66,6 +67,7 @@ class Node:
         self.id, self.address, self.max_tensor_bytes = settings.node_id, settings.address, settings.max_tensor_bytes
         self.core = NodeCore(self.id, settings.model_id, config,
                              CoreLimits(max_requests=settings.max_requests, kv_budget=settings.kv_budget,
+                                        kv_value_bytes=settings.kv_value_bytes,
                                         idle_timeout=settings.request_idle_timeout), settings.scheduling)
         self.shards = ShardManager(settings.model_dir, config, factory)
         self.batcher = SamplingBatcher(settings.sample_batch_max, settings.sample_batch_window_ms,

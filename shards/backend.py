@@ -73,9 +73,18 @@ class Backend(ABC):
     def weight(self, w: np.ndarray) -> Array:
         """A projection matrix in Hugging Face [out, in] layout, in whatever layout `linear` wants."""
 
+    def fused_weight(self, *parts: Any) -> Array:
+        """One projection for several matrices stacked along `out` (q/k/v, gate/up): one matmul instead of three
+        or two. Parts are float arrays for these engines; an engine keeping quantized blocks overrides this."""
+        return self.weight(np.concatenate(parts))
+
     @abstractmethod
     def array(self, a: np.ndarray) -> Array:
-        """A vector/table as it is (norm weights, biases, embedding tables, rotary tables, masks)."""
+        """A vector/table as it is (norm weights, biases, rotary tables, masks)."""
+
+    def table(self, t: Any) -> Array:
+        """The embedding table [vocab, hidden] that `embedding` looks rows up in."""
+        return self.array(t)
 
     @abstractmethod
     def to_numpy(self, x: Array) -> np.ndarray:

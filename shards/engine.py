@@ -107,6 +107,8 @@ class Engine(ABC):
     # Length buckets the engine pads prompt chunks to (few distinct shapes: compiled kernels, reusable graphs), or
     # None when any length runs as fast. The node's scheduler cuts and charges chunks accordingly.
     prefill_buckets: tuple[int, ...] | None = None
+    # Bytes of one cached key or value element: what the node's KV cache budget charges per position.
+    kv_value_bytes: int = 4
 
     # Whether `sample` takes a stacked batch. An engine without a batched sampler sets this False and the
     # last node's sampling batcher falls back to `sample_one` per request for its rows.

@@ -56,7 +56,8 @@ class Attention:
     def __init__(self, ops: Backend, cfg: ModelConfig, w: LayerWeights):
         self.ops, self.n_heads, self.n_kv_heads, self.head_dim = ops, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         bias = w.qkv_bias()
-        self.qkv_proj = Linear(ops, ops.weight(w.qkv()), None if bias is None else ops.array(bias))
+        self.qkv_proj = Linear(ops, ops.fused_weight(w.q_proj, w.k_proj, w.v_proj),
+                               None if bias is None else ops.array(bias))
         self.o_proj = Linear(ops, ops.weight(w.o_proj))
         self.q_norm = None if w.q_norm is None else RMSNorm(ops, ops.array(w.q_norm), cfg.rms_norm_eps)
         self.k_norm = None if w.k_norm is None else RMSNorm(ops, ops.array(w.k_norm), cfg.rms_norm_eps)
@@ -83,7 +84,7 @@ class Attention:
 class MLP:
     def __init__(self, ops: Backend, cfg: ModelConfig, w: LayerWeights):
         self.ops, self.intermediate = ops, cfg.intermediate_size
-        self.gate_up_proj = Linear(ops, ops.weight(w.gate_up()))
+        self.gate_up_proj = Linear(ops, ops.fused_weight(w.gate_proj, w.up_proj))
         self.down_proj = Linear(ops, ops.weight(w.down_proj))
 
     def __call__(self, x: Array) -> Array:
@@ -112,7 +113,7 @@ class ShardModel:
         self.layers: list[TransformerBlock] = []
         while w.layers:  # convert one layer at a time so peak memory stays near one shard's worth
             self.layers.append(TransformerBlock(ops, cfg, w.layers.pop(0)))
-        self.embed_tokens = None if w.embed_tokens is None else ops.array(w.embed_tokens)
+        self.embed_tokens = None if w.embed_tokens is None else ops.table(w.embed_tokens)
         self.norm = None if w.norm is None else RMSNorm(ops, ops.array(w.norm), cfg.rms_norm_eps)
         self.lm_head = None if w.lm_head is None else Linear(ops, ops.weight(w.lm_head))
 

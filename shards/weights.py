@@ -45,15 +45,9 @@ class LayerWeights:
     q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None
 
-    # Every engine fuses the same way: one matmul for q/k/v and one for gate/up ([out, in] layout).
-    def qkv(self) -> np.ndarray:
-        return np.concatenate([self.q_proj, self.k_proj, self.v_proj])
-
     def qkv_bias(self) -> np.ndarray | None:
+        """q/k/v biases fused like their weights (see Backend.fused_weight)."""
         return None if self.q_bias is None else np.concatenate([self.q_bias, self.k_bias, self.v_bias])
-
-    def gate_up(self) -> np.ndarray:
-        return np.concatenate([self.gate_proj, self.up_proj])
 
 
 @dataclass
