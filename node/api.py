@@ -6,6 +6,7 @@ node/metrics.py); the web page at GET / (node/webui.py).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -26,6 +27,7 @@ from . import webui
 
 log = logging.getLogger(__name__)
 CREATED = int(time.time())
+WRITE_TIMEOUT_S = 30
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,14 @@ class Api:
 
         async def send(payload: dict[str, Any] | str) -> None:
             data = payload if isinstance(payload, str) else json.dumps(payload)
-            await response.write(f"data: {data}\n\n".encode())
+            # A client that stops reading must not hold its generation slot: after WRITE_TIMEOUT_S the request is
+            # cancelled like a disconnect (the CancelledError unwinds the generation and ends it on every node).
+            try:
+                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                    await response.write(f"data: {data}\n\n".encode())
+            except TimeoutError:
+                log.warning("client stopped reading its stream for %ss: cancelling the request", WRITE_TIMEOUT_S)
+                raise asyncio.CancelledError from None
 
         await send(fmt.opening(echo))
         last = first

@@ -5,6 +5,7 @@ non-text response formats, suffix) are refused with a 400 rather than silently i
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from aiohttp import web
 
 from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
+BODY_TIMEOUT_S = 30
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 COMPLETIONS_MAX_LOGPROBS = 5
@@ -72,10 +74,20 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     if request.content_type != "application/json":
         raise ApiError(400, f"Content-Type must be application/json, got {request.content_type!r}",
                        code="invalid_content_type")
-    raw = await request.read()  # too large: aiohttp raises 413, which the error middleware words
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):  # a client trickling its body can't hold a handler forever
+            raw = await request.read()  # too large: aiohttp raises 413, which the error middleware words
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S}s", code="timeout") from None
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        # JSON may spell lone UTF-16 surrogates ("\ud800"): valid JSON, but not text any tokenizer can take.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "request body holds a lone surrogate (\\ud800-\\udfff): not valid Unicode text",
+                       code="invalid_json") from None
+    # ValueError covers JSONDecodeError and integers too long to convert (Python refuses > 4300 digits).
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
@@ -86,11 +98,15 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(key, f"'{key}' must be a number")
-    if not lo <= value <= hi:
-        raise bad(key, f"'{key}' must be between {lo:g} and {hi:g}, got {value}")
-    return float(value)
+    try:
+        number = float(value)  # an int beyond float's range overflows: not a usable number either
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or not lo <= number <= hi:
+        raise bad(key, f"'{key}' must be a number between {lo:g} and {hi:g}")
+    return number
 
 
 def _int(body: dict, key: str, lo: int, hi: int) -> int | None:
@@ -100,7 +116,7 @@ def _int(body: dict, key: str, lo: int, hi: int) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad(key, f"'{key}' must be an integer")
     if not lo <= value <= hi:
-        raise bad(key, f"'{key}' must be between {lo} and {hi}, got {value}")
+        raise bad(key, f"'{key}' must be between {lo} and {hi}")
     return value
 
 

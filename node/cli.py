@@ -35,6 +35,7 @@ from .node import Node, NodeSettings
 from .peer import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport
 from .plan import parse_address
 from .scheduler import SchedulerLimits
+from .security import ClusterKey, add_key_argument, keygen_main, load_secret
 from .server import GrpcServer
 
 log = logging.getLogger("exo-node")
@@ -48,7 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          f"(default: {DEFAULT_MODEL}, SmolLM2-135M-Instruct)")
     ap.add_argument("--list-models", action="store_true", help="list the packaged models and exit")
     ap.add_argument("--node-id", help="default: stable id derived from host name and gRPC port")
-    ap.add_argument("--host", default="0.0.0.0", help="gRPC bind address (default 0.0.0.0)")
+    ap.add_argument("--host", help="gRPC bind address (default: 0.0.0.0 with a cluster key; without one 127.0.0.1, "
+                                   "since an open gRPC port lets anyone who reaches it use the node)")
     ap.add_argument("--advertise-host", help="address peers use to reach this node (default: --host, or the "
                                              "first non-loopback IPv4 when binding to all interfaces)")
     ap.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port (default 50051)")
@@ -82,6 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-body-kb", type=int, default=1024, help="HTTP request body size cap (default 1024 KiB)")
     ap.add_argument("--max-concurrent-requests", type=int, default=64,
                     help="requests generating at once on this entry node; more get 503 (default 64)")
+    ap.add_argument("--http-timeout", type=float, default=15.0,
+                    help="seconds a client may take to send a request's headers; idle connections close after it")
     ap.add_argument("--api-key", default=os.environ.get("EXO_NODE_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on the API (default: $EXO_NODE_API_KEY, else open)")
     ap.add_argument("--cors-origins", default="",
@@ -101,6 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="last shard: sample up to this many requests' rows in one call (1 disables batching)")
     ap.add_argument("--sample-batch-window-ms", type=float, default=5.0,
                     help="last shard: close a sampling batch this long after its first row (0 disables batching)")
+    add_key_argument(ap)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return ap.parse_args(argv)
 
@@ -127,7 +132,7 @@ def parse_shard(text: str | None, n_layers: int) -> tuple[int, int] | None:
     return int(start), int(end)
 
 
-def make_discoveries(args: argparse.Namespace, settings: NodeSettings) -> list:
+def make_discoveries(args: argparse.Namespace, settings: NodeSettings, key: ClusterKey | None) -> list:
     found: list = [StaticDiscovery(parse_peers(args.peers))]
     if args.discovery == "manual":
         if args.discovery_config is None:
@@ -138,7 +143,7 @@ def make_discoveries(args: argparse.Namespace, settings: NodeSettings) -> list:
         announcement = Announcement(settings.node_id, port, settings.model_id, settings.engine, settings.memory_bytes)
         interfaces = [i.strip() for i in args.discovery_interfaces.split(",")] if args.discovery_interfaces else None
         found.append(UdpDiscovery(lambda: announcement, args.discovery_port, args.discovery_interval,
-                                  args.discovery_timeout, interfaces))
+                                  args.discovery_timeout, interfaces, key=key.discovery_key() if key else None))
     return found
 
 
@@ -146,7 +151,10 @@ async def serve_api(stack: AsyncExitStack, args: argparse.Namespace, node: Node)
     settings = ApiSettings(max_tokens_cap=args.max_tokens, max_body_bytes=args.max_body_kb * 1024,
                            max_concurrent=args.max_concurrent_requests, api_key=args.api_key or None,
                            cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))
-    runner = web.AppRunner(Api(node, settings).app(), handler_cancellation=True, access_log=None)
+    # keepalive_timeout also bounds how long a client may take to send a request's headers (aiohttp arms it when the
+    # connection opens and incoming bytes don't reset it): slow-header clients can't hold connections open.
+    runner = web.AppRunner(Api(node, settings).app(), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=args.http_timeout)
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     await web.TCPSite(runner, args.api_host, args.api_port).start()
@@ -154,7 +162,26 @@ async def serve_api(stack: AsyncExitStack, args: argparse.Namespace, node: Node)
     return f"http://{host}:{port}"
 
 
+def bind_host(args: argparse.Namespace, key: ClusterKey | None) -> str:
+    """Where gRPC listens. Without a cluster key anyone who reaches the port can use the node, so it stays on
+    loopback unless --host says otherwise, and says so."""
+    host = args.host or ("0.0.0.0" if key else "127.0.0.1")
+    if key:
+        log.info("cluster key %s: only nodes holding it can talk to this one (mutual TLS, signed discovery)",
+                 key.fingerprint)
+    elif host in ("127.0.0.1", "::1", "localhost"):
+        log.warning("no cluster key: gRPC listens on %s only, so peers on other machines can't reach this node. "
+                    "For a cluster: `exo-node keygen` once, then --cluster-key-file on every node", host)
+    else:
+        log.warning("no cluster key: ANYONE who can reach gRPC port %s:%s can use this node and read the prompts "
+                    "and activations passing through it. Use `exo-node keygen` and --cluster-key-file",
+                    host, args.grpc_port)
+    return host
+
+
 async def run(args: argparse.Namespace) -> int:
+    key = load_secret(args.cluster_key_file)
+    host = bind_host(args, key)
     model_path, model_id = resolve_model(args.model)
     config = ModelConfig.load(model_path)
     tokenizer = Tokenizer.load(model_path)
@@ -165,11 +192,12 @@ async def run(args: argparse.Namespace) -> int:
         uuid.uuid5(uuid.NAMESPACE_DNS, f"{socket.gethostname()}:{args.grpc_port}").hex[:12]
         if args.grpc_port else uuid.uuid4().hex[:12]
     )
-    advertise = args.advertise_host or (args.host if args.host not in ("0.0.0.0", "::", "") else default_advertise_host())
+    advertise = args.advertise_host or (host if host not in ("0.0.0.0", "::", "") else default_advertise_host())
+    tls = key.tls(node_id) if key else None  # a ValueError for a node id that cannot go in a certificate
     memory = int(args.memory_gb * 2**30) if args.memory_gb is not None else available_memory()
     # Everything started below is stopped in reverse order on the way out, also when start-up fails halfway.
     async with AsyncExitStack() as stack:
-        server = GrpcServer(args.host, args.grpc_port, DEFAULT_MAX_MESSAGE_BYTES)  # binds now: our address is known
+        server = GrpcServer(host, args.grpc_port, DEFAULT_MAX_MESSAGE_BYTES, tls)  # binds now: our address is known
         stack.push_async_callback(server.stop)
         settings = NodeSettings(node_id=node_id, model_dir=model_path, model_id=model_id,
                                 address=f"{advertise}:{server.port}", memory_bytes=memory, engine=engine,
@@ -182,9 +210,9 @@ async def run(args: argparse.Namespace) -> int:
                                 kv_value_bytes=engine_class(engine).kv_value_bytes,
                                 scheduling=SchedulerLimits(args.step_tokens, args.max_batch_rows, args.prefill_chunk,
                                                            engine_class(engine).prefill_buckets))
-        transport = GrpcTransport(DEFAULT_MAX_MESSAGE_BYTES)
+        transport = GrpcTransport(DEFAULT_MAX_MESSAGE_BYTES, tls=tls)
         stack.push_async_callback(transport.close)
-        discoveries = make_discoveries(args, settings)
+        discoveries = make_discoveries(args, settings, key)
         node = Node(settings, config, tokenizer, factory, transport,
                     stat_sources=[d.stats for d in discoveries if isinstance(d, UdpDiscovery)])
         stack.push_async_callback(node.stop)
@@ -226,6 +254,9 @@ async def drain(node: Node, transport: GrpcTransport, timeout: float, signals: a
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keygen"]:
+        return keygen_main(argv[1:])
     args = parse_args(argv)
     if args.list_models:
         print(list_models())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +24,7 @@ from shards.engine import EngineInputError, check_input
 from shards.sampling import SampleResult, SamplerState, SamplingParams
 from shards.shard import Shard
 
+from .authz import check_caller, check_plan, predecessor
 from .plan import Busy, PlanError, RequestSpec
 from .requests import Activation, Refusal, RequestState, TokenMessage, Tombstones
 from .scheduler import Group, Queued, SchedulerLimits, StepScheduler
@@ -71,6 +72,7 @@ Action = Send | Deliver | Release | Sample
 @dataclass(frozen=True)
 class CoreLimits:
     max_requests: int = 256  # concurrent requests this node takes part in
+    max_requests_per_entry: int = 192  # of those, at most this many from one entry node (no peer takes them all)
     kv_budget: int | None = None  # bytes of KV cache this node may hold for all its requests (None: no limit)
     kv_value_bytes: int = 4  # bytes of one cached key or value element (float32)
     idle_timeout: float = 60.0  # a request whose next input doesn't come for this long is forgotten
@@ -78,8 +80,12 @@ class CoreLimits:
 
 class NodeCore:
     def __init__(self, node_id: str, model_id: str, config: ModelConfig, limits: CoreLimits = CoreLimits(),
-                 scheduling: SchedulerLimits = SchedulerLimits(), clock: Callable[[], float] = time.monotonic):
+                 scheduling: SchedulerLimits = SchedulerLimits(), clock: Callable[[], float] = time.monotonic,
+                 members: Callable[[], Mapping[str, str]] | None = None):
+        """`members`: the nodes this one knows (id -> address, itself included), which plans must stay within;
+        None: plans are not checked against membership."""
         self.id, self.model_id, self.config, self.limits, self.clock = node_id, model_id, config, limits, clock
+        self.members = members
         self.requests: dict[str, RequestState] = {}
         self.ended = Tombstones()
         self.queue = StepScheduler(scheduling)
@@ -91,8 +97,10 @@ class NodeCore:
         self.kv_reserved = 0  # bytes of KV cache reserved by the requests held
 
     # -- inputs from other nodes ------------------------------------------------------------------------------
-    def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray) -> None:
-        """A new request whose plan makes us the first node. Raises PlanError when it can't be taken."""
+    def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray, caller: str | None = None) -> None:
+        """A new request whose plan makes us the first node, from `caller` (the authenticated member calling, when
+        known). Raises PlanError when it can't be taken."""
+        check_caller(caller, {spec.entry_node_id}, f"a prompt for request {spec.request_id}")
         if spec.first.node_id != self.id:
             raise PlanError(f"prompt sent to {self.id}, but the plan's first node is {spec.first.node_id}")
         if spec.request_id in self.requests or spec.request_id in self.ended:
@@ -101,8 +109,8 @@ class NodeCore:
         self._admit(spec)
         self._enqueue(Queued(spec.request_id, tokens))
 
-    def accept_activations(self, activations: list[Activation]) -> list[Refusal]:
-        """Queue each activation; returns the ones refused, and why."""
+    def accept_activations(self, activations: list[Activation], caller: str | None = None) -> list[Refusal]:
+        """Queue each activation (from `caller`, when known); returns the ones refused, and why."""
         rejected = []
         for a in activations:
             if a.request_id in self.ended:
@@ -112,15 +120,29 @@ class NodeCore:
                 if req is None:
                     if a.spec is None:
                         raise PlanError(f"unknown request {a.request_id} (this node has no state for it)")
+                    if a.spec.step_of(self.id) == 0:
+                        raise PlanError("a request starts at its first node with a prompt, not an activation")
+                    check_caller(caller, {predecessor(a.spec, a.spec.step_of(self.id))}, f"request {a.request_id}")
                     req = self._admit(a.spec)
+                else:
+                    check_caller(caller, {predecessor(req.spec, req.step_index)}, f"request {a.request_id}")
                 self._check(req.shard.is_first, a.data)
                 self._enqueue(Queued(a.request_id, a.data, a.partial))
             except PlanError as e:
                 rejected.append(Refusal(a.request_id, str(e), isinstance(e, Busy)))
         return rejected
 
-    def end_request(self, request_id: str, reason: str) -> list[Action]:
-        """The request is over (finished, cancelled or failed): forget it and free its caches."""
+    def end_request(self, request_id: str, reason: str, caller: str | None = None) -> list[Action]:
+        """The request is over (finished, cancelled or failed): forget it and free its caches. From a peer (`caller`
+        authenticated), only the request's entry or a node of its plan may end it, and only a member may end a
+        request we don't hold (so strangers can't fill the bounded tombstones)."""
+        if caller is not None:
+            req = self.requests.get(request_id)
+            allowed = {req.spec.entry_node_id, *(s.node_id for s in req.spec.plan)} if req else \
+                set(self.members() if self.members else ())
+            if caller not in allowed:
+                self.counters["end_refused"] += 1
+                return []
         self.ended.add(request_id)
         self.local_inflight.discard(request_id)
         if (req := self.requests.pop(request_id, None)) is not None:
@@ -142,8 +164,14 @@ class NodeCore:
                             f"with {self.config.n_layers} layers")
         if self.draining:
             raise PlanError(f"node {self.id} is shutting down")
+        if self.members is not None:
+            check_plan(spec, self.members())
         if len(self.requests) >= self.limits.max_requests:
             raise Busy(f"node {self.id} is at its limit of {self.limits.max_requests} requests")
+        if sum(r.spec.entry_node_id == spec.entry_node_id for r in self.requests.values()) \
+                >= self.limits.max_requests_per_entry:
+            raise Busy(f"node {self.id} holds {self.limits.max_requests_per_entry} requests from entry "
+                       f"{spec.entry_node_id}, its limit for one entry")
         kv_bytes = self.kv_bytes(shard, spec.positions)
         budget = self.limits.kv_budget
         if budget is not None and kv_bytes > budget:

@@ -149,10 +149,15 @@ class Entry:
             if message.finished:
                 return
 
-    def accept_tokens(self, message: TokenMessage) -> None:
+    def accept_tokens(self, message: TokenMessage, caller: str | None = None) -> None:
+        """Tokens (or an error) for one of our requests, from a node of its plan (`caller`, when authenticated)."""
         attempt = self.attempts.get(message.request_id)
-        if attempt is not None and not attempt.lost:
-            attempt.inbox.put_nowait(message)
+        if attempt is None or attempt.lost:
+            return
+        if caller is not None and caller not in {step.node_id for step in attempt.spec.plan}:
+            log.warning("tokens for request %s from %s, which is not in its plan: dropped", message.request_id, caller)
+            return
+        attempt.inbox.put_nowait(message)
 
     def nodes_alive(self, alive: Collection[str]) -> None:
         """Membership's latest view: every attempt whose plan has a node no longer alive is lost."""

@@ -21,10 +21,11 @@ class Discovery(Protocol):
 
 class Membership:
     """Health-checks every candidate each interval and reports to `on_change` the peers that answered and are not
-    draining (the members new plans may use), and the ids of all that answered (alive, draining ones included)."""
+    draining (the members new plans may use), and the address of every peer that answered (alive, draining ones
+    included)."""
 
     def __init__(self, self_id: str, self_address: str, transport: Transport, discoveries: list[Discovery],
-                 on_change: Callable[[dict[str, NodeInfo], set[str]], None], interval: float = 1.0,
+                 on_change: Callable[[dict[str, NodeInfo], dict[str, str]], None], interval: float = 1.0,
                  check_timeout: float = 1.0):
         self.self_id, self.self_address, self.transport = self_id, self_address, transport
         self.discoveries, self.on_change = discoveries, on_change
@@ -59,10 +60,10 @@ class Membership:
         candidates = [a for d in self.discoveries for a in d.candidates()]
         addresses = [a for a in dict.fromkeys(candidates) if a != self.self_address]
         infos = await asyncio.gather(*(self._check(a) for a in addresses))
-        peers, alive = {}, set()
+        peers, alive = {}, {}
         for address, info in zip(addresses, infos):
             if info is not None and info.node_id != self.self_id:
-                alive.add(info.node_id)
+                alive[info.node_id] = address
                 if not info.draining:
                     # Reach the peer where we found it, whatever address it believes it has.
                     peers[info.node_id] = dataclasses.replace(info, address=address)

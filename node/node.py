@@ -65,10 +65,12 @@ class Node:
                  transport: Transport, stat_sources: Iterable[Mapping[str, int]] = ()):
         self.settings, self.config, self.tokenizer = settings, config, tokenizer
         self.id, self.address, self.max_tensor_bytes = settings.node_id, settings.address, settings.max_tensor_bytes
+        self.known: dict[str, str] = {self.id: self.address}  # every member that answers, draining ones too
         self.core = NodeCore(self.id, settings.model_id, config,
                              CoreLimits(max_requests=settings.max_requests, kv_budget=settings.kv_budget,
                                         kv_value_bytes=settings.kv_value_bytes,
-                                        idle_timeout=settings.request_idle_timeout), settings.scheduling)
+                                        idle_timeout=settings.request_idle_timeout), settings.scheduling,
+                             members=lambda: self.known)
         self.shards = ShardManager(settings.model_dir, config, factory)
         self.batcher = SamplingBatcher(settings.sample_batch_max, settings.sample_batch_window_ms,
                                        executor=self.shards.executor)
@@ -141,10 +143,11 @@ class Node:
         peers = tuple(sorted(self.peers.values(), key=lambda n: n.node_id))
         return Topology(nodes=(self.info(), *peers), links=tuple(PeerLink(self.id, p.node_id) for p in peers))
 
-    def update_peers(self, peers: dict[str, NodeInfo], alive: set[str]) -> None:
-        """Membership's latest view: the peers new plans may use, and every peer that answered (draining ones too).
-        Requests we are the entry of lose the nodes that did not answer."""
-        self.entry.nodes_alive(alive | {self.id})
+    def update_peers(self, peers: dict[str, NodeInfo], alive: dict[str, str]) -> None:
+        """Membership's latest view: the peers new plans may use, and every peer that answered (draining ones too)
+        with its address. Requests we are the entry of lose the nodes that did not answer."""
+        self.known = {self.id: self.address} | alive
+        self.entry.nodes_alive(self.known.keys())
         for gone in self.peers.keys() - peers.keys():
             log.info("peer %s left", gone)
             self.counters["peers_left"] += 1
@@ -159,8 +162,10 @@ class Node:
         start, end = self.settings.pinned
         return Shard(self.settings.model_id, start, end, self.config.n_layers)
 
-    def peer_leaving(self, node_id: str) -> None:
+    def peer_leaving(self, node_id: str, caller: str | None = None) -> None:
         """A peer said it is shutting down: plan without it from now on (its requests in flight go on)."""
+        if caller is not None and caller != node_id:
+            return  # only a node itself may say it leaves
         if self.peers.pop(node_id, None) is not None:
             log.info("peer %s is leaving", node_id)
             self.counters["peers_left"] += 1
@@ -183,20 +188,21 @@ class Node:
         return tuple(PlanStep(node_id, nodes[node_id].address, shard) for node_id, shard in ring)
 
     # -- what peers send (the transport's server side calls these) --------------------------------------------
-    def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray) -> None:
-        self.core.accept_prompt(spec, tokens)
+    # `caller`: the member calling, authenticated by mutual TLS (None without a cluster key, or when it is us).
+    def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray, caller: str | None = None) -> None:
+        self.core.accept_prompt(spec, tokens, caller)
         self._wake.set()
 
-    def accept_activations(self, activations: list[Activation]) -> list[Refusal]:
-        rejected = self.core.accept_activations(activations)
+    def accept_activations(self, activations: list[Activation], caller: str | None = None) -> list[Refusal]:
+        rejected = self.core.accept_activations(activations, caller)
         self._wake.set()
         return rejected
 
-    def accept_tokens(self, message: TokenMessage) -> None:
-        self.entry.accept_tokens(message)
+    def accept_tokens(self, message: TokenMessage, caller: str | None = None) -> None:
+        self.entry.accept_tokens(message, caller)
 
-    def end_request(self, request_id: str, reason: str) -> None:
-        self._do(self.core.end_request(request_id, reason))
+    def end_request(self, request_id: str, reason: str, caller: str | None = None) -> None:
+        self._do(self.core.end_request(request_id, reason, caller))
 
     # -- the pipeline worker ----------------------------------------------------------------------------------
     async def _work_loop(self) -> None:

@@ -2,6 +2,7 @@
 call, and gRPC's errors turned into `TransportError`s."""
 from __future__ import annotations
 
+import asyncio
 import functools
 
 import grpc
@@ -13,6 +14,7 @@ from proto import node_service_pb2_grpc as pb_grpc
 from . import wire
 from .plan import RequestSpec
 from .requests import Activation, Refusal, TokenMessage
+from .security import NodeIdentity, NodeTls
 from .topology import NodeInfo
 from .transport import TransportError
 
@@ -39,6 +41,21 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        # Pings find a connection whose peer vanished without closing it (power loss, a cut cable).
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return channel_options(max_message_bytes) + [
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),  # below the clients' keepalive: no GOAWAY
+        ("grpc.max_connection_idle_ms", 300_000),  # connections of peers that left are closed
+        # Certificates are checked at handshakes only: no connection outlives its peer's leaf by much.
+        ("grpc.max_connection_age_ms", 3_600_000),
+        ("grpc.max_connection_age_grace_ms", 60_000),
+        ("grpc.max_concurrent_streams", 256),  # per connection
     ]
 
 
@@ -62,17 +79,32 @@ class GrpcTransport:
     (`wait_for_ready`: a peer still starting, a reconnect in progress) but never longer than `rpc_timeout`; a peer
     that is down for longer is noticed by membership's health checks, which fail fast."""
 
-    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rpc_timeout: float = 10.0):
-        self.max_message_bytes, self.rpc_timeout = max_message_bytes, rpc_timeout
+    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rpc_timeout: float = 10.0,
+                 tls: NodeTls | None = None):
+        """With `tls` (a cluster key), every channel is mutual TLS: both ends prove they hold the key."""
+        self.max_message_bytes, self.rpc_timeout, self.tls = max_message_bytes, rpc_timeout, tls
         self.channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, pb_grpc.NodeServiceStub] = {}
+        self._stubs: dict[str, tuple[pb_grpc.NodeServiceStub, NodeIdentity | None]] = {}
 
     def stub(self, address: str) -> pb_grpc.NodeServiceStub:
-        stub = self._stubs.get(address)
+        identity = self.tls.identity() if self.tls else None  # renewed at half-life
+        stub, built_with = self._stubs.get(address, (None, None))
+        if stub is not None and built_with is not identity:
+            # A channel keeps the certificate it was made with: new calls get one with the renewed leaf, calls in
+            # flight finish on the old channel, which is closed once their deadline has passed.
+            old = self.channels.pop(address)
+            asyncio.get_running_loop().call_later(self.rpc_timeout, lambda: asyncio.ensure_future(old.close()))
+            stub = None
         if stub is None:
-            channel = self.channels[address] = grpc.aio.insecure_channel(
-                address, options=channel_options(self.max_message_bytes))
-            stub = self._stubs[address] = pb_grpc.NodeServiceStub(channel)
+            options = channel_options(self.max_message_bytes)
+            if identity is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                channel = grpc.aio.secure_channel(address, self.tls.channel_credentials(identity),
+                                                  options=options + self.tls.channel_options())
+            self.channels[address] = channel
+            stub = pb_grpc.NodeServiceStub(channel)
+            self._stubs[address] = (stub, identity)
         return stub
 
     @_translated

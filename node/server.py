@@ -11,9 +11,10 @@ from proto import node_service_pb2 as pb
 from proto import node_service_pb2_grpc as pb_grpc
 
 from . import wire
-from .peer import channel_options
-from .plan import Busy, PlanError, RequestSpec
+from .peer import server_options
+from .plan import MAX_REQUEST_ID, Busy, PlanError, RequestSpec
 from .requests import Activation, Refusal, TokenMessage
+from .security import NodeTls, peer_node_id
 from .topology import NodeInfo
 
 
@@ -22,11 +23,12 @@ class Handler(Protocol):
 
     max_tensor_bytes: int
 
-    def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray) -> None: ...
-    def accept_activations(self, activations: list[Activation]) -> list[Refusal]: ...
-    def accept_tokens(self, message: TokenMessage) -> None: ...
-    def end_request(self, request_id: str, reason: str) -> None: ...
-    def peer_leaving(self, node_id: str) -> None: ...
+    # `caller`: the calling member's node id from its TLS certificate, or None without a cluster key
+    def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray, caller: str | None) -> None: ...
+    def accept_activations(self, activations: list[Activation], caller: str | None) -> list[Refusal]: ...
+    def accept_tokens(self, message: TokenMessage, caller: str | None) -> None: ...
+    def end_request(self, request_id: str, reason: str, caller: str | None) -> None: ...
+    def peer_leaving(self, node_id: str, caller: str | None) -> None: ...
     def info(self) -> NodeInfo: ...
 
 
@@ -37,7 +39,8 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
     async def SendPrompt(self, request: pb.SendPromptRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         try:
             spec = wire.decode_spec(request.spec)
-            self.node.accept_prompt(spec, wire.decode_tensor(request.tokens, self.node.max_tensor_bytes))
+            self.node.accept_prompt(spec, wire.decode_tensor(request.tokens, self.node.max_tensor_bytes),
+                                    peer_node_id(context))
         except Busy as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (wire.WireError, PlanError) as e:
@@ -49,7 +52,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
             activations = wire.decode_activation_batch(request, self.node.max_tensor_bytes)
         except wire.WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        refused = self.node.accept_activations(activations)
+        refused = self.node.accept_activations(activations, peer_node_id(context))
         return pb.SendTensorResponse(rejected=[wire.encode_refusal(r) for r in refused])
 
     async def SendResults(self, request: pb.SendResultsRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
@@ -57,29 +60,33 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
             messages = wire.decode_token_batch(request)
         except wire.WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        caller = peer_node_id(context)
         for message in messages:
-            self.node.accept_tokens(message)
+            self.node.accept_tokens(message, caller)
         return pb.Ack()
 
     async def EndRequest(self, request: pb.EndRequestRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
-        self.node.end_request(request.request_id, request.reason[:32])
+        self.node.end_request(request.request_id[:MAX_REQUEST_ID], request.reason[:32], peer_node_id(context))
         return pb.Ack()
 
     async def HealthCheck(self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
         return pb.HealthCheckResponse(ok=True, node=wire.encode_node_info(self.node.info()))
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
-        self.node.peer_leaving(request.node_id[:256])
+        self.node.peer_leaving(request.node_id[:256], peer_node_id(context))
         return pb.Ack()
 
 
 class GrpcServer:
     """The node's gRPC server: the port is bound first (so the node's address is known before the node is built),
-    the service is attached and started afterwards."""
+    the service is attached and started afterwards. With `tls` (a cluster key) it only speaks mutual TLS: a caller
+    without a certificate from the cluster's key fails the handshake before any RPC."""
 
-    def __init__(self, host: str, port: int, max_message_bytes: int):
-        self.server = grpc.aio.server(options=channel_options(max_message_bytes))
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+    def __init__(self, host: str, port: int, max_message_bytes: int, tls: NodeTls | None = None):
+        self.server = grpc.aio.server(options=server_options(max_message_bytes), maximum_concurrent_rpcs=4096)
+        address = f"{host}:{port}"
+        self.port = self.server.add_secure_port(address, tls.server_credentials()) if tls else \
+            self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen for gRPC on {host}:{port}")
 

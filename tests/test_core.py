@@ -338,3 +338,51 @@ def test_a_step_with_any_malformed_output_fails_all_its_requests_before_routing_
     actions = b.step_done(group, {"r1": hidden(), "r2": bad}, {})
     assert not of(Send, actions) and len(of(Deliver, actions)) == 2 and not b.requests
     assert "the engine returned" in of(Deliver, actions)[0].message.error
+
+
+# -- who may ask what -----------------------------------------------------------------------------------------
+def guarded(node_id, **limits):
+    """A node that knows exactly the members of ADDR (as membership would have found them)."""
+    return NodeCore(node_id, "llama", CFG, CoreLimits(**limits), members=lambda: dict(ADDR))
+
+
+def test_a_plan_naming_a_stranger_or_a_member_at_another_address_is_refused():
+    b = guarded("b")
+    stranger = RequestSpec("r1", (PlanStep("a", ADDR["a"], Shard("llama", 0, 2, 6)),
+                                  PlanStep("b", ADDR["b"], Shard("llama", 2, 4, 6)),
+                                  PlanStep("evil", "h:66", Shard("llama", 4, 6, 6))),
+                           SamplingParams(temperature=0), 3, frozenset({STOP}), "entry", ADDR["entry"])
+    (refusal,) = b.accept_activations([Activation("r1", hidden(), stranger)])
+    assert refusal.busy and "not a member" in refusal.reason  # busy: it may be a node that has just joined
+    moved = dataclasses.replace(spec("r2"), entry_address="h:66")  # the entry's answers would go to h:66
+    (refusal,) = b.accept_activations([Activation("r2", hidden(), moved)])
+    assert not refusal.busy and "but it is a member at h:9" in refusal.reason
+    assert not b.requests
+
+
+def test_with_authenticated_callers_each_message_must_come_from_its_proper_sender():
+    a, b = guarded("a"), guarded("b")
+    with pytest.raises(PlanError, match="from node 'c'"):
+        a.accept_prompt(spec(), tokens(1, 2), caller="c")  # only the entry sends a prompt
+    a.accept_prompt(spec(), tokens(1, 2), caller="entry")
+    assert "from node 'b'" in a.accept_activations([Activation("r1", tokens(5))], caller="b")[0].reason
+    assert a.accept_activations([Activation("r1", tokens(5))], caller="c") == []  # the last node's next token
+    assert "from node 'c'" in b.accept_activations([Activation("r1", hidden(), spec())], caller="c")[0].reason
+    assert b.accept_activations([Activation("r1", hidden(), spec())], caller="a") == []
+
+
+def test_only_the_entry_or_a_plan_member_may_end_a_request_and_strangers_none():
+    b = guarded("b")
+    b.accept_activations([Activation("r1", hidden(), spec())])
+    assert b.end_request("r1", "cancelled", caller="mallory") == [] and "r1" in b.requests
+    assert b.end_request("r1", "cancelled", caller="entry") == [Release("r1")] and "r1" not in b.requests
+    assert b.end_request("unknown", "cancelled", caller="mallory") == [] and "unknown" not in b.ended
+    assert b.counters["end_refused"] == 2
+
+
+def test_one_entry_node_cannot_take_every_request_slot():
+    b = guarded("b", max_requests=10, max_requests_per_entry=3)
+    refused = b.accept_activations([Activation(f"r{i}", hidden(), spec(f"r{i}")) for i in range(4)])
+    assert [(r.request_id, r.busy) for r in refused] == [("r3", True)] and "limit for one entry" in refused[0].reason
+    other = dataclasses.replace(spec("x"), entry_node_id="a", entry_address=ADDR["a"])
+    assert b.accept_activations([Activation("x", hidden(), other)]) == []  # another entry still gets in

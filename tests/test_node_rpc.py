@@ -72,6 +72,8 @@ async def shutdown(node, server, client):
 def spec_for(node, plan_nodes=(("n0", 0, 3), ("other", 3, 6)), rid="r1"):
     plan = tuple(PlanStep(n, node.settings.address if n == node.id else "127.0.0.1:9", Shard("llama", a, b, 6))
                  for n, a, b in plan_nodes)
+    # the other nodes of the plan are members as far as this node knows (as membership would have found them)
+    node.known |= {n: "127.0.0.1:9" for n, _, _ in plan_nodes if n != node.id}
     return RequestSpec(rid, plan, SamplingParams(temperature=0), 4, frozenset({509}), "n0", node.settings.address)
 
 
