@@ -1,4 +1,7 @@
-"""A real multi-host cluster: three hosts on a private bridge, UDP discovery and nothing else configured."""
+"""A real multi-host cluster: hosts on a private bridge, a cluster key, UDP discovery and nothing else configured.
+
+Without a cluster key a node's gRPC listens on loopback only, so every cluster here shares a key (which also makes
+it the test of a secured cluster: mutual TLS between hosts, signed announcements)."""
 import json
 import signal
 import subprocess
@@ -11,6 +14,7 @@ import pytest
 from tests import netns
 from tests.cluster import READY_API, ROOT
 from tests.conftest import FIXTURES
+from node.security import write_key_file
 from tests.test_cluster import reference
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
@@ -40,11 +44,19 @@ def wait_until(predicate, timeout: float) -> float:
     return time.monotonic() - start
 
 
-def start_hosts(lan, n: int) -> list[subprocess.Popen]:
+@pytest.fixture(scope="module")
+def key(tmp_path_factory):
+    path = tmp_path_factory.mktemp("key") / "cluster.key"
+    write_key_file(path)
+    return path
+
+
+def start_hosts(lan, n: int, key, first: int = 0, extra=()) -> list[subprocess.Popen]:
     procs = []
-    for i in range(n):
+    for i in range(first, first + n):
+        key_args = ["--cluster-key-file", str(key)] if key else ["--host", "0.0.0.0"]
         procs.append(subprocess.Popen(lan.exec(i, sys.executable, "-m", "node.cli", "--model", str(FIXTURES / "llama"),
-                                               "--node-id", f"host{i}"),
+                                               "--node-id", f"host{i}", "--engine", "numpy", *key_args, *extra),
                                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:
         for line in p.stdout:
@@ -61,10 +73,10 @@ def stop_hosts(procs) -> None:
         p.wait()
 
 
-def test_three_hosts_find_each_other_serve_and_survive_a_death(capsys):
+def test_three_hosts_find_each_other_serve_and_survive_a_death(capsys, key):
     with netns.PrivateLan(3) as lan:
         started = time.monotonic()
-        procs = start_hosts(lan, 3)
+        procs = start_hosts(lan, 3, key)
         try:
             everyone = {"host0", "host1", "host2"}
             join = wait_until(lambda: all(peers_seen(lan, i) == everyone for i in range(3)), 30)
@@ -91,11 +103,11 @@ def test_three_hosts_find_each_other_serve_and_survive_a_death(capsys):
             stop_hosts(procs)
 
 
-def test_a_host_whose_link_goes_down_mid_request_is_routed_around(capsys):
+def test_a_host_whose_link_goes_down_mid_request_is_routed_around(capsys, key):
     body = {"model": "llama", "prompt": "Once upon a time, in a land far away, there lived", "max_tokens": 200,
             "temperature": 0}
     with netns.PrivateLan(3, subnet=78) as lan:
-        procs = start_hosts(lan, 3)
+        procs = start_hosts(lan, 3, key)
         try:
             wait_until(lambda: peers_seen(lan, 0) == {"host0", "host1", "host2"}, 30)
             expected = call(lan, 0, "/v1/completions", body)["choices"][0]["text"]
