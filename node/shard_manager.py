@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,9 +60,10 @@ class ShardManager:
         return engine
 
     async def forward(self, engine: Engine, inputs: list[tuple[str, np.ndarray, int]]) \
-            -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """One forward pass over (request id, input, most positions it will reach): outputs per request, and the
-        requests whose input the engine refused (with why), which are left out of the pass instead of failing it."""
+            -> tuple[dict[str, np.ndarray], dict[str, str], float]:
+        """One forward pass over (request id, input, most positions it will reach): outputs per request, the
+        requests whose input the engine refused (with why), which are left out of the pass instead of failing it,
+        and the seconds the engine computed (on its thread: no queueing or event-loop time in it)."""
         return await self.run(_forward, engine, inputs)
 
     def release(self, request_id: str) -> None:
@@ -82,7 +84,8 @@ class ShardManager:
 
 
 def _forward(engine: Engine, inputs: list[tuple[str, np.ndarray, int]]) \
-        -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        -> tuple[dict[str, np.ndarray], dict[str, str], float]:
+    started = time.perf_counter()
     items, refused = [], {}
     for rid, data, positions in inputs:
         item = StepInput(rid, tokens=data, max_positions=positions) if engine.shard.is_first else \
@@ -93,4 +96,4 @@ def _forward(engine: Engine, inputs: list[tuple[str, np.ndarray, int]]) \
         except EngineInputError as e:
             refused[rid] = str(e)
     outputs = engine.forward(items) if items else []
-    return {item.request_id: out for item, out in zip(items, outputs)}, refused
+    return {item.request_id: out for item, out in zip(items, outputs)}, refused, time.perf_counter() - started
