@@ -22,9 +22,6 @@ from proto import node_service_pb2_grpc as pb_grpc
 
 
 class Sink(pb_grpc.NodeServiceServicer):
-    async def SendResults(self, request, context):
-        return pb.Ack()
-
     async def SendTensor(self, request, context):
         return pb.SendTensorResponse()
 
@@ -32,10 +29,10 @@ class Sink(pb_grpc.NodeServiceServicer):
         return pb.HealthCheckResponse(ok=True)
 
 
-def result_message() -> pb.SendResultsRequest:
+def result_message() -> pb.SendTensorRequest:
     """The size of a streamed token: one id, a logprob, a 32-hex request id."""
-    return pb.SendResultsRequest(results=[pb.SendResultRequest(request_id="0123456789abcdef0123456789abcdef",
-                                                               tokens=[pb.TokenResult(token=31337, logprob=-0.25)])])
+    return pb.SendTensorRequest(results=[pb.SendResultRequest(request_id="0123456789abcdef0123456789abcdef",
+                                                              tokens=[pb.TokenResult(token=31337, logprob=-0.25)])])
 
 
 def tensor_message(mib: int) -> pb.SendTensorRequest:
@@ -86,7 +83,7 @@ async def small_calls(pair: Pair, n: int) -> tuple[float, float]:
     channel = pair.channel()
     stub, msg = pb_grpc.NodeServiceStub(channel), result_message()
     try:
-        return await timed(n, lambda: stub.SendResults(msg, timeout=10))
+        return await timed(n, lambda: stub.SendTensor(msg, timeout=10))
     finally:
         await channel.close()
 

@@ -86,7 +86,7 @@ class Node:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._worker: asyncio.Task | None = None
-        self._outboxes: dict[tuple[str, str], Outbox] = {}
+        self._outboxes: dict[str, Outbox] = {}
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -257,9 +257,9 @@ class Node:
             if isinstance(action, Release):
                 self.shards.release(action.request_id)
             elif isinstance(action, Send):
-                self._outbox("activations", action.address).put(*action.activations)
+                self._outbox(action.address).put(*action.activations)
             elif isinstance(action, Deliver):
-                self._outbox("tokens", action.address).put(action.message)
+                self._outbox(action.address).put(action.message)
             elif isinstance(action, Sample):
                 item = SampleItem(action.request_id, action.logits, action.params, action.state, engine,
                                   self.settings.model_id)
@@ -276,32 +276,27 @@ class Node:
         results = await asyncio.gather(*futures.values(), return_exceptions=True)
         self._do(self.core.sampled(dict(zip(futures, results))))
 
-    def _outbox(self, kind: str, address: str) -> Outbox:
-        """The ordered outbox of activations (or token messages) for `address`; gone again once it is empty."""
-        key = (kind, address)
-        box = self._outboxes.get(key)
+    def _outbox(self, address: str) -> Outbox:
+        """The ordered outbox for `address` (activations and token messages alike, so a last node whose entry is
+        also the first node sends it the token and its delivery in one call); gone again once it is empty."""
+        box = self._outboxes.get(address)
         if box is None:
-            send = self._send if kind == "activations" else self._deliver
-            box = self._outboxes[key] = Outbox(lambda batch: send(address, batch), self._spawn,
-                                               lambda: self._outboxes.pop(key, None))
+            box = self._outboxes[address] = Outbox(lambda batch: self._send(address, batch), self._spawn,
+                                                   lambda: self._outboxes.pop(address, None))
         return box
 
-    async def _send(self, address: str, activations: tuple[Activation, ...]) -> None:
+    async def _send(self, address: str, batch: tuple[Activation | TokenMessage, ...]) -> None:
+        activations = tuple(m for m in batch if isinstance(m, Activation))
+        messages = tuple(m for m in batch if isinstance(m, TokenMessage))
         try:
-            refused = await self.transport.send_activations(address, activations)
+            refused = await self.transport.send(address, activations, messages)
         except TransportError as e:
-            self.metrics.rpc_error(address, "activations")
+            self.metrics.rpc_error(address, "send")
             self._do(self.core.send_failed(address, activations, str(e), e.retryable))
-            return
-        self._do(self.core.refused(address, refused))
-
-    async def _deliver(self, address: str, messages: tuple[TokenMessage, ...]) -> None:
-        try:
-            await self.transport.send_tokens(address, messages)
-        except TransportError as e:
-            self.metrics.rpc_error(address, "tokens")
             for message in messages:
                 self._do(self.core.deliver_failed(message, str(e)))
+            return
+        self._do(self.core.refused(address, refused))
 
 
 def _positions(spec: RequestSpec) -> int | None:
@@ -324,16 +319,13 @@ class _Loopback:
         except PlanError as e:
             raise TransportError("busy" if isinstance(e, Busy) else "refused", str(e)) from None
 
-    async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[Refusal]:
+    async def send(self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) \
+            -> list[Refusal]:
         if address != self.node.address:
-            return await self.inner.send_activations(address, activations)
-        return self.node.accept_activations(list(activations))
-
-    async def send_tokens(self, address: str, messages: tuple[TokenMessage, ...]) -> None:
-        if address != self.node.address:
-            return await self.inner.send_tokens(address, messages)
+            return await self.inner.send(address, activations, messages)
         for message in messages:
             self.node.accept_tokens(message)
+        return self.node.accept_activations(list(activations)) if activations else []
 
     async def end_request(self, address: str, request_id: str, reason: str) -> None:
         if address != self.node.address:

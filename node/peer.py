@@ -113,15 +113,11 @@ class GrpcTransport:
         await self.stub(address).SendPrompt(request, timeout=self.rpc_timeout, wait_for_ready=True)
 
     @_translated
-    async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[Refusal]:
-        request = pb.SendTensorRequest(entries=[wire.encode_activation(a) for a in activations])
+    async def send(self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) \
+            -> list[Refusal]:
+        request = wire.encode_send(activations, messages)
         response = await self.stub(address).SendTensor(request, timeout=self.rpc_timeout, wait_for_ready=True)
         return [wire.decode_refusal(r) for r in response.rejected]
-
-    @_translated
-    async def send_tokens(self, address: str, messages: tuple[TokenMessage, ...]) -> None:
-        request = wire.encode_token_batch(messages)
-        await self.stub(address).SendResults(request, timeout=self.rpc_timeout, wait_for_ready=True)
 
     @_translated
     async def end_request(self, address: str, request_id: str, reason: str) -> None:

@@ -49,21 +49,14 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
 
     async def SendTensor(self, request: pb.SendTensorRequest, context: grpc.aio.ServicerContext) -> pb.SendTensorResponse:
         try:
-            activations = wire.decode_activation_batch(request, self.node.max_tensor_bytes)
-        except wire.WireError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        refused = self.node.accept_activations(activations, peer_node_id(context))
-        return pb.SendTensorResponse(rejected=[wire.encode_refusal(r) for r in refused])
-
-    async def SendResults(self, request: pb.SendResultsRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
-        try:
-            messages = wire.decode_token_batch(request)
+            activations, messages = wire.decode_send(request, self.node.max_tensor_bytes)
         except wire.WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         caller = peer_node_id(context)
+        refused = self.node.accept_activations(activations, caller) if activations else []
         for message in messages:
             self.node.accept_tokens(message, caller)
-        return pb.Ack()
+        return pb.SendTensorResponse(rejected=[wire.encode_refusal(r) for r in refused])
 
     async def EndRequest(self, request: pb.EndRequestRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         self.node.end_request(request.request_id[:MAX_REQUEST_ID], request.reason[:32], peer_node_id(context))

@@ -32,11 +32,10 @@ class TransportError(RuntimeError):
 class Transport(Protocol):
     async def send_prompt(self, address: str, spec: RequestSpec, tokens: np.ndarray) -> None: ...
 
-    async def send_activations(self, address: str, activations: tuple[Activation, ...]) -> list[Refusal]:
-        """The activations the peer refused, and why."""
-
-    async def send_tokens(self, address: str, messages: tuple[TokenMessage, ...]) -> None:
-        """Token messages for an entry node, delivered in order."""
+    async def send(self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) \
+            -> list[Refusal]:
+        """Activations (for requests the peer runs) and token messages (for requests it is the entry node of), in
+        one call; returns the activations the peer refused, and why."""
 
     async def end_request(self, address: str, request_id: str, reason: str) -> None: ...
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18proto/node_service.proto\x12\x08\x65xo_node\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"X\n\nShardRange\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_layer\x18\x02 \x01(\x05\x12\x11\n\tend_layer\x18\x03 \x01(\x05\x12\x10\n\x08n_layers\x18\x04 \x01(\x05\"Q\n\x08PlanStep\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12#\n\x05shard\x18\x03 \x01(\x0b\x32\x14.exo_node.ShardRange\"\x85\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0f\n\r_top_logprobs\"\xf2\x01\n\x0bRequestSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x04plan\x18\x02 \x03(\x0b\x32\x12.exo_node.PlanStep\x12$\n\x08sampling\x18\x03 \x01(\x0b\x32\x12.exo_node.Sampling\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x03\x12\x15\n\rentry_node_id\x18\x06 \x01(\t\x12\x15\n\rentry_address\x18\x07 \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x08 \x01(\x05\x12\x15\n\rprompt_tokens\x18\t \x01(\x05\"Z\n\x11SendPromptRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.exo_node.RequestSpec\x12 \n\x06tokens\x18\x02 \x01(\x0b\x32\x10.exo_node.Tensor\"y\n\x0bTensorEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x06tensor\x18\x02 \x01(\x0b\x32\x10.exo_node.Tensor\x12#\n\x04spec\x18\x03 \x01(\x0b\x32\x15.exo_node.RequestSpec\x12\x0f\n\x07partial\x18\x04 \x01(\x08\";\n\x11SendTensorRequest\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.exo_node.TensorEntry\"<\n\x08Rejected\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04\x62usy\x18\x03 \x01(\x08\":\n\x12SendTensorResponse\x12$\n\x08rejected\x18\x01 \x03(\x0b\x32\x12.exo_node.Rejected\",\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"j\n\x0bTokenResult\x12\r\n\x05token\x18\x01 \x01(\x03\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12*\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x14.exo_node.TopLogprobB\n\n\x08_logprob\"\xa7\x01\n\x11SendResultRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06tokens\x18\x02 \x03(\x0b\x32\x15.exo_node.TokenResult\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x11\n\tretryable\x18\x06 \x01(\x08\x12\x0c\n\x04\x62usy\x18\x07 \x01(\x08\"B\n\x12SendResultsRequest\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.exo_node.SendResultRequest\"7\n\x11\x45ndRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x05\n\x03\x41\x63k\"X\n\x0c\x43\x61pabilities\x12\x14\n\x0cmemory_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x10\n\x08n_layers\x18\x04 \x01(\x05\"\xc0\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12,\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x16.exo_node.Capabilities\x12)\n\x06pinned\x18\x04 \x01(\x0b\x32\x14.exo_node.ShardRangeH\x00\x88\x01\x01\x12$\n\x06loaded\x18\x05 \x03(\x0b\x32\x14.exo_node.ShardRange\x12\x17\n\x0f\x61\x63tive_requests\x18\x06 \x01(\x05\x12.\n\x06status\x18\x07 \x03(\x0b\x32\x1e.exo_node.NodeInfo.StatusEntry\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x1a-\n\x0bStatusEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x42\t\n\x07_pinned\"\x14\n\x12HealthCheckRequest\"\x1f\n\x0cLeaveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"C\n\x13HealthCheckResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12 \n\x04node\x18\x02 \x01(\x0b\x32\x12.exo_node.NodeInfo2\x82\x03\n\x0bNodeService\x12\x38\n\nSendPrompt\x12\x1b.exo_node.SendPromptRequest\x1a\r.exo_node.Ack\x12G\n\nSendTensor\x12\x1b.exo_node.SendTensorRequest\x1a\x1c.exo_node.SendTensorResponse\x12:\n\x0bSendResults\x12\x1c.exo_node.SendResultsRequest\x1a\r.exo_node.Ack\x12\x38\n\nEndRequest\x12\x1b.exo_node.EndRequestRequest\x1a\r.exo_node.Ack\x12J\n\x0bHealthCheck\x12\x1c.exo_node.HealthCheckRequest\x1a\x1d.exo_node.HealthCheckResponse\x12.\n\x05Leave\x12\x16.exo_node.LeaveRequest\x1a\r.exo_node.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18proto/node_service.proto\x12\x08\x65xo_node\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"X\n\nShardRange\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_layer\x18\x02 \x01(\x05\x12\x11\n\tend_layer\x18\x03 \x01(\x05\x12\x10\n\x08n_layers\x18\x04 \x01(\x05\"Q\n\x08PlanStep\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12#\n\x05shard\x18\x03 \x01(\x0b\x32\x14.exo_node.ShardRange\"\x85\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0f\n\r_top_logprobs\"\xf2\x01\n\x0bRequestSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x04plan\x18\x02 \x03(\x0b\x32\x12.exo_node.PlanStep\x12$\n\x08sampling\x18\x03 \x01(\x0b\x32\x12.exo_node.Sampling\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x03\x12\x15\n\rentry_node_id\x18\x06 \x01(\t\x12\x15\n\rentry_address\x18\x07 \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x08 \x01(\x05\x12\x15\n\rprompt_tokens\x18\t \x01(\x05\"Z\n\x11SendPromptRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.exo_node.RequestSpec\x12 \n\x06tokens\x18\x02 \x01(\x0b\x32\x10.exo_node.Tensor\"y\n\x0bTensorEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x06tensor\x18\x02 \x01(\x0b\x32\x10.exo_node.Tensor\x12#\n\x04spec\x18\x03 \x01(\x0b\x32\x15.exo_node.RequestSpec\x12\x0f\n\x07partial\x18\x04 \x01(\x08\"i\n\x11SendTensorRequest\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.exo_node.TensorEntry\x12,\n\x07results\x18\x02 \x03(\x0b\x32\x1b.exo_node.SendResultRequest\"<\n\x08Rejected\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04\x62usy\x18\x03 \x01(\x08\":\n\x12SendTensorResponse\x12$\n\x08rejected\x18\x01 \x03(\x0b\x32\x12.exo_node.Rejected\",\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"j\n\x0bTokenResult\x12\r\n\x05token\x18\x01 \x01(\x03\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12*\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x14.exo_node.TopLogprobB\n\n\x08_logprob\"\xa7\x01\n\x11SendResultRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06tokens\x18\x02 \x03(\x0b\x32\x15.exo_node.TokenResult\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x11\n\tretryable\x18\x06 \x01(\x08\x12\x0c\n\x04\x62usy\x18\x07 \x01(\x08\"7\n\x11\x45ndRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x05\n\x03\x41\x63k\"X\n\x0c\x43\x61pabilities\x12\x14\n\x0cmemory_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x10\n\x08n_layers\x18\x04 \x01(\x05\"\xc0\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12,\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x16.exo_node.Capabilities\x12)\n\x06pinned\x18\x04 \x01(\x0b\x32\x14.exo_node.ShardRangeH\x00\x88\x01\x01\x12$\n\x06loaded\x18\x05 \x03(\x0b\x32\x14.exo_node.ShardRange\x12\x17\n\x0f\x61\x63tive_requests\x18\x06 \x01(\x05\x12.\n\x06status\x18\x07 \x03(\x0b\x32\x1e.exo_node.NodeInfo.StatusEntry\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x1a-\n\x0bStatusEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x42\t\n\x07_pinned\"\x14\n\x12HealthCheckRequest\"\x1f\n\x0cLeaveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"C\n\x13HealthCheckResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12 \n\x04node\x18\x02 \x01(\x0b\x32\x12.exo_node.NodeInfo2\xc6\x02\n\x0bNodeService\x12\x38\n\nSendPrompt\x12\x1b.exo_node.SendPromptRequest\x1a\r.exo_node.Ack\x12G\n\nSendTensor\x12\x1b.exo_node.SendTensorRequest\x1a\x1c.exo_node.SendTensorResponse\x12\x38\n\nEndRequest\x12\x1b.exo_node.EndRequestRequest\x1a\r.exo_node.Ack\x12J\n\x0bHealthCheck\x12\x1c.exo_node.HealthCheckRequest\x1a\x1d.exo_node.HealthCheckResponse\x12.\n\x05Leave\x12\x16.exo_node.LeaveRequest\x1a\r.exo_node.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,35 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORENTRY']._serialized_start=738
   _globals['_TENSORENTRY']._serialized_end=859
   _globals['_SENDTENSORREQUEST']._serialized_start=861
-  _globals['_SENDTENSORREQUEST']._serialized_end=920
-  _globals['_REJECTED']._serialized_start=922
-  _globals['_REJECTED']._serialized_end=982
-  _globals['_SENDTENSORRESPONSE']._serialized_start=984
-  _globals['_SENDTENSORRESPONSE']._serialized_end=1042
-  _globals['_TOPLOGPROB']._serialized_start=1044
-  _globals['_TOPLOGPROB']._serialized_end=1088
-  _globals['_TOKENRESULT']._serialized_start=1090
-  _globals['_TOKENRESULT']._serialized_end=1196
-  _globals['_SENDRESULTREQUEST']._serialized_start=1199
-  _globals['_SENDRESULTREQUEST']._serialized_end=1366
-  _globals['_SENDRESULTSREQUEST']._serialized_start=1368
-  _globals['_SENDRESULTSREQUEST']._serialized_end=1434
-  _globals['_ENDREQUESTREQUEST']._serialized_start=1436
-  _globals['_ENDREQUESTREQUEST']._serialized_end=1491
-  _globals['_ACK']._serialized_start=1493
-  _globals['_ACK']._serialized_end=1498
-  _globals['_CAPABILITIES']._serialized_start=1500
-  _globals['_CAPABILITIES']._serialized_end=1588
-  _globals['_NODEINFO']._serialized_start=1591
-  _globals['_NODEINFO']._serialized_end=1911
-  _globals['_NODEINFO_STATUSENTRY']._serialized_start=1855
-  _globals['_NODEINFO_STATUSENTRY']._serialized_end=1900
-  _globals['_HEALTHCHECKREQUEST']._serialized_start=1913
-  _globals['_HEALTHCHECKREQUEST']._serialized_end=1933
-  _globals['_LEAVEREQUEST']._serialized_start=1935
-  _globals['_LEAVEREQUEST']._serialized_end=1966
-  _globals['_HEALTHCHECKRESPONSE']._serialized_start=1968
-  _globals['_HEALTHCHECKRESPONSE']._serialized_end=2035
-  _globals['_NODESERVICE']._serialized_start=2038
-  _globals['_NODESERVICE']._serialized_end=2424
+  _globals['_SENDTENSORREQUEST']._serialized_end=966
+  _globals['_REJECTED']._serialized_start=968
+  _globals['_REJECTED']._serialized_end=1028
+  _globals['_SENDTENSORRESPONSE']._serialized_start=1030
+  _globals['_SENDTENSORRESPONSE']._serialized_end=1088
+  _globals['_TOPLOGPROB']._serialized_start=1090
+  _globals['_TOPLOGPROB']._serialized_end=1134
+  _globals['_TOKENRESULT']._serialized_start=1136
+  _globals['_TOKENRESULT']._serialized_end=1242
+  _globals['_SENDRESULTREQUEST']._serialized_start=1245
+  _globals['_SENDRESULTREQUEST']._serialized_end=1412
+  _globals['_ENDREQUESTREQUEST']._serialized_start=1414
+  _globals['_ENDREQUESTREQUEST']._serialized_end=1469
+  _globals['_ACK']._serialized_start=1471
+  _globals['_ACK']._serialized_end=1476
+  _globals['_CAPABILITIES']._serialized_start=1478
+  _globals['_CAPABILITIES']._serialized_end=1566
+  _globals['_NODEINFO']._serialized_start=1569
+  _globals['_NODEINFO']._serialized_end=1889
+  _globals['_NODEINFO_STATUSENTRY']._serialized_start=1833
+  _globals['_NODEINFO_STATUSENTRY']._serialized_end=1878
+  _globals['_HEALTHCHECKREQUEST']._serialized_start=1891
+  _globals['_HEALTHCHECKREQUEST']._serialized_end=1911
+  _globals['_LEAVEREQUEST']._serialized_start=1913
+  _globals['_LEAVEREQUEST']._serialized_end=1944
+  _globals['_HEALTHCHECKRESPONSE']._serialized_start=1946
+  _globals['_HEALTHCHECKRESPONSE']._serialized_end=2013
+  _globals['_NODESERVICE']._serialized_start=2016
+  _globals['_NODESERVICE']._serialized_end=2342
 # @@protoc_insertion_point(module_scope)

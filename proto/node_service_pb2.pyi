@@ -95,10 +95,12 @@ class TensorEntry(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class SendTensorRequest(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "results")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[TensorEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
+    results: _containers.RepeatedCompositeFieldContainer[SendResultRequest]
+    def __init__(self, entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[SendResultRequest, _Mapping]]] = ...) -> None: ...
 
 class Rejected(_message.Message):
     __slots__ = ("request_id", "reason", "busy")
@@ -151,12 +153,6 @@ class SendResultRequest(_message.Message):
     retryable: bool
     busy: bool
     def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., busy: _Optional[bool] = ...) -> None: ...
-
-class SendResultsRequest(_message.Message):
-    __slots__ = ("results",)
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[SendResultRequest]
-    def __init__(self, results: _Optional[_Iterable[_Union[SendResultRequest, _Mapping]]] = ...) -> None: ...
 
 class EndRequestRequest(_message.Message):
     __slots__ = ("request_id", "reason")

@@ -44,11 +44,6 @@ class NodeServiceStub:
                 request_serializer=proto_dot_node__service__pb2.SendTensorRequest.SerializeToString,
                 response_deserializer=proto_dot_node__service__pb2.SendTensorResponse.FromString,
                 _registered_method=True)
-        self.SendResults = channel.unary_unary(
-                '/exo_node.NodeService/SendResults',
-                request_serializer=proto_dot_node__service__pb2.SendResultsRequest.SerializeToString,
-                response_deserializer=proto_dot_node__service__pb2.Ack.FromString,
-                _registered_method=True)
         self.EndRequest = channel.unary_unary(
                 '/exo_node.NodeService/EndRequest',
                 request_serializer=proto_dot_node__service__pb2.EndRequestRequest.SerializeToString,
@@ -76,12 +71,6 @@ class NodeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SendTensor(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SendResults(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,11 +106,6 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.SendTensor,
                     request_deserializer=proto_dot_node__service__pb2.SendTensorRequest.FromString,
                     response_serializer=proto_dot_node__service__pb2.SendTensorResponse.SerializeToString,
-            ),
-            'SendResults': grpc.unary_unary_rpc_method_handler(
-                    servicer.SendResults,
-                    request_deserializer=proto_dot_node__service__pb2.SendResultsRequest.FromString,
-                    response_serializer=proto_dot_node__service__pb2.Ack.SerializeToString,
             ),
             'EndRequest': grpc.unary_unary_rpc_method_handler(
                     servicer.EndRequest,
@@ -193,33 +177,6 @@ class NodeService:
             '/exo_node.NodeService/SendTensor',
             proto_dot_node__service__pb2.SendTensorRequest.SerializeToString,
             proto_dot_node__service__pb2.SendTensorResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SendResults(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/exo_node.NodeService/SendResults',
-            proto_dot_node__service__pb2.SendResultsRequest.SerializeToString,
-            proto_dot_node__service__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

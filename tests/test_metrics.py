@@ -122,11 +122,11 @@ def test_rpc_errors_per_peer_and_kv_cache_bytes_in_process():
             node.accept_prompt(spec_for(node), np.array([1, 2, 3]))  # the plan's next node, 127.0.0.1:9, is dead
             for _ in range(600):  # the send waits up to its 10 s deadline for a connection that never comes
                 if value(parse(generate_latest(node.metrics.registry).decode()), "exo_peer_rpc_errors_total",
-                         peer="127.0.0.1:9", call="activations"):
+                         peer="127.0.0.1:9", call="send"):
                     break
                 await asyncio.sleep(0.025)
             samples = parse(generate_latest(node.metrics.registry).decode())
-            assert value(samples, "exo_peer_rpc_errors_total", peer="127.0.0.1:9", call="activations") == 1
+            assert value(samples, "exo_peer_rpc_errors_total", peer="127.0.0.1:9", call="send") == 1
             assert value(samples, "exo_node_requests_ended_total", reason="failed") == 1
             assert not any(name == "exo_peer_rpc_errors_total"
                            for name, _ in parse(generate_latest(other.metrics.registry).decode()))

@@ -39,10 +39,6 @@ class Collector(pb_grpc.NodeServiceServicer):
         self.received.append(request)
         return pb.SendTensorResponse()
 
-    async def SendResults(self, request, context):
-        self.received.append(request)
-        return pb.Ack()
-
 
 def crafted(rid: str, victim: str, attacker: str, attacker_is_entry: bool) -> pb.SendPromptRequest:
     """A prompt whose plan sends the victim's work to the attacker: as the entry (free compute, forged answers)
@@ -89,8 +85,7 @@ def other_calls(victim: str) -> list[grpc.StatusCode]:
         stub = pb_grpc.NodeServiceStub(channel)
         calls = [stub.SendTensor(pb.SendTensorRequest(), timeout=3), stub.EndRequest(pb.EndRequestRequest(
                  request_id="x"), timeout=3), stub.HealthCheck(pb.HealthCheckRequest(), timeout=3),
-                 stub.SendResults(pb.SendResultsRequest(), timeout=3), stub.Leave(pb.LeaveRequest(node_id="n"),
-                                                                                   timeout=3)]
+                 stub.Leave(pb.LeaveRequest(node_id="n"), timeout=3)]
         codes = []
         for c in calls:
             try:
