@@ -13,6 +13,7 @@ from proto import node_service_pb2_grpc as pb_grpc
 
 from . import wire
 from .plan import RequestSpec
+from .peer_stream import PeerStream, StreamBroken
 from .requests import Activation, Refusal, TokenMessage
 from .security import NodeIdentity, NodeTls
 from .topology import NodeInfo
@@ -70,6 +71,11 @@ def _translated(call):
             raise TransportError(_KINDS.get(e.code(), "error"), f"{address}: {e.code().name} {e.details()}") from None
         except wire.WireError as e:
             raise TransportError("malformed", f"{address} answered with a malformed message: {e}") from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # we are being cancelled: not the call's doing
+            # grpc.aio raises CancelledError in calls whose channel was closed meanwhile (a peer that left)
+            raise TransportError("unavailable", f"{address}: the channel was closed") from None
 
     return wrapper
 
@@ -84,6 +90,7 @@ class GrpcTransport:
         """With `tls` (a cluster key), every channel is mutual TLS: both ends prove they hold the key."""
         self.max_message_bytes, self.rpc_timeout, self.tls = max_message_bytes, rpc_timeout, tls
         self.channels: dict[str, grpc.aio.Channel] = {}
+        self.streams: dict[str, tuple[pb_grpc.NodeServiceStub, PeerStream]] = {}  # the data path to each peer
         self._stubs: dict[str, tuple[pb_grpc.NodeServiceStub, NodeIdentity | None]] = {}
 
     def stub(self, address: str) -> pb_grpc.NodeServiceStub:
@@ -115,8 +122,17 @@ class GrpcTransport:
     @_translated
     async def send(self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) \
             -> list[Refusal]:
-        request = wire.encode_send(activations, messages)
-        response = await self.stub(address).SendTensor(request, timeout=self.rpc_timeout, wait_for_ready=True)
+        stub = self.stub(address)  # first: it may replace a channel whose certificate was renewed
+        on, stream = self.streams.get(address, (None, None))
+        if on is not stub:  # a new channel gets its own stream
+            if stream is not None:
+                asyncio.ensure_future(stream.close())
+            stream = PeerStream(lambda: stub.SendStream(wait_for_ready=True), self.rpc_timeout)
+            self.streams[address] = (stub, stream)
+        try:
+            response = await stream.send(wire.encode_send(activations, messages))
+        except StreamBroken as e:
+            raise TransportError(_KINDS.get(e.code, "error"), f"{address}: {e}") from None
         return [wire.decode_refusal(r) for r in response.rejected]
 
     @_translated
@@ -136,6 +152,9 @@ class GrpcTransport:
         await self.stub(address).Leave(pb.LeaveRequest(node_id=node_id), timeout=timeout)
 
     async def forget(self, address: str) -> None:
+        _, stream = self.streams.pop(address, (None, None))
+        if stream is not None:
+            await stream.close()
         self._stubs.pop(address, None)
         channel = self.channels.pop(address, None)
         if channel is not None:

@@ -48,11 +48,19 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         return pb.Ack()
 
     async def SendTensor(self, request: pb.SendTensorRequest, context: grpc.aio.ServicerContext) -> pb.SendTensorResponse:
+        return await self._send(request, context, peer_node_id(context))
+
+    async def SendStream(self, requests, context: grpc.aio.ServicerContext):
+        caller = peer_node_id(context)
+        async for request in requests:
+            yield await self._send(request, context, caller)
+
+    async def _send(self, request: pb.SendTensorRequest, context: grpc.aio.ServicerContext, caller: str | None) \
+            -> pb.SendTensorResponse:
         try:
             activations, messages = wire.decode_send(request, self.node.max_tensor_bytes)
         except wire.WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        caller = peer_node_id(context)
         refused = self.node.accept_activations(activations, caller) if activations else []
         for message in messages:
             self.node.accept_tokens(message, caller)

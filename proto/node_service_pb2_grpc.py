@@ -39,6 +39,11 @@ class NodeServiceStub:
                 request_serializer=proto_dot_node__service__pb2.SendPromptRequest.SerializeToString,
                 response_deserializer=proto_dot_node__service__pb2.Ack.FromString,
                 _registered_method=True)
+        self.SendStream = channel.stream_stream(
+                '/exo_node.NodeService/SendStream',
+                request_serializer=proto_dot_node__service__pb2.SendTensorRequest.SerializeToString,
+                response_deserializer=proto_dot_node__service__pb2.SendTensorResponse.FromString,
+                _registered_method=True)
         self.SendTensor = channel.unary_unary(
                 '/exo_node.NodeService/SendTensor',
                 request_serializer=proto_dot_node__service__pb2.SendTensorRequest.SerializeToString,
@@ -70,8 +75,16 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendStream(self, request_iterator, context):
+        """The data path: one long-lived stream per peer, one response per request, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SendTensor(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One message of SendStream as a call of its own, for one-shot senders.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -101,6 +114,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.SendPrompt,
                     request_deserializer=proto_dot_node__service__pb2.SendPromptRequest.FromString,
                     response_serializer=proto_dot_node__service__pb2.Ack.SerializeToString,
+            ),
+            'SendStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SendStream,
+                    request_deserializer=proto_dot_node__service__pb2.SendTensorRequest.FromString,
+                    response_serializer=proto_dot_node__service__pb2.SendTensorResponse.SerializeToString,
             ),
             'SendTensor': grpc.unary_unary_rpc_method_handler(
                     servicer.SendTensor,
@@ -150,6 +168,33 @@ class NodeService:
             '/exo_node.NodeService/SendPrompt',
             proto_dot_node__service__pb2.SendPromptRequest.SerializeToString,
             proto_dot_node__service__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/exo_node.NodeService/SendStream',
+            proto_dot_node__service__pb2.SendTensorRequest.SerializeToString,
+            proto_dot_node__service__pb2.SendTensorResponse.FromString,
             options,
             channel_credentials,
             insecure,
