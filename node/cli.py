@@ -181,13 +181,13 @@ def bind_host(args: argparse.Namespace, key: ClusterKey | None) -> str:
 
 async def run(args: argparse.Namespace) -> int:
     key = load_secret(args.cluster_key_file)
-    host = bind_host(args, key)
     model_path, model_id = resolve_model(args.model)
     config = ModelConfig.load(model_path)
     tokenizer = Tokenizer.load(model_path)
     pinned = parse_shard(args.shard, config.n_layers)
     engine = resolve(args.engine)
     factory = engine_factory(engine)
+    host = bind_host(args, key)  # after the checks above: a bad model file is the first and only line printed
     node_id = args.node_id or (
         uuid.uuid5(uuid.NAMESPACE_DNS, f"{socket.gethostname()}:{args.grpc_port}").hex[:12]
         if args.grpc_port else uuid.uuid4().hex[:12]

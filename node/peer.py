@@ -24,6 +24,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 _KINDS = {
     grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.CANCELLED: "unavailable",  # a call or stream cut off under us: the peer left or restarted
     grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
     grpc.StatusCode.INVALID_ARGUMENT: "refused",
     grpc.StatusCode.FAILED_PRECONDITION: "refused",
