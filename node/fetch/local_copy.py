@@ -88,11 +88,12 @@ class LocalCopy:
             return old
         try:
             root.mkdir(parents=True, exist_ok=True)
-            if old is not None:
-                log.warning("the copy of %s in %s has another layout than the peers' model: starting over",
-                            manifest.model_id, root)
-                for f in old.manifest.files:
-                    (root / f.name).unlink(missing_ok=True)
+            stale = _old_files(root)
+            if stale:
+                log.warning("the copy of %s in %s is damaged or of another layout than the peers' model: starting "
+                            "over", manifest.model_id, root)
+            for name in stale:
+                (root / name).unlink(missing_ok=True)
             copy = cls(root, manifest, bytearray(len(manifest.pieces)))
             _atomic_write(root / MANIFEST, json.dumps(manifest.to_json()).encode())
             copy._save()
@@ -207,6 +208,14 @@ class LocalCopy:
                 runs.append([start, i])
                 start = None
         _atomic_write(self.root / STATE, json.dumps({"version": 1, "verified": runs}).encode())
+
+
+def _old_files(root: Path) -> list[str]:
+    """The files an earlier copy in `root` was made of, as far as its manifest can still tell."""
+    try:
+        return [f.name for f in Manifest.from_json(json.loads((root / MANIFEST).read_text())).files]
+    except (OSError, ValueError, ManifestError):
+        return []
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

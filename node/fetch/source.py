@@ -83,7 +83,7 @@ class WeightSource:
         self.hashes = HashCache(cache_dir)
         # Chunks small enough that a slow cap still sends one every ~quarter second (the receiver's idle timeout
         # must never fire on a healthy, throttled stream).
-        self.chunk = max(MIN_CHUNK, min(chunk, int(rate / 4))) if rate else chunk
+        self.chunk = min(chunk, max(MIN_CHUNK, int(rate / 4))) if rate else chunk
         self.bucket = TokenBucket(rate, burst=self.chunk)
         self.max_transfers = max_transfers
         self.active = 0
