@@ -271,3 +271,21 @@ def test_disk_full_and_a_read_only_models_dir_are_clear_errors(mounted, monkeypa
         asyncio.run(fetch_into(read_only))
     assert "Permission denied; choose a writable --models-dir" in str(
         disk_error(PermissionError(errno.EACCES, "Permission denied"), "x", read_only))
+
+
+def test_a_fetch_reports_its_progress_with_rate_and_time_left_when_not_on_a_terminal(tmp_path, caplog, monkeypatch):
+    import logging
+    from shards import progress
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    caplog.set_level(logging.INFO, logger="node.fetch.fetcher")
+
+    async def go():
+        async with Peer() as peer:
+            fetcher = fetcher_for(peer)
+            copy = await open_copy("llama", tmp_path, fetcher)
+            await fetcher.fetch(copy, copy.manifest.needed(Shard("llama", 0, 3, 6)), "fetching llama layers 0-2")
+            await fetcher.transport.close()
+    asyncio.run(go())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fetching llama layers 0-2: ")]
+    assert len(lines) > 5 and all("B/s, about " in line and line.endswith(" s left") for line in lines[:-1])
+    assert " kB in " in lines[-1] or " KB in " in lines[-1]

@@ -53,7 +53,9 @@ class LocalCopy:
     def __init__(self, root: Path, manifest: Manifest, verified: bytearray):
         self.root, self.manifest, self._verified = root, manifest, verified
         self._lock = threading.Lock()  # pieces are written from worker threads; the record is shared
-        self._availability: Availability | None = None
+        # Bumped by every write: a value computed while a write landed is recomputed, never kept stale.
+        self._version = 0
+        self._availability: tuple[int, Availability] | None = None
         self._by_label: dict[tuple[str, int], list[int]] = {}
         for i, p in enumerate(manifest.pieces):
             self._by_label.setdefault(("metadata", -1) if p.part in METADATA else (p.part, p.layer), []).append(i)
@@ -130,9 +132,10 @@ class LocalCopy:
 
     def availability(self) -> Availability:
         """What this copy lets the node serve (recomputed only after a piece was added)."""
-        if self._availability is None:
-            self._availability = self._compute_availability()
-        return self._availability
+        version = self._version
+        if self._availability is None or self._availability[0] != version:
+            self._availability = (version, self._compute_availability())
+        return self._availability[1]
 
     def _compute_availability(self) -> Availability:
         if self.complete:
@@ -181,7 +184,7 @@ class LocalCopy:
                 self._write_range(path, f.size, piece.offset, data)
             with self._lock:
                 self._verified[index] = 1
-                self._availability = None
+                self._version += 1
                 self._save()
         except OSError as e:
             raise disk_error(e, f"{f.name}", self.root) from None

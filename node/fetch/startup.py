@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -74,7 +75,9 @@ async def open_copy(model_id: str, models_dir: Path, fetcher: Fetcher) -> LocalC
     log.info("%s is not here: fetching it from a peer into %s", model_id, root)
     manifest = await fetcher.manifest()
     copy = LocalCopy.create(root, manifest)
+    started = time.monotonic()
     await fetcher.fetch(copy, manifest.metadata(), f"fetching {model_id}: config, tokenizer, headers")
+    fetcher.counters["fetch_ms"] += int((time.monotonic() - started) * 1000)
     # The peer's labels say which bytes are which layer's; the loaders go by the headers. They must agree, or a
     # layer would be served with a tensor never fetched (read from a hole: zeros).
     local = build_manifest(root, model_id, manifest.n_layers)
