@@ -76,7 +76,7 @@ def test_two_nodes_fetch_their_layers_of_a_safetensors_model_and_answer_as_one_p
     started = time.monotonic()
     # node0 uploads slowly (2 Mbit/s) so that the first request below arrives while the others still fetch
     with fetching_cluster(model, "llama", tmp_path, ["--max-upload-mbps", "2"]) as c:
-        # they wait a second for the membership to settle, then fetch for ~2 s: this request comes before that
+        # they wait 2 s for the membership to settle, then fetch for ~2 s: this request comes before that
         assert c.topology(c.nodes[1])["plan"] == [{"node_id": "node0", "start": 0, "end": 6}]
         status, body = c.chat(PROMPT, node=c.nodes[1], max_tokens=24, temperature=0)  # a fetching node as entry
         first_answer = time.monotonic() - started

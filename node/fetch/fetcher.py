@@ -160,7 +160,8 @@ class Fetcher:
             if source.address not in self._mismatch_warned:
                 self._mismatch_warned.add(source.address)
                 log.warning("peer %s serves another version of %s (its files differ from the copy being fetched): "
-                            "not fetching from it", source.node_id, self.model_id)
+                            "not fetching from it; to fetch its version, delete this node's copy in --models-dir",
+                            source.node_id, self.model_id)
         return None
 
     def _usable(self) -> list[Source]:

@@ -29,7 +29,7 @@ RETRY_S = (5.0, 60.0)  # after a failed fetch: first wait, longest wait
 
 class Follower:
     def __init__(self, node: Node, copy: LocalCopy, fetcher: Fetcher, counters: Counter[str],
-                 settle: float = 1.0, interval: float = 0.25):
+                 settle: float = 2.0, interval: float = 0.25):
         self.node, self.copy, self.fetcher, self.counters = node, copy, fetcher, counters
         self.settle, self.interval = settle, interval
         self.note = ""

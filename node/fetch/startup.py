@@ -36,9 +36,19 @@ def add_fetch_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models-dir", type=Path, default=os.environ.get("EXO_NODE_MODELS_DIR") or default_models_dir(),
                     help="where models fetched from peers are kept (default: $EXO_NODE_MODELS_DIR, else "
                          "~/.cache/exo-node/models)")
-    ap.add_argument("--max-upload-mbps", type=float,
+    ap.add_argument("--max-upload-mbps", type=_mbps,
                     help="cap on the bandwidth this node uses to hand weights to peers that fetch them, in megabits "
                          "per second, all uploads together (default: no cap)")
+
+
+def _mbps(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0.128:  # below ~16 kB/s a fetching peer's deadlines (node/peer.py) would give up on pieces
+        raise argparse.ArgumentTypeError("must be at least 0.128 (16 kB/s)")
+    return value
 
 
 def locate_model(arg: str) -> tuple[Path, str] | str:
@@ -90,8 +100,6 @@ def weight_source(args: argparse.Namespace, path: Path, model_id: str, n_layers:
                   copy: LocalCopy | None) -> WeightSource:
     """What this node offers peers that fetch: its model once it has all of it."""
     rate = args.max_upload_mbps * 1e6 / 8 if args.max_upload_mbps else None
-    if rate is not None and rate < 16_000:
-        raise ValueError("--max-upload-mbps must be at least 0.128 (slower links time the fetching peers out)")
     cache = Path(args.models_dir) / ".hashes"
     if copy is None:
         return WeightSource(path, model_id, n_layers, cache, rate)
