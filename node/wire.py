@@ -263,7 +263,8 @@ def encode_manifest(m: Manifest) -> pb.Manifest:
 def decode_manifest(m: pb.Manifest) -> Manifest:
     try:  # Manifest validates everything (names, bounds, order, overlaps) and bounds the counts first
         files = tuple(ModelFile(f.name, f.size) for f in _count(m.files, "model files", MAX_FILES))
-        pieces = tuple(Piece(p.file, p.offset, p.length, p.part, p.layer) for p in _count(m.pieces, "pieces", MAX_PIECES))
+        pieces = tuple(Piece(p.file, p.offset, p.length, p.part, p.layer)
+                       for p in _count(m.pieces, "pieces", MAX_PIECES))
         return Manifest(m.model_id, m.format, m.n_layers, files, pieces)
     except ManifestError as e:
         raise WireError(str(e)) from None

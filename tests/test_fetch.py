@@ -68,7 +68,8 @@ class Peer:
 
 
 def fetcher_for(*peers, model_id="llama", transport=None) -> Fetcher:
-    return Fetcher(model_id, transport or GrpcTransport(), lambda: [Source(f"p{i}", p.address) for i, p in enumerate(peers)])
+    sources = [Source(f"p{i}", p.address) for i, p in enumerate(peers)]
+    return Fetcher(model_id, transport or GrpcTransport(), lambda: sources)
 
 
 def assert_same_weights(copy_root, original, shard):
@@ -289,3 +290,54 @@ def test_a_fetch_reports_its_progress_with_rate_and_time_left_when_not_on_a_term
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fetching llama layers 0-2: ")]
     assert len(lines) > 5 and all("B/s, about " in line and line.endswith(" s left") for line in lines[:-1])
     assert " kB in " in lines[-1] or " KB in " in lines[-1]
+
+
+class StandIn:
+    """What the follower reads of a node: its id, its view of its peers, its model, whether it drains."""
+
+    def __init__(self, node_id: str, peers: dict):
+        from types import SimpleNamespace
+        self.id, self.peers, self.draining = node_id, peers, False
+        self.settings, self.config = SimpleNamespace(model_id="llama"), SimpleNamespace(n_layers=6)
+        self.availability = None  # set by the follower
+
+    def info(self):
+        from node.topology import Capabilities, NodeInfo
+        return NodeInfo(self.id, "127.0.0.1:1", Capabilities(1, "numpy", "llama", 6), availability=self.availability())
+
+
+def test_when_a_node_leaves_the_follower_fetches_just_the_layers_newly_assigned(tmp_path):
+    from collections import Counter
+    from node.fetch.follow import Follower
+    from node.topology import Availability, Capabilities, NodeInfo
+
+    def peer(node_id, availability):
+        return NodeInfo(node_id, "127.0.0.1:2", Capabilities(1, "numpy", "llama", 6), availability=availability)
+
+    async def until(condition, timeout=10):
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, "not within the timeout"
+            await asyncio.sleep(0.02)
+
+    async def go():
+        async with Peer() as source:
+            counters = Counter()
+            fetcher = Fetcher("llama", GrpcTransport(), lambda: [Source("n0", source.address)], counters)
+            copy = await open_copy("llama", tmp_path, fetcher)
+            node = StandIn("n2", {"n0": peer("n0", Availability()), "n1": peer("n1", Availability(complete=False))})
+            follower = Follower(node, copy, fetcher, counters, settle=0.1, interval=0.02)
+            task = asyncio.ensure_future(follower.run())
+            await until(lambda: copy.availability().can_serve(Shard("llama", 4, 6, 6)))  # its part of 3: 4-5
+            after_first = counters["fetch_bytes_received"]
+            del node.peers["n1"]  # n1 leaves: n2's part of 2 is 3-5
+            await until(lambda: copy.availability().can_serve(Shard("llama", 3, 6, 6)))
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await fetcher.transport.close()
+            return copy.manifest, copy.availability(), after_first, counters["fetch_bytes_received"] - after_first
+
+    manifest, availability, first, second = asyncio.run(go())
+    assert availability == Availability(complete=False, layers=((3, 6),), embed=False, head=True)
+    assert first == manifest.nbytes(manifest.needed(Shard("llama", 4, 6, 6)))
+    assert second == sum(p.length for p in manifest.pieces if p.layer == 3)  # layer 3 only
