@@ -26,14 +26,16 @@ from discovery.static import StaticDiscovery, parse_peers
 from discovery.udp import Announcement, UdpDiscovery
 from shards.config import ModelConfig
 from shards.engines import CHOICES, engine_class, engine_factory, resolve
-from shards.models import DEFAULT_MODEL, DEMO_DIR, list_models, resolve_model
+from shards.models import DEFAULT_MODEL, DEMO_DIR, list_models
 from shards.tokenizer import Tokenizer
 
 from .api import Api, ApiSettings
+from .fetch import startup as fetching
+from .fetch.fetcher import Fetcher
+from .fetch.follow import Follower
 from .membership import Membership
 from .node import Node, NodeSettings
 from .peer import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport
-from .plan import parse_address
 from .scheduler import SchedulerLimits
 from .security import ClusterKey, add_key_argument, keygen_main, load_secret
 from .server import GrpcServer
@@ -45,7 +47,8 @@ DEMO_MODEL = DEMO_DIR  # the bundled demo model (--model exo-demo)
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="exo-node", description="Serve a language model split across machines.")
     ap.add_argument("--model", default=DEFAULT_MODEL,
-                    help="a packaged model's name (see --list-models), a .gguf file, or a Hugging Face model folder "
+                    help="a packaged model's name (see --list-models), a .gguf file, a Hugging Face model folder, or "
+                         "the id of a model a peer serves, to fetch this node's layers of it from there "
                          f"(default: {DEFAULT_MODEL}, SmolLM2-135M-Instruct)")
     ap.add_argument("--list-models", action="store_true", help="list the packaged models and exit")
     ap.add_argument("--node-id", help="default: stable id derived from host name and gRPC port")
@@ -106,6 +109,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sample-batch-window-ms", type=float, default=5.0,
                     help="last shard: close a sampling batch this long after its first row (0 disables batching)")
     add_key_argument(ap)
+    fetching.add_fetch_arguments(ap)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return ap.parse_args(argv)
 
@@ -132,15 +136,13 @@ def parse_shard(text: str | None, n_layers: int) -> tuple[int, int] | None:
     return int(start), int(end)
 
 
-def make_discoveries(args: argparse.Namespace, settings: NodeSettings, key: ClusterKey | None) -> list:
+def make_discoveries(args: argparse.Namespace, announcement: Announcement, key: ClusterKey | None) -> list:
     found: list = [StaticDiscovery(parse_peers(args.peers))]
     if args.discovery == "manual":
         if args.discovery_config is None:
             raise ValueError("--discovery manual needs --discovery-config FILE")
         found.append(ManualDiscovery(args.discovery_config))
     elif args.discovery == "udp":
-        port = parse_address(settings.address)[1]
-        announcement = Announcement(settings.node_id, port, settings.model_id, settings.engine, settings.memory_bytes)
         interfaces = [i.strip() for i in args.discovery_interfaces.split(",")] if args.discovery_interfaces else None
         found.append(UdpDiscovery(lambda: announcement, args.discovery_port, args.discovery_interval,
                                   args.discovery_timeout, interfaces, key=key.discovery_key() if key else None))
@@ -181,13 +183,10 @@ def bind_host(args: argparse.Namespace, key: ClusterKey | None) -> str:
 
 async def run(args: argparse.Namespace) -> int:
     key = load_secret(args.cluster_key_file)
-    model_path, model_id = resolve_model(args.model)
-    config = ModelConfig.load(model_path)
-    tokenizer = Tokenizer.load(model_path)
-    pinned = parse_shard(args.shard, config.n_layers)
+    host = bind_host(args, key)
+    located = fetching.locate_model(args.model)  # (path, id) of a model here, or the id of one to fetch
     engine = resolve(args.engine)
     factory = engine_factory(engine)
-    host = bind_host(args, key)  # after the checks above: a bad model file is the first and only line printed
     node_id = args.node_id or (
         uuid.uuid5(uuid.NAMESPACE_DNS, f"{socket.gethostname()}:{args.grpc_port}").hex[:12]
         if args.grpc_port else uuid.uuid4().hex[:12]
@@ -199,8 +198,30 @@ async def run(args: argparse.Namespace) -> int:
     async with AsyncExitStack() as stack:
         server = GrpcServer(host, args.grpc_port, DEFAULT_MAX_MESSAGE_BYTES, tls)  # binds now: our address is known
         stack.push_async_callback(server.stop)
+        address = f"{advertise}:{server.port}"
+        transport = GrpcTransport(DEFAULT_MAX_MESSAGE_BYTES, tls=tls)
+        stack.push_async_callback(transport.close)
+        model_path, model_id = located if isinstance(located, tuple) else (None, located)
+        discoveries = make_discoveries(args, Announcement(node_id, server.port, model_id, engine, memory), key)
+        board = fetching.PeerBoard()
+        membership = Membership(node_id, address, transport, discoveries, board.update,
+                                interval=args.discovery_interval)
+        stack.push_async_callback(membership.stop)
+        copy, fetch_counters, membership_started = None, fetching.fetch_counters(), False
+        fetcher = Fetcher(model_id, transport, fetching.sources_from(lambda: board.peers, model_id), fetch_counters)
+        if model_path is None:  # a model this node doesn't have: find a peer that has it, fetch its metadata first
+            await membership.start()
+            membership_started = True
+            copy = await fetching.open_copy(model_id, args.models_dir, fetcher)
+            model_path = copy.root
+        config = ModelConfig.load(model_path)
+        tokenizer = Tokenizer.load(model_path)
+        if copy is not None and config.n_layers != copy.manifest.n_layers:
+            raise ValueError(f"{model_path}: the config has {config.n_layers} layers, the peers' manifest "
+                             f"{copy.manifest.n_layers}")
+        pinned = parse_shard(args.shard, config.n_layers)
         settings = NodeSettings(node_id=node_id, model_dir=model_path, model_id=model_id,
-                                address=f"{advertise}:{server.port}", memory_bytes=memory, engine=engine,
+                                address=address, memory_bytes=memory, engine=engine,
                                 pinned=pinned, max_tensor_bytes=DEFAULT_MAX_MESSAGE_BYTES - (1 << 20),
                                 request_timeout=args.request_timeout, sample_batch_max=args.sample_batch_max,
                                 sample_batch_window_ms=args.sample_batch_window_ms, max_replays=args.max_replays,
@@ -210,22 +231,25 @@ async def run(args: argparse.Namespace) -> int:
                                 kv_value_bytes=engine_class(engine).kv_value_bytes,
                                 scheduling=SchedulerLimits(args.step_tokens, args.max_batch_rows, args.prefill_chunk,
                                                            engine_class(engine).prefill_buckets))
-        transport = GrpcTransport(DEFAULT_MAX_MESSAGE_BYTES, tls=tls)
-        stack.push_async_callback(transport.close)
-        discoveries = make_discoveries(args, settings, key)
+        source = fetching.weight_source(args, model_path, model_id, config.n_layers, copy)
+        stack.callback(source.close)
         node = Node(settings, config, tokenizer, factory, transport,
-                    stat_sources=[d.stats for d in discoveries if isinstance(d, UdpDiscovery)])
+                    stat_sources=[*(d.stats for d in discoveries if isinstance(d, UdpDiscovery)), fetch_counters,
+                                  source.counters])
         stack.push_async_callback(node.stop)
+        follower = Follower(node, copy, fetcher, fetch_counters) if copy is not None else None
         node.start()
-        await server.start(node)
-        membership = Membership(node.id, node.address, transport, discoveries, node.update_peers,
-                                interval=args.discovery_interval)
-        stack.push_async_callback(membership.stop)
-        await membership.start()
+        await server.start(node, source)
+        board.hand_on(node.update_peers)
+        stack.callback(setattr, board, "forward", None)  # on the way out, the node (stopped first) hears no more
+        if not membership_started:
+            await membership.start()
         if args.wait_for_peers:
             await membership.wait_for_peers(args.wait_for_peers)
-        if pinned is not None:  # a pinned node knows its shard up front: load it now, not on the first request
-            await node.shards.get(node.make_pinned_shard())
+        if follower is not None:  # after --wait-for-peers: the layers it is assigned depend on who is there
+            stack.push_async_callback(_cancel, asyncio.create_task(follower.run(), name="fetch-follower"))
+        if pinned is not None and node.availability().can_serve(node.make_pinned_shard()):
+            await node.shards.get(node.make_pinned_shard())  # a pinned node knows its shard: load it now
         print(f"exo-node {node_id}: gRPC listening on {settings.address} (model {settings.model_id})", flush=True)
         if not args.no_api:
             url = await serve_api(stack, args, node)
@@ -237,6 +261,11 @@ async def run(args: argparse.Namespace) -> int:
         await signals.get()
         await drain(node, transport, args.drain_timeout, signals)
     return 0
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def drain(node: Node, transport: GrpcTransport, timeout: float, signals: asyncio.Queue) -> None:

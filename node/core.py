@@ -95,6 +95,7 @@ class NodeCore:
         self.counters: Counter[str] = Counter()
         self.draining = False  # shutting down: no new requests, the ones we have run to their end
         self.kv_reserved = 0  # bytes of KV cache reserved by the requests held
+        self.serves: Callable[[Shard], bool] = lambda shard: True  # whether this node holds the shard's weights
 
     # -- inputs from other nodes ------------------------------------------------------------------------------
     def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray, caller: str | None = None) -> None:
@@ -164,6 +165,8 @@ class NodeCore:
                             f"with {self.config.n_layers} layers")
         if self.draining:
             raise PlanError(f"node {self.id} is shutting down")
+        if not self.serves(shard):  # a plan made from a stale view of this node's fetching: refuse, never guess
+            raise PlanError(f"node {self.id} does not hold the weights of {shard} yet")
         if self.members is not None:
             check_plan(spec, self.members())
         if len(self.requests) >= self.limits.max_requests:

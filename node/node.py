@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from shards.config import ModelConfig
 from shards.engine import Engine
-from shards.partition import NodeCapacity, PartitionError, partition
+from shards.partition import PartitionError
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
 
@@ -27,11 +27,12 @@ from .entry import Entry
 from .metrics import NodeMetrics
 from .outbox import Outbox
 from .plan import Busy, PlanError, PlanStep, RequestSpec
+from .readiness import plan_ring
 from .requests import Activation, Refusal, TokenMessage
 from .sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
 from .scheduler import Group, SchedulerLimits
 from .shard_manager import EngineFactory, ShardManager
-from .topology import Capabilities, NodeInfo, PeerLink, Topology
+from .topology import Availability, Capabilities, NodeInfo, PeerLink, Topology
 from .transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class Node:
         self.transport = _Loopback(self, transport)
         self.counters: Counter[str] = Counter()
         self.peers: dict[str, NodeInfo] = {}  # the live peers new plans may use, as membership last saw them
+        # The layers this node can serve: all, unless it fetches its weights from a peer (node/fetch/follow.py).
+        self.availability: Callable[[], Availability] = Availability
+        self.core.serves = lambda shard: self.availability().can_serve(shard)
         self.entry = Entry(self.id, self.address, self.transport, self.make_plan, tokenizer.eos_token_ids,
                            settings.request_timeout, settings.max_replays, settings.queue_timeout, self.counters,
                            self._spawn)
@@ -123,6 +127,7 @@ class Node:
             active_requests=self.core.active + self.entry.active + self.shards.active_requests,
             status={k: v for source in self.stat_sources for k, v in source.items()},
             draining=self.draining,
+            availability=self.availability(),
         )
 
     @property
@@ -172,7 +177,7 @@ class Node:
 
     def make_plan(self, excluded: Collection[str] = ()) -> tuple[PlanStep, ...]:
         """Partition the layers over this node and the peers serving the same model, leaving out `excluded` nodes
-        (and this node while it drains)."""
+        (and this node while it drains), and nodes for layers they don't hold yet (node/readiness.py)."""
         me = self.info()
         nodes = {} if self.draining else {me.node_id: me}
         nodes |= {
@@ -180,9 +185,8 @@ class Node:
             if (n.capabilities.model_id, n.capabilities.n_layers) == (self.settings.model_id, self.config.n_layers)
         }
         nodes = {node_id: n for node_id, n in nodes.items() if node_id not in excluded}
-        caps = [NodeCapacity(n.node_id, n.capabilities.memory_bytes, n.pinned) for n in nodes.values()]
         try:
-            ring = partition(caps, self.settings.model_id, self.config.n_layers)
+            ring = plan_ring(list(nodes.values()), self.settings.model_id, self.config.n_layers)
         except PartitionError as e:
             raise PlanError(str(e)) from None
         return tuple(PlanStep(node_id, nodes[node_id].address, shard) for node_id, shard in ring)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -12,6 +13,7 @@ from proto import node_service_pb2 as pb
 from proto import node_service_pb2_grpc as pb_grpc
 
 from . import wire
+from .fetch.manifest import Manifest
 from .plan import RequestSpec
 from .peer_stream import PeerStream, StreamBroken
 from .requests import Activation, Refusal, TokenMessage
@@ -151,6 +153,41 @@ class GrpcTransport:
     @_translated
     async def leave(self, address: str, node_id: str, timeout: float = 1.0) -> None:
         await self.stub(address).Leave(pb.LeaveRequest(node_id=node_id), timeout=timeout)
+
+    @_translated
+    async def manifest(self, address: str, model_id: str, timeout: float = 30.0) -> Manifest:
+        response = await self.stub(address).GetManifest(pb.ManifestRequest(model_id=model_id), timeout=timeout)
+        return wire.decode_manifest(response)
+
+    @_translated
+    async def fetch_piece(self, address: str, model_id: str, index: int, length: int,
+                          on_chunk: Callable[[int], None] = lambda n: None, idle_timeout: float = 30.0
+                          ) -> tuple[bytes, bytes]:
+        """(stated sha256, bytes) of piece `index`, which has `length` bytes. The call's deadline allows for a slow
+        link (16 kB/s); a stream that goes quiet for `idle_timeout` seconds is given up sooner."""
+        call = self.stub(address).FetchPiece(pb.PieceRequest(model_id=model_id, piece=index),
+                                             timeout=60 + length / 16_000)
+        try:
+            digest, data = None, bytearray()
+            while True:
+                try:
+                    message = await asyncio.wait_for(call.read(), idle_timeout)
+                except asyncio.TimeoutError:
+                    raise TransportError("timeout", f"{address}: piece {index} stalled for {idle_timeout:g}s") from None
+                if message is grpc.aio.EOF:
+                    break
+                if digest is None:
+                    digest = wire.decode_piece_header(message, length)
+                    continue
+                if len(data) + len(message.data) > length:
+                    raise wire.WireError(f"piece {index} sent more than its {length} bytes")
+                data += message.data
+                on_chunk(len(message.data))
+            if digest is None or len(data) != length:
+                raise wire.WireError(f"piece {index} ended after {len(data)} of its {length} bytes")
+            return digest, bytes(data)
+        finally:
+            call.cancel()  # a no-op once the call is over; stops the peer's stream when we give up early
 
     async def forget(self, address: str) -> None:
         _, stream = self.streams.pop(address, (None, None))

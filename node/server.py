@@ -11,6 +11,7 @@ from proto import node_service_pb2 as pb
 from proto import node_service_pb2_grpc as pb_grpc
 
 from . import wire
+from .fetch.source import FetchRefused, UploadBusy, WeightSource
 from .peer import server_options
 from .plan import MAX_REQUEST_ID, Busy, PlanError, RequestSpec
 from .requests import Activation, Refusal, TokenMessage
@@ -33,8 +34,8 @@ class Handler(Protocol):
 
 
 class NodeServicer(pb_grpc.NodeServiceServicer):
-    def __init__(self, node: Handler):
-        self.node = node
+    def __init__(self, node: Handler, source: WeightSource | None = None):
+        self.node, self.source = node, source  # source: the weights this node hands to peers (None: none)
 
     async def SendPrompt(self, request: pb.SendPromptRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         try:
@@ -78,6 +79,35 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         return pb.Ack()
 
 
+    async def GetManifest(self, request: pb.ManifestRequest, context: grpc.aio.ServicerContext) -> pb.Manifest:
+        if self.source is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "this node serves no weights")
+        try:
+            return wire.encode_manifest(await self.source.manifest(request.model_id[:wire.MAX_MODEL_ID]))
+        except FetchRefused as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+
+    async def FetchPiece(self, request: pb.PieceRequest, context: grpc.aio.ServicerContext):
+        if self.source is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "this node serves no weights")
+        try:
+            transfer = await self.source.open(request.model_id[:wire.MAX_MODEL_ID], request.piece)
+        except FetchRefused as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except UploadBusy as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except OSError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the piece: {e.strerror or e}")
+        try:  # the upload slot is freed however the stream ends: done, failed, or cancelled by the fetcher
+            yield pb.PieceChunk(sha256=transfer.sha256, length=transfer.length)
+            async for data in transfer.chunks:
+                yield pb.PieceChunk(data=data)
+        except (FetchRefused, OSError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the piece: {e}")
+        finally:
+            transfer.close()
+
+
 class GrpcServer:
     """The node's gRPC server: the port is bound first (so the node's address is known before the node is built),
     the service is attached and started afterwards. With `tls` (a cluster key) it only speaks mutual TLS: a caller
@@ -91,8 +121,8 @@ class GrpcServer:
         if self.port == 0:
             raise OSError(f"cannot listen for gRPC on {host}:{port}")
 
-    async def start(self, node: Handler) -> None:
-        pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(node), self.server)
+    async def start(self, node: Handler, source: WeightSource | None = None) -> None:
+        pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(node, source), self.server)
         await self.server.start()
 
     async def stop(self, grace: float = 1.0) -> None:

@@ -15,6 +15,25 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class Availability:
+    """Which layers a node can serve from its own disk. A node started with the model's files has all of them
+    (`complete`); a node that fetches its layers from a peer (node/fetch/) has the runs it has verified so far."""
+
+    complete: bool = True
+    layers: tuple[tuple[int, int], ...] = ()  # half-open runs of layers held (when not complete), sorted, disjoint
+    embed: bool = False  # holds the token embedding (needed by a first shard)
+    head: bool = False  # holds the final norm and the output head (needed by a last shard)
+    note: str = ""  # what its fetching is doing, for people reading the topology ("fetching layers 2-3: 40%")
+
+    def can_serve(self, shard: Shard) -> bool:
+        if self.complete:
+            return True
+        if (shard.is_first and not self.embed) or (shard.is_last and not self.head):
+            return False
+        return any(start <= shard.start_layer and shard.end_layer <= end for start, end in self.layers)
+
+
+@dataclass(frozen=True)
 class NodeInfo:
     node_id: str
     address: str  # host:port of its gRPC server
@@ -24,6 +43,7 @@ class NodeInfo:
     active_requests: int = 0  # per-request state held (request records + KV caches)
     status: dict[str, int] = field(default_factory=dict, compare=False)  # counters for observability
     draining: bool = False  # shutting down: finishing what it has, taking nothing new
+    availability: Availability = Availability()  # the layers it can serve (all of them unless it fetches)
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,12 @@ about grpc or protobuf; everything else talks to a `Transport`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 
+from .fetch.manifest import Manifest
 from .plan import RequestSpec
 from .requests import Activation, Refusal, TokenMessage
 from .topology import NodeInfo
@@ -43,6 +45,13 @@ class Transport(Protocol):
 
     async def leave(self, address: str, node_id: str, timeout: float = 1.0) -> None:
         """Tell a peer we are shutting down."""
+
+    async def manifest(self, address: str, model_id: str, timeout: float = 30.0) -> Manifest:
+        """What the peer's copy of the model consists of (node/fetch/)."""
+
+    async def fetch_piece(self, address: str, model_id: str, index: int, length: int,
+                          on_chunk: Callable[[int], None] = ..., idle_timeout: float = 30.0) -> tuple[bytes, bytes]:
+        """(the sha256 the peer states, the bytes) of one piece of the model; not verified here."""
 
     async def forget(self, address: str) -> None:
         """Drop whatever is kept for a peer that left (its channel)."""

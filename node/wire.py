@@ -14,7 +14,8 @@ import numpy as np
 
 from node.plan import MAX_REQUEST_ID, PlanStep, RequestSpec, parse_address
 from node.requests import Activation, Refusal, TokenMessage
-from node.topology import Capabilities, NodeInfo
+from node.fetch.manifest import MAX_FILES, MAX_PIECES, Manifest, ManifestError, ModelFile, Piece
+from node.topology import Availability, Capabilities, NodeInfo
 from proto import node_service_pb2 as pb
 from shards.sampling import MAX_TOP_LOGPROBS, SampleResult, SamplingParams
 from shards.shard import Shard
@@ -31,6 +32,7 @@ MAX_STATUS = 256
 MAX_TOKENS_PER_MESSAGE = 1024
 MAX_MESSAGES = 4096  # token messages or activations in one call
 MAX_ERROR = 4096
+MAX_LAYER_RUNS = 1024
 FINISH_REASONS = ("", "stop", "length", "error")
 _UINT64 = 2**64
 
@@ -200,6 +202,10 @@ def encode_node_info(n: NodeInfo) -> pb.NodeInfo:
         status=n.status,
         draining=n.draining,
     )
+    if not n.availability.complete:  # absent means complete: what nodes that never fetch have always sent
+        a = n.availability
+        m.availability.CopyFrom(pb.Availability(layers=[pb.LayerRun(start=s, end=e) for s, e in a.layers],
+                                                embed=a.embed, head=a.head, note=a.note))
     if n.pinned is not None:  # the proto's ShardRange repeats the model of the capabilities
         start, end = n.pinned
         m.pinned.CopyFrom(pb.ShardRange(model_id=c.model_id, start_layer=start, end_layer=end, n_layers=c.n_layers))
@@ -230,7 +236,47 @@ def decode_node_info(m: pb.NodeInfo) -> NodeInfo:
     if m.active_requests < 0:
         raise WireError(f"node {node_id!r} reports {m.active_requests} active requests")
     status = {_text(k, "status key"): int(v) for k, v in _count(m.status, "status counters", MAX_STATUS).items()}
-    return NodeInfo(node_id, address, caps, pinned, loaded, m.active_requests, status, m.draining)
+    availability = decode_availability(m.availability, caps.n_layers) if m.HasField("availability") else Availability()
+    return NodeInfo(node_id, address, caps, pinned, loaded, m.active_requests, status, m.draining, availability)
+
+
+def decode_availability(m: pb.Availability, n_layers: int) -> Availability:
+    runs, end = [], 0
+    for r in _count(m.layers, "layer runs", MAX_LAYER_RUNS):
+        if not end <= r.start < r.end <= n_layers or (runs and r.start == end):
+            raise WireError(f"layer runs must be sorted, disjoint, unmerged and within {n_layers} layers")
+        runs.append((r.start, r.end))
+        end = r.end
+    return Availability(m.complete, tuple(runs), m.embed, m.head, _text(m.note, "availability note", MAX_ERROR, False))
+
+
+# --- weights (node/fetch/) -------------------------------------------------------------------------------
+
+
+def encode_manifest(m: Manifest) -> pb.Manifest:
+    return pb.Manifest(model_id=m.model_id, format=m.format, n_layers=m.n_layers,
+                       files=[pb.ModelFile(name=f.name, size=f.size) for f in m.files],
+                       pieces=[pb.Piece(file=p.file, offset=p.offset, length=p.length, part=p.part, layer=p.layer)
+                               for p in m.pieces])
+
+
+def decode_manifest(m: pb.Manifest) -> Manifest:
+    try:  # Manifest validates everything (names, bounds, order, overlaps) and bounds the counts first
+        files = tuple(ModelFile(f.name, f.size) for f in _count(m.files, "model files", MAX_FILES))
+        pieces = tuple(Piece(p.file, p.offset, p.length, p.part, p.layer)
+                       for p in _count(m.pieces, "pieces", MAX_PIECES))
+        return Manifest(m.model_id, m.format, m.n_layers, files, pieces)
+    except ManifestError as e:
+        raise WireError(str(e)) from None
+
+
+def decode_piece_header(m: pb.PieceChunk, length: int) -> bytes:
+    """The sha256 the first message of a piece states, after checking it announces the length asked for."""
+    if len(m.sha256) != 32 or m.data:
+        raise WireError("a piece must start with its 32-byte sha256 and no data")
+    if m.length != length:
+        raise WireError(f"the piece has {length} bytes, the peer announced {m.length}")
+    return m.sha256
 
 
 # --- results ---------------------------------------------------------------------------------------------

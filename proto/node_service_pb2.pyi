@@ -178,8 +178,30 @@ class Capabilities(_message.Message):
     n_layers: int
     def __init__(self, memory_bytes: _Optional[int] = ..., engine: _Optional[str] = ..., model_id: _Optional[str] = ..., n_layers: _Optional[int] = ...) -> None: ...
 
+class LayerRun(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class Availability(_message.Message):
+    __slots__ = ("complete", "layers", "embed", "head", "note")
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    complete: bool
+    layers: _containers.RepeatedCompositeFieldContainer[LayerRun]
+    embed: bool
+    head: bool
+    note: str
+    def __init__(self, complete: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerRun, _Mapping]]] = ..., embed: _Optional[bool] = ..., head: _Optional[bool] = ..., note: _Optional[str] = ...) -> None: ...
+
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "address", "capabilities", "pinned", "loaded", "active_requests", "status", "draining")
+    __slots__ = ("node_id", "address", "capabilities", "pinned", "loaded", "active_requests", "status", "draining", "availability")
     class StatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +217,7 @@ class NodeInfo(_message.Message):
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    AVAILABILITY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     capabilities: Capabilities
@@ -203,7 +226,8 @@ class NodeInfo(_message.Message):
     active_requests: int
     status: _containers.ScalarMap[str, int]
     draining: bool
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., pinned: _Optional[_Union[ShardRange, _Mapping]] = ..., loaded: _Optional[_Iterable[_Union[ShardRange, _Mapping]]] = ..., active_requests: _Optional[int] = ..., status: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    availability: Availability
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., pinned: _Optional[_Union[ShardRange, _Mapping]] = ..., loaded: _Optional[_Iterable[_Union[ShardRange, _Mapping]]] = ..., active_requests: _Optional[int] = ..., status: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., availability: _Optional[_Union[Availability, _Mapping]] = ...) -> None: ...
 
 class HealthCheckRequest(_message.Message):
     __slots__ = ()
@@ -222,3 +246,63 @@ class HealthCheckResponse(_message.Message):
     ok: bool
     node: NodeInfo
     def __init__(self, ok: _Optional[bool] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
+
+class ManifestRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class ModelFile(_message.Message):
+    __slots__ = ("name", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class Piece(_message.Message):
+    __slots__ = ("file", "offset", "length", "part", "layer")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    file: int
+    offset: int
+    length: int
+    part: str
+    layer: int
+    def __init__(self, file: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., part: _Optional[str] = ..., layer: _Optional[int] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("model_id", "format", "n_layers", "files", "pieces")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    N_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    format: str
+    n_layers: int
+    files: _containers.RepeatedCompositeFieldContainer[ModelFile]
+    pieces: _containers.RepeatedCompositeFieldContainer[Piece]
+    def __init__(self, model_id: _Optional[str] = ..., format: _Optional[str] = ..., n_layers: _Optional[int] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ...) -> None: ...
+
+class PieceRequest(_message.Message):
+    __slots__ = ("model_id", "piece")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    piece: int
+    def __init__(self, model_id: _Optional[str] = ..., piece: _Optional[int] = ...) -> None: ...
+
+class PieceChunk(_message.Message):
+    __slots__ = ("sha256", "length", "data")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    sha256: bytes
+    length: int
+    data: bytes
+    def __init__(self, sha256: _Optional[bytes] = ..., length: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -64,6 +64,16 @@ class NodeServiceStub:
                 request_serializer=proto_dot_node__service__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=proto_dot_node__service__pb2.Ack.FromString,
                 _registered_method=True)
+        self.GetManifest = channel.unary_unary(
+                '/exo_node.NodeService/GetManifest',
+                request_serializer=proto_dot_node__service__pb2.ManifestRequest.SerializeToString,
+                response_deserializer=proto_dot_node__service__pb2.Manifest.FromString,
+                _registered_method=True)
+        self.FetchPiece = channel.unary_stream(
+                '/exo_node.NodeService/FetchPiece',
+                request_serializer=proto_dot_node__service__pb2.PieceRequest.SerializeToString,
+                response_deserializer=proto_dot_node__service__pb2.PieceChunk.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -107,6 +117,18 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetManifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchPiece(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +161,16 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=proto_dot_node__service__pb2.LeaveRequest.FromString,
                     response_serializer=proto_dot_node__service__pb2.Ack.SerializeToString,
+            ),
+            'GetManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetManifest,
+                    request_deserializer=proto_dot_node__service__pb2.ManifestRequest.FromString,
+                    response_serializer=proto_dot_node__service__pb2.Manifest.SerializeToString,
+            ),
+            'FetchPiece': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchPiece,
+                    request_deserializer=proto_dot_node__service__pb2.PieceRequest.FromString,
+                    response_serializer=proto_dot_node__service__pb2.PieceChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +335,60 @@ class NodeService:
             '/exo_node.NodeService/Leave',
             proto_dot_node__service__pb2.LeaveRequest.SerializeToString,
             proto_dot_node__service__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/exo_node.NodeService/GetManifest',
+            proto_dot_node__service__pb2.ManifestRequest.SerializeToString,
+            proto_dot_node__service__pb2.Manifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchPiece(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/exo_node.NodeService/FetchPiece',
+            proto_dot_node__service__pb2.PieceRequest.SerializeToString,
+            proto_dot_node__service__pb2.PieceChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,8 +43,10 @@ class Progress:
         if now - self.logged >= self.every and self.done < self.total:
             self.logged = now
             percent = 100 * self.done / self.total if self.total else 100
-            self.log.info("%s: %.0f%% (%s of %s), %.1f s", self.desc, percent, self._amount(self.done),
-                          self._amount(self.total), now - self.started)
+            rate = self.done / max(now - self.started, 1e-9)
+            self.log.info("%s: %.0f%% (%s of %s), %.1f s, %s/s, about %.0f s left", self.desc, percent,
+                          self._amount(self.done), self._amount(self.total), now - self.started, self._amount(rate),
+                          (self.total - self.done) / rate if rate else float("inf"))
 
     def close(self, failed: bool = False) -> None:
         if self.bar is not None:

@@ -85,7 +85,9 @@ def other_calls(victim: str) -> list[grpc.StatusCode]:
         stub = pb_grpc.NodeServiceStub(channel)
         calls = [stub.SendTensor(pb.SendTensorRequest(), timeout=3), stub.EndRequest(pb.EndRequestRequest(
                  request_id="x"), timeout=3), stub.HealthCheck(pb.HealthCheckRequest(), timeout=3),
-                 stub.Leave(pb.LeaveRequest(node_id="n"), timeout=3)]
+                 stub.Leave(pb.LeaveRequest(node_id="n"), timeout=3),
+                 stub.GetManifest(pb.ManifestRequest(model_id="llama"), timeout=3),  # the weights, too
+                 stub.FetchPiece(pb.PieceRequest(model_id="llama", piece=0), timeout=3).read()]
         codes = []
         for c in calls:
             try:

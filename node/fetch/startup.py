@@ -1,0 +1,130 @@
+"""`exo-node --model ID` for a model this node doesn't have: the pieces of start-up that fetching needs.
+
+A `--model` that is no local file, folder or installed packaged model, but a plain model id, is fetched: the node
+waits for a peer that has all of that model, takes its manifest, fetches the config, tokenizer and file headers
+(a few MB) into `--models-dir`/ID, and starts from that copy; its layers follow in the background (follow.py).
+A copy that has its metadata already (an earlier run) starts at once, without a peer.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from shards.models import PACKAGED, ModelNotFound, resolve_model
+
+from ..topology import NodeInfo
+from .fetcher import Fetcher, FetchError, Source
+from .layout import build_manifest
+from .local_copy import LocalCopy
+from .manifest import MODEL_ID, same_layout
+from .source import WeightSource
+
+log = logging.getLogger(__name__)
+
+
+def default_models_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "exo-node" / "models"
+
+
+def add_fetch_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--models-dir", type=Path, default=os.environ.get("EXO_NODE_MODELS_DIR") or default_models_dir(),
+                    help="where models fetched from peers are kept (default: $EXO_NODE_MODELS_DIR, else "
+                         "~/.cache/exo-node/models)")
+    ap.add_argument("--max-upload-mbps", type=_mbps,
+                    help="cap on the bandwidth this node uses to hand weights to peers that fetch them, in megabits "
+                         "per second, all uploads together (default: no cap)")
+
+
+def _mbps(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0.128:  # below ~16 kB/s a fetching peer's deadlines (node/peer.py) would give up on pieces
+        raise argparse.ArgumentTypeError("must be at least 0.128 (16 kB/s)")
+    return value
+
+
+def locate_model(arg: str) -> tuple[Path, str] | str:
+    """(path, model id) of a model this node has, or the id of a model to fetch from a peer."""
+    try:
+        return resolve_model(arg)
+    except ModelNotFound:
+        if arg in PACKAGED:  # a packaged model that isn't installed here: fetch it under its id
+            return PACKAGED[arg].model_id
+        for m in PACKAGED.values():
+            if m.model_id == arg:
+                try:
+                    return m.locate(), m.model_id
+                except ModelNotFound:
+                    return arg
+        if "/" in arg or os.sep in arg or arg.lower().endswith(".gguf") or not MODEL_ID.match(arg):
+            raise  # meant as a path: say it doesn't exist rather than wait for a peer that will never come
+        return arg
+
+
+def sources_from(peers: Callable[[], dict[str, NodeInfo]], model_id: str) -> Callable[[], list[Source]]:
+    """The peers that have all of `model_id`, as membership last saw them."""
+    return lambda: [Source(p.node_id, p.address) for p in peers().values()
+                    if p.capabilities.model_id == model_id and p.availability.complete]
+
+
+async def open_copy(model_id: str, models_dir: Path, fetcher: Fetcher) -> LocalCopy:
+    """The local copy of `model_id` with at least its metadata (config, tokenizer, headers), fetched if need be."""
+    root = models_dir / model_id
+    copy = LocalCopy.load(root)
+    if copy is not None and copy.has_metadata:
+        log.info("using the copy of %s in %s", model_id, root)
+        return copy
+    log.info("%s is not here: fetching it from a peer into %s", model_id, root)
+    manifest = await fetcher.manifest()
+    copy = LocalCopy.create(root, manifest)
+    started = time.monotonic()
+    await fetcher.fetch(copy, manifest.metadata(), f"fetching {model_id}: config, tokenizer, headers")
+    fetcher.counters["fetch_ms"] += int((time.monotonic() - started) * 1000)
+    # The peer's labels say which bytes are which layer's; the loaders go by the headers. They must agree, or a
+    # layer would be served with a tensor never fetched (read from a hole: zeros).
+    local = build_manifest(root, model_id, manifest.n_layers)
+    if not same_layout(local, manifest):
+        raise FetchError(f"the manifest of {model_id} from the peers does not match the headers they sent")
+    return copy
+
+
+def weight_source(args: argparse.Namespace, path: Path, model_id: str, n_layers: int,
+                  copy: LocalCopy | None) -> WeightSource:
+    """What this node offers peers that fetch: its model once it has all of it."""
+    rate = args.max_upload_mbps * 1e6 / 8 if args.max_upload_mbps else None
+    cache = Path(args.models_dir) / ".hashes"
+    if copy is None:
+        return WeightSource(path, model_id, n_layers, cache, rate)
+    return WeightSource(copy.root, model_id, n_layers, cache, rate, ready=lambda: copy.complete,
+                        manifest=copy.manifest)
+
+
+class PeerBoard:
+    """Membership's view for the time before the node exists (a fetching node finds its peers first), then
+    handed on to the node."""
+
+    def __init__(self) -> None:
+        self.peers: dict[str, NodeInfo] = {}
+        self.alive: dict[str, str] = {}
+        self.forward: Callable[[dict[str, NodeInfo], dict[str, str]], None] | None = None
+
+    def update(self, peers: dict[str, NodeInfo], alive: dict[str, str]) -> None:
+        self.peers, self.alive = peers, alive
+        if self.forward is not None:
+            self.forward(peers, alive)
+
+    def hand_on(self, forward: Callable[[dict[str, NodeInfo], dict[str, str]], None]) -> None:
+        self.forward = forward
+        forward(self.peers, self.alive)
+
+
+def fetch_counters() -> Counter[str]:
+    return Counter({"fetch_bytes_received": 0, "fetch_bytes_verified": 0, "fetch_pieces": 0})
