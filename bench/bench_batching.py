@@ -88,17 +88,24 @@ def prefill(engine_name: str, lengths: list[int], chunk: int) -> None:
 
 
 def tinygrad_first_requests(lengths: list[int]) -> None:
+    """First request at each of `lengths` (all new to the engine), after the same warm-up for both: one request of
+    each bucket's largest length. Without buckets every new length compiles new kernels; with them, a length inside
+    a bucket that has run before compiles nothing."""
     path, _ = resolve_model("smollm2")
     cfg = ModelConfig.load(path)
     cls = engine_class("tinygrad")
     for label, buckets in (("before (exact lengths)", None), ("after (buckets 16/64/256)", cls.prefill_buckets)):
         engine = cls(path, Shard.whole(MODEL_ID, cfg.n_layers), cfg)
         engine.prefill_buckets = buckets or ()
+        for n in cls.prefill_buckets:  # warm-up, not counted
+            engine.forward([StepInput(f"warm{n}", tokens=np.arange(n) % 1000)])
+            engine.release(f"warm{n}")
         times = []
         for i, n in enumerate(lengths):
             t = time.perf_counter()
             engine.forward([StepInput(f"r{i}", tokens=np.arange(n) % 1000)])
             times.append(time.perf_counter() - t)
+            engine.release(f"r{i}")
         print(f"{label:>26}: " + "  ".join(f"{n} tok {s:.1f}s" for n, s in zip(lengths, times)) +
               f"  | total {sum(times):.1f}s", flush=True)
 
