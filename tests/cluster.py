@@ -147,7 +147,7 @@ class Cluster:
     def wait_idle(self, timeout: float = 10) -> dict[str, int]:
         """Poll until no node holds per-request state (releases are asynchronous); returns the last counts."""
         deadline = time.monotonic() + timeout
-        while any(counts := self.active_requests()) and time.monotonic() < deadline:
+        while any((counts := self.active_requests()).values()) and time.monotonic() < deadline:
             time.sleep(0.05)
         return counts
 

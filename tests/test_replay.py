@@ -84,7 +84,7 @@ def test_with_pinned_shards_a_lost_node_is_a_clean_error_naming_the_layers():
 
 
 def test_a_frozen_node_is_detected_and_the_stream_goes_on_without_it(capsys):
-    with three_nodes() as c:
+    with three_nodes(extra=["--request-idle-timeout", "5"]) as c:
         pid = c.nodes[1].proc.pid
         stopped = []
 
