@@ -1,0 +1,221 @@
+"""ggml-python 0.0.45 (ctypes bindings of llama.cpp's ggml 0.15.3), made safe to call from the ggml engine.
+
+Everything the engine asks of ggml goes through this module or `g`, the binding it re-exports. Three facts shape it:
+
+- Any failed GGML_ASSERT inside ggml calls abort(): the whole node dies, no exception. So nothing here hands ggml
+  a value it has not checked (tensor counts against the context's room, byte counts against ggml_nbytes, weight
+  types against the supported list, rows against block sizes); GGML_NO_BACKTRACE stops ggml from attaching gdb
+  when it aborts anyway.
+- The binding declares four functions with a typing.NewType as restype; ctypes then returns the pointer truncated
+  to a C int and its next use segfaults. `_fix_restypes` repairs them at import.
+- Weights and KV caches only ever live in the plain CPU buffer type (or in memory we map ourselves and hand over as
+  a CPU buffer), never in the AMX or CPU_REPACK "extra" buffer types: those crash for types they have no kernel
+  for (SIGSEGV in ggml_backend_amx_mul_mat on AMX hosts, in tensor_set for Q4_1/Q8_0/Q6_K with CPU_REPACK), and
+  ggml only dispatches to them for tensors placed in them.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+
+import numpy as np
+
+os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # read by ggml when it aborts: print the assertion, no gdb
+
+try:
+    import ggml.ggml as g
+except ImportError as e:  # pragma: no cover - depends on the install
+    raise ImportError("the ggml engine needs ggml-python: pip install 'exo-node[ggml]'") from e
+
+from gguf import GGMLQuantizationType
+
+from .quant import SUPPORTED_TYPES
+
+Tensor = "ctypes._Pointer[g.ggml_tensor]"
+
+
+def _fix_restypes() -> None:
+    for name in ("ggml_backend_cpu_buffer_type", "ggml_backend_alloc_buffer", "ggml_backend_cpu_buffer_from_ptr",
+                 "ggml_backend_sched_get_tensor_backend"):
+        getattr(g.lib, name).restype = ctypes.c_void_p
+
+
+_fix_restypes()
+
+# GGUF's type ids are ggml's (GGMLQuantizationType.Q4_K == GGML_TYPE_Q4_K == 12): one enum for both.
+F32, F16, I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), g.GGML_TYPE_I32
+WEIGHT_TYPES = frozenset(int(t) for t in SUPPORTED_TYPES)  # the types the engine's tests run through ggml
+QUANTIZE_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
+                  "q4_k": GGMLQuantizationType.Q4_K}
+MAX_DIMS = 4
+
+
+class GgmlError(RuntimeError):
+    """ggml refused something (an allocation, a graph) in a way it reports instead of aborting."""
+
+
+def default_threads() -> int:
+    """All cores this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def type_name(ggml_type: int) -> str:
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"type {ggml_type}"
+
+
+def row_bytes(ggml_type: int, n: int) -> int:
+    """Bytes of one row of n values; n must be whole blocks (checked by the caller)."""
+    return int(g.ggml_row_size(ggml_type, n))
+
+
+def block_size(ggml_type: int) -> int:
+    return int(g.ggml_blck_size(ggml_type))
+
+
+class Context:
+    """A metadata-only ggml context (no_alloc) for at most `capacity` tensors and optionally one graph of that many
+    nodes. Creating more tensors than it has room for would abort inside ggml, so `room` is checked first."""
+
+    def __init__(self, capacity: int, graph: bool = False):
+        self.capacity, self.count = capacity, 0
+        size = capacity * g.ggml_tensor_overhead() + (g.ggml_graph_overhead_custom(capacity, False) if graph else 0)
+        self.ctx = g.ggml_init(g.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
+        if not self.ctx:
+            raise MemoryError(f"ggml_init could not reserve {size} bytes")
+
+    def room(self, n: int = 1) -> None:
+        """Claim room for n more tensors (every op creates exactly one)."""
+        if self.count + n > self.capacity:
+            raise GgmlError(f"ggml context full ({self.capacity} tensors); the graph is larger than estimated")
+        self.count += n
+
+    def new(self, ggml_type: int, ne: tuple[int, ...]) -> Tensor:
+        if not 1 <= len(ne) <= MAX_DIMS or any(n <= 0 for n in ne):
+            raise ValueError(f"bad tensor shape {ne}")
+        self.room()
+        return g.ggml_new_tensor(self.ctx, ggml_type, len(ne), (ctypes.c_int64 * len(ne))(*ne))
+
+    def graph(self) -> "ctypes._Pointer[g.ggml_cgraph]":
+        return g.ggml_new_graph_custom(self.ctx, self.capacity, False)
+
+    def free(self) -> None:
+        if self.ctx:
+            g.ggml_free(self.ctx)
+            self.ctx = None
+
+
+def cpu_buffer_type() -> int:
+    """The plain host buffer type: generic ggml-cpu kernels for every type, never AMX or repacked layouts."""
+    return g.ggml_backend_cpu_buffer_type()
+
+
+class WeightBuffer:
+    """One weight tensor's own CPU buffer, holding a copy of its bytes."""
+
+    def __init__(self, tensor: Tensor, data: np.ndarray):
+        size = int(g.ggml_nbytes(tensor))
+        if data.nbytes != size or not data.flags.c_contiguous:
+            raise ValueError(f"weight data has {data.nbytes} bytes, ggml expects {size}")
+        self.buf = g.ggml_backend_buft_alloc_buffer(cpu_buffer_type(), size)
+        if not self.buf:
+            raise MemoryError(f"could not allocate {size} bytes for a weight")
+        if g.ggml_backend_tensor_alloc(self.buf, tensor, g.ggml_backend_buffer_get_base(self.buf)) != 0:
+            raise GgmlError("ggml_backend_tensor_alloc failed")
+        g.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, size)
+        self.nbytes = size
+
+    def free(self) -> None:
+        if self.buf:
+            g.ggml_backend_buffer_free(self.buf)
+            self.buf = None
+
+
+class MappedBuffer:
+    """Anonymous memory mapped by us and handed to ggml as a CPU buffer: zero-filled by the kernel, and backed by RAM
+    only as it is written. For KV caches, whose cells beyond a request's length must read as zeros (a stale NaN
+    times a zero attention weight is still NaN) and whose reservation may be far larger than what gets used."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.map = mmap.mmap(-1, size)
+        self._anchor = ctypes.c_char.from_buffer(self.map)  # pins the mapping while ggml points into it
+        self.base = ctypes.addressof(self._anchor)
+        self.buf = g.ggml_backend_cpu_buffer_from_ptr(self.base, size)
+        if not self.buf:
+            self._unmap()
+            raise MemoryError(f"ggml could not wrap {size} bytes")
+
+    def place(self, tensor: Tensor, offset: int) -> None:
+        if offset % 64 or offset + int(g.ggml_nbytes(tensor)) > self.size:
+            raise ValueError("tensor does not fit the mapped buffer")
+        if g.ggml_backend_tensor_alloc(self.buf, tensor, self.base + offset) != 0:
+            raise GgmlError("ggml_backend_tensor_alloc failed")
+
+    def _unmap(self) -> None:
+        del self._anchor
+        self.map.close()
+
+    def free(self) -> None:
+        if self.buf:
+            g.ggml_backend_buffer_free(self.buf)  # frees ggml's bookkeeping, not our mapping
+            self.buf = None
+            self._unmap()
+
+
+def release_file_pages(a: np.ndarray) -> None:
+    """Drop this process's mapping of the file pages behind a memory-mapped array (after its bytes were copied into
+    ggml), so a node's resident memory holds each weight once, not also as mapped file pages. The page cache keeps
+    them; a later read faults them back in. Arrays not backed by a file mapping are left alone."""
+    base = a
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    if base is None or not sys.platform.startswith("linux") or a.nbytes == 0:
+        return
+    page = mmap.PAGESIZE
+    start = -(-a.ctypes.data // page) * page  # whole pages inside the array only
+    end = (a.ctypes.data + a.nbytes) // page * page
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+
+
+def validate_rows(ggml_type: int, data: np.ndarray, what: str) -> None:
+    """ggml's own check of raw weight bytes (NaN/inf values or block scales): a damaged file is an error here, not
+    garbage logits later."""
+    if not g.ggml_validate_row_data(ggml_type, data.ctypes.data, data.nbytes):
+        raise ValueError(f"{what}: {type_name(ggml_type)} data holds NaN or infinite values")
+
+
+def quantize(w: np.ndarray, ggml_type: int, threads: int = 1) -> np.ndarray:
+    """float32 [rows, n] -> raw blocks uint8 [rows, row_bytes] with ggml's reference quantizers (llama.cpp's
+    bytes, bit for bit). Rows are split over `threads` Python threads: ctypes releases the GIL during each call."""
+    if w.ndim != 2 or w.dtype != np.float32:
+        raise ValueError("quantize needs a 2-D float32 matrix")
+    rows, n = w.shape
+    if n % block_size(ggml_type) or g.ggml_quantize_requires_imatrix(ggml_type):
+        raise ValueError(f"cannot quantize rows of {n} values to {type_name(ggml_type)}")
+    src = np.ascontiguousarray(w)
+    out = np.empty((rows, row_bytes(ggml_type, n)), dtype=np.uint8)
+    src_ptr = src.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+    def chunk(r0: int, r1: int) -> None:
+        g.ggml_quantize_chunk(ggml_type, src_ptr, out.ctypes.data, r0 * n, r1 - r0, n, None)
+
+    threads = max(1, min(threads, rows // 64 or 1))
+    if threads == 1:
+        chunk(0, rows)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        cuts = np.linspace(0, rows, threads + 1, dtype=np.int64)
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(chunk, cuts[:-1], cuts[1:]))
+    return out
