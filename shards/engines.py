@@ -20,6 +20,8 @@ ENGINES = {
     "ggml": ("shards.ggml_engine", "GgmlEngine", "ggml"),
 }
 CHOICES = [*ENGINES, "auto"]
+# --quantize: the ggml engine's quantize-on-load types (here, so the flag exists without ggml installed)
+QUANTIZE_CHOICES = ("q8_0", "q4_0", "q4_k", "none")
 
 
 class EngineUnavailable(ValueError):
@@ -50,14 +52,18 @@ def engine_class(name: str) -> type[Engine]:
                                 f"pip install 'exo-node[{extra}]'") from None
 
 
-def engine_factory(name: str, **options: Any) -> Callable[[Path, Shard, ModelConfig], Engine]:
+def engine_factory(name: str, model_dir: Path | None = None, **options: Any) \
+        -> Callable[[Path, Shard, ModelConfig], Engine]:
     """Makes the engine's instances. `options` (threads, quantize, ...; None means not given) go to engines that
-    take them (their class's `options`); giving one to an engine that doesn't is an error, not silently ignored."""
+    take them (their class's `options`); giving one to an engine that doesn't is an error, not silently ignored.
+    With `model_dir`, an engine's `check_options` vets them against the model now, before any shard loads."""
     cls = engine_class(name)  # fail at start-up, not at the first request
     given = {k: v for k, v in options.items() if v is not None}
     refused = sorted(set(given) - set(getattr(cls, "options", ())))
     if refused:
         raise ValueError(f"--{refused[0]} is an option of the ggml engine; this node's engine is {resolve(name)}")
+    if model_dir is not None and hasattr(cls, "check_options"):
+        cls.check_options(model_dir, **given)
 
     def make(model_dir: Path, shard: Shard, config: ModelConfig) -> Engine:
         return cls(model_dir, shard, config, **given)

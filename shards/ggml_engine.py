@@ -21,7 +21,8 @@ from .ggml_backend import GgmlBackend
 from .ggml_cache import RequestKV, span_for
 from .ggml_graph import Graph, GraphCache, Layout, MaskRamp
 from .ggml_lib import default_threads, g
-from .ggml_weights import load_ggml_shard_weights
+from .ggml_weights import QUANTIZE_CHOICES, load_ggml_shard_weights
+from .gguf_file import find_gguf
 from .model import ShardModel
 from .shard import Shard
 
@@ -36,12 +37,10 @@ class GgmlEngine(Engine):
 
     def __init__(self, model_dir: str | Path, shard: Shard, config: ModelConfig | None = None,
                  threads: int | None = None, quantize: str | None = None):
+        self.check_options(model_dir, threads, quantize)
         self.config = cfg = config or ModelConfig.load(model_dir)
         self.shard = shard
-        threads = default_threads() if threads is None else threads
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-            raise ValueError(f"threads must be a positive integer, got {threads!r}")
-        self.threads = threads
+        self.threads = threads = default_threads() if threads is None else threads
         self.ops = GgmlBackend(cfg, shard.layer_count)
         try:
             self.model = ShardModel(self.ops, cfg, load_ggml_shard_weights(model_dir, cfg, shard, quantize, threads))
@@ -58,6 +57,17 @@ class GgmlEngine(Engine):
         self.caches: dict[str, RequestKV] = {}
         self.graphs = GraphCache()
         self.ramp = MaskRamp()
+
+    @staticmethod
+    def check_options(model_dir: str | Path, threads: int | None = None, quantize: str | None = None) -> None:
+        """Refuse bad options at start-up rather than when a shard first loads."""
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ValueError(f"--threads must be a positive integer, got {threads!r}")
+        if quantize is not None and quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
+        if quantize not in (None, "none") and find_gguf(model_dir) is not None:
+            raise ValueError(f"--quantize {quantize} applies to Hugging Face safetensors models; a GGUF file is "
+                             "served in its own weight types")
 
     # -- the engine interface ---------------------------------------------------------------------------------------
     def forward(self, batch: list[StepInput], all_logits: bool = False) -> list[np.ndarray]:

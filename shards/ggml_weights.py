@@ -20,6 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .config import ModelConfig
+from .engines import QUANTIZE_CHOICES
 from .ggml_lib import QUANTIZE_TYPES, block_size, quantize
 from .gguf_file import find_gguf
 from .gguf_model import load_shard_tensors
@@ -29,22 +30,17 @@ from .shard import Shard
 from .weights import Checkpoint, LayerWeights, ShardWeights, WeightsError, layer_tensor_shapes
 
 log = logging.getLogger(__name__)
-QUANTIZE_CHOICES = (*QUANTIZE_TYPES, "none")
+assert set(QUANTIZE_CHOICES) == {*QUANTIZE_TYPES, "none"}
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def load_ggml_shard_weights(model_dir: str | Path, cfg: ModelConfig, shard: Shard, quantize: str | None,
                             threads: int) -> ShardWeights:
+    """`quantize` (checked by the engine): None/"none" keeps a checkpoint's float32; a GGUF keeps its own types."""
     gguf = find_gguf(model_dir)
     if gguf is not None:
-        if quantize not in (None, "none"):
-            raise ValueError(f"--quantize {quantize} applies to Hugging Face safetensors models; a GGUF file "
-                             "is served in its own weight types")
         return _gguf_weights(gguf, cfg, shard)
-    quantize = quantize or "none"
-    if quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
-    return _SafetensorsLoader(Path(model_dir), cfg, shard, quantize, threads).weights()
+    return _SafetensorsLoader(Path(model_dir), cfg, shard, quantize or "none", threads).weights()
 
 
 def _gguf_weights(path: Path, cfg: ModelConfig, shard: Shard) -> ShardWeights:
