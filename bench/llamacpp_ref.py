@@ -49,6 +49,7 @@ def load(path: str, threads: int, extra_bufts: bool, n_ctx: int = 2048) -> "llam
 
 class Runner:
     def __init__(self, llm):
+        self.llm = llm  # owns the context: freed with it
         self.ctx, self.n_vocab = llm._ctx.ctx, llm.n_vocab()
         self.mem = C.llama_get_memory(self.ctx)
         self.batch = C.llama_batch_init(1024, 0, N_SEQ)

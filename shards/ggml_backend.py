@@ -19,7 +19,7 @@ import numpy as np
 
 from .backend import Backend, KVCache
 from .config import ModelConfig
-from .ggml_lib import F32, I32, WEIGHT_TYPES, Context, GgmlError, Tensor, WeightBuffer, g, release_file_pages, \
+from .ggml_lib import F32, I32, WEIGHT_TYPES, Context, GgmlError, Tensor, WeightArena, g, release_file_pages, \
     type_name, validate_rows
 from .quant import QuantizedTensor
 
@@ -114,7 +114,7 @@ class GgmlBackend(Backend):
         # At most ~12 tensors per layer (q/k/v and gate/up as parts when their types differ, norms, biases, q/k
         # norms) plus embedding, norm, head and rope factors.
         self.wctx = Context(16 * n_layers + 8)
-        self.buffers: list[WeightBuffer] = []
+        self.arena = WeightArena()
         self.shared: dict[int, GWeight] = {}  # id(embedding source) -> its weight, while loading (tied heads)
         self.ctx: Context | None = None
         self.head_dim, self.theta = cfg.head_dim, cfg.rope.theta
@@ -131,7 +131,7 @@ class GgmlBackend(Backend):
         data = np.ascontiguousarray(data)
         validate_rows(ggml_type, data, what)
         t = self.wctx.new(ggml_type, tuple(reversed(shape)))
-        self.buffers.append(WeightBuffer(t, data))
+        self.arena.place(t, data)
         release_file_pages(data)
         return t
 
@@ -183,9 +183,7 @@ class GgmlBackend(Backend):
         raise NotImplementedError("the ggml engine allocates a request's caches itself (shards/ggml_cache.py)")
 
     def free(self) -> None:
-        for b in self.buffers:
-            b.free()
-        self.buffers.clear()
+        self.arena.free()
         self.wctx.free()
 
     # -- graph nodes ----------------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ class GgmlEngine(Engine):
             graph = Graph(self.ops, self.model, layout, caches, self.shard.is_first, self.config.hidden_size)
             self.graphs.put(graph)
         if self.shard.is_first:
-            x = np.concatenate([item.tokens for item in batch]).astype(np.int32)
+            x = np.concatenate([item.tokens for item in batch])  # ids validated: they fit in int32
         else:
             x = np.ascontiguousarray(np.concatenate([item.hidden for item in batch]), dtype=np.float32)
         if max(lengths) == 1:

@@ -43,17 +43,28 @@ class Graph:
         self.ctx = Context(64 + layers * (64 + 16 * n) + 8 * n, graph=True)
         ops.ctx = self.ctx
         try:
-            self.x = ops.input(I32, (rows,)) if first else ops.input(F32, (rows, hidden_size))
-            self.positions = ops.input(I32, (rows,))
-            self.masks = [ops.input(F16, (t, span)) for t, span in zip(layout.lengths, layout.spans)]
+            # Few inputs, so a step makes few copies: token ids and positions share one I32 tensor, every
+            # request's mask lives in one F16 tensor; the graph reads views of them.
+            self.first = first
+            self.ints = ops.input(I32, (2 * rows if first else rows,))
+            self.ints_np = np.empty(2 * rows if first else rows, dtype=np.int32)
+            x = ops.view(self.ints, (rows,), (4,)) if first else ops.input(F32, (rows, hidden_size))
+            self.hidden = None if first else x
+            positions = ops.view(self.ints, (rows,), (4,), 4 * rows if first else 0)
+            sizes = [t * span for t, span in zip(layout.lengths, layout.spans)]
+            self.mask_at = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+            self.mask = ops.input(F16, (self.mask_at[-1],))
+            self.mask_np = np.empty(self.mask_at[-1], dtype=np.float16)
+            masks = [ops.view(self.mask, (t, span), (2 * span, 2), 2 * at)
+                     for t, span, at in zip(layout.lengths, layout.spans, self.mask_at)]
             bounds = np.concatenate([[0], np.cumsum(layout.lengths)]).tolist()
             out_ids = ops.input(I32, (n,)) if layout.output == "last" else None
             bound = []
             for r, cache in enumerate(caches):
-                pos = ops.view(self.positions, (layout.lengths[r],), (4,), 4 * bounds[r])
+                pos = ops.view(positions, (layout.lengths[r],), (4,), 4 * bounds[r])
                 bound.append([GraphKV(ops, layer, pos, layout.spans[r], cache.length) for layer in cache.layers])
-            step = Step(bounds, [c.length for c in caches], self.positions, None, self.masks)
-            out: GArray = ops.contiguous(model(self.x, step, bound, out_ids))
+            step = Step(bounds, [c.length for c in caches], positions, None, masks)
+            out: GArray = ops.contiguous(model(x, step, bound, out_ids))
         finally:
             ops.ctx = None
         g.ggml_set_output(out.t)
@@ -70,12 +81,19 @@ class Graph:
             g.ggml_backend_tensor_set(out_ids.t, last.ctypes.data, 0, last.nbytes)
 
     def run(self, backend: int, x: np.ndarray, positions: np.ndarray, masks: list[np.ndarray]) -> np.ndarray:
-        """Set the inputs and compute; arrays must have the exact dtypes and sizes of the inputs (the engine makes
-        them so: ggml copies bytes and checks nothing)."""
-        g.ggml_backend_tensor_set(self.x.t, x.ctypes.data, 0, x.nbytes)
-        g.ggml_backend_tensor_set(self.positions.t, positions.ctypes.data, 0, positions.nbytes)
-        for tensor, mask in zip(self.masks, masks):
-            g.ggml_backend_tensor_set(tensor.t, mask.ctypes.data, 0, mask.nbytes)
+        """Set the inputs and compute. x: token ids (any int dtype; checked by the engine) or float32 hidden rows;
+        positions and masks exactly as the layout says (ggml copies bytes and checks nothing)."""
+        ints, mask, at = self.ints_np, self.mask_np, self.mask_at
+        if self.first:
+            rows = len(x)
+            ints[:rows], ints[rows:] = x, positions
+        else:
+            ints[:] = positions
+            g.ggml_backend_tensor_set(self.hidden.t, x.ctypes.data, 0, x.nbytes)
+        for i, m in enumerate(masks):
+            mask[at[i]: at[i + 1]] = m.reshape(-1)
+        g.ggml_backend_tensor_set(self.ints.t, ints.ctypes.data, 0, ints.nbytes)
+        g.ggml_backend_tensor_set(self.mask.t, mask.ctypes.data, 0, mask.nbytes)
         status = g.ggml_backend_graph_compute(backend, self.gf)
         if status != 0:
             raise GgmlError(f"ggml graph compute failed with status {status}")

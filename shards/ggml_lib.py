@@ -117,25 +117,43 @@ def cpu_buffer_type() -> int:
     return g.ggml_backend_cpu_buffer_type()
 
 
-class WeightBuffer:
-    """One weight tensor's own CPU buffer, holding a copy of its bytes."""
+class WeightArena:
+    """Weights packed one after another into large anonymous mappings that ggml sees as CPU buffers.
 
-    def __init__(self, tensor: Tensor, data: np.ndarray):
+    Huge pages: decode streams every weight once per token, and with 4 KiB pages the TLB misses cost ~15% of a
+    357M-parameter model's decode speed (measured 46-49 vs 53-55 tok/s on one thread; llama.cpp, reading its mmap,
+    56). So each chunk is advised MADV_HUGEPAGE (Linux; elsewhere plain pages) and starts on a 2 MiB boundary. Pages
+    are only backed as weights are copied in, so resident memory stays the weights' bytes (plus at most one
+    partly filled huge page per chunk)."""
+
+    CHUNK = 64 << 20
+    HUGE = 2 << 20
+
+    def __init__(self):
+        self.chunks: list[MappedBuffer] = []
+        self.at = self.end = 0  # free range of the newest chunk (addresses)
+        self.nbytes = 0
+
+    def place(self, tensor: Tensor, data: np.ndarray) -> None:
+        """Copy `data` (exactly ggml_nbytes(tensor) bytes, C-contiguous) into the arena as `tensor`'s storage."""
         size = int(g.ggml_nbytes(tensor))
         if data.nbytes != size or not data.flags.c_contiguous:
             raise ValueError(f"weight data has {data.nbytes} bytes, ggml expects {size}")
-        self.buf = g.ggml_backend_buft_alloc_buffer(cpu_buffer_type(), size)
-        if not self.buf:
-            raise MemoryError(f"could not allocate {size} bytes for a weight")
-        if g.ggml_backend_tensor_alloc(self.buf, tensor, g.ggml_backend_buffer_get_base(self.buf)) != 0:
+        if self.at + size > self.end:
+            chunk = MappedBuffer(max(self.CHUNK, size) + self.HUGE, huge=True)
+            self.chunks.append(chunk)
+            self.at = -(-chunk.base // self.HUGE) * self.HUGE
+            self.end = chunk.base + chunk.size
+        if g.ggml_backend_tensor_alloc(self.chunks[-1].buf, tensor, self.at) != 0:
             raise GgmlError("ggml_backend_tensor_alloc failed")
         g.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, size)
-        self.nbytes = size
+        self.at += -(-size // 64) * 64
+        self.nbytes += size
 
     def free(self) -> None:
-        if self.buf:
-            g.ggml_backend_buffer_free(self.buf)
-            self.buf = None
+        for chunk in self.chunks:
+            chunk.free()
+        self.chunks = []
 
 
 class MappedBuffer:
@@ -143,9 +161,11 @@ class MappedBuffer:
     only as it is written. For KV caches, whose cells beyond a request's length must read as zeros (a stale NaN
     times a zero attention weight is still NaN) and whose reservation may be far larger than what gets used."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, huge: bool = False):
         self.size = size
         self.map = mmap.mmap(-1, size)
+        if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+            self.map.madvise(mmap.MADV_HUGEPAGE)
         self._anchor = ctypes.c_char.from_buffer(self.map)  # pins the mapping while ggml points into it
         self.base = ctypes.addressof(self._anchor)
         self.buf = g.ggml_backend_cpu_buffer_from_ptr(self.base, size)
