@@ -14,6 +14,11 @@ of 32 or 256 values: q8_0/q8_1/q8_K, llama.cpp's kernels), a relative error of ~
 the ~7 matmuls of each layer. On the random GGUF fixtures (every supported weight type) the RMS difference from the
 float32 reference is 2.6-4.0% of the logits' spread (observed): the bound is 8%.
 
+The same positions computed in different groupings (a prompt in chunks or whole, a request alone or in a batch) are
+bit-identical for the numpy engine (within 1e-5). ggml's F32 matmuls (llamafile's tinyBLAS, as in llama.cpp) tile
+by the number of rows, so the summation order, and with it the rounding, follows the grouping: observed up to
+1.6e-3 (qwen3 fixture) after 6 layers; the bound is 1e-2.
+
 An approximate engine may flip a near-tie, after which two greedy continuations part for good, so for it greedy
 equality is replaced by teacher forcing: along the reference's token sequence, the engine's top token must be the
 reference's wherever the reference's two best logits are more than twice the engine's bound apart.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 LOGITS_ATOL = {"ggml": 0.05}
+REGROUPED_ATOL = {"ggml": 1e-2}
 QUANTIZED_RMS = 0.08  # RMS logit difference / std of the reference logits, quantized weights (ggml)
 
 
@@ -32,6 +38,10 @@ def exact(engine: str) -> bool:
 
 def atol(engine: str) -> float:
     return LOGITS_ATOL.get(engine, 1e-4)
+
+
+def regrouped_atol(engine: str) -> float:
+    return REGROUPED_ATOL.get(engine, 1e-5)
 
 
 def relative_rms(logits: np.ndarray, reference: np.ndarray) -> float:
