@@ -20,7 +20,7 @@ import numpy as np
 from .backend import Backend, KVCache
 from .config import ModelConfig
 from .ggml_lib import F32, I32, WEIGHT_TYPES, Context, GgmlError, Tensor, WeightArena, g, release_file_pages, \
-    type_name, validate_rows
+    repack_supported, type_name, validate_rows
 from .quant import QuantizedTensor
 
 
@@ -58,6 +58,7 @@ class GWeight:
     parts: list[tuple[Tensor, int]]  # (tensor, out rows)
     ggml_types: tuple[int, ...]
     nbytes: int
+    repacked: bool = False  # in CPU_REPACK: for mul_mat only (get_rows would read the interleaved blocks as rows)
 
     @property
     def tensor(self) -> Tensor:
@@ -110,11 +111,13 @@ class GgmlBackend(Backend):
 
     name = "ggml"
 
-    def __init__(self, cfg: ModelConfig, n_layers: int):
+    def __init__(self, cfg: ModelConfig, n_layers: int, repack: bool = True):
         # At most ~12 tensors per layer (q/k/v and gate/up as parts when their types differ, norms, biases, q/k
         # norms) plus embedding, norm, head and rope factors.
         self.wctx = Context(16 * n_layers + 8)
         self.arena = WeightArena()
+        self.repack = repack  # matmul weights into CPU_REPACK where the probe allows
+        self.repacked: dict[str, int] = {}  # type name -> tensors repacked
         self.shared: dict[int, GWeight] = {}  # id(embedding source) -> its weight, while loading (tied heads)
         self.ctx: Context | None = None
         self.head_dim, self.theta = cfg.head_dim, cfg.rope.theta
@@ -125,13 +128,19 @@ class GgmlBackend(Backend):
         self.freq_factors = None if np.all(factors == 1.0) else self._upload(F32, factors.shape, factors, "rope")
 
     # -- weights ------------------------------------------------------------------------------------------------
-    def _upload(self, ggml_type: int, shape: tuple[int, ...], data: np.ndarray, what: str) -> Tensor:
+    def _upload(self, ggml_type: int, shape: tuple[int, ...], data: np.ndarray, what: str,
+                matmul: bool = False) -> Tensor:
         if ggml_type not in WEIGHT_TYPES:
             raise ValueError(f"{what}: weight type {type_name(ggml_type)} is not supported by the ggml engine")
         data = np.ascontiguousarray(data)
         validate_rows(ggml_type, data, what)
-        t = self.wctx.new(ggml_type, tuple(reversed(shape)))
-        self.arena.place(t, data)
+        ne = tuple(reversed(shape))
+        t = self.wctx.new(ggml_type, ne)
+        if matmul and self.repack and repack_supported(ggml_type, ne):
+            self.arena.place_repacked(t, data)
+            self.repacked[type_name(ggml_type)] = self.repacked.get(type_name(ggml_type), 0) + 1
+        else:
+            self.arena.place(t, data)
         release_file_pages(data)
         return t
 
@@ -142,14 +151,16 @@ class GgmlBackend(Backend):
             raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
         return F32, w.shape, np.asarray(w, dtype=np.float32), "weight"
 
-    def fused_weight(self, *parts) -> GWeight:
+    def fused_weight(self, *parts, matmul: bool = True) -> GWeight:
         specs = [self._matrix(p) for p in parts]
         if len({(s[0], s[1][1]) for s in specs}) == 1:  # one type and width: stack the raw rows (exact)
             ggml_type, _, _, name = specs[0]
             data = specs[0][2] if len(specs) == 1 else np.concatenate([s[2] for s in specs])
             specs = [(ggml_type, (sum(s[1][0] for s in specs), specs[0][1][1]), data, name)]
-        tensors = [(self._upload(t, shape, data, name), shape[0]) for t, shape, data, name in specs]
-        return GWeight(tensors, tuple(s[0] for s in specs), sum(int(g.ggml_nbytes(t)) for t, _ in tensors))
+        before = sum(self.repacked.values())
+        tensors = [(self._upload(t, shape, data, name, matmul), shape[0]) for t, shape, data, name in specs]
+        return GWeight(tensors, tuple(s[0] for s in specs), sum(int(g.ggml_nbytes(t)) for t, _ in tensors),
+                       sum(self.repacked.values()) > before)
 
     def weight(self, w) -> GWeight:
         # A tied head is the embedding table itself: ShardModel builds the table first, and both sources are alive
@@ -158,7 +169,7 @@ class GgmlBackend(Backend):
 
     def table(self, t) -> GWeight:
         """The embedding stays quantized: get_rows dequantizes only the rows it looks up."""
-        self.shared[id(t)] = weight = self.fused_weight(t)
+        self.shared[id(t)] = weight = self.fused_weight(t, matmul=False)  # get_rows cannot read repacked rows
         return weight
 
     def loaded(self) -> None:
@@ -266,7 +277,7 @@ class GgmlBackend(Backend):
         return y
 
     def embedding(self, table: GWeight, ids: GArray) -> GArray:
-        expect(len(ids.shape) == 1 and ids.t.contents.type == I32, f"embedding: ids {ids.shape}")
+        expect(len(ids.shape) == 1 and ids.t.contents.type == I32 and not table.repacked, f"embedding: {ids.shape}")
         width = int(table.tensor.contents.ne[0])
         return self.wrap(self.node(g.ggml_get_rows, table.tensor, ids.t), (ids.shape[0], width))
 

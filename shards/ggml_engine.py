@@ -4,6 +4,9 @@ A shard holds its weights as the file stores them (Q4_K, Q8_0, ...; a Hugging Fa
 with `quantize`), so its memory is that of its tensors in the file, not 4 bytes per parameter. Matmuls are ggml's
 quantized CPU kernels on `threads` threads.
 
+Matmul weights of the types ggml's CPU_REPACK buffer has kernels for on this CPU (per llama.cpp's own probe: Q4_0,
+Q4_K here) are placed there; everything else, and always the embedding table, in plain CPU memory.
+
 Each step's batch layout (see shards/ggml_graph.py) has one compute graph, built by running the shared model on the
 ggml backend the first time the layout is seen and re-run afterwards; KV caches are F16 per request and layer
 (shards/ggml_cache.py). Every input is validated before ggml sees it: a ggml assertion would abort the process.
@@ -36,18 +39,21 @@ class GgmlEngine(Engine):
     kv_value_bytes = 2  # F16 cache
 
     def __init__(self, model_dir: str | Path, shard: Shard, config: ModelConfig | None = None,
-                 threads: int | None = None, quantize: str | None = None):
+                 threads: int | None = None, quantize: str | None = None, repack: bool = True):
         self.check_options(model_dir, threads, quantize)
         self.config = cfg = config or ModelConfig.load(model_dir)
         self.shard = shard
         self.threads = threads = default_threads() if threads is None else threads
-        self.ops = GgmlBackend(cfg, shard.layer_count)
+        self.ops = GgmlBackend(cfg, shard.layer_count, repack)
         try:
             self.model = ShardModel(self.ops, cfg, load_ggml_shard_weights(model_dir, cfg, shard, quantize, threads))
         except BaseException:
             self.ops.free()
             raise
         self.ops.loaded()
+        if self.ops.repacked:
+            log.info("ggml: matmul weights in CPU_REPACK (interleaved kernels): %s",
+                     ", ".join(f"{n} {t}" for t, n in sorted(self.ops.repacked.items())))
         self._weights = {id(w): w for w in self.model.parameters()}  # tied embedding and head counted once
         self.backend = g.ggml_backend_cpu_init()
         if not self.backend:

@@ -16,6 +16,7 @@ Everything the engine asks of ggml goes through this module or `g`, the binding 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import sys
@@ -43,6 +44,20 @@ def _fix_restypes() -> None:
 
 
 _fix_restypes()
+
+_log = logging.getLogger("ggml")
+_LEVELS = {g.GGML_LOG_LEVEL_ERROR: logging.ERROR, g.GGML_LOG_LEVEL_WARN: logging.WARNING,
+           g.GGML_LOG_LEVEL_INFO: logging.DEBUG, g.GGML_LOG_LEVEL_DEBUG: logging.DEBUG}
+
+
+@g.ggml_log_callback
+def _forward_log(level: int, text: bytes, user_data) -> None:
+    """ggml's messages (it prints each repacked tensor, for one) into Python logging instead of raw stderr."""
+    if level in _LEVELS and _log.isEnabledFor(_LEVELS[level]):
+        _log.log(_LEVELS[level], "%s", text.decode(errors="replace").rstrip())
+
+
+g.ggml_log_set(_forward_log, None)  # the module keeps the callback object alive
 
 # GGUF's type ids are ggml's (GGMLQuantizationType.Q4_K == GGML_TYPE_Q4_K == 12): one enum for both.
 F32, F16, I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), g.GGML_TYPE_I32
@@ -117,6 +132,51 @@ def cpu_buffer_type() -> int:
     return g.ggml_backend_cpu_buffer_type()
 
 
+def _extra_buffer_types() -> list[int]:
+    """The CPU device's "extra" buffer types (CPU_REPACK, AMX where compiled in)."""
+    dev = g.ggml_backend_dev_by_type(g.GGML_BACKEND_DEVICE_TYPE_CPU)
+    proc = g.ggml_backend_reg_get_proc_address(g.ggml_backend_dev_backend_reg(dev), b"ggml_backend_dev_get_extra_bufts")
+    if not proc:
+        return []
+    listed = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(proc)(dev)
+    out, i = [], 0
+    while listed[i]:
+        out.append(listed[i])
+        i += 1
+    return out
+
+
+_REPACK: list[int | None] = []
+
+
+def repack_buffer_type() -> int | None:
+    """CPU_REPACK, the one extra buffer type the engine may use (never AMX): weights placed in it are re-laid out
+    for interleaved kernels (Q4_0 measured 2-3x faster in prefill and batched decode)."""
+    if not _REPACK:
+        _REPACK.append(next((b for b in _extra_buffer_types() if g.ggml_backend_buft_name(b) == b"CPU_REPACK"), None))
+    return _REPACK[0]
+
+
+def repack_supported(ggml_type: int, ne: tuple[int, ...]) -> bool:
+    """Would CPU_REPACK take a matmul weight of this type and shape on this CPU and build? Placing one it has no
+    kernel for segfaults (Q4_1, Q8_0, Q6_K here), and one whose rows don't interleave aborts. llama.cpp's probe: a
+    dummy mul_mat whose weight claims a zero-size CPU_REPACK buffer, asked through ggml_backend_dev_supports_op."""
+    buft = repack_buffer_type()
+    if buft is None or len(ne) != 2:
+        return False
+    dev = g.ggml_backend_dev_by_type(g.GGML_BACKEND_DEVICE_TYPE_CPU)
+    ctx, buf = Context(3), g.ggml_backend_buft_alloc_buffer(buft, 0)
+    try:
+        w = ctx.new(ggml_type, ne)
+        op = g.ggml_mul_mat(ctx.ctx, w, ctx.new(F32, (ne[0], 8)))
+        w.contents.buffer = buf  # claims residency, allocates nothing
+        return bool(g.ggml_backend_dev_supports_op(dev, op))
+    finally:
+        if buf:
+            g.ggml_backend_buffer_free(buf)
+        ctx.free()
+
+
 class WeightArena:
     """Weights packed one after another into large anonymous mappings that ggml sees as CPU buffers.
 
@@ -131,6 +191,7 @@ class WeightArena:
 
     def __init__(self):
         self.chunks: list[MappedBuffer] = []
+        self.repacked: list[int] = []  # CPU_REPACK buffers, one per weight
         self.at = self.end = 0  # free range of the newest chunk (addresses)
         self.nbytes = 0
 
@@ -150,10 +211,28 @@ class WeightArena:
         self.at += -(-size // 64) * 64
         self.nbytes += size
 
+    def place_repacked(self, tensor: Tensor, data: np.ndarray) -> None:
+        """Copy a matmul weight that `repack_supported` accepted into its own CPU_REPACK buffer (ggml re-lays the
+        blocks out as it copies them in)."""
+        size = int(g.ggml_nbytes(tensor))
+        if data.nbytes != size or not data.flags.c_contiguous:
+            raise ValueError(f"weight data has {data.nbytes} bytes, ggml expects {size}")
+        buf = g.ggml_backend_buft_alloc_buffer(repack_buffer_type(), size)
+        if not buf:
+            raise MemoryError(f"could not allocate {size} bytes for a weight")
+        self.repacked.append(buf)
+        advise_huge_pages(g.ggml_backend_buffer_get_base(buf), size)  # before the copy backs the pages
+        if g.ggml_backend_tensor_alloc(buf, tensor, g.ggml_backend_buffer_get_base(buf)) != 0:
+            raise GgmlError("ggml_backend_tensor_alloc failed")
+        g.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, size)
+        self.nbytes += size
+
     def free(self) -> None:
         for chunk in self.chunks:
             chunk.free()
-        self.chunks = []
+        for buf in self.repacked:
+            g.ggml_backend_buffer_free(buf)
+        self.chunks, self.repacked = [], []
 
 
 class MappedBuffer:
@@ -188,6 +267,14 @@ class MappedBuffer:
             g.ggml_backend_buffer_free(self.buf)  # frees ggml's bookkeeping, not our mapping
             self.buf = None
             self._unmap()
+
+
+def advise_huge_pages(address: int, size: int) -> None:
+    """MADV_HUGEPAGE over the whole 2 MiB pages inside [address, address+size) (Linux; a no-op elsewhere)."""
+    huge = 2 << 20
+    start, end = -(-address // huge) * huge, (address + size) // huge * huge
+    if end > start and sys.platform.startswith("linux"):
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
 
 
 def release_file_pages(a: np.ndarray) -> None:
