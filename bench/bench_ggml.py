@@ -142,19 +142,20 @@ def ours_memory(path: Path, start: int, end: int | None) -> dict:
 
     def status() -> dict[str, int]:
         fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-        return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile")}
+        return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
 
     import shards.ggml_engine  # noqa: F401  (the library's own memory is not the shard's)
 
+    ModelConfig.load(path)  # nor is the file's parsed metadata (cached): the vocabulary alone is ~30 MB of objects
     before = status()
     e = engine(path, 1, start, end)
-    e.forward([StepInput("r", tokens=np.arange(8), max_positions=64)])
+    x = {"tokens": np.arange(8)} if e.shard.is_first else {"hidden": np.zeros((8, e.config.hidden_size), np.float32)}
+    e.forward([StepInput("r", max_positions=64, **x)])
     after = status()
     f = open_gguf(path)
     file_bytes = sum(f.tensor(n).nbytes for n in {name for name, _, _ in _hf_shapes(e.config, e.shard)})
     return {"layers": e.shard.layer_count, "file_bytes": file_bytes, "nbytes": e.nbytes(),
-            "rss_delta": after["VmRSS"] - before["VmRSS"], "anon_delta": after["RssAnon"] - before["RssAnon"],
-            "file_pages_delta": after["RssFile"] - before["RssFile"], "rss": after["VmRSS"]}
+            **{f"{k}_delta": after[k] - before[k] for k in after}, "rss": after["VmRSS"]}
 
 
 def ours_top(path: Path, tokens: list[int], name: str, out: str) -> dict:
@@ -259,11 +260,23 @@ def chats(path: Path, llama: str, work: Path) -> list[dict]:
 
 
 def memory(models: dict[str, Path]) -> list[dict]:
+    """The engine's load in a fresh process (resident memory before/after), and whole exo-node processes pinned to
+    all layers or a third of them (ggml, and numpy for comparison)."""
+    from tests.cluster import Cluster
+
     rows = []
     for name, path in models.items():
         n = ModelConfig.load(path).n_layers
         for start, end in ((0, n), (0, n // 3), (n - n // 3, n)):
             rows.append({"model": name, "shard": f"{start}:{end}", **ours("memory", path, start, end)})
+            print(json.dumps(rows[-1]), flush=True)
+            for engine_name in ("ggml", "numpy"):
+                with Cluster(path, 1, shards=[f"{start}:{end}"], api_nodes=0, engine=engine_name, static_peers=False,
+                             extra=["--threads", "1"] if engine_name == "ggml" else []) as c:
+                    fields = dict(line.split(":", 1) for line in
+                                  Path(f"/proc/{c.nodes[0].proc.pid}/status").read_text().splitlines())
+                    rows[-1][f"node_{engine_name}"] = {k: int(fields[k].split()[0]) * 1024
+                                                       for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -287,7 +300,44 @@ def pipeline(tokens: int = 128) -> list[dict]:
     return rows
 
 
+GOALS = {"decode1": {"smollm2-q4_1": 0.6, "random357m-q8_0": 0.9, "random357m-q4_0": 0.9}, "prefill256": 0.8}
+
+
+def report(results: dict) -> str:
+    """Markdown: per model and thread count, best-of-rounds figures, the ratio of bests and the median of the
+    per-round ratios (each round ran ours and llama.cpp back to back), against the issue's goals."""
+    lines = ["| model | threads | metric | ours (best) | llama.cpp (best) | ratio of bests | median round ratio "
+             "| goal |", "|---|---|---|---|---|---|---|---|"]
+    rows = results.get("speed", [])
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for t in sorted({r["threads"] for r in rows}):
+            mine = [r for r in rows if r["model"] == model and r["threads"] == t]
+            for ref in ("llama", "llama_plain"):
+                if ref not in mine[0]:
+                    continue
+                label = "llama.cpp" if ref == "llama" else "llama.cpp, no repack"
+                for metric in ("decode1", "decode8", "prefill256"):
+                    ours_best = max(r["ours"][metric] for r in mine)
+                    ref_best = max(r[ref][metric] for r in mine)
+                    ratio = statistics.median(r["ours"][metric] / r[ref][metric] for r in mine)
+                    goal = GOALS.get(metric)
+                    goal = goal.get(model) if isinstance(goal, dict) else goal
+                    if metric == "decode8":
+                        goal_text = f"8 streams >= 4x one: {ours_best / max(r['ours']['decode1'] for r in mine):.2f}x"
+                    else:
+                        goal_text = f">= {goal}x" if goal and ref == "llama" else ""
+                    lines.append(f"| {model} | {t} | {metric} ({label}) | {ours_best:.1f} | {ref_best:.1f} | "
+                                 f"{ours_best / ref_best:.2f} | {ratio:.2f} | {goal_text} |")
+    loads = [r["load"] for r in rows]
+    if loads:
+        lines.append(f"\nLoad average during the rounds: {min(loads):.1f}-{max(loads):.1f} (2 cores).")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--report":
+        print(report(json.loads(Path(sys.argv[2]).read_text())))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--ours":  # a measurement in this fresh process
         what, path, *rest = sys.argv[2:]
         path = Path(path)

@@ -6,8 +6,9 @@ forward pass, which the engine (shards/ggml_engine.py) allocates once and re-run
 
 Weights keep their GGUF block types (`fused_weight` concatenates raw block rows when the parts share a type, and
 otherwise keeps them apart and concatenates their outputs); the embedding table stays quantized (ggml_get_rows
-dequantizes the looked-up rows). Rotary embedding is ggml_rope_ext in NEOX mode (Hugging Face's rotate_half, which
-is the layout our loaders hand out) at positions given as an input tensor; attention is ggml_flash_attn_ext, with
+dequantizes the looked-up rows). Rotary embedding is ggml_rope_ext at positions given as an input tensor, in NEOX
+mode (Hugging Face's rotate_half) for Hugging Face Q/K rows, in NORMAL mode for a llama GGUF's rows kept in
+llama.cpp's order (shards/ggml_weights.py says why); attention is ggml_flash_attn_ext, with
 grouped-query heads native and a mask over the cache's cells.
 """
 from __future__ import annotations
@@ -111,7 +112,7 @@ class GgmlBackend(Backend):
 
     name = "ggml"
 
-    def __init__(self, cfg: ModelConfig, n_layers: int, repack: bool = True):
+    def __init__(self, cfg: ModelConfig, n_layers: int, repack: bool = True, interleaved_rope: bool = False):
         # At most ~12 tensors per layer (q/k/v and gate/up as parts when their types differ, norms, biases, q/k
         # norms) plus embedding, norm, head and rope factors.
         self.wctx = Context(16 * n_layers + 8)
@@ -121,6 +122,9 @@ class GgmlBackend(Backend):
         self.shared: dict[int, GWeight] = {}  # id(embedding source) -> its weight, while loading (tied heads)
         self.ctx: Context | None = None
         self.head_dim, self.theta = cfg.head_dim, cfg.rope.theta
+        # Rotate-half pairs (i, i + hd/2) for Hugging Face's Q/K layout (NEOX mode); adjacent pairs (NORMAL) for
+        # the Q/K rows of llama-architecture GGUF files left in llama.cpp's permuted order
+        self.rope_mode = g.GGML_ROPE_TYPE_NORMAL if interleaved_rope else g.GGML_ROPE_TYPE_NEOX
         self.rope_ctx = cfg.rope.original_max_position_embeddings  # only used by YaRN, which is off (ext_factor 0)
         # Any scaling (linear, llama3) as per-pair frequency divisors: theta_i = pos * base^(-2i/d) / factor_i.
         default = 1.0 / (cfg.rope.theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
@@ -159,6 +163,9 @@ class GgmlBackend(Backend):
             specs = [(ggml_type, (sum(s[1][0] for s in specs), specs[0][1][1]), data, name)]
         before = sum(self.repacked.values())
         tensors = [(self._upload(t, shape, data, name, matmul), shape[0]) for t, shape, data, name in specs]
+        for p in parts:  # the file pages of stacked parts too (their upload was of a stacked copy)
+            if isinstance(p, QuantizedTensor):
+                release_file_pages(p.data)
         return GWeight(tensors, tuple(s[0] for s in specs), sum(int(g.ggml_nbytes(t)) for t, _ in tensors),
                        sum(self.repacked.values()) > before)
 
@@ -322,10 +329,11 @@ class GgmlBackend(Backend):
         raise NotImplementedError("the ggml backend masks inside flash attention (see attention)")
 
     def rope(self, x: GArray, cos: GArray, sin=None) -> GArray:
-        """NEOX-mode rotary embedding of x [N, heads, hd]. `cos` carries the rows' positions (I32 [N]): this
-        engine's steps put positions where other engines put cos/sin tables, and ggml computes the angles."""
+        """Rotary embedding of x [N, heads, hd] (NEOX or NORMAL pairs, see __init__). `cos` carries the rows'
+        positions (I32 [N]): this engine's steps put positions where other engines put cos/sin tables, and ggml
+        computes the angles."""
         expect(len(x.shape) == 3 and x.shape[2] == self.head_dim and cos.shape == (x.shape[0],), f"rope: {x.shape}")
-        t = self.node(g.ggml_rope_ext, x.t, cos.t, self.freq_factors, self.head_dim, g.GGML_ROPE_TYPE_NEOX,
+        t = self.node(g.ggml_rope_ext, x.t, cos.t, self.freq_factors, self.head_dim, self.rope_mode,
                       self.rope_ctx, self.theta, 1.0, 0.0, 1.0, 32.0, 1.0)
         return self.wrap(t, x.shape)
 

@@ -26,6 +26,7 @@ from .ggml_graph import Graph, GraphCache, Layout, MaskRamp
 from .ggml_lib import default_threads, g
 from .ggml_weights import QUANTIZE_CHOICES, load_ggml_shard_weights
 from .gguf_file import find_gguf
+from .gguf_model import rope_pairs_interleaved
 from .model import ShardModel
 from .shard import Shard
 
@@ -44,7 +45,9 @@ class GgmlEngine(Engine):
         self.config = cfg = config or ModelConfig.load(model_dir)
         self.shard = shard
         self.threads = threads = default_threads() if threads is None else threads
-        self.ops = GgmlBackend(cfg, shard.layer_count, repack)
+        # a llama GGUF's Q/K rows stay in llama.cpp's order, rotated as llama.cpp rotates them (ggml_weights.py)
+        interleaved = find_gguf(model_dir) is not None and rope_pairs_interleaved(cfg)
+        self.ops = GgmlBackend(cfg, shard.layer_count, repack, interleaved)
         try:
             self.model = ShardModel(self.ops, cfg, load_ggml_shard_weights(model_dir, cfg, shard, quantize, threads))
         except BaseException:

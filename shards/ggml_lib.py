@@ -242,7 +242,9 @@ class MappedBuffer:
 
     def __init__(self, size: int, huge: bool = False):
         self.size = size
-        self.map = mmap.mmap(-1, size)
+        # private: counted as the process's own (anonymous) memory, and eligible for transparent huge pages, which
+        # shared anonymous memory (shmem) usually is not
+        self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if huge and hasattr(mmap, "MADV_HUGEPAGE"):
             self.map.madvise(mmap.MADV_HUGEPAGE)
         self._anchor = ctypes.c_char.from_buffer(self.map)  # pins the mapping while ggml points into it
