@@ -129,23 +129,28 @@ class GgmlBackend(Backend):
         # Any scaling (linear, llama3) as per-pair frequency divisors: theta_i = pos * base^(-2i/d) / factor_i.
         default = 1.0 / (cfg.rope.theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
         factors = (default / np.asarray(cfg.rope.inv_freq(cfg.head_dim))).astype(np.float32)
-        self.freq_factors = None if np.all(factors == 1.0) else self._upload(F32, factors.shape, factors, "rope")
+        self.freq_factors = None if np.all(factors == 1.0) else self._upload(F32, factors.shape, [factors], "rope")
 
     # -- weights ------------------------------------------------------------------------------------------------
-    def _upload(self, ggml_type: int, shape: tuple[int, ...], data: np.ndarray, what: str,
+    def _upload(self, ggml_type: int, shape: tuple[int, ...], pieces: list[np.ndarray], what: str,
                 matmul: bool = False) -> Tensor:
+        """One weight tensor from its row blocks `pieces` (stacked along `out`), copied in place by place, so a fused
+        projection never needs a stacked copy in memory (a freed one of tens of MB tends to stay resident)."""
         if ggml_type not in WEIGHT_TYPES:
             raise ValueError(f"{what}: weight type {type_name(ggml_type)} is not supported by the ggml engine")
-        data = np.ascontiguousarray(data)
-        validate_rows(ggml_type, data, what)
+        pieces = [np.ascontiguousarray(p) for p in pieces]
+        for p in pieces:
+            validate_rows(ggml_type, p, what)
         ne = tuple(reversed(shape))
         t = self.wctx.new(ggml_type, ne)
         if matmul and self.repack and repack_supported(ggml_type, ne):
-            self.arena.place_repacked(t, data)
+            # ggml re-lays a repacked tensor out as it is set, which it only does whole
+            self.arena.place_repacked(t, pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
             self.repacked[type_name(ggml_type)] = self.repacked.get(type_name(ggml_type), 0) + 1
         else:
-            self.arena.place(t, data)
-        release_file_pages(data)
+            self.arena.place(t, pieces)
+        for p in pieces:
+            release_file_pages(p)
         return t
 
     def _matrix(self, w: np.ndarray | QuantizedTensor) -> tuple[int, tuple[int, ...], np.ndarray, str]:
@@ -157,16 +162,14 @@ class GgmlBackend(Backend):
 
     def fused_weight(self, *parts, matmul: bool = True) -> GWeight:
         specs = [self._matrix(p) for p in parts]
-        if len({(s[0], s[1][1]) for s in specs}) == 1:  # one type and width: stack the raw rows (exact)
+        if len({(s[0], s[1][1]) for s in specs}) == 1:  # one type and width: one tensor of the stacked rows (exact)
             ggml_type, _, _, name = specs[0]
-            data = specs[0][2] if len(specs) == 1 else np.concatenate([s[2] for s in specs])
-            specs = [(ggml_type, (sum(s[1][0] for s in specs), specs[0][1][1]), data, name)]
+            groups = [(ggml_type, (sum(s[1][0] for s in specs), specs[0][1][1]), [s[2] for s in specs], name)]
+        else:  # kept apart; linear concatenates their outputs
+            groups = [(t, shape, [data], name) for t, shape, data, name in specs]
         before = sum(self.repacked.values())
-        tensors = [(self._upload(t, shape, data, name, matmul), shape[0]) for t, shape, data, name in specs]
-        for p in parts:  # the file pages of stacked parts too (their upload was of a stacked copy)
-            if isinstance(p, QuantizedTensor):
-                release_file_pages(p.data)
-        return GWeight(tensors, tuple(s[0] for s in specs), sum(int(g.ggml_nbytes(t)) for t, _ in tensors),
+        tensors = [(self._upload(t, shape, pieces, name, matmul), shape[0]) for t, shape, pieces, name in groups]
+        return GWeight(tensors, tuple(group[0] for group in groups), sum(int(g.ggml_nbytes(t)) for t, _ in tensors),
                        sum(self.repacked.values()) > before)
 
     def weight(self, w) -> GWeight:
@@ -186,7 +189,7 @@ class GgmlBackend(Backend):
     def array(self, a: np.ndarray | QuantizedTensor) -> GWeight:
         """Norm weights and biases, as F32 (they are F32 in GGUF files, and tiny)."""
         v = a.dequantize() if isinstance(a, QuantizedTensor) else np.asarray(a, dtype=np.float32)
-        return GWeight([(self._upload(F32, v.shape, v, "vector"), v.shape[0])], (F32,), v.nbytes)
+        return GWeight([(self._upload(F32, v.shape, [v], "vector"), v.shape[0])], (F32,), v.nbytes)
 
     def nbytes(self, x) -> int:
         return x.nbytes if isinstance(x, GWeight) else int(g.ggml_nbytes(x.t))

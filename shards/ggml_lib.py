@@ -195,11 +195,12 @@ class WeightArena:
         self.at = self.end = 0  # free range of the newest chunk (addresses)
         self.nbytes = 0
 
-    def place(self, tensor: Tensor, data: np.ndarray) -> None:
-        """Copy `data` (exactly ggml_nbytes(tensor) bytes, C-contiguous) into the arena as `tensor`'s storage."""
+    def place(self, tensor: Tensor, pieces: list[np.ndarray]) -> None:
+        """Copy `pieces` (C-contiguous, together exactly ggml_nbytes(tensor) bytes, in order) into the arena as
+        `tensor`'s storage."""
         size = int(g.ggml_nbytes(tensor))
-        if data.nbytes != size or not data.flags.c_contiguous:
-            raise ValueError(f"weight data has {data.nbytes} bytes, ggml expects {size}")
+        if sum(p.nbytes for p in pieces) != size or not all(p.flags.c_contiguous for p in pieces):
+            raise ValueError(f"weight data has {sum(p.nbytes for p in pieces)} bytes, ggml expects {size}")
         if self.at + size > self.end:
             chunk = MappedBuffer(max(self.CHUNK, size) + self.HUGE, huge=True)
             self.chunks.append(chunk)
@@ -207,7 +208,10 @@ class WeightArena:
             self.end = chunk.base + chunk.size
         if g.ggml_backend_tensor_alloc(self.chunks[-1].buf, tensor, self.at) != 0:
             raise GgmlError("ggml_backend_tensor_alloc failed")
-        g.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, size)
+        offset = 0
+        for p in pieces:
+            g.ggml_backend_tensor_set(tensor, p.ctypes.data, offset, p.nbytes)
+            offset += p.nbytes
         self.at += -(-size // 64) * 64
         self.nbytes += size
 
