@@ -281,22 +281,27 @@ def memory(models: dict[str, Path]) -> list[dict]:
     return rows
 
 
-def pipeline(tokens: int = 128) -> list[dict]:
-    """One greedy stream through the HTTP API: 1 node vs 3 nodes on loopback (SmolLM2, ggml, 1 thread each)."""
+def pipeline(models: dict[str, Path], tokens: int = 128) -> list[dict]:
+    """One greedy stream through the HTTP API: 1 node vs 3 nodes on loopback (ggml, 1 thread each: three nodes
+    share this machine's cores), for SmolLM2 (30 layers) and the random 357.6M Q8_0 model (8 layers)."""
     from bench.bench_cluster import decode_rate, stream_stamps
     from tests.cluster import Cluster
 
     rows = []
-    for shards in (None, ["0:10", "10:20", "20:30"]):
-        n = 1 if shards is None else 3
-        with Cluster(Path("smollm2"), n, shards=shards, api_nodes=1, model_id="smollm2-135m-instruct",
-                     engine="ggml", extra=["--threads", "1"]) as c:
-            url = c.nodes[0].api_url
-            stream_stamps(url, "smollm2-135m-instruct", "warm up", 4)
-            rates = [decode_rate(stream_stamps(url, "smollm2-135m-instruct", f"Tell me a long story {i}.", tokens))
-                     for i in range(3)]
-        rows.append({"nodes": n, "tok_s": statistics.median(rates), "rounds": rates, "load": load()})
-        print(json.dumps(rows[-1]), flush=True)
+    for name, splits in (("smollm2-q4_1", ["0:10", "10:20", "20:30"]), ("random357m-q8_0", ["0:3", "3:6", "6:8"])):
+        path = models[name]
+        model_id = "smollm2-135m-instruct" if name.startswith("smollm2") else path.stem.lower()
+        for shards in (None, splits):
+            n = 1 if shards is None else 3
+            with Cluster(path, n, shards=shards, api_nodes=1, model_id=model_id, engine="ggml",
+                         extra=["--threads", "1"]) as c:
+                url = c.nodes[0].api_url
+                stream_stamps(url, model_id, "warm up", 4)
+                rates = [decode_rate(stream_stamps(url, model_id, f"Tell me a long story {i}.", tokens))
+                         for i in range(3)]
+            rows.append({"model": name, "nodes": n, "tok_s": statistics.median(rates), "rounds": rates,
+                         "load": load()})
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -373,7 +378,7 @@ def main() -> None:
         if "memory" in only:
             results["memory"] = memory(models)
         if "pipeline" in only:
-            results["pipeline"] = pipeline()
+            results["pipeline"] = pipeline(models)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")
 
