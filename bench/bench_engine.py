@@ -1,6 +1,7 @@
 """Engine speed on the mid-size random Llama: prefill tok/s, batch-1 and batch-8 decode tok/s, per engine.
 
     uv run --group bench python -m bench.bench_engine [--model DIR] [--engine numpy,tinygrad,mlx] [--no-plot]
+    uv run python -m bench.bench_engine --engine ggml,ggml:q8_0,ggml:q4_0 --no-plot   # ggml, quantized on load
 
 Without --model it writes the random 357.6M-parameter checkpoint to a temp folder first (~1.4 GB). With more than
 one engine it draws them side by side in bench/plots/engines.png (--plot-dir to put it elsewhere).
@@ -42,12 +43,17 @@ def decode_rate(engine, batch: int, steps: int, context: int, progress: Progress
     return batch * steps / dt
 
 
-def measure(name: str, model: Path, steps: int) -> dict[str, float]:
-    cfg = ModelConfig.from_dir(model)
+def measure(spec: str, model: Path, steps: int) -> dict[str, float]:
+    """spec: an engine name, or ggml:TYPE for the ggml engine quantizing the checkpoint on load."""
+    name, _, quantize = spec.partition(":")
+    cfg = ModelConfig.load(model)
     t = time.perf_counter()
-    engine = engine_class(name)(model, Shard.whole("bench", cfg.n_layers), cfg)
+    options = {"quantize": quantize} if quantize else {}
+    engine = engine_class(name)(model, Shard.whole("bench", cfg.n_layers), cfg, **options)
+    name = spec  # the label from here on
     print(f"{name}: load {time.perf_counter() - t:.1f}s, weights {engine.nbytes() / 1e9:.2f} GB")
-    read_per_token = engine.nbytes() - cfg.vocab_size * cfg.hidden_size * 4  # a decode step skips the embedding
+    # a decode step reads every weight but the embedding table (untied here)
+    read_per_token = engine.nbytes() - engine.ops.nbytes(engine.model.embed_tokens)
     results = {}
     with Progress(f"{name}: prefill, decode", 2 + 2 * steps, unit="passes") as progress:
         engine.forward([StepInput("w", tokens=np.arange(256) % 1000)])  # compile/warm up at this shape
@@ -72,7 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--engine", default="numpy", help="comma-separated: numpy,tinygrad,mlx")
+    ap.add_argument("--engine", default="numpy", help="comma-separated: numpy,tinygrad,mlx,ggml,ggml:q8_0,...")
     ap.add_argument("--plot-dir", type=Path, default=plots.PLOTS)
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()

@@ -18,6 +18,20 @@ MID = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_ke
 
 def write_random_llama(out: Path, seed: int = 0, **shape) -> Path:
     s = {**MID, **shape}
+    tensors = random_llama_tensors(seed, **s)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors")
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+              "bos_token_id": 1, "eos_token_id": 2, **s}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_word_tokenizer(out, s["vocab_size"])
+    return out
+
+
+def random_llama_tensors(seed: int = 0, **shape) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors by Hugging Face name (float32)."""
+    s = {**MID, **shape}
     h, n_layers, inter, vocab = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
     hd = h // s["num_attention_heads"]
     kv = s["num_key_value_heads"] * hd
@@ -41,14 +55,7 @@ def write_random_llama(out: Path, seed: int = 0, **shape) -> Path:
             p + "mlp.up_proj.weight": mat(inter, h),
             p + "mlp.down_proj.weight": mat(h, inter),
         }
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "model.safetensors")
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
-              "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-              "bos_token_id": 1, "eos_token_id": 2, **s}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    write_word_tokenizer(out, vocab)
-    return out
+    return tensors
 
 
 def write_word_tokenizer(out: Path, vocab: int) -> None:

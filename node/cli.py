@@ -25,7 +25,7 @@ from discovery.manual import ManualDiscovery
 from discovery.static import StaticDiscovery, parse_peers
 from discovery.udp import Announcement, UdpDiscovery
 from shards.config import ModelConfig
-from shards.engines import CHOICES, engine_class, engine_factory, resolve
+from shards.engines import CHOICES, QUANTIZE_CHOICES, engine_class, engine_factory, resolve
 from shards.models import DEFAULT_MODEL, DEMO_DIR, list_models
 from shards.tokenizer import Tokenizer
 
@@ -74,7 +74,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--wait-for-peers", type=int, default=0, help="print the ready lines only once N peers are known")
     ap.add_argument("--shard", help="own exactly layers START:END (half-open) instead of automatic partitioning")
     ap.add_argument("--engine", default="auto", choices=CHOICES,
-                    help="numpy, tinygrad, mlx, or auto: mlx on Apple Silicon macOS, numpy elsewhere (default)")
+                    help="ggml, numpy, tinygrad, mlx, or auto: ggml when installed, else mlx on Apple Silicon "
+                         "macOS, else numpy (default)")
+    ap.add_argument("--threads", type=int, help="ggml engine: compute threads (default: all cores)")
+    ap.add_argument("--quantize", choices=QUANTIZE_CHOICES,
+                    help="ggml engine: quantize a Hugging Face model's weights as they load (default: none)")
     ap.add_argument("--max-tokens", type=int, default=1024, help="cap on tokens generated per request")
     ap.add_argument("--memory-gb", type=float, help="memory to report for partitioning (default: available RAM)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a token before failing")
@@ -186,7 +190,8 @@ async def run(args: argparse.Namespace) -> int:
     host = bind_host(args, key)
     located = fetching.locate_model(args.model)  # (path, id) of a model here, or the id of one to fetch
     engine = resolve(args.engine)
-    factory = engine_factory(engine)
+    here = located[0] if isinstance(located, tuple) else None  # vetted now; a fetched model once it is here
+    factory = engine_factory(engine, here, threads=args.threads, quantize=args.quantize)
     node_id = args.node_id or (
         uuid.uuid5(uuid.NAMESPACE_DNS, f"{socket.gethostname()}:{args.grpc_port}").hex[:12]
         if args.grpc_port else uuid.uuid4().hex[:12]

@@ -1,4 +1,4 @@
-"""Engines by name (--engine): numpy everywhere, tinygrad and mlx as optional extras."""
+"""Engines by name (--engine): numpy everywhere; ggml, tinygrad and mlx as optional extras."""
 from __future__ import annotations
 
 import importlib
@@ -6,6 +6,7 @@ import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .config import ModelConfig
 from .engine import Engine
@@ -16,8 +17,11 @@ ENGINES = {
     "numpy": ("shards.numpy_engine", "NumpyEngine", None),
     "tinygrad": ("shards.tinygrad_engine", "TinygradEngine", "tinygrad"),
     "mlx": ("shards.mlx_engine", "MlxEngine", "mlx"),
+    "ggml": ("shards.ggml_engine", "GgmlEngine", "ggml"),
 }
 CHOICES = [*ENGINES, "auto"]
+# --quantize: the ggml engine's quantize-on-load types (here, so the flag exists without ggml installed)
+QUANTIZE_CHOICES = ("q8_0", "q4_0", "q4_k", "none")
 
 
 class EngineUnavailable(ValueError):
@@ -25,8 +29,14 @@ class EngineUnavailable(ValueError):
 
 
 def resolve(name: str) -> str:
-    """`auto`: MLX on Apple Silicon macOS, numpy elsewhere."""
+    """`auto`: ggml when it is installed (quantized weights: a fraction of the memory, and the fastest on CPUs),
+    else MLX on Apple Silicon macOS, else numpy."""
     if name == "auto":
+        try:
+            engine_class("ggml")
+            return "ggml"
+        except EngineUnavailable:
+            pass
         return "mlx" if sys.platform == "darwin" and platform.machine() == "arm64" else "numpy"
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose from {CHOICES}")
@@ -42,11 +52,21 @@ def engine_class(name: str) -> type[Engine]:
                                 f"pip install 'exo-node[{extra}]'") from None
 
 
-def engine_factory(name: str) -> Callable[[Path, Shard, ModelConfig], Engine]:
+def engine_factory(name: str, model_dir: Path | None = None, **options: Any) \
+        -> Callable[[Path, Shard, ModelConfig], Engine]:
+    """Makes the engine's instances. `options` (threads, quantize, ...; None means not given) go to engines that
+    take them (their class's `options`); giving one to an engine that doesn't is an error, not silently ignored.
+    With `model_dir`, an engine's `check_options` vets them against the model now, before any shard loads."""
     cls = engine_class(name)  # fail at start-up, not at the first request
+    given = {k: v for k, v in options.items() if v is not None}
+    refused = sorted(set(given) - set(getattr(cls, "options", ())))
+    if refused:
+        raise ValueError(f"--{refused[0]} is an option of the ggml engine; this node's engine is {resolve(name)}")
+    if model_dir is not None and hasattr(cls, "check_options"):
+        cls.check_options(model_dir, **given)
 
     def make(model_dir: Path, shard: Shard, config: ModelConfig) -> Engine:
-        return cls(model_dir, shard, config)
+        return cls(model_dir, shard, config, **given)
 
     return make
 

@@ -135,13 +135,15 @@ def _hf_shapes(cfg: ModelConfig, shard: Shard) -> list[tuple[str, str, tuple[int
     return wanted
 
 
-def load_shard_tensors(path: str | Path, cfg: ModelConfig, shard: Shard, dequantize: bool
+def load_shard_tensors(path: str | Path, cfg: ModelConfig, shard: Shard, dequantize: bool, unpermute: bool = True
                        ) -> dict[str, np.ndarray | QuantizedTensor]:
     """Every tensor the shard needs, keyed `embed_tokens` / `norm` / `lm_head` / `{layer}.{LayerWeights field}`.
 
     `dequantize=False` gives QuantizedTensors (raw block bytes from the memory map, Q/K rows already un-permuted);
     `dequantize=True` gives float32 arrays. A tied model's last shard gets the embedding as `lm_head` (the same
-    object as `embed_tokens` when both are present). Only this shard's tensors are ever touched.
+    object as `embed_tokens` when both are present). Only this shard's tensors are ever touched. `unpermute=False`
+    leaves a `llama` file's Q/K rows in llama.cpp's order (for an engine that applies rope the way llama.cpp does:
+    see `rope_pairs_interleaved`).
     """
     f = open_gguf(path)
     if shard.n_layers != cfg.n_layers:
@@ -151,12 +153,19 @@ def load_shard_tensors(path: str | Path, cfg: ModelConfig, shard: Shard, dequant
     for name, key, shape in _hf_shapes(cfg, shard):
         if name not in by_name:
             q = quantized(f, f.tensor(name), shape)
-            if cfg.model_type == "llama" and key.split(".")[-1] in ("q_proj", "k_proj", "q_bias", "k_bias"):
+            if unpermute and rope_pairs_interleaved(cfg) and key.split(".")[-1] in ("q_proj", "k_proj", "q_bias",
+                                                                                        "k_bias"):
                 heads = cfg.n_heads if key.split(".")[-1].startswith("q") else cfg.n_kv_heads
                 q = q.permute_rows(unpermute_order(shape[0], heads))
             by_name[name] = q.dequantize() if dequantize else q
         out[key] = by_name[name]
     return out
+
+
+def rope_pairs_interleaved(cfg: ModelConfig) -> bool:
+    """Whether a GGUF file of this model stores Q/K rows permuted for rope over adjacent pairs (llama.cpp's
+    converter does so for the `llama` architecture), rather than Hugging Face's rotate-half halves."""
+    return cfg.model_type == "llama"
 
 
 def quantized(f: GGUFFile, info: TensorInfo, shape: tuple[int, ...]) -> QuantizedTensor:

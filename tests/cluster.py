@@ -54,7 +54,8 @@ class Cluster:
     def __init__(self, model_dir: Path, n: int, shards: list[str] | None = None, memory_gb: list[float] | None = None,
                  extra: list[str] | None = None, api_nodes: int | None = None, api_key: str | None = None,
                  static_peers: bool = True, ports: list[int] | None = None,
-                 per_node: list[list[str]] | None = None, model_id: str | None = None, entry_late_by: float = 0):
+                 per_node: list[list[str]] | None = None, model_id: str | None = None, entry_late_by: float = 0,
+                 engine: str | None = "numpy"):
         self.model_dir, self.n, self.api_key, self.static_peers = model_dir, n, api_key, static_peers
         self.model_id = model_id or Path(model_dir).name  # the API's model id (a packaged model's differs)
         self.shards, self.memory_gb, self.extra = shards, memory_gb, extra or []
@@ -63,6 +64,9 @@ class Cluster:
         self.ports = ports or []
         self.per_node = per_node  # extra arguments for each node
         self.entry_late_by = entry_late_by  # start node0 this long after the others (they retry reaching it)
+        # Nodes run the numpy engine unless a test says otherwise (engine=None: the node's default, `auto`): the
+        # cluster tests compare against float32 references token for token.
+        self.engine = engine
 
     def __enter__(self) -> "Cluster":
         try:
@@ -97,6 +101,8 @@ class Cluster:
             args += ["--api-key", self.api_key]
         if self.per_node:
             args += self.per_node[i]
+        if self.engine and "--engine" not in args + self.extra:
+            args += ["--engine", self.engine]
         proc = subprocess.Popen(args + self.extra, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         node = NodeProc(proc, port)

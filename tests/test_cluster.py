@@ -172,6 +172,24 @@ def test_mixed_engine_ring_equals_one_numpy_node():
         assert set(c.wait_idle().values()) == {0}
 
 
+def test_a_ggml_node_continues_a_numpy_node():
+    """numpy (layers 0-2) -> ggml (3-5, the node's default engine here: `auto` picks ggml when installed): hidden
+    states cross the wire as float32, and the answer is that of the same two engines chained in one process."""
+    from shards.engines import engine_class
+
+    ggml = engine_class("ggml")
+    cfg, tok = ModelConfig.from_dir(MODEL), Tokenizer(MODEL)
+    chain = [NumpyEngine(MODEL, Shard("llama", 0, 3, 6), cfg), ggml(MODEL, Shard("llama", 3, 6, 6), cfg, threads=1)]
+    ids = [r.token for r in generate(chain, tok.encode_chat([{"role": "user", "content": PROMPTS[0]}]), 16,
+                                     eos_ids=tok.eos_token_ids)]
+    with Cluster(MODEL, 2, shards=["0:3", "3:6"], per_node=[["--engine", "numpy"], ["--threads", "1"]],
+                 engine=None) as c:
+        assert [c.self_info()[f"node{i}"]["capabilities"]["engine"] for i in range(2)] == ["numpy", "ggml"]
+        status, body = c.chat(PROMPTS[0], max_tokens=16, temperature=0)
+        assert status == 200 and body["choices"][0]["message"]["content"] == tok.decode(ids)
+        assert set(c.wait_idle().values()) == {0}
+
+
 def test_bundled_demo_model_gives_the_same_text_on_three_nodes():
     from node.cli import DEMO_MODEL
 

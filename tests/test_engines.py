@@ -1,6 +1,8 @@
 """Conformance: every installed engine against the HF golden outputs and the engine contract.
 
-Tolerance: logits within 1e-4 (abs) of transformers for all float32 paths (observed <= 1e-5 for all three).
+Tolerance: logits within 1e-4 (abs) of transformers for all float32 paths (observed <= 1e-5 for numpy, tinygrad and
+mlx); ggml's F16 KV cache gets 0.05 and teacher-forced top-1 checks instead of greedy equality (tests/tolerance.py
+says why).
 """
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from shards.engines import ENGINES, engine_class, installed
 from shards.generate import chain_forward, generate
 from shards.shard import Shard
 from tests.conftest import FIXTURES, MODELS, golden
+from tests.tolerance import atol, clear_top1_disagreements, exact, regrouped_atol
 
 ENGINE_NAMES = installed()
 
@@ -35,13 +38,27 @@ def test_logits_match_transformers(engine_name, model):
     g = golden(model)
     logits = chain_forward([make(engine_name, model)], "r", np.array(g["prompt_ids"]), all_logits=True)
     assert logits.dtype == np.float32
-    assert np.abs(logits - np.asarray(g["logits"], np.float32)).max() < 1e-4
+    assert np.abs(logits - np.asarray(g["logits"], np.float32)).max() < atol(engine_name)
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_greedy_tokens_match_transformers(engine_name, model):
     g = golden(model)
-    assert [r.token for r in generate([make(engine_name, model)], g["prompt_ids"], 32)] == g["greedy_ids"]
+    tokens = [r.token for r in generate([make(engine_name, model)], g["prompt_ids"], 32)]
+    if exact(engine_name):
+        assert tokens == g["greedy_ids"]
+        return
+    # Teacher-forced along transformers' greedy sequence; beyond the prompt the numpy engine's logits stand in for
+    # transformers' (they agree within 1e-4, see above).
+    sequence = np.array(g["prompt_ids"] + g["greedy_ids"][:-1])
+    logits = chain_forward([make(engine_name, model)], "r", sequence, all_logits=True)
+    reference = chain_forward([make("numpy", model)], "r", sequence, all_logits=True)
+    assert reference[len(g["prompt_ids"]) - 1:].argmax(-1).tolist() == g["greedy_ids"]
+    wrong, clear = clear_top1_disagreements(logits, reference, 2 * atol(engine_name))
+    assert wrong == [] and clear >= 0.6 * len(sequence)  # observed for ggml: 27-38 of 43 positions are clear
+    # and the engine's own greedy decoding follows its own top tokens (the decode path agrees with prefill)
+    own = chain_forward([make(engine_name, model)], "r", np.array(g["prompt_ids"] + tokens[:-1]), all_logits=True)
+    assert own[len(g["prompt_ids"]) - 1:].argmax(-1).tolist() == tokens
 
 
 @pytest.mark.parametrize("cuts", [[3], [1, 4]])
@@ -52,7 +69,9 @@ def test_shard_chain_equals_the_whole_model(engine_name, cuts):
     whole = chain_forward([make(engine_name, "qwen2")], "r", np.array(g["prompt_ids"]), all_logits=True)
     split = chain_forward(chain, "r", np.array(g["prompt_ids"]), all_logits=True)
     assert np.allclose(whole, split, atol=1e-6, rtol=0)
-    assert [r.token for r in generate(chain, g["prompt_ids"], 16)] == g["greedy_ids"][:16]
+    # the same tokens as the whole model (which, for exact engines, are transformers', see above)
+    alone = [r.token for r in generate([make(engine_name, "qwen2")], g["prompt_ids"], 16)]
+    assert [r.token for r in generate(chain, g["prompt_ids"], 16)] == alone
 
 
 def test_batched_decode_equals_single_decodes(engine_name):
@@ -118,7 +137,7 @@ def test_a_prompt_prefilled_in_chunks_equals_one_whole_prefill(engine_name, mode
     expected = whole.forward([StepInput("r", tokens=prompt)], all_logits=True)[0]
     pieces = [chunked.forward([StepInput("r", tokens=chunk)], all_logits=True)[0]
               for chunk in np.split(prompt, [3, 4, 9])]  # chunks of 3, 1, 5 and the rest
-    assert np.allclose(np.concatenate(pieces), expected, atol=1e-5, rtol=0)
+    assert np.allclose(np.concatenate(pieces), expected, atol=regrouped_atol(engine_name), rtol=0)
     assert chunked.cache_length("r") == whole.cache_length("r") == len(prompt)
     tokens = []
     for engine in (whole, chunked):

@@ -1,5 +1,9 @@
 """Every installed engine runs GGUF models unchanged: logits within 1e-4 of transformers' GGUF loading, identical
-greedy tokens (observed max |logit error| ~3e-5 for the numpy engine), and shard chains equal the whole model."""
+greedy tokens (observed max |logit error| ~3e-5 for the numpy engine), and shard chains equal the whole model.
+
+The ggml engine computes on the blocks themselves (the fixtures hold every supported weight type between them), so
+its bounds are those of quantized math (tests/tolerance.py): RMS difference within 8% of the logits' spread and
+teacher-forced top tokens instead of greedy equality."""
 import numpy as np
 import pytest
 
@@ -8,6 +12,7 @@ from shards.engines import engine_class, installed
 from shards.generate import chain_forward, generate
 from shards.shard import Shard
 from tests.gguf_util import GGUF_MODELS, fixture, gguf_golden
+from tests.tolerance import QUANTIZED_RMS, clear_top1_disagreements, exact, relative_rms
 
 
 def make(engine_name: str, name: str, start: int = 0, end: int | None = None):
@@ -22,8 +27,20 @@ def test_engine_matches_transformers_gguf_loading(engine_name, name):
     engine = make(engine_name, name)
     logits = chain_forward([engine], "r", np.array(g["prompt_ids"]), all_logits=True)
     engine.release("r")
-    assert np.abs(logits - np.asarray(g["logits"], np.float32)).max() < 1e-4
-    assert [r.token for r in generate([engine], g["prompt_ids"], len(g["greedy_ids"]))] == g["greedy_ids"]
+    reference = np.asarray(g["logits"], np.float32)
+    if exact(engine_name):
+        assert np.abs(logits - reference).max() < 1e-4
+        assert [r.token for r in generate([engine], g["prompt_ids"], len(g["greedy_ids"]))] == g["greedy_ids"]
+        return
+    assert relative_rms(logits, reference) < QUANTIZED_RMS  # observed 2.6-4.0%
+    # Teacher-forced along transformers' greedy sequence, against the numpy engine on the same (dequantized) weights
+    sequence = np.array(g["prompt_ids"] + g["greedy_ids"][:-1])
+    logits = chain_forward([engine], "r", sequence, all_logits=True)
+    dequantized = chain_forward([make("numpy", name)], "r", sequence, all_logits=True)
+    assert relative_rms(logits, dequantized) < QUANTIZED_RMS
+    assert np.mean(logits.argmax(-1) == dequantized.argmax(-1)) >= 0.85  # observed 91-100%
+    spread = QUANTIZED_RMS * dequantized.std()
+    assert clear_top1_disagreements(logits, dequantized, 2 * spread)[0] == []
 
 
 def test_a_split_gguf_model_equals_the_whole():

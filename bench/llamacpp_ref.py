@@ -1,0 +1,152 @@
+"""REFERENCE HARNESS, not exo-node code: llama.cpp (llama-cpp-python) measured the way bench/bench_ggml.py measures
+the ggml engine. It runs in a throwaway venv of its own, never in exo-node's environment:
+
+    python3.11 -m venv /tmp/llamavenv && /tmp/llamavenv/bin/pip install llama-cpp-python numpy   # ~18 min build
+    /tmp/llamavenv/bin/python bench/llamacpp_ref.py speed MODEL.gguf --threads 2
+    /tmp/llamavenv/bin/python bench/llamacpp_ref.py logits MODEL.gguf --tokens ids.json --out top.npz
+    /tmp/llamavenv/bin/python bench/llamacpp_ref.py greedy MODEL.gguf --tokens prompt.json --n 40
+
+Prints one JSON object. Flash attention on, unified KV for the 8-stream test, logits of the last row only in
+prefill. `--no-extra-bufts` keeps the weights out of llama.cpp's repacked (CPU_REPACK/AMX) buffers, as exo-node does.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import llama_cpp
+import llama_cpp.llama_cpp as C
+
+N_SEQ = 8
+
+
+def load(path: str, threads: int, extra_bufts: bool, n_ctx: int = 2048) -> "llama_cpp.Llama":
+    original_mp, original_cp = C.llama_model_default_params, C.llama_context_default_params
+
+    def model_params():
+        p = original_mp()
+        p.use_extra_bufts = extra_bufts  # not a Llama() keyword in llama-cpp-python 0.3.36
+        return p
+
+    def context_params():
+        p = original_cp()
+        p.n_seq_max, p.kv_unified = N_SEQ, True
+        return p
+
+    C.llama_model_default_params, C.llama_context_default_params = model_params, context_params
+    try:
+        return llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=1024, n_ubatch=1024, n_threads=threads,
+                               n_threads_batch=threads, flash_attn=True, logits_all=False, verbose=False)
+    finally:
+        C.llama_model_default_params, C.llama_context_default_params = original_mp, original_cp
+
+
+class Runner:
+    def __init__(self, llm):
+        self.llm = llm  # owns the context: freed with it
+        self.ctx, self.n_vocab = llm._ctx.ctx, llm.n_vocab()
+        self.mem = C.llama_get_memory(self.ctx)
+        self.batch = C.llama_batch_init(1024, 0, N_SEQ)
+
+    def clear(self) -> None:
+        C.llama_memory_clear(self.mem, True)
+
+    def decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
+        """rows: (token, position, sequence, wants logits)"""
+        b = self.batch
+        b.n_tokens = len(rows)
+        for j, (tok, pos, seq, want) in enumerate(rows):
+            b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = tok, pos, 1, want
+            b.seq_id[j][0] = seq
+        if C.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def logits(self, i: int) -> np.ndarray:
+        return np.ctypeslib.as_array(C.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+
+
+def speed(args) -> dict:
+    r = Runner(load(args.model, args.threads, not args.no_extra_bufts))
+    rng = np.random.default_rng(0)
+    hi = min(r.n_vocab, 20000)
+    # decode, one stream: a 64-token context, then 64 steps; the median step
+    r.clear()
+    r.decode([(int(t), i, 0, i == 63) for i, t in enumerate(rng.integers(100, hi, 64))])
+    tok, steps = int(r.logits(-1).argmax()), []
+    for i in range(64):
+        t0 = time.perf_counter()
+        r.decode([(tok, 64 + i, 0, True)])
+        tok = int(r.logits(-1).argmax())
+        steps.append(time.perf_counter() - t0)
+    out = {"decode1": 1 / statistics.median(steps)}
+    # decode, 8 streams: each a 64-token context, then 32 steps of 8 rows
+    r.clear()
+    r.decode([(int(t), i, s, i == 63) for s in range(N_SEQ) for i, t in enumerate(rng.integers(100, hi, 64))])
+    toks, steps = [int(r.logits(64 * s + 63).argmax()) for s in range(N_SEQ)], []
+    for i in range(32):
+        t0 = time.perf_counter()
+        r.decode([(toks[s], 64 + i, s, True) for s in range(N_SEQ)])
+        toks = [int(r.logits(s).argmax()) for s in range(N_SEQ)]
+        steps.append(time.perf_counter() - t0)
+    out["decode8"] = N_SEQ / statistics.median(steps)
+    # prefill: 256 tokens in one batch, logits of the last row; best of 3 after a warm-up
+    times = []
+    for k in range(4):
+        r.clear()
+        rows = [(int(t), i, 0, i == 255) for i, t in enumerate(np.random.default_rng(k).integers(100, hi, 256))]
+        t0 = time.perf_counter()
+        r.decode(rows)
+        C.llama_synchronize(r.ctx)
+        times.append(time.perf_counter() - t0)
+    out["prefill256"] = 256 / min(times[1:])
+    return out
+
+
+def logits(args) -> dict:
+    """Teacher-forced over the token ids, in one batch: each position's top 5 ids and logits."""
+    ids = json.loads(open(args.tokens).read())
+    r = Runner(load(args.model, args.threads, not args.no_extra_bufts, n_ctx=max(2048, len(ids))))
+    r.decode([(t, i, 0, True) for i, t in enumerate(ids)])
+    rows = np.stack([r.logits(i) for i in range(len(ids))])
+    top = np.argsort(-rows, axis=-1)[:, :5]
+    np.savez(args.out, ids=top, values=np.take_along_axis(rows, top, axis=-1))
+    return {"positions": len(ids), "out": args.out}
+
+
+def greedy(args) -> dict:
+    ids = json.loads(open(args.tokens).read())
+    r = Runner(load(args.model, args.threads, not args.no_extra_bufts))
+    r.decode([(t, i, 0, i == len(ids) - 1) for i, t in enumerate(ids)])
+    out = []
+    for i in range(args.n):
+        out.append(int(r.logits(-1).argmax()))
+        if out[-1] in args.eos:
+            break
+        r.decode([(out[-1], len(ids) + i, 0, True)])
+    return {"tokens": out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["speed", "logits", "greedy"])
+    ap.add_argument("model")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-extra-bufts", action="store_true")
+    ap.add_argument("--tokens")
+    ap.add_argument("--out")
+    ap.add_argument("--n", type=int, default=40)
+    ap.add_argument("--eos", type=int, nargs="*", default=[])
+    args = ap.parse_args()
+    result = {"speed": speed, "logits": logits, "greedy": greedy}[args.what](args)
+    print(json.dumps({"llama_cpp": llama_cpp.__version__, **result}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
