@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.wait import WebDriverWait
 
@@ -42,8 +43,11 @@ class Page:
         return self.driver.find_element(By.CSS_SELECTOR, css)
 
     def visible(self, css: str) -> bool:
-        found = self.driver.find_elements(By.CSS_SELECTOR, css)
-        return bool(found) and found[0].is_displayed()
+        try:
+            found = self.driver.find_elements(By.CSS_SELECTOR, css)
+            return bool(found) and found[0].is_displayed()
+        except StaleElementReferenceException:  # re-rendered between the two calls: ask again
+            return False
 
     def fill(self, css: str, value: str) -> None:
         field = self.find(css)
@@ -64,16 +68,22 @@ class Page:
             return m ? {text: m.querySelector('.text').textContent, state: m.dataset.state,
                         finish: m.dataset.finish, chunks: Number(m.dataset.chunks)} : null;""")
 
+    def texts(self, css: str) -> list[str]:
+        """The rendered text of every match, read in one script: the page re-renders its lists every second, so
+        elements found in one call may be gone (stale) by the next."""
+        return self.driver.execute_script(
+            "return [...document.querySelectorAll(arguments[0])].map(e => e.innerText.trim())", css)
+
     def nodes(self) -> dict[str, str]:
         """Node id -> the layer range its card shows."""
-        cards = self.driver.find_elements(By.CSS_SELECTOR, "#nodes .node")
-        return {c.get_attribute("data-node-id"): c.get_attribute("data-layers") for c in cards}
+        return dict(self.driver.execute_script(
+            "return [...document.querySelectorAll('#nodes .node')].map(c => [c.dataset.nodeId, c.dataset.layers])"))
 
     def segments(self) -> list[str]:
-        return [s.text for s in self.driver.find_elements(By.CSS_SELECTOR, "#layers .segment")]
+        return self.texts("#layers .segment")
 
     def errors(self) -> list[str]:
-        return [e.text for e in self.driver.find_elements(By.CSS_SELECTOR, ".message.error")]
+        return self.texts(".message.error")
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +169,7 @@ def test_a_peer_that_leaves_drops_out_of_the_view_with_an_event(cluster, page):
     cluster.nodes[1].proc.terminate()
     cluster.nodes[1].proc.wait(timeout=15)
     page.wait(lambda: page.nodes() == {"node0": "0:1"})
-    events = [e.text for e in page.driver.find_elements(By.CSS_SELECTOR, "#events li")]
+    events = page.texts("#events li")
     assert events[0].endswith("node1 left") and events[-1].endswith("2 node(s): node0, node1")
     # node0 alone can't cover layers 1-3: the bar shows the gap and the view says why requests would fail
     page.wait(lambda: page.segments() == ["node0 · 0", "not covered · 1–3"])
