@@ -2,6 +2,7 @@
 
     uv run python -m bench.bench_batching mixed [--engine numpy]   # 4 streams + a 1500-token prompt, before/after
     uv run python -m bench.bench_batching prefill [--engine numpy] [--lengths 1000,2000,4000,7000]
+        [--llama-python /tmp/llamavenv/bin/python]   # llama.cpp on the same file, same lengths, in this run
     uv run python -m bench.bench_batching tinygrad                 # first request at 5 new prompt lengths
 
 All on SmolLM2-135M-Instruct (the packaged GGUF). `mixed`: a node serving 4 greedy streams (200 tokens each) gets a
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import threading
 import time
 import urllib.request
@@ -31,7 +34,8 @@ from tests.cluster import Cluster
 MODEL_ID = "smollm2-135m-instruct"
 STORY = ("The old lighthouse keeper climbed the spiral stairs every evening, counting the steps as his father had "
          "taught him, and watched the ships slide past the rocks on their way to the harbour. ")
-# llama.cpp on the same file, 2 threads, this machine (from the issue): prompt tokens -> seconds to first token
+# llama.cpp on the same file, 2 threads, as the issue measured it: prompt tokens -> seconds to first token (used
+# when no --llama-python measures it in the same run)
 LLAMA_CPP_TTFT = {1000: 5.9, 2000: 12.1, 4000: 25.8, 7000: 58.7}
 
 
@@ -69,7 +73,16 @@ def mixed(engine: str, extra: list[str]) -> dict:
             "ttft_s": first[0] - sent, "stream_tokens": [len(r) for r in runs]}
 
 
-def prefill(engine_name: str, lengths: list[int], chunk: int) -> None:
+def llama_cpp_prefill(python: str, lengths: list[int]) -> dict[int, float]:
+    """llama.cpp (bench/llamacpp_ref.py in its own venv) on the same file and lengths, all cores."""
+    path, _ = resolve_model("smollm2")
+    out = subprocess.run([python, str(Path(__file__).with_name("llamacpp_ref.py")), "prefill", str(path),
+                          "--lengths", ",".join(map(str, lengths)), "--threads", str(os.cpu_count())],
+                         check=True, capture_output=True, text=True).stdout
+    return {int(n): s for n, s in json.loads(out.splitlines()[-1])["prefill_s"].items()}
+
+
+def prefill(engine_name: str, lengths: list[int], chunk: int, reference: dict[int, float]) -> None:
     path, _ = resolve_model("smollm2")
     cfg = ModelConfig.load(path)
     engine = engine_class(engine_name)(path, Shard.whole(MODEL_ID, cfg.n_layers), cfg)
@@ -84,7 +97,7 @@ def prefill(engine_name: str, lengths: list[int], chunk: int) -> None:
             engine.forward([StepInput("p", tokens=piece, max_positions=n)])
         dt = time.perf_counter() - t
         engine.release("p")
-        print(f"{n:>7} {dt:>10.1f} {n / dt:>7.0f} {LLAMA_CPP_TTFT.get(n, float('nan')):>12.1f}", flush=True)
+        print(f"{n:>7} {dt:>10.1f} {n / dt:>7.0f} {reference.get(n, float('nan')):>12.1f}", flush=True)
 
 
 def tinygrad_first_requests(lengths: list[int]) -> None:
@@ -116,6 +129,7 @@ def main() -> None:
     ap.add_argument("--engine", default="numpy")
     ap.add_argument("--lengths", default="1000,2000,4000,7000")
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--llama-python", help="python of a venv with llama-cpp-python: measure llama.cpp in this run")
     args = ap.parse_args()
     if args.what == "mixed":
         for label, extra in (("before: whole-prompt prefill", ["--prefill-chunk", "8192", "--step-tokens", "8192"]),
@@ -125,7 +139,9 @@ def main() -> None:
                   f"({r['longest_gap_ms'] / r['median_gap_ms']:.1f}x); long prompt's first token after "
                   f"{r['ttft_s']:.2f} s", flush=True)
     elif args.what == "prefill":
-        prefill(args.engine, [int(n) for n in args.lengths.split(",")], args.chunk)
+        lengths = [int(n) for n in args.lengths.split(",")]
+        reference = llama_cpp_prefill(args.llama_python, lengths) if args.llama_python else LLAMA_CPP_TTFT
+        prefill(args.engine, lengths, args.chunk, reference)
     else:
         tinygrad_first_requests([23, 41, 57, 95, 170])
 

@@ -2,9 +2,10 @@
 speed of one stream as the layers are split over 1-4 nodes.
 
     uv run --group bench python -m bench.bench_cluster [--tokens 64] [--plot-dir bench/plots | --no-plot]
+        [--model random357m | smollm2 | PATH] [--engine numpy | ggml | ...] [--node-args "--threads 1"]
 
-Writes the mid-size random Llama (357.6M params, f32) to a temp folder and streams greedy completions, timing
-every token as it arrives. Plots: concurrency.png (aggregate tok/s and p50/p99 inter-token latency vs streams) and
+By default writes the mid-size random Llama (357.6M params, f32) to a temp folder; streams greedy completions,
+timing every token as it arrives. Plots: concurrency.png (aggregate tok/s and p50/p99 inter-token latency vs streams) and
 nodes.png (tok/s vs nodes).
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import signal
 import statistics
 import sys
@@ -21,16 +23,19 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from bench import plots
 from bench.random_model import write_random_llama
+from shards.config import ModelConfig
+from shards.models import resolve_model
 from shards.progress import Progress, track
 from tests.cluster import Cluster
 
-SPLITS = {1: None, 2: ["0:4", "4:8"], 3: ["0:3", "3:6", "6:8"], 4: ["0:2", "2:4", "4:6", "6:8"]}
+NODES = (1, 2, 3, 4)
 STREAMS = (1, 2, 4, 8, 16)
 
 
@@ -67,43 +72,58 @@ def one_stream(api_url: str, model: str, tokens: int) -> float:
     return statistics.median(decode_rate(stream_stamps(api_url, model, f"prompt {i}", tokens)) for i in range(3))
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What every cluster of a run serves and how its nodes are started."""
+    model: Path
+    model_id: str
+    engine: str = "numpy"
+    node_args: tuple[str, ...] = ()
+
+    def splits(self, n: int) -> list[str] | None:
+        layers = ModelConfig.load(self.model).n_layers
+        cuts = [round(i * layers / n) for i in range(n + 1)]
+        return [f"{a}:{b}" for a, b in zip(cuts, cuts[1:])] if n > 1 else None
+
+
 @contextmanager
-def cluster(model: Path, n: int, extra: list[str] | None = None) -> Iterator[str]:
+def cluster(setup: Setup, n: int, extra: list[str] | None = None) -> Iterator[str]:
     """n nodes with the layers split evenly, warmed up: yields the entry node's API URL."""
-    with Cluster(model, n, shards=SPLITS[n], api_nodes=1, extra=extra) as c:
-        stream_stamps(c.nodes[0].api_url, model.name, "warm up", 4)
+    with Cluster(setup.model, n, shards=setup.splits(n), api_nodes=1, model_id=setup.model_id, engine=setup.engine,
+                 extra=[*setup.node_args, *(extra or [])]) as c:
+        stream_stamps(c.nodes[0].api_url, setup.model_id, "warm up", 4)
         yield c.nodes[0].api_url
 
 
-def sweep(model: Path, tokens: int) -> dict[int, list[dict]]:
+def sweep(setup: Setup, tokens: int) -> dict[int, list[dict]]:
     results: dict[int, list[dict]] = {1: [], 3: []}
     with Progress("concurrency sweep", len(results) * sum(STREAMS) * tokens, unit="tokens") as progress:
         for n, rows in results.items():
-            with cluster(model, n) as url:
+            with cluster(setup, n) as url:
                 for streams in STREAMS:
-                    rows.append(row := concurrent(url, model.name, streams, tokens))
+                    rows.append(row := concurrent(url, setup.model_id, streams, tokens))
                     progress.update(streams * tokens)
                     tqdm.write(f"{n} node(s), {streams:2} streams: {row['tok_s']:6.1f} tok/s aggregate (incl. "
                                f"prefill), inter-token p50 {row['p50_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms")
     return results
 
 
-def by_nodes(model: Path, tokens: int) -> list[dict]:
+def by_nodes(setup: Setup, tokens: int) -> list[dict]:
     results = []
-    for n in track([(n, 1) for n in SPLITS], "nodes sweep", unit="clusters"):
-        with cluster(model, n) as url:
-            row = {"nodes": n, "one": one_stream(url, model.name, tokens),
-                   "eight": concurrent(url, model.name, 8, tokens)["tok_s"]}
+    for n in track([(n, 1) for n in NODES], "nodes sweep", unit="clusters"):
+        with cluster(setup, n) as url:
+            row = {"nodes": n, "one": one_stream(url, setup.model_id, tokens),
+                   "eight": concurrent(url, setup.model_id, 8, tokens)["tok_s"]}
         results.append(row)
         tqdm.write(f"{n} node(s): {row['one']:.1f} tok/s decode (one stream), {row['eight']:.1f} tok/s aggregate "
                    f"(8 streams)")
     return results
 
 
-def sampling_ab(model: Path, tokens: int) -> None:
+def sampling_ab(setup: Setup, tokens: int) -> None:
     for label, extra in (("on", None), ("off", ["--sample-batch-max", "1"]), ("on", None)):
-        with cluster(model, 3, extra) as url:
-            agg = concurrent(url, model.name, 8, tokens)["tok_s"]
+        with cluster(setup, 3, extra) as url:
+            agg = concurrent(url, setup.model_id, 8, tokens)["tok_s"]
         print(f"3 nodes, 8 concurrent streams, sampling batcher {label}: {agg:.1f} tok/s aggregate")
 
 
@@ -112,6 +132,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--plot-dir", type=Path, default=plots.PLOTS)
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--model", default="random357m",
+                    help="random357m (written to a temp folder), a packaged model's name, or a model path")
+    ap.add_argument("--engine", default="numpy")
+    ap.add_argument("--node-args", default="", help='more arguments for every node, e.g. "--threads 1"')
     ap.add_argument("--sampling-ab", action="store_true",
                     help="only compare 8 concurrent streams on 3 nodes with the sampling batcher on vs off")
     args = ap.parse_args()
@@ -120,16 +144,24 @@ def main() -> None:
     if not args.no_plot:
         plots.require()  # before minutes of measuring, not after
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_random_llama(Path(tmp) / "mid")
+        if args.model == "random357m":
+            model, model_id, label = write_random_llama(Path(tmp) / "mid"), "mid", "random 357.6M Llama (f32)"
+        else:
+            model, model_id = resolve_model(args.model)
+            label = model_id
+        setup = Setup(model, model_id, args.engine, tuple(shlex.split(args.node_args)))
         if args.sampling_ab:
-            return sampling_ab(model, args.tokens)
-        sweeps = sweep(model, args.tokens)
-        nodes = by_nodes(model, args.tokens)
+            return sampling_ab(setup, args.tokens)
+        sweeps = sweep(setup, args.tokens)
+        nodes = by_nodes(setup, args.tokens)
+    print(json.dumps({"sweep": sweeps, "nodes": nodes}))
     if not args.no_plot:
         where = f"all nodes on {plots.machine_note()}"
-        title = f"random 357.6M Llama (f32), numpy engine, {args.tokens} tokens per stream\n{where}"
-        print("wrote", plots.concurrency(sweeps, args.plot_dir / "concurrency.png", title))
-        print("wrote", plots.nodes(nodes, args.plot_dir / "nodes.png", f"random 357.6M Llama, numpy engine\n{where}"))
+        what = f"{label}, {args.engine} engine {args.node_args}".rstrip()
+        suffix = "" if (args.model, args.engine) == ("random357m", "numpy") else f"-{model_id}-{args.engine}"
+        print("wrote", plots.concurrency(sweeps, args.plot_dir / f"concurrency{suffix}.png",
+                                         f"{what}, {args.tokens} tokens per stream\n{where}"))
+        print("wrote", plots.nodes(nodes, args.plot_dir / f"nodes{suffix}.png", f"{what}\n{where}"))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ the ggml engine. It runs in a throwaway venv of its own, never in exo-node's env
     /tmp/llamavenv/bin/python bench/llamacpp_ref.py speed MODEL.gguf --threads 2
     /tmp/llamavenv/bin/python bench/llamacpp_ref.py logits MODEL.gguf --tokens ids.json --out top.npz
     /tmp/llamavenv/bin/python bench/llamacpp_ref.py greedy MODEL.gguf --tokens prompt.json --n 40
+    /tmp/llamavenv/bin/python bench/llamacpp_ref.py prefill MODEL.gguf --lengths 1000,7000 --threads 2
 
 Prints one JSON object. Flash attention on, unified KV for the 8-stream test, logits of the last row only in
 prefill. `--no-extra-bufts` keeps the weights out of llama.cpp's repacked (CPU_REPACK/AMX) buffers, as exo-node does.
@@ -108,6 +109,24 @@ def speed(args) -> dict:
     return out
 
 
+def prefill(args) -> dict:
+    """Seconds to the first token of prompts of each length (random ids; batches of 1024, logits of the last)."""
+    lengths = [int(n) for n in args.lengths.split(",")]
+    r = Runner(load(args.model, args.threads, not args.no_extra_bufts, n_ctx=max(lengths) + 16))
+    rng = np.random.default_rng(0)
+    r.decode([(int(t), i, 0, i == 63) for i, t in enumerate(rng.integers(100, 20000, 64))])  # warm-up
+    seconds = {}
+    for n in lengths:
+        r.clear()
+        ids = rng.integers(100, min(r.n_vocab, 20000), n)
+        t0 = time.perf_counter()
+        for a in range(0, n, 1024):
+            r.decode([(int(ids[i]), i, 0, i == n - 1) for i in range(a, min(n, a + 1024))])
+        C.llama_synchronize(r.ctx)
+        seconds[n] = time.perf_counter() - t0
+    return {"prefill_s": seconds}
+
+
 def logits(args) -> dict:
     """Teacher-forced over the token ids, in one batch: each position's top 5 ids and logits."""
     ids = json.loads(open(args.tokens).read())
@@ -134,7 +153,7 @@ def greedy(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["speed", "logits", "greedy"])
+    ap.add_argument("what", choices=["speed", "logits", "greedy", "prefill"])
     ap.add_argument("model")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-extra-bufts", action="store_true")
@@ -142,8 +161,9 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--eos", type=int, nargs="*", default=[])
+    ap.add_argument("--lengths", default="1000,2000,4000,7000")
     args = ap.parse_args()
-    result = {"speed": speed, "logits": logits, "greedy": greedy}[args.what](args)
+    result = {"speed": speed, "logits": logits, "greedy": greedy, "prefill": prefill}[args.what](args)
     print(json.dumps({"llama_cpp": llama_cpp.__version__, **result}))
     sys.stdout.flush()
 

@@ -103,6 +103,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="decoding requests one forward pass carries; more wait their turn")
     ap.add_argument("--prefill-chunk", type=int, default=SchedulerLimits.prefill_chunk,
                     help="longest piece of a prompt prefilled in one forward pass (long prompts take several)")
+    ap.add_argument("--max-stall", type=float, default=SchedulerLimits.max_stall,
+                    help="while requests are decoding, a step adds only as much prompt prefill as keeps it within this "
+                         "many decode steps' time (measured as it runs), so a long prompt never freezes the streams")
     ap.add_argument("--kv-memory-gb", type=float,
                     help="KV cache memory this node may reserve for requests (default: 40%% of the available memory); "
                          "a request that doesn't fit waits for room, then gets a 503")
@@ -235,7 +238,7 @@ async def run(args: argparse.Namespace) -> int:
                                               else 0.4 * available_memory()),
                                 kv_value_bytes=engine_class(engine).kv_value_bytes,
                                 scheduling=SchedulerLimits(args.step_tokens, args.max_batch_rows, args.prefill_chunk,
-                                                           engine_class(engine).prefill_buckets))
+                                                           engine_class(engine).prefill_buckets, args.max_stall))
         source = fetching.weight_source(args, model_path, model_id, config.n_layers, copy)
         stack.callback(source.close)
         node = Node(settings, config, tokenizer, factory, transport,

@@ -248,6 +248,7 @@ class Node:
             return
         # forward_us: the engine computing; step_us: the same step as the pipeline saw it (waiting for the engine
         # thread included). Their difference, and the time between steps, is overhead.
+        self.core.queue.observe(group, computed)
         self.counters["forward_us_total"] += int(computed * 1e6)
         self.counters["step_us_total"] += int((time.perf_counter() - started) * 1e6)
         self.metrics.step_done(time.perf_counter() - started, len(inputs), sum(len(data) for _, data, _ in inputs))

@@ -9,6 +9,12 @@ Engines whose speed depends on seeing few distinct shapes declare length buckets
 cut to a bucket size where it can be, the budget is charged the bucket's ceiling (what the engine pads to, not the
 raw length), and chunks of different buckets never share an engine call (the group key is (shard, bucket)).
 Nothing is ever truncated: a prompt longer than the largest bucket is simply cut into more chunks.
+
+A step that carries decode rows carries only as much prefill as keeps it within `max_stall` times a step of decode
+rows alone, by what this node measured its own steps to cost (`StepCosts`): on a CPU a 256-position chunk takes
+30-100 decode steps' time, so a fixed budget would still freeze every running stream for the length of the chunk.
+When nothing is decoding, prefill gets the whole budget. At least `MIN_PREFILL` positions (or the smallest bucket)
+go in each step, so a prompt always advances.
 """
 from __future__ import annotations
 
@@ -20,6 +26,9 @@ import numpy as np
 
 from shards.shard import Shard
 
+MIN_PREFILL = 16  # prompt positions a step beside decode rows always carries, however slow prefill is
+EWMA = 0.2  # weight of the newest step in the cost estimates: smooths noise, follows a growing context
+
 
 @dataclass(frozen=True)
 class SchedulerLimits:
@@ -27,10 +36,13 @@ class SchedulerLimits:
     max_batch_rows: int = 64  # decode rows (requests past their prompt) per forward pass
     prefill_chunk: int = 256  # longest piece of a prompt one forward pass prefills for a request
     buckets: tuple[int, ...] | None = None  # the engine's length buckets; None: any length is fine
+    max_stall: float = 2.0  # a step with decode rows and prefill: at most this many decode-only steps' time
 
     def __post_init__(self) -> None:
         if min(self.step_tokens, self.max_batch_rows, self.prefill_chunk) < 1:
             raise ValueError("step tokens, batch rows and prefill chunk must all be >= 1")
+        if not self.max_stall > 1:
+            raise ValueError(f"the stall limit must be above 1 (a decode step's own time), got {self.max_stall}")
         if self.buckets is not None:
             if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
                 raise ValueError(f"buckets must be increasing positive lengths, got {self.buckets}")
@@ -61,6 +73,34 @@ class SchedulerLimits:
         return fitting[-1] if fitting else 0  # a bucket-sized piece: no padding wasted
 
 
+@dataclass
+class StepCosts:
+    """What this node's engine calls cost, learnt from the ones it ran (moving averages)."""
+
+    decode_s: float | None = None  # an engine call of decode rows alone
+    prefill_s: float | None = None  # one more prompt position in an engine call
+
+    def observe(self, decode_rows: int, prefill_positions: int, seconds: float) -> None:
+        if not prefill_positions:
+            if decode_rows:
+                self.decode_s = _average(self.decode_s, seconds)
+            return
+        # beside decode rows, a position costs what it adds to their step; alone, its share of the whole call
+        extra = seconds - (self.decode_s or 0.0) if decode_rows else seconds
+        self.prefill_s = _average(self.prefill_s, max(extra, 0.0) / prefill_positions)
+
+    def prefill_room(self, max_stall: float) -> int | None:
+        """Prompt positions a step with decode rows may add to stay within `max_stall` decode steps (None: not
+        measured yet)."""
+        if self.decode_s is None or not self.prefill_s:
+            return None
+        return int((max_stall - 1) * self.decode_s / self.prefill_s)
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA) * old + EWMA * new
+
+
 @dataclass(frozen=True)
 class Queued:
     """An input waiting for a forward pass."""
@@ -87,6 +127,12 @@ class StepScheduler:
     def __init__(self, limits: SchedulerLimits = SchedulerLimits()):
         self.limits = limits
         self.queue: deque[Queued] = deque()
+        self.costs = StepCosts()
+
+    def observe(self, group: Group, seconds: float) -> None:
+        """An engine call of `group` took `seconds`: the costs that size later steps."""
+        decode = sum(1 for item in group.items if item.decode)
+        self.costs.observe(decode, sum(len(item.data) for item in group.items if not item.decode), seconds)
 
     def push(self, item: Queued) -> None:
         self.queue.append(item)
@@ -116,6 +162,10 @@ class StepScheduler:
                 rest.append(item)
                 waiting.add(rid)
         self.queue, waiting = deque(), set()
+        room = self.costs.prefill_room(lim.max_stall) if chosen else None
+        if room is not None:  # decode rows are running: only as much prefill as they can bear
+            floor = lim.buckets[0] if lim.buckets else MIN_PREFILL
+            budget = min(budget, max(room, floor))
         for item in rest:  # then prompt chunks, oldest first, in what is left of the budget
             rid = item.request_id
             n = 0

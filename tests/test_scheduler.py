@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from node.scheduler import Queued, SchedulerLimits, StepScheduler
+from node.scheduler import Group, Queued, SchedulerLimits, StepScheduler
 from shards.shard import Shard
 
 SHARD = Shard("m", 0, 4, 8)
@@ -122,3 +122,70 @@ def test_with_buckets_a_chunk_shrinks_to_the_bucket_that_fits_what_is_left():
 def test_inconsistent_limits_are_refused(limits, message):
     with pytest.raises(ValueError, match=message):
         SchedulerLimits(**limits)
+
+
+# -- prefill beside decoding streams is sized by what steps were measured to cost --------------------------------
+
+def measured(s, decode_s, prefill_s_per_position):
+    """The node ran a step of two decode rows alone, then one with a 256-position chunk beside them."""
+    s.observe(group(decode("x"), decode("y")), decode_s)
+    s.observe(group(decode("x"), decode("y"), prompt("z", 256, True)), decode_s + 256 * prefill_s_per_position)
+
+
+def group(*items):
+    return Group(SHARD, None, items)
+
+
+def test_before_anything_is_measured_the_budget_alone_sizes_prefill():
+    s = scheduler(decode("d"), prompt("long", 1000), step_tokens=512, prefill_chunk=256)
+    assert take(s) == [(SHARD, None, [("d", 1, False), ("long", 256, True)])]
+
+
+def test_beside_decode_rows_a_step_carries_only_the_prefill_that_keeps_it_within_the_stall_limit():
+    # decode steps take 40 ms, a prompt position 1 ms: with max_stall 2, 40 positions double the step, no more
+    s = scheduler(step_tokens=512, prefill_chunk=256, max_stall=2.0)
+    measured(s, 0.040, 0.001)
+    s.push(decode("d"))
+    s.push(prompt("long", 1000))
+    assert take(s) == [(SHARD, None, [("d", 1, False), ("long", 40, True)])]
+    s = scheduler(step_tokens=512, prefill_chunk=256, max_stall=3.0)
+    measured(s, 0.040, 0.001)
+    s.push(decode("d"))
+    s.push(prompt("long", 1000))
+    assert take(s)[0][2][1] == ("long", 80, True)
+
+
+def test_with_nothing_decoding_prefill_gets_the_whole_budget_whatever_it_costs():
+    s = scheduler(step_tokens=512, prefill_chunk=256)
+    measured(s, 0.040, 0.001)
+    s.push(prompt("a", 1000))
+    s.push(prompt("b", 1000))
+    assert take(s) == [(SHARD, None, [("a", 256, True), ("b", 256, True)])]
+
+
+def test_however_slow_prefill_is_a_prompt_still_advances_beside_decode_rows():
+    s = scheduler(step_tokens=512, prefill_chunk=256)
+    measured(s, 0.010, 0.050)  # one position costs five decode steps
+    s.push(decode("d"))
+    s.push(prompt("long", 1000))
+    assert take(s)[0][2][1] == ("long", 16, True)
+    s = scheduler(step_tokens=512, prefill_chunk=256, buckets=(64, 256))  # with buckets: the smallest bucket
+    measured(s, 0.010, 0.050)
+    s.push(decode("d"))
+    s.push(prompt("long", 1000))
+    assert [g[1:] for g in take(s)] == [(1, [("d", 1, False)]), (64, [("long", 64, True)])]
+
+
+def test_costs_follow_the_steps_as_they_grow_slower():
+    s = scheduler(step_tokens=512, prefill_chunk=256)
+    measured(s, 0.040, 0.001)
+    for _ in range(30):  # a long context: each position now costs 4 ms beside the decode rows
+        s.observe(group(decode("x"), prompt("z", 100, True)), 0.040 + 100 * 0.004)
+    s.push(decode("d"))
+    s.push(prompt("long", 1000))
+    assert take(s)[0][2][1] == ("long", 16, True)  # 10 would fit; the floor is 16
+
+
+def test_a_stall_limit_at_or_below_one_decode_step_is_refused():
+    with pytest.raises(ValueError, match="stall"):
+        SchedulerLimits(max_stall=1.0)
