@@ -8,7 +8,8 @@
 All on SmolLM2-135M-Instruct (the packaged GGUF). `mixed`: a node serving 4 greedy streams (200 tokens each) gets a
 request with a ~1500-token prompt after their 20th token; it reports the streams' median and longest gap between
 tokens, and the long request's time to first token, with whole-prompt prefill ("before": one forward pass for the
-whole prompt) and with the default chunked scheduler ("after").
+whole prompt), with 256-position chunks in a fixed budget, and with the defaults ("after": chunks sized to keep a
+step within --max-stall decode steps).
 """
 from __future__ import annotations
 
@@ -132,8 +133,10 @@ def main() -> None:
     ap.add_argument("--llama-python", help="python of a venv with llama-cpp-python: measure llama.cpp in this run")
     args = ap.parse_args()
     if args.what == "mixed":
-        for label, extra in (("before: whole-prompt prefill", ["--prefill-chunk", "8192", "--step-tokens", "8192"]),
-                             ("after: chunked (defaults)", [])):
+        for label, extra in (("before: whole-prompt prefill",
+                              ["--prefill-chunk", "8192", "--step-tokens", "8192", "--max-stall", "1e9"]),
+                             ("chunks of 256, no stall limit", ["--max-stall", "1e9"]),
+                             ("after: defaults (chunks, stall limit 2)", [])):
             r = mixed(args.engine, extra)
             print(f"{label}: streams' median gap {r['median_gap_ms']:.0f} ms, longest {r['longest_gap_ms']:.0f} ms "
                   f"({r['longest_gap_ms'] / r['median_gap_ms']:.1f}x); long prompt's first token after "
