@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import shlex
 import signal
 import statistics
@@ -158,7 +159,8 @@ def main() -> None:
     if not args.no_plot:
         where = f"all nodes on {plots.machine_note()}"
         what = f"{label}, {args.engine} engine {args.node_args}".rstrip()
-        suffix = "" if (args.model, args.engine) == ("random357m", "numpy") else f"-{model_id}-{args.engine}"
+        suffix = "" if (args.model, args.engine, args.node_args) == ("random357m", "numpy", "") else \
+            "-".join(["", model_id, args.engine, *(re.sub(r"\W+", "", a) for a in shlex.split(args.node_args))])
         print("wrote", plots.concurrency(sweeps, args.plot_dir / f"concurrency{suffix}.png",
                                          f"{what}, {args.tokens} tokens per stream\n{where}"))
         print("wrote", plots.nodes(nodes, args.plot_dir / f"nodes{suffix}.png", f"{what}\n{where}"))
