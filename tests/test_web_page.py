@@ -5,6 +5,7 @@ request really is still running when the stop button is pressed.
 """
 from __future__ import annotations
 
+import re
 import urllib.error
 import urllib.request
 
@@ -16,6 +17,7 @@ from selenium.webdriver.support.wait import WebDriverWait
 from bench.random_model import write_random_llama
 from tests.browser import chromium
 from tests.cluster import Cluster
+from tests.conftest import FIXTURES
 from tests.test_metrics import scrape, value
 
 KEY = "sk-page-test"
@@ -78,6 +80,13 @@ class Page:
         """Node id -> the layer range its card shows."""
         return dict(self.driver.execute_script(
             "return [...document.querySelectorAll('#nodes .node')].map(c => [c.dataset.nodeId, c.dataset.layers])"))
+
+    def field(self, node_id: str, label: str) -> str | None:
+        """The value a node's card shows for `label` (None: no such card or field yet)."""
+        return self.driver.execute_script(
+            "const card = [...document.querySelectorAll('#nodes .node')].find(c => c.dataset.nodeId === arguments[0]);"
+            "const dd = card && card.querySelector(`dd[data-field='${arguments[1]}']`);"
+            "return dd ? dd.innerText.trim() : null", node_id, label)
 
     def segments(self) -> list[str]:
         return self.texts("#layers .segment")
@@ -174,3 +183,24 @@ def test_a_peer_that_leaves_drops_out_of_the_view_with_an_event(cluster, page):
     # node0 alone can't cover layers 1-3: the bar shows the gap and the view says why requests would fail
     page.wait(lambda: page.segments() == ["node0 · 0", "not covered · 1–3"])
     assert "layers 1-3 are not covered" in page.find("#cluster-error").text
+
+
+def test_a_node_fetching_its_layers_shows_its_progress_then_the_layers_it_holds(tmp_path):
+    """node1 starts with only the model's id and fetches its layers from node0, which uploads slowly (0.5 Mbit/s)
+    so that the fetch lasts a few seconds; the page shows it going, then what node1 holds."""
+    fetching = ["--model", "llama", "--models-dir", str(tmp_path / "node1"), "--wait-for-peers", "1"]
+    with Cluster(FIXTURES / "llama", 2, per_node=[["--max-upload-mbps", "0.5"], fetching], model_id="llama",
+                 memory_gb=[1, 1]) as c, chromium() as driver:
+        driver.get(f"{c.nodes[0].api_url}/")
+        page, seen = Page(driver), []
+
+        def files_of_node1() -> str:
+            seen.append(page.field("node1", "files"))
+            return seen[-1]
+
+        page.wait(lambda: (files_of_node1() or "").endswith("(fetched)"), timeout=60)
+        assert page.field("node0", "files") == "whole model"
+        assert any(re.fullmatch(r"fetching layers \d+-\d+: \d+%", s or "") for s in seen), sorted(set(map(str, seen)))
+        plan = {s["node_id"]: (s["start"], s["end"]) for s in c.topology()["plan"]}
+        start, end = plan["node1"]
+        assert seen[-1] == f"layers {start}–{end - 1} (fetched)"

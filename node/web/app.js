@@ -254,6 +254,16 @@ function batchSizes(status) {
     .map(([size, count]) => `${size}×${count}`).join(" ") || "–";
 }
 
+// Which of the model's files a node holds: all of them, or (a node that fetches its layers from a peer) what its
+// fetch is doing, else the layers it has verified so far.
+function files(availability) {
+  const a = availability || { complete: true };
+  if (a.complete) return "whole model";
+  if (a.note) return a.note;
+  const runs = (a.layers || []).map(([s, e]) => (e - s === 1 ? `${s}` : `${s}–${e - 1}`));
+  return runs.length ? `layers ${runs.join(", ")} (fetched)` : "none yet";
+}
+
 function nodeCard(node, index, range, color, nLayers) {
   const status = node.status || {};
   const card = document.createElement("div");
@@ -281,6 +291,7 @@ function nodeCard(node, index, range, color, nLayers) {
     ["tok/s", tokps === null ? "–" : tokps.toFixed(1)],
     ["rows/step", rows === null ? "–" : rows.toFixed(2)],
     ["KV cache", mib(status.kv_cache_bytes || 0)],
+    ["files", files(node.availability)],
     ["loaded", node.loaded.join(", ") || "nothing yet"],
     ["sample batches", batchSizes(status)],
   ];
