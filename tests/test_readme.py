@@ -1,7 +1,9 @@
 """The README's commands and examples work exactly as written."""
+import json
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -48,3 +50,12 @@ def test_curl_example(default_node):
 def test_python_example(default_node):
     out = subprocess.run([sys.executable, "-c", block("python")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr
+
+
+def test_the_first_run_answer_is_the_one_the_readme_shows(default_node):
+    section = README.split("## First run\n")[1].split("\n## ")[0]
+    command = re.search(r"\n((?:    .*\n)+)\nanswers:", section).group(1)
+    answer = section.split("\nanswers:")[1]
+    shown = json.loads('"' + re.search(r'"content": "((?:[^"\\]|\\.)*)"', answer).group(1) + '"')
+    out = subprocess.run(["sh", "-c", textwrap.dedent(command)], capture_output=True, text=True, timeout=60)
+    assert json.loads(out.stdout)["choices"][0]["message"]["content"] == shown, out.stdout + out.stderr
