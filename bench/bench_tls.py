@@ -124,7 +124,7 @@ async def measure(calls: int, repeats: int) -> None:
         print(f"{name:30} {pw:8.3f} / {pc:7.3f} ms {tw:8.3f} / {tc:7.3f} ms {tc - pc:+8.3f} ms  ({what})")
 
 
-def cluster_decode(rounds: int, tokens: int) -> None:
+def cluster_decode(rounds: int, tokens: int, engine: str) -> None:
     """One greedy stream of SmolLM2 through 3 nodes on loopback (10 layers each), with and without a cluster key,
     interleaved rounds: decode tok/s of each, and the cost of TLS."""
     import tempfile
@@ -141,13 +141,14 @@ def cluster_decode(rounds: int, tokens: int) -> None:
         for _ in range(rounds):
             for label, extra in (("plaintext", []), ("mutual TLS", ["--cluster-key-file", str(key_file)])):
                 with Cluster(Path("smollm2"), 3, shards=["0:10", "10:20", "20:30"], api_nodes=1,
-                             model_id="smollm2-135m-instruct", extra=["--engine", "numpy", *extra]) as c:
+                             model_id="smollm2-135m-instruct", engine=engine,
+                             extra=[*(["--threads", "1"] if engine == "ggml" else []), *extra]) as c:
                     url = c.nodes[0].api_url
                     stream_stamps(url, "smollm2-135m-instruct", "warm up", 4)
                     rates[label].append(decode_rate(stream_stamps(url, "smollm2-135m-instruct",
                                                                   "Tell me about the sea.", tokens)))
     plain, tls = (statistics.median(rates[k]) for k in ("plaintext", "mutual TLS"))
-    print(f"3 nodes, one stream: plaintext {plain:.1f} tok/s, mutual TLS {tls:.1f} tok/s "
+    print(f"{engine}, 3 nodes, one stream: plaintext {plain:.1f} tok/s, mutual TLS {tls:.1f} tok/s "
           f"({100 * (plain - tls) / plain:+.1f}% slower); rounds: {rates}")
 
 
@@ -157,9 +158,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cluster", action="store_true",
                     help="instead: decode speed of one stream through 3 nodes, with and without a key")
+    ap.add_argument("--engine", default="numpy", help="with --cluster (ggml: one thread per node)")
     args = ap.parse_args()
     if args.cluster:
-        cluster_decode(args.repeats, 64)
+        cluster_decode(args.repeats, 64, args.engine)
     else:
         asyncio.run(measure(args.calls, args.repeats))
 
