@@ -2,6 +2,7 @@
 unchanged, corrupted chunks refused and fetched again, interruptions resumed (same peer or another), clear disk
 errors, bounded uploads, and nothing served beyond the manifest."""
 import asyncio
+import dataclasses
 import errno
 import os
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 from node.fetch.fetcher import Fetcher, Source
 from node.fetch.hashes import HashCache
+from node.fetch.layout import build_manifest
 from node.fetch.local_copy import DiskError, LocalCopy, disk_error
 from node.fetch.source import WeightSource
 from node.fetch.startup import open_copy
@@ -113,6 +115,26 @@ def test_a_corrupted_chunk_is_refused_by_its_sha256_and_fetched_again(tmp_path, 
     assert "does not match its sha256" in caplog.text
     assert counters["fetch_bytes_received"] > counters["fetch_bytes_verified"] == copy.manifest.nbytes()
     assert all((copy.root / f.name).read_bytes() == (LLAMA / f.name).read_bytes() for f in copy.manifest.files)
+
+
+def test_a_manifest_whose_labels_disagree_with_the_headers_is_refused_at_every_start(tmp_path):
+    """A peer labels layer 2's bytes as layer 3's and the other way round: a node serving layer 2 from that copy
+    would read a tensor never fetched. Refused when the headers arrive, and again at the next start."""
+    honest = build_manifest(LLAMA, "llama", 6, max_piece=SMALL["max_piece"])
+    swap = {2: 3, 3: 2}
+    lying = dataclasses.replace(honest, pieces=tuple(dataclasses.replace(p, layer=swap.get(p.layer, p.layer))
+                                                     for p in honest.pieces))
+
+    async def start():
+        async with Peer(manifest=lying) as peer:
+            fetcher = fetcher_for(peer)
+            try:
+                with pytest.raises(ValueError, match="does not match the file headers"):
+                    await open_copy("llama", tmp_path, fetcher)
+            finally:
+                await fetcher.transport.close()
+    asyncio.run(start())
+    asyncio.run(start())  # the metadata is on disk now: the check still runs
 
 
 def test_an_interrupted_fetch_resumes_with_only_the_missing_pieces(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 from shards.models import PACKAGED, ModelNotFound, resolve_model
 
 from ..topology import NodeInfo
-from .fetcher import Fetcher, FetchError, Source
+from .fetcher import Fetcher, Source
 from .layout import build_manifest
 from .local_copy import LocalCopy
 from .manifest import MODEL_ID, same_layout
@@ -81,18 +81,19 @@ async def open_copy(model_id: str, models_dir: Path, fetcher: Fetcher) -> LocalC
     copy = LocalCopy.load(root)
     if copy is not None and copy.has_metadata:
         log.info("using the copy of %s in %s", model_id, root)
-        return copy
-    log.info("%s is not here: fetching it from a peer into %s", model_id, root)
-    manifest = await fetcher.manifest()
-    copy = LocalCopy.create(root, manifest)
-    started = time.monotonic()
-    await fetcher.fetch(copy, manifest.metadata(), f"fetching {model_id}: config, tokenizer, headers")
-    fetcher.counters["fetch_ms"] += int((time.monotonic() - started) * 1000)
+    else:
+        log.info("%s is not here: fetching it from a peer into %s", model_id, root)
+        manifest = await fetcher.manifest()
+        copy = LocalCopy.create(root, manifest)
+        started = time.monotonic()
+        await fetcher.fetch(copy, manifest.metadata(), f"fetching {model_id}: config, tokenizer, headers")
+        fetcher.counters["fetch_ms"] += int((time.monotonic() - started) * 1000)
     # The peer's labels say which bytes are which layer's; the loaders go by the headers. They must agree, or a
-    # layer would be served with a tensor never fetched (read from a hole: zeros).
-    local = build_manifest(root, model_id, manifest.n_layers)
-    if not same_layout(local, manifest):
-        raise FetchError(f"the manifest of {model_id} from the peers does not match the headers they sent")
+    # layer would be served with a tensor never fetched (read from a hole: zeros). Checked at every start: a copy
+    # that failed once stays refused.
+    if not same_layout(build_manifest(root, model_id, copy.manifest.n_layers), copy.manifest):
+        raise ValueError(f"{root}: the manifest of {model_id} from the peers does not match the file headers they "
+                         "sent; delete the folder to fetch the model again")
     return copy
 
 
