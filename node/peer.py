@@ -13,7 +13,7 @@ from proto import node_service_pb2 as pb
 from proto import node_service_pb2_grpc as pb_grpc
 
 from . import wire
-from .fetch.manifest import Manifest
+from .fetch.manifest import Manifest, piece_deadline
 from .plan import RequestSpec
 from .peer_stream import PeerStream, StreamBroken
 from .requests import Activation, Refusal, TokenMessage
@@ -164,9 +164,9 @@ class GrpcTransport:
                           on_chunk: Callable[[int], None] = lambda n: None, idle_timeout: float = 30.0
                           ) -> tuple[bytes, bytes]:
         """(stated sha256, bytes) of piece `index`, which has `length` bytes. The call's deadline allows for a slow
-        link (16 kB/s); a stream that goes quiet for `idle_timeout` seconds is given up sooner."""
+        link (`piece_deadline`); a stream that goes quiet for `idle_timeout` seconds is given up sooner."""
         call = self.stub(address).FetchPiece(pb.PieceRequest(model_id=model_id, piece=index),
-                                             timeout=60 + length / 16_000)
+                                             timeout=piece_deadline(length))
         try:
             digest, data = None, bytearray()
             while True:

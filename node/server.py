@@ -2,6 +2,7 @@
 the node, and map bad input to INVALID_ARGUMENT."""
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
 import grpc
@@ -11,6 +12,7 @@ from proto import node_service_pb2 as pb
 from proto import node_service_pb2_grpc as pb_grpc
 
 from . import wire
+from .fetch.manifest import piece_deadline
 from .fetch.source import FetchRefused, UploadBusy, WeightSource
 from .peer import server_options
 from .plan import MAX_REQUEST_ID, Busy, PlanError, RequestSpec
@@ -98,14 +100,21 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except OSError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the piece: {e.strerror or e}")
-        try:  # the upload slot is freed however the stream ends: done, failed, or cancelled by the fetcher
-            yield pb.PieceChunk(sha256=transfer.sha256, length=transfer.length)
-            async for data in transfer.chunks:
-                yield pb.PieceChunk(data=data)
+        # A caller that stops reading (and set no deadline) must not hold the upload slot forever: the transfer gets
+        # the time the fetcher's own deadline gives the piece. (Written with context.write, not yielded, so the
+        # time limit covers the writes too.)
+        try:  # the upload slot is freed however the stream ends: done, failed, cancelled by the fetcher or timed out
+            async with asyncio.timeout(piece_deadline(transfer.length)):
+                await context.write(pb.PieceChunk(sha256=transfer.sha256, length=transfer.length))
+                async for data in transfer.chunks:
+                    await context.write(pb.PieceChunk(data=data))
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the piece took longer than its transfer may")
         except (FetchRefused, OSError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the piece: {e}")
         finally:
             transfer.close()
+            await transfer.chunks.aclose()  # its file now, not when the generator is collected
 
 
 class GrpcServer:

@@ -4,6 +4,7 @@ errors, bounded uploads, and nothing served beyond the manifest."""
 import asyncio
 import dataclasses
 import errno
+import functools
 import os
 import subprocess
 import time
@@ -18,6 +19,7 @@ from node.fetch.layout import build_manifest
 from node.fetch.local_copy import DiskError, LocalCopy, disk_error
 from node.fetch.source import WeightSource
 from node.fetch.startup import open_copy
+import node.server
 from node.peer import GrpcTransport
 from node.server import NodeServicer
 from proto import node_service_pb2 as pb
@@ -32,33 +34,32 @@ QWEN2 = FIXTURES / "gguf" / "qwen2.gguf"
 SMALL = dict(chunk=4096, max_piece=16384)  # many pieces, several chunks each: every path of the stream is taken
 
 
-class Corrupting(NodeServicer):
-    """A test double for a bad network: flips one bit in the `nth` data chunk it sends, once."""
+class Corrupting(WeightSource):
+    """A test double for a bad network: flips one bit in the `nth` data chunk it sends, once (after hashing the
+    piece from the file, as a flaky link would)."""
 
-    def __init__(self, source, nth: int):
-        super().__init__(None, source)
+    def __init__(self, *args, nth: int, **kw):
+        super().__init__(*args, **kw)
         self.left = nth
 
-    async def FetchPiece(self, request, context):
-        async for message in super().FetchPiece(request, context):
-            if message.data:
-                self.left -= 1
-                if self.left == 0:
-                    data = bytearray(message.data)
-                    data[len(data) // 2] ^= 0x10
-                    message = pb.PieceChunk(data=bytes(data))
-            yield message
+    async def _chunks(self, path, offset, length):
+        async for data in super()._chunks(path, offset, length):
+            self.left -= 1
+            if self.left == 0:
+                data = bytearray(data)
+                data[len(data) // 2] ^= 0x10
+                data = bytes(data)
+            yield data
 
 
 class Peer:
     """A node that has the model, reduced to its weight-serving gRPC service."""
 
-    def __init__(self, path=LLAMA, model_id="llama", servicer=NodeServicer, **kw):
+    def __init__(self, path=LLAMA, model_id="llama", source=WeightSource, **kw):
         n_layers = ModelConfig.load(path).n_layers
-        self.source = WeightSource(path, model_id, n_layers, **{**SMALL, **kw})
-        self.servicer = servicer(self.source) if servicer is not NodeServicer else NodeServicer(None, self.source)
+        self.source = source(path, model_id, n_layers, **{**SMALL, **kw})
         self.server = grpc.aio.server()
-        pb_grpc.add_NodeServiceServicer_to_server(self.servicer, self.server)
+        pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(None, self.source), self.server)
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
 
     async def __aenter__(self):
@@ -104,7 +105,7 @@ def test_a_node_fetches_just_its_shard_into_a_sparse_copy_the_loaders_read_uncha
 
 def test_a_corrupted_chunk_is_refused_by_its_sha256_and_fetched_again(tmp_path, caplog):
     async def go():
-        async with Peer(servicer=lambda source: Corrupting(source, nth=40)) as peer:
+        async with Peer(source=functools.partial(Corrupting, nth=40)) as peer:
             fetcher = fetcher_for(peer)
             copy = await open_copy("llama", tmp_path, fetcher)
             await fetcher.fetch(copy, copy.manifest.needed(Shard("llama", 0, 6, 6)), "test")
@@ -200,6 +201,34 @@ def test_uploads_stay_under_the_bandwidth_cap_and_the_transfer_slots(tmp_path):
     copy, rate, uploads = asyncio.run(go())
     assert copy.complete and uploads["upload_busy"] > 0
     assert 200_000 < rate <= 400_000 * 1.1
+
+
+def test_a_transfer_that_outlasts_its_deadline_is_cut_and_its_upload_slot_freed(monkeypatch):
+    """A caller that sets no deadline and reads slowly (or not at all) holds an upload slot only for the time a
+    fetcher's own deadline would give the piece (here shortened to 0.5 s; the peer sends 4 kB/s)."""
+    monkeypatch.setattr(node.server, "piece_deadline", lambda length: 0.5)
+
+    async def go():
+        async with Peer(rate=4000, max_transfers=1) as peer:
+            pieces = (await peer.source.manifest("llama")).pieces
+            biggest = max(range(len(pieces)), key=lambda i: pieces[i].length)
+            async with grpc.aio.insecure_channel(peer.address) as channel:
+                # (a deadline of its own only so that a regression fails instead of hanging: well past the server's)
+                call = pb_grpc.NodeServiceStub(channel).FetchPiece(pb.PieceRequest(model_id="llama", piece=biggest),
+                                                                   timeout=10)
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as cut:
+                    async for _ in call:
+                        pass
+                took = time.monotonic() - started
+            for _ in range(50):  # the slot is released as the cancelled stream unwinds
+                if peer.source.active == 0:
+                    break
+                await asyncio.sleep(0.02)
+            return cut.value.code(), took, peer.source.active, pieces[biggest].length
+    code, took, active, length = asyncio.run(go())
+    assert length / 4000 > 2  # the piece alone would have taken seconds
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and took < 2 and active == 0
 
 
 def test_only_the_manifest_pieces_of_the_served_model_are_given_out():

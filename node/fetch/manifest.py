@@ -32,6 +32,15 @@ MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # also a folder na
 FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")  # no '/', no leading '.': never a path elsewhere
 
 
+SLOWEST_LINK = 16_000  # bytes per second a piece's transfer is given time for, on both ends
+
+
+def piece_deadline(length: int) -> float:
+    """Seconds a piece of `length` bytes may take to go over: the fetcher's call deadline and the server's limit
+    on how long one transfer holds an upload slot (a caller that stops reading can't hold it forever)."""
+    return 60 + length / SLOWEST_LINK
+
+
 class ManifestError(ValueError):
     """A manifest is malformed or describes something a node must not write."""
 
