@@ -74,6 +74,15 @@ class _Reader(GGUFReader):
     def data(self, value: np.ndarray) -> None:
         self._plain = value.view(np.ndarray)  # same memory map, no copy
 
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        # Past the end of the file the base reader returns an empty slice instead of failing: an array that claims
+        # 2^40 elements then "reads" nothing forever and fills memory (a 45-byte file hung the node).
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if int(count) < 0 or end > self._plain.size:
+            raise ValueError(f"the header says {count} values of {np.dtype(dtype)} at byte {offset}, past the end "
+                             f"of the file ({self._plain.size} bytes)")
+        return super()._get(offset, dtype, count, override_order)
+
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         self.tensor_start = start_offs
         self.tensor_fields = fields

@@ -1,4 +1,5 @@
 """A damaged or unsupported GGUF is refused with one clear error naming the file and the problem, at start-up."""
+import struct
 import subprocess
 import sys
 
@@ -31,6 +32,18 @@ def test_truncated_header(tmp_path, keep):
     bad.write_bytes(fixture("qwen2").read_bytes()[:keep])
     with pytest.raises(GGUFError, match=rf"{bad}: not a readable GGUF file"):
         load_all(bad)
+
+
+def test_an_array_longer_than_the_file_is_refused_not_read_forever(tmp_path):
+    """45 bytes claiming a 2^40-element array: refused at once (it used to "read" nothing forever, filling memory).
+    Checked in a child process so that a regression fails on its timeout instead of hanging the suite."""
+    bad = tmp_path / "huge.gguf"
+    key = b"general.huge"
+    bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                    + struct.pack("<IIQ", V.ARRAY, V.UINT8, 1 << 40))
+    code = f"from shards.config import ModelConfig\nModelConfig.load({str(bad)!r})"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "past the end of the file" in out.stderr, out.stderr[-2000:]
 
 
 def test_truncated_tensor_data(tmp_path):
