@@ -180,7 +180,7 @@ def _options(body: dict, top_logprobs: int | None, default_max_tokens: int | Non
     sampling = SamplingParams(
         temperature=temperature,
         top_p=top_p if top_p > 0 else 1e-9,  # top_p 0 means "only the most likely token"
-        top_k=_int(body, "top_k", 0, 1 << 31) or 0,
+        top_k=_int(body, "top_k", 0, (1 << 31) - 1) or 0,  # an int32 on the wire
         seed=None if seed is None else seed % (1 << 64),  # OpenAI accepts any integer seed
         top_logprobs=top_logprobs,
     )

@@ -31,6 +31,9 @@ from .scheduler import Group, Queued, SchedulerLimits, StepScheduler
 
 log = logging.getLogger(__name__)
 
+# Why a request ended, as entries and nodes say it (EndRequest.reason) and as the ended_* counters count it
+END_REASONS = frozenset({"finished", "cancelled", "busy", "failed", "replayed", "expired"})
+
 
 # -- actions the driver carries out ---------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -147,7 +150,9 @@ class NodeCore:
         self.ended.add(request_id)
         self.local_inflight.discard(request_id)
         if (req := self.requests.pop(request_id, None)) is not None:
-            self.counters[f"ended_{reason or 'unknown'}"] += 1
+            # a counter per reason: only the reasons nodes send (a peer's free text would grow the status map, which
+            # peers refuse past 256 keys)
+            self.counters[f"ended_{reason if reason in END_REASONS else 'unknown'}"] += 1
             self.kv_reserved -= req.kv_bytes
         return [Release(request_id)]
 
@@ -175,6 +180,9 @@ class NodeCore:
                 >= self.limits.max_requests_per_entry:
             raise Busy(f"node {self.id} holds {self.limits.max_requests_per_entry} requests from entry "
                        f"{spec.entry_node_id}, its limit for one entry")
+        if spec.positions > self.config.max_position_embeddings:
+            raise PlanError(f"{spec.prompt_tokens} prompt + {spec.max_tokens} new tokens exceed the model's context "
+                            f"of {self.config.max_position_embeddings}")
         kv_bytes = self.kv_bytes(shard, spec.positions)
         budget = self.limits.kv_budget
         if budget is not None and kv_bytes > budget:

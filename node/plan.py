@@ -52,6 +52,8 @@ class RequestSpec:
         for name in ("resumed", "prompt_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise PlanError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.resumed > self.prompt_tokens:  # a replay's generated tokens are part of its prompt
+            raise PlanError(f"resumed ({self.resumed}) exceeds prompt_tokens ({self.prompt_tokens})")
         check_plan(self.plan)
         parse_address(self.entry_address)
 

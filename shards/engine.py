@@ -207,6 +207,8 @@ class BlockEngine(Engine):
         cache = self.caches.get(request_id)
         if cache is None:
             cfg = self.config
+            if max_positions is not None:  # a peer's number: never a cache larger than the model's context
+                max_positions = min(max_positions, cfg.max_position_embeddings)
             cache = self.caches[request_id] = [self.ops.new_cache(cfg.n_kv_heads, cfg.head_dim, max_positions)
                                                for _ in self.model.layers]
         return cache

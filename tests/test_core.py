@@ -306,14 +306,29 @@ def sized(rid, prompt_tokens, max_tokens):
 
 def test_each_request_reserves_its_kv_cache_and_one_that_does_not_fit_is_refused_as_busy():
     per_position = 2 * 2 * CFG.n_kv_heads * CFG.head_dim * 4  # node b holds 2 layers; key + value, float32
-    b = core("b", kv_budget=1000 * per_position)
+    b = core("b", kv_budget=300 * per_position)
     assert b.kv_bytes(Shard("llama", 2, 4, 6), 1) == per_position
-    assert b.accept_activations([Activation("r1", hidden(), sized("r1", 300, 300))]) == []
-    assert b.kv_reserved == 600 * per_position
-    (refusal,) = b.accept_activations([Activation("r2", hidden(), sized("r2", 300, 200))])  # 600 + 500 > 1000
+    assert b.accept_activations([Activation("r1", hidden(), sized("r1", 100, 100))]) == []
+    assert b.kv_reserved == 200 * per_position
+    (refusal,) = b.accept_activations([Activation("r2", hidden(), sized("r2", 100, 50))])  # 200 + 150 > 300
     assert refusal.busy and "KV cache memory is full" in refusal.reason and "r2" not in b.requests
     b.end_request("r1", "finished")
-    assert b.kv_reserved == 0 and b.accept_activations([Activation("r2", hidden(), sized("r2", 300, 200))]) == []
+    assert b.kv_reserved == 0 and b.accept_activations([Activation("r2", hidden(), sized("r2", 100, 50))]) == []
+
+
+def test_a_request_beyond_the_models_context_is_refused_for_good():
+    """Prompt plus new tokens past max_position_embeddings (256 here): no cache is ever sized for it."""
+    (refusal,) = core("b").accept_activations([Activation("r1", hidden(), sized("r1", 200, 57))])
+    assert not refusal.busy and "exceed the model's context of 256" in refusal.reason
+
+
+def test_a_peers_made_up_end_reason_is_counted_as_unknown():
+    """Free text from a peer never becomes a status key of its own (peers refuse a status of over 256 keys)."""
+    b = core("b")
+    for i in range(3):
+        b.accept_activations([Activation(f"r{i}", hidden(), spec(f"r{i}"))])
+        b.end_request(f"r{i}", f"reason {i}", caller="a")
+    assert b.counters["ended_unknown"] == 3 and not any(k.startswith("ended_reason") for k in b.counters)
 
 
 def test_a_request_larger_than_the_whole_kv_budget_is_refused_for_good():
@@ -386,3 +401,10 @@ def test_one_entry_node_cannot_take_every_request_slot():
     assert [(r.request_id, r.busy) for r in refused] == [("r3", True)] and "limit for one entry" in refused[0].reason
     other = dataclasses.replace(spec("x"), entry_node_id="a", entry_address=ADDR["a"])
     assert b.accept_activations([Activation("x", hidden(), other)]) == []  # another entry still gets in
+
+
+def test_a_replay_cannot_skip_more_sampler_draws_than_its_prompt_holds():
+    """`resumed` counts generated tokens that are now part of the prompt; a peer's larger number (up to 2^31) would
+    have the last node draw that many numbers before sampling."""
+    with pytest.raises(PlanError, match="resumed"):
+        dataclasses.replace(spec(), prompt_tokens=4, resumed=5)
