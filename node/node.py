@@ -295,9 +295,11 @@ class Node:
         messages = tuple(m for m in batch if isinstance(m, TokenMessage))
         try:
             refused = await self.transport.send(address, activations, messages)
-        except TransportError as e:
+        except Exception as e:  # a transport error, or a message that can't be sent: its requests fail, never vanish
+            if not isinstance(e, TransportError):
+                log.exception("sending to %s failed", address)
             self.metrics.rpc_error(address, "send")
-            self._do(self.core.send_failed(address, activations, str(e), e.retryable))
+            self._do(self.core.send_failed(address, activations, str(e), isinstance(e, TransportError) and e.retryable))
             for message in messages:
                 self._do(self.core.deliver_failed(message, str(e)))
             return
