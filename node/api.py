@@ -193,6 +193,7 @@ class Api:
                                     "retry shortly", code="server_overloaded", retry_after=1)
             observed.admitted(len(prompt))
             self.active += 1
+            pieces = None
             try:
                 fmt = (ChatFormat if chat else CompletionFormat)(req.options, len(prompt), self.model_id)
                 pieces = observed.watch(_guard(run_job(self.node, job, observed.tokens)))
@@ -205,6 +206,8 @@ class Api:
                 return web.json_response(fmt.whole(collected, echo))
             finally:
                 self.active -= 1
+                if pieces is not None:  # now, not when collected: ends the request on every node of its plan
+                    await pieces.aclose()
 
     async def _stream(self, request: web.Request, fmt: Format, first: TextDelta | None, pieces, echo: str):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -254,3 +257,5 @@ async def _guard(pieces):
         raise ApiError(503, f"the cluster is busy: {e}", code="server_overloaded", retry_after=2) from None
     except GenerationError as e:
         raise ApiError(503, f"generation failed: {e}", code="generation_failed") from None
+    finally:
+        await pieces.aclose()  # closing this closes the generation under it too
