@@ -65,6 +65,9 @@ class Graph:
                 bound.append([GraphKV(ops, layer, pos, layout.spans[r], cache.length) for layer in cache.layers])
             step = Step(bounds, [c.length for c in caches], positions, None, masks)
             out: GArray = ops.contiguous(model(x, step, bound, out_ids))
+        except BaseException:  # a failed build (context full, a shape check): its context's memory goes back now
+            self.ctx.free()
+            raise
         finally:
             ops.ctx = None
         g.ggml_set_output(out.t)

@@ -8,6 +8,7 @@ loading does, so the engines see exactly the Hugging Face weights.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -96,7 +97,13 @@ def gguf_config(path: str | Path) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(cfg_eos)),
     )
     # Check every tensor of the whole model now (presence, type, shape; no data is read), so that a file we cannot
-    # run is refused at start-up, not when some node first loads its shard in the middle of a request.
+    # run is refused at start-up, not when some node first loads its shard in the middle of a request. (First that
+    # the last block is there at all: a block count of 2^31 would otherwise list billions of names.)
+    if f"blk.{cfg.n_layers - 1}.{LAYER_NAMES['input_norm']}" not in f.tensors:
+        raise GGUFError(f"{f.path}: block_count says {cfg.n_layers} blocks, but block {cfg.n_layers - 1} has no "
+                        "tensors")
+    if not (cfg.rms_norm_eps > 0 and math.isfinite(cfg.rms_norm_eps)):
+        raise GGUFError(f"{f.path}: layer_norm_rms_epsilon must be a positive number, not {cfg.rms_norm_eps}")
     for name, _, shape in _hf_shapes(cfg, Shard.whole("check", cfg.n_layers)):
         quantized(f, f.tensor(name), shape)
     return cfg

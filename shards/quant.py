@@ -48,7 +48,12 @@ class QuantizedTensor:
         return out.reshape(self.shape)
 
     def permute_rows(self, order: np.ndarray) -> "QuantizedTensor":
-        """Rows reordered (`new[i] = old[order[i]]`); exact for every type since rows are whole blocks."""
+        """Rows reordered (`new[i] = old[order[i]]`); exact for every type since rows are whole blocks. A 1-D tensor
+        (a bias: one row of values in the file) has its elements reordered, as float32."""
+        if len(self.shape) == 1:
+            values = np.ascontiguousarray(self.dequantize()[order])
+            values.flags.writeable = False
+            return QuantizedTensor(self.name, Q.F32, self.shape, values.view(np.uint8).reshape(1, -1))
         data = np.ascontiguousarray(self.data[order])
         data.flags.writeable = False
         return QuantizedTensor(self.name, self.ggml_type, self.shape, data)

@@ -90,6 +90,16 @@ def test_missing_metadata_keys(tmp_path, key):
         load_all(bad)
 
 
+@pytest.mark.parametrize("key, value, vtype, match", [
+    ("qwen2.block_count", 1 << 31, V.UINT32, r"block_count says 2147483648 blocks, but block 2147483647 has no tensors"),
+    ("qwen2.attention.layer_norm_rms_epsilon", -1.0, V.FLOAT32, r"layer_norm_rms_epsilon must be a positive number"),
+])
+def test_metadata_values_that_cannot_describe_this_file(tmp_path, key, value, vtype, match):
+    bad = rewrite(fixture("qwen2"), tmp_path / "v.gguf", replace={key: (value, vtype)})
+    with pytest.raises(GGUFError, match=rf"{bad}: {match}"):
+        load_all(bad)
+
+
 def test_metadata_of_the_wrong_type(tmp_path):
     bad = rewrite(fixture("qwen2"), tmp_path / "t.gguf", replace={"qwen2.block_count": ("three", V.STRING)})
     with pytest.raises(GGUFError, match=r"metadata 'qwen2.block_count' must be an integer, got STRING"):

@@ -84,6 +84,15 @@ def test_row_permutation_on_raw_blocks_is_exact():
     assert np.array_equal(q.permute_rows(order).dequantize(), q.dequantize()[order])
 
 
+@pytest.mark.parametrize("ggml_type, dtype", [(Q.F32, np.float32), (Q.F16, np.float16)])
+def test_a_llama_bias_is_permuted_by_element(ggml_type, dtype):
+    """A Q/K bias of a llama file (llama.cpp's converter permutes them too) is one row of values in the file."""
+    values = np.arange(64, dtype=dtype)
+    bias = QuantizedTensor("blk.0.attn_q.bias", ggml_type, (64,), values.view(np.uint8).reshape(1, -1))
+    order = unpermute_order(64, 4)
+    assert np.array_equal(bias.permute_rows(order).dequantize(), values.astype(np.float32)[order])
+
+
 def test_unpermute_inverts_llama_cpp_permutation():
     w = np.arange(4 * 16 * 3, dtype=np.float32).reshape(64, 3)  # 4 heads of 16 rows
     permuted = w.reshape(4, 2, 8, 3).swapaxes(1, 2).reshape(64, 3)  # llama.cpp convert_hf_to_gguf's permute
