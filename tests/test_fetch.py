@@ -200,7 +200,7 @@ def test_uploads_stay_under_the_bandwidth_cap_and_the_transfer_slots(tmp_path):
             return copy, sent / (time.monotonic() - started), peer.source.counters
     copy, rate, uploads = asyncio.run(go())
     assert copy.complete and uploads["upload_busy"] > 0
-    assert 200_000 < rate <= 400_000 * 1.1
+    assert rate <= 400_000 * 1.1  # the cap (how fast it goes below it is for bench/bench_fetch.py)
 
 
 def test_a_transfer_that_outlasts_its_deadline_is_cut_and_its_upload_slot_freed(monkeypatch):

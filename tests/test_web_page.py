@@ -146,7 +146,7 @@ def test_stop_button_ends_the_request_on_every_node(cluster, page):
     assert set(cluster.wait_idle().values()) == {0}
     for node_id, info in cluster.self_info().items():
         assert info["status"].get("ended_cancelled", 0) >= 1, node_id
-    assert len(page.answer()["text"].split()) < 4000  # it did not run to the end
+    assert page.answer()["chunks"] < 4000  # it did not run to the end
     assert value(scrape(cluster.nodes[0].api_url, KEY), "exo_requests_total", endpoint="chat", outcome="cancelled") == 1
     assert page.find("#send").is_enabled() and not page.find("#stop-button").is_enabled()
 
@@ -186,10 +186,10 @@ def test_a_peer_that_leaves_drops_out_of_the_view_with_an_event(cluster, page):
 
 
 def test_a_node_fetching_its_layers_shows_its_progress_then_the_layers_it_holds(tmp_path):
-    """node1 starts with only the model's id and fetches its layers from node0, which uploads slowly (0.5 Mbit/s)
+    """node1 starts with only the model's id and fetches its layers from node0, which uploads slowly (0.25 Mbit/s)
     so that the fetch lasts a few seconds; the page shows it going, then what node1 holds."""
     fetching = ["--model", "llama", "--models-dir", str(tmp_path / "node1"), "--wait-for-peers", "1"]
-    with Cluster(FIXTURES / "llama", 2, per_node=[["--max-upload-mbps", "0.5"], fetching], model_id="llama",
+    with Cluster(FIXTURES / "llama", 2, per_node=[["--max-upload-mbps", "0.25"], fetching], model_id="llama",
                  memory_gb=[1, 1]) as c, chromium() as driver:
         driver.get(f"{c.nodes[0].api_url}/")
         page, seen = Page(driver), []
