@@ -140,8 +140,9 @@ class Node:
         self.core.draining = True
 
     async def drained(self) -> None:
-        """Returns once this node holds no request any more, as entry or as a member of a plan."""
-        while self.core.active or self.entry.active:
+        """Returns once this node holds no request any more, as entry or as a member of a plan, and has sent what
+        it owes its peers (a request's last token leaves after the request has ended here)."""
+        while self.core.active or self.entry.active or self._outboxes:
             await asyncio.sleep(0.05)
 
     def topology(self) -> Topology:

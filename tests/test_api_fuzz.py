@@ -2,7 +2,6 @@
 node stays alive; clients that trickle their headers are disconnected."""
 import json
 import socket
-import time
 from urllib.parse import urlparse
 
 from hypothesis import HealthCheck, given, settings
@@ -70,16 +69,14 @@ def test_clients_that_trickle_their_headers_are_disconnected():
             s = socket.create_connection((u.hostname, u.port), timeout=10)
             s.sendall(b"GET /healthcheck HTTP/1.1\r\nHost: x\r\n")  # never the blank line that ends the headers
             socks.append(s)
-        started = time.monotonic()
         closed = 0
-        for s in socks:
-            s.settimeout(max(0.1, 8 - (time.monotonic() - started)))
+        for s in socks:  # a socket still open after 10 s raises TimeoutError: the test fails
             try:
                 s.sendall(b"X-Slow: 1\r\n")
                 closed += s.recv(1) == b""  # the server hung up without answering
-            except (ConnectionError, TimeoutError, OSError):
+            except ConnectionError:  # reset, or a broken pipe: hung up too
                 closed += 1
             s.close()
-        assert closed == 50 and time.monotonic() - started < 8
+        assert closed == 50
         status = raw(c.nodes[0].api_url, "GET", "/healthcheck", key=None)[0]
         assert status == 200  # and real clients are still served
