@@ -224,8 +224,7 @@ def agreement(models: dict[str, Path], llama: str, work: Path) -> dict:
             tokens = np.random.default_rng(7).integers(3, cfg.vocab_size, 600).tolist()
         ids = work / f"{name}.json"
         ids.write_text(json.dumps(tokens))
-        tops = {"llama": theirs(llama, "logits", path, "--threads", os.cpu_count(), "--tokens", ids, "--out",
-                                work / f"{name}-llama.npz")}
+        theirs(llama, "logits", path, "--threads", os.cpu_count(), "--tokens", ids, "--out", work / f"{name}-llama.npz")
         for engine_name in ("ggml", "numpy"):
             ours("top", path, ids, engine_name, work / f"{name}-{engine_name}.npz")
         top = {k: np.load(work / f"{name}-{k}.npz") for k in ("llama", "ggml", "numpy")}

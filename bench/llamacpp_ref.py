@@ -13,7 +13,6 @@ prefill. `--no-extra-bufts` keeps the weights out of llama.cpp's repacked (CPU_R
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import sys

@@ -3,10 +3,8 @@ announcements are dropped, and nothing of a prompt crosses the wire in the clear
 
 Hosts are network namespaces on a bridge of their own (tests/netns.py); traffic never leaves them.
 """
-import json
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
