@@ -1,5 +1,6 @@
 """The cluster secret: key files, the environment, derived keys, `exo-node keygen`, and never printing it."""
 import argparse
+import errno
 import logging
 import os
 import pickle
@@ -44,6 +45,20 @@ def test_an_existing_key_file_is_never_overwritten_unless_asked(tmp_path):
     new = write_key_file(path, overwrite=True)
     assert read_key_file(path) == new != ClusterKey(SECRET) and mode(path) == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["k"]  # no temporary file left behind
+
+
+def test_a_failed_write_leaves_neither_a_half_key_nor_a_temporary_copy(tmp_path, monkeypatch):
+    path = tmp_path / "cluster.key"
+    old = write_key_file(path)
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", disk_full)  # a fault injected where a full disk shows itself
+    with pytest.raises(ClusterKeyError, match="No space left on device"):
+        write_key_file(path, overwrite=True)
+    with pytest.raises(ClusterKeyError, match="No space left on device"):
+        write_key_file(tmp_path / "new.key")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.key"]  # the old key, untouched
+    assert read_key_file(path).fingerprint == old.fingerprint
 
 
 def test_writing_does_not_follow_a_symlink_planted_at_the_path(tmp_path):

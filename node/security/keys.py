@@ -16,6 +16,7 @@ errors about malformed keys never quote what was read, since a near-miss secret 
 from __future__ import annotations
 
 import argparse
+import errno
 import hmac
 import logging
 import os
@@ -155,13 +156,18 @@ def write_key_file(path: str | Path, secret: bytes | None = None, overwrite: boo
     except OSError as e:
         raise ClusterKeyError(f"cannot create key file {path}: {e.strerror}") from None
     try:
-        os.fchmod(fd, 0o600)  # the mode given to open() is reduced by the umask, never widened: make it exact
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if overwrite:
-        os.replace(target, path)
+        try:
+            os.fchmod(fd, 0o600)  # the mode given to open() is reduced by the umask, never widened: make it exact
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if overwrite:
+            os.replace(target, path)
+    except OSError as e:  # a full disk, say: no half-written key (nor a temporary copy of it) is left behind
+        target.unlink(missing_ok=True)
+        raise ClusterKeyError(f"cannot write key file {path}: {e.strerror or e}") from None
     return ClusterKey(secret)
 
 
