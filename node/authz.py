@@ -3,7 +3,8 @@ send it.
 
 A plan is the entry node's say-so about where a request's data flows; a node that followed any plan would run the
 model for anyone and send activations or answers wherever a stranger asked. So a node takes part in a plan only
-when every node it names, and its entry, are members it knows itself, at the addresses it knows them by. With a
+when every node it names, and its entry, are members it knows itself, and it sends to them at the addresses it
+knows them by (not the plan's: two nodes may know one member by different names). With a
 cluster key, gRPC tells the node which member is calling (mutual TLS), and each message must come from its proper
 sender: a prompt from the request's entry, activations from the previous node of the plan (the next token from
 the last), an end from the entry or a plan member. Without a key there is no caller to check, only the plan.
@@ -16,15 +17,13 @@ from .plan import Busy, PlanError, RequestSpec
 
 
 def check_plan(spec: RequestSpec, members: Mapping[str, str]) -> None:
-    """`members`: node id -> address of every node this one knows (itself included)."""
-    named = [(step.node_id, step.address) for step in spec.plan] + [(spec.entry_node_id, spec.entry_address)]
-    for node_id, address in named:
-        known = members.get(node_id)
-        if known is None:
+    """`members`: node id -> address of every node this one knows (itself included). The plan's addresses are not
+    compared with them: a node sends only to the addresses it knows members by (NodeCore._address), so a plan can
+    only name who takes part, never where data goes."""
+    for node_id in [step.node_id for step in spec.plan] + [spec.entry_node_id]:
+        if node_id not in members:
             # Busy, not refused: a node that has just joined may be known to the entry a moment before us.
             raise Busy(f"the plan names node {node_id!r}, which is not a member this node knows")
-        if known != address:
-            raise PlanError(f"the plan puts node {node_id!r} at {address}, but it is a member at {known}")
 
 
 def predecessor(spec: RequestSpec, index: int) -> str:

@@ -257,7 +257,9 @@ class NodeCore:
                 if len(req.spec.plan) == 1:
                     self.local_inflight.add(rid)
             else:
-                sends[req.next_step.address].append(self._outgoing(req, outputs[rid], item.partial))
+                step = req.next_step
+                to = self._address(step.node_id, step.address)
+                sends[to].append(self._outgoing(req, outputs[rid], item.partial))
         return actions + [Send(address, tuple(acts)) for address, acts in sends.items()]
 
     def _malformed(self, group: Group, outputs: dict[str, np.ndarray]) -> str | None:
@@ -290,12 +292,24 @@ class NodeCore:
             spec = req.spec
             reason = "stop" if result.token in spec.stop_token_ids else \
                 "length" if req.generated >= spec.max_tokens else None
-            actions.append(Deliver(spec.entry_address, TokenMessage(rid, (result,), reason is not None, reason)))
+            message = TokenMessage(rid, (result,), reason is not None, reason)
+            actions.append(Deliver(self._entry_address(spec), message))
             if reason is None:
-                to_first[spec.first.address].append(self._outgoing(req, np.array([result.token], dtype=np.int64)))
+                first = self._address(spec.first.node_id, spec.first.address)
+                to_first[first].append(self._outgoing(req, np.array([result.token], dtype=np.int64)))
             else:
                 actions += self.end_request(rid, "finished")
         return actions + [Send(address, tuple(acts)) for address, acts in to_first.items()]
+
+    def _address(self, node_id: str, planned: str) -> str:
+        """Where this node sends to `node_id`: where it knows that member itself. The plan carries the entry's view
+        of the addresses, and two nodes may know a member by different ones (a hostname and an IP, another
+        interface); the plan's own address only where there is no membership to ask."""
+        known = self.members().get(node_id) if self.members is not None else None
+        return known or planned
+
+    def _entry_address(self, spec: RequestSpec) -> str:
+        return self._address(spec.entry_node_id, spec.entry_address)
 
     def _outgoing(self, req: RequestState, data: np.ndarray, partial: bool = False) -> Activation:
         """The spec goes with the first message to our successor (the first node already has it)."""
@@ -314,7 +328,7 @@ class NodeCore:
         actions = self.end_request(request_id, ended_as)
         if req is not None:
             log.warning("request %s failed: %s", request_id, message)
-            actions.append(Deliver(req.spec.entry_address, TokenMessage(
+            actions.append(Deliver(self._entry_address(req.spec), TokenMessage(
                 request_id, finished=True, finish_reason="error", error=message, retryable=retryable, busy=busy)))
         return actions
 

@@ -361,7 +361,7 @@ def guarded(node_id, **limits):
     return NodeCore(node_id, "llama", CFG, CoreLimits(**limits), members=lambda: dict(ADDR))
 
 
-def test_a_plan_naming_a_stranger_or_a_member_at_another_address_is_refused():
+def test_a_plan_naming_a_stranger_is_refused():
     b = guarded("b")
     stranger = RequestSpec("r1", (PlanStep("a", ADDR["a"], Shard("llama", 0, 2, 6)),
                                   PlanStep("b", ADDR["b"], Shard("llama", 2, 4, 6)),
@@ -369,10 +369,22 @@ def test_a_plan_naming_a_stranger_or_a_member_at_another_address_is_refused():
                            SamplingParams(temperature=0), 3, frozenset({STOP}), "entry", ADDR["entry"])
     (refusal,) = b.accept_activations([Activation("r1", hidden(), stranger)])
     assert refusal.busy and "not a member" in refusal.reason  # busy: it may be a node that has just joined
-    moved = dataclasses.replace(spec("r2"), entry_address="h:66")  # the entry's answers would go to h:66
-    (refusal,) = b.accept_activations([Activation("r2", hidden(), moved)])
-    assert not refusal.busy and "but it is a member at h:9" in refusal.reason
     assert not b.requests
+
+
+def test_a_plans_addresses_never_redirect_data_a_node_sends_to_members_where_it_knows_them():
+    """The plan carries the entry's view of the addresses; another node may know a member by another name (a
+    hostname, another interface), and a plan must not send activations or answers elsewhere."""
+    b, c = guarded("b"), guarded("c")
+    elsewhere = dataclasses.replace(spec("r1"), entry_address="h:66", plan=tuple(
+        dataclasses.replace(step, address=f"h:6{i}") for i, step in enumerate(spec("r1").plan)))
+    assert b.accept_activations([Activation("r1", hidden(), elsewhere)]) == []
+    (send,) = b.step_done(b.take_batch()[0], {"r1": hidden()}, {})
+    assert send.address == ADDR["c"]
+    assert c.accept_activations([Activation("r1", hidden(), elsewhere)]) == []
+    c.step_done(c.take_batch()[0], {"r1": logits()}, {})
+    actions = c.sampled({"r1": SampleResult(5)})
+    assert {type(a): a.address for a in actions} == {Deliver: ADDR["entry"], Send: ADDR["a"]}
 
 
 def test_with_authenticated_callers_each_message_must_come_from_its_proper_sender():
