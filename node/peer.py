@@ -27,6 +27,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _KINDS = {
     grpc.StatusCode.UNAVAILABLE: "unavailable",
     grpc.StatusCode.CANCELLED: "unavailable",  # a call or stream cut off under us: the peer left or restarted
+    # gRPC's own code for a connection that broke mid-stream ("Internal error from Core", seen when a peer is
+    # killed): a link failure, replayable (a handler's own exception is UNKNOWN, which stays "error")
+    grpc.StatusCode.INTERNAL: "unavailable",
     grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
     grpc.StatusCode.INVALID_ARGUMENT: "refused",
     grpc.StatusCode.FAILED_PRECONDITION: "refused",
