@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.config import ModelConfig
-from shards.engine import StepInput
-from shards.engines import engine_class
-from shards.models import resolve_model
+from shards.formats.config import ModelConfig
+from shards.engines.base import StepInput
+from shards.engines.registry import engine_class
+from shards.formats.packaged import resolve_model
 from shards.shard import Shard
 from tests.cluster import Cluster
 

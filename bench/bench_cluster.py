@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 from bench import plots
 from bench.random_model import write_random_llama
-from shards.config import ModelConfig
-from shards.models import resolve_model
+from shards.formats.config import ModelConfig
+from shards.formats.packaged import resolve_model
 from shards.progress import Progress, track
 from tests.cluster import Cluster
 

@@ -19,9 +19,9 @@ import numpy as np
 
 from bench import plots
 from bench.random_model import write_random_llama
-from shards.config import ModelConfig
-from shards.engine import StepInput
-from shards.engines import engine_class
+from shards.formats.config import ModelConfig
+from shards.engines.base import StepInput
+from shards.engines.registry import engine_class
 from shards.progress import Progress
 from shards.shard import Shard
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from bench.random_model import write_random_llama
 from node.fetch.layout import build_manifest
-from shards.config import ModelConfig
-from shards.models import resolve_model
+from shards.formats.config import ModelConfig
+from shards.formats.packaged import resolve_model
 from shards.shard import Shard
 from tests.cluster import Cluster
 

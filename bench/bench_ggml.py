@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.config import ModelConfig
-from shards.engine import StepInput
+from shards.formats.config import ModelConfig
+from shards.engines.base import StepInput
 from shards.shard import Shard
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,14 +57,14 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Name
 
 def model_paths() -> dict[str, Path]:
     from bench.ggml_models import random_gguf
-    from shards.models import resolve_model
+    from shards.formats.packaged import resolve_model
 
     return {"smollm2-q4_1": resolve_model("smollm2")[0], "random357m-q8_0": random_gguf("q8_0"),
             "random357m-q4_0": random_gguf("q4_0")}
 
 
 def engine(path: Path, threads: int, start: int = 0, end: int | None = None, name: str = "ggml"):
-    from shards.engines import engine_class
+    from shards.engines.registry import engine_class
 
     cfg = ModelConfig.load(path)
     shard = Shard("m", start, end or cfg.n_layers, cfg.n_layers)
@@ -110,8 +110,8 @@ def python_cost(e) -> dict:
     new graph costs (an 8-request decode layout, not computed)."""
     import ggml.ggml as g
 
-    from shards.ggml_cache import span_for
-    from shards.ggml_graph import Graph, Layout
+    from shards.engines.ggml.cache import span_for
+    from shards.engines.ggml.graph import Graph, Layout
 
     ids = [f"c{i}" for i in range(8)]
     e.forward([StepInput(r, tokens=np.arange(8), max_positions=2048) for r in ids])
@@ -137,14 +137,14 @@ def python_cost(e) -> dict:
 
 def ours_memory(path: Path, start: int, end: int | None) -> dict:
     """Resident memory before and after loading the shard, against its tensors' bytes in the file."""
-    from shards.gguf_file import open_gguf
-    from shards.gguf_model import _hf_shapes
+    from shards.formats.gguf_file import open_gguf
+    from shards.formats.gguf_model import _hf_shapes
 
     def status() -> dict[str, int]:
         fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
         return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
 
-    import shards.ggml_engine  # noqa: F401  (the library's own memory is not the shard's)
+    import shards.engines.ggml.engine
 
     ModelConfig.load(path)  # nor is the file's parsed metadata (cached): the vocabulary alone is ~30 MB of objects
     before = status()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from node.sampling_batcher import SampleItem, SamplingBatcher
-from shards.numpy_engine import NumpyEngine
+from node.runtime.sampling_batcher import SampleItem, SamplingBatcher
+from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 from shards.sampling import SamplerState, SamplingParams, sample_one, sample_rows
 

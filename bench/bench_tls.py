@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from node.peer import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from node.security import ClusterKey, generate_secret
-from proto import node_service_pb2 as pb
-from proto import node_service_pb2_grpc as pb_grpc
+from node.grpc.generated import node_service_pb2 as pb
+from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 
 
 class Sink(pb_grpc.NodeServiceServicer):

@@ -46,7 +46,7 @@ def random_gguf(kind: str, seed: int = 0) -> Path:
     path = CACHE / f"random357m-{kind}.gguf"
     if path.exists():
         return path
-    from shards.ggml_lib import quantize
+    from shards.engines.ggml.lib import quantize
 
     qtype, s = TYPES[kind], MID
     CACHE.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Static peers: a fixed list of gRPC endpoints given on the command line (`--peers HOST:PORT,...`)."""
 from __future__ import annotations
 
-from .address import parse_address
+from discovery.address import parse_address
 
 
 class PeerListError(ValueError):

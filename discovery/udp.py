@@ -23,8 +23,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .interfaces import Interface, ipv4_interfaces
-from .signed import OVERHEAD, PacketAuth, Rejected, is_signed
+from discovery.interfaces import Interface, ipv4_interfaces
+from discovery.signed import OVERHEAD, PacketAuth, Rejected, is_signed
 
 log = logging.getLogger(__name__)
 

@@ -24,21 +24,21 @@ from discovery.interfaces import default_advertise_host
 from discovery.manual import ManualDiscovery
 from discovery.static import StaticDiscovery, parse_peers
 from discovery.udp import Announcement, UdpDiscovery
-from shards.config import ModelConfig
-from shards.engines import CHOICES, QUANTIZE_CHOICES, engine_class, engine_factory, resolve
-from shards.models import DEFAULT_MODEL, DEMO_DIR, list_models
+from shards.formats.config import ModelConfig
+from shards.engines.registry import CHOICES, QUANTIZE_CHOICES, engine_class, engine_factory, resolve
+from shards.formats.packaged import DEFAULT_MODEL, DEMO_DIR, list_models
 from shards.tokenizer import Tokenizer
 
-from .api import Api, ApiSettings
-from .fetch import startup as fetching
-from .fetch.fetcher import Fetcher
-from .fetch.follow import Follower
-from .membership import Membership
-from .node import Node, NodeSettings
-from .peer import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport
-from .scheduler import SchedulerLimits
-from .security import ClusterKey, add_key_argument, keygen_main, load_secret
-from .server import GrpcServer
+from node.http.api import Api, ApiSettings
+from node.fetch import startup as fetching
+from node.fetch.fetcher import Fetcher
+from node.fetch.follow import Follower
+from node.runtime.membership import Membership
+from node.runtime.node import Node, NodeSettings
+from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport
+from node.core.scheduler import SchedulerLimits
+from node.security import ClusterKey, add_key_argument, keygen_main, load_secret
+from node.grpc.server import GrpcServer
 
 log = logging.getLogger("exo-node")
 DEMO_MODEL = DEMO_DIR  # the bundled demo model (--model exo-demo)

@@ -6,8 +6,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from .engine import Engine, StepInput
-from .sampling import SampleResult, SamplerState, SamplingParams
+from shards.engines.base import Engine, StepInput
+from shards.sampling import SampleResult, SamplerState, SamplingParams
 
 
 def chain_forward(engines: Sequence[Engine], request_id: str, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:

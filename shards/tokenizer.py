@@ -14,7 +14,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from .config import token_id_list
+from shards.formats.config import token_id_list
 
 
 class TokenizerError(ValueError):
@@ -44,7 +44,7 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path):
         """From a Hugging Face folder, or a GGUF file (or a folder holding one)."""
         model_dir = Path(model_dir)
-        from .gguf_file import find_gguf
+        from shards.formats.gguf_file import find_gguf
 
         if (gguf := find_gguf(model_dir)) is not None:
             self._from_gguf(gguf)
@@ -72,7 +72,7 @@ class Tokenizer:
         return cls(path)
 
     def _from_gguf(self, path: Path) -> None:
-        from .gguf_tokenizer import gguf_tokenizer
+        from shards.formats.gguf_tokenizer import gguf_tokenizer
 
         g = gguf_tokenizer(path)
         self.hf, self.bos_token, self.eos_token = g.hf, g.bos_token, g.eos_token

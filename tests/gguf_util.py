@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from shards.models import resolve_model
+from shards.formats.packaged import resolve_model
 
 GGUF_DIR = Path(__file__).parent / "fixtures" / "gguf"
 GGUF_MODELS = ["llama", "qwen2", "qwen3"]

@@ -7,7 +7,7 @@ from urllib.parse import urlparse
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from node.api import Api, ApiSettings
+from node.http.api import Api, ApiSettings
 from tests.conftest import API_KEY
 from tests.test_node_rpc import serving, shutdown
 

@@ -3,9 +3,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 
-from shards.config import ModelConfig
+from shards.formats.config import ModelConfig
 from shards.generate import generate
-from shards.numpy_engine import NumpyEngine
+from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
 from tests.cluster import Cluster
@@ -175,7 +175,7 @@ def test_mixed_engine_ring_equals_one_numpy_node():
 def test_a_ggml_node_continues_a_numpy_node():
     """numpy (layers 0-2) -> ggml (3-5, the node's default engine here: `auto` picks ggml when installed): hidden
     states cross the wire as float32, and the answer is that of the same two engines chained in one process."""
-    from shards.engines import engine_class
+    from shards.engines.registry import engine_class
 
     ggml = engine_class("ggml")
     cfg, tok = ModelConfig.from_dir(MODEL), Tokenizer(MODEL)

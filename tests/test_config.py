@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from shards.config import ConfigError, ModelConfig
+from shards.formats.config import ConfigError, ModelConfig
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],

@@ -8,11 +8,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from node.core import CoreLimits, Deliver, NodeCore, Release, Sample, Send
-from node.scheduler import Group, Queued, SchedulerLimits
-from node.plan import PlanError, PlanStep, RequestSpec
-from node.requests import Activation, Refusal, TokenMessage, Tombstones
-from shards.config import ModelConfig
+from node.core.node_core import CoreLimits, Deliver, NodeCore, Release, Sample, Send
+from node.core.scheduler import Group, Queued, SchedulerLimits
+from node.core.plan import PlanError, PlanStep, RequestSpec
+from node.core.requests import Activation, Refusal, TokenMessage, Tombstones
+from shards.formats.config import ModelConfig
 from shards.sampling import SampleResult, SamplingParams
 from shards.shard import Shard
 from tests.conftest import FIXTURES

@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from node.core import CoreLimits, Deliver, NodeCore, Release, Send
-from node.plan import PlanError, PlanStep, RequestSpec
-from node.requests import Activation
+from node.core.node_core import CoreLimits, Deliver, NodeCore, Release, Send
+from node.core.plan import PlanError, PlanStep, RequestSpec
+from node.core.requests import Activation
 from shards.sampling import SampleResult, SamplingParams
 from shards.shard import Shard
 from tests.test_core import ADDR, CFG, STOP, hidden, logits, spec, tokens

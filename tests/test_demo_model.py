@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 import shards.demo
-from shards.config import ModelConfig
+from shards.formats.config import ModelConfig
 from shards.demo.train import DEMO_SHAPE
 from shards.generate import generate
-from shards.numpy_engine import NumpyEngine
+from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
-from shards.weights import Checkpoint
+from shards.formats.weights import Checkpoint
 
 DEMO = Path(shards.demo.__file__).parent / "exo-demo"
 PROMPTS = ["And God said, Let there be", "And the LORD spake unto Moses, saying"]

@@ -5,10 +5,10 @@ import itertools
 import numpy as np
 import pytest
 
-from shards.config import ModelConfig
-from shards.engine import EngineInputError, StepInput
+from shards.formats.config import ModelConfig
+from shards.engines.base import EngineInputError, StepInput
 from shards.generate import chain_forward, generate
-from shards.numpy_engine import NumpyEngine
+from shards.engines.numpy_engine import NumpyEngine
 from shards.sampling import SamplingParams
 from shards.shard import Shard
 from tests.conftest import FIXTURES, golden

@@ -7,9 +7,9 @@ says why).
 import numpy as np
 import pytest
 
-from shards.config import ModelConfig
-from shards.engine import StepInput
-from shards.engines import ENGINES, engine_class, installed
+from shards.formats.config import ModelConfig
+from shards.engines.base import StepInput
+from shards.engines.registry import ENGINES, engine_class, installed
 from shards.generate import chain_forward, generate
 from shards.shard import Shard
 from tests.conftest import FIXTURES, MODELS, golden
@@ -119,9 +119,9 @@ def test_a_missing_engine_names_the_extra_to_install(monkeypatch):
 
     import sys
 
-    monkeypatch.delitem(sys.modules, "shards.tinygrad_engine", raising=False)
+    monkeypatch.delitem(sys.modules, "shards.engines.tinygrad_engine", raising=False)
     monkeypatch.setattr(builtins, "__import__", no_tinygrad)
-    from shards.engines import EngineUnavailable
+    from shards.engines.registry import EngineUnavailable
 
     with pytest.raises(EngineUnavailable, match=r"pip install 'exo-node\[tinygrad\]'"):
         engine_class("tinygrad")

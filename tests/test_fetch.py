@@ -19,14 +19,14 @@ from node.fetch.layout import build_manifest
 from node.fetch.local_copy import DiskError, LocalCopy, disk_error
 from node.fetch.source import WeightSource
 from node.fetch.startup import open_copy
-import node.server
-from node.peer import GrpcTransport
-from node.server import NodeServicer
-from proto import node_service_pb2 as pb
-from proto import node_service_pb2_grpc as pb_grpc
-from shards.config import ModelConfig
+import node.grpc.server
+from node.grpc.client import GrpcTransport
+from node.grpc.server import NodeServicer
+from node.grpc.generated import node_service_pb2 as pb
+from node.grpc.generated import node_service_pb2_grpc as pb_grpc
+from shards.formats.config import ModelConfig
 from shards.shard import Shard
-from shards.weights import load_shard_weights
+from shards.formats.weights import load_shard_weights
 from tests.conftest import FIXTURES
 
 LLAMA = FIXTURES / "llama"  # 6 layers, 683 kB, three safetensors files
@@ -206,7 +206,7 @@ def test_uploads_stay_under_the_bandwidth_cap_and_the_transfer_slots(tmp_path):
 def test_a_transfer_that_outlasts_its_deadline_is_cut_and_its_upload_slot_freed(monkeypatch):
     """A caller that sets no deadline and reads slowly (or not at all) holds an upload slot only for the time a
     fetcher's own deadline would give the piece (here shortened to 0.5 s; the peer sends 4 kB/s)."""
-    monkeypatch.setattr(node.server, "piece_deadline", lambda length: 0.5)
+    monkeypatch.setattr(node.grpc.server, "piece_deadline", lambda length: 0.5)
 
     async def go():
         async with Peer(rate=4000, max_transfers=1) as peer:
@@ -353,14 +353,14 @@ class StandIn:
         self.availability = None  # set by the follower
 
     def info(self):
-        from node.topology import Capabilities, NodeInfo
+        from node.core.topology import Capabilities, NodeInfo
         return NodeInfo(self.id, "127.0.0.1:1", Capabilities(1, "numpy", "llama", 6), availability=self.availability())
 
 
 def test_when_a_node_leaves_the_follower_fetches_just_the_layers_newly_assigned(tmp_path):
     from collections import Counter
     from node.fetch.follow import Follower
-    from node.topology import Availability, Capabilities, NodeInfo
+    from node.core.topology import Availability, Capabilities, NodeInfo
 
     def peer(node_id, availability):
         return NodeInfo(node_id, "127.0.0.1:2", Capabilities(1, "numpy", "llama", 6), availability=availability)

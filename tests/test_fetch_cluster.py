@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from node.fetch.layout import build_manifest
-from shards.config import ModelConfig
+from shards.formats.config import ModelConfig
 from shards.generate import generate
-from shards.numpy_engine import NumpyEngine
+from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
 from tests.cluster import ROOT, Cluster

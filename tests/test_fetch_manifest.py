@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from node import wire
+from node.grpc import wire
 from node.fetch.layout import build_manifest, safetensors_tensors
 from node.fetch.local_copy import STATE, LocalCopy
 from node.fetch import manifest as manifest_module
 from node.fetch.manifest import Manifest, ManifestError, ModelFile, Piece, same_layout
-from node.topology import Availability
-from shards.config import ModelConfig
+from node.core.topology import Availability
+from shards.formats.config import ModelConfig
 from shards.shard import Shard
 from tests.conftest import FIXTURES
 

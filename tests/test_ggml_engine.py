@@ -10,23 +10,23 @@ from gguf import GGMLQuantizationType as Q
 
 pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
-from bench.random_model import write_random_llama  # noqa: E402
-from shards.config import ModelConfig  # noqa: E402
-from shards.engine import EngineInputError, StepInput, causal_mask  # noqa: E402
-from shards.engines import engine_factory, resolve  # noqa: E402
-from shards.generate import chain_forward  # noqa: E402
-from shards.ggml_backend import GgmlBackend, nocopy_strides  # noqa: E402
-from shards.ggml_engine import GgmlEngine  # noqa: E402
-from shards.ggml_graph import MaskRamp  # noqa: E402
-from shards.ggml_lib import F32, I32, Context, GgmlError, cpu_buffer_type, g, quantize, repack_supported  # noqa: E402,E501
-from shards.gguf_model import _hf_shapes  # noqa: E402
-from shards.gguf_file import open_gguf  # noqa: E402
-from shards.numpy_engine import NumpyEngine  # noqa: E402
-from shards.quant import SUPPORTED_TYPES, QuantizedTensor  # noqa: E402
-from shards.shard import Shard  # noqa: E402
-from tests.conftest import FIXTURES  # noqa: E402
-from tests.gguf_util import fixture, smollm2_path  # noqa: E402
-from tests.tolerance import QUANTIZED_RMS, regrouped_atol, relative_rms  # noqa: E402
+from bench.random_model import write_random_llama
+from shards.formats.config import ModelConfig
+from shards.engines.base import EngineInputError, StepInput, causal_mask
+from shards.engines.registry import engine_factory, resolve
+from shards.generate import chain_forward
+from shards.engines.ggml.backend import GgmlBackend, nocopy_strides
+from shards.engines.ggml.engine import GgmlEngine
+from shards.engines.ggml.graph import MaskRamp
+from shards.engines.ggml.lib import F32, I32, Context, GgmlError, cpu_buffer_type, g, quantize, repack_supported
+from shards.formats.gguf_model import _hf_shapes
+from shards.formats.gguf_file import open_gguf
+from shards.engines.numpy_engine import NumpyEngine
+from shards.formats.quant import SUPPORTED_TYPES, QuantizedTensor
+from shards.shard import Shard
+from tests.conftest import FIXTURES
+from tests.gguf_util import fixture, smollm2_path
+from tests.tolerance import QUANTIZED_RMS, regrouped_atol, relative_rms
 
 LLAMA = FIXTURES / "llama"
 
@@ -152,8 +152,8 @@ def dequantized_copy(src, kind: str, dst):
 
     from safetensors.numpy import save_file
 
-    from shards.ggml_weights import load_ggml_shard_weights
-    from shards.weights import layer_tensor_shapes
+    from shards.engines.ggml.weights import load_ggml_shard_weights
+    from shards.formats.weights import layer_tensor_shapes
 
     cfg = ModelConfig.load(src)
     w = load_ggml_shard_weights(src, cfg, Shard.whole("m", cfg.n_layers), kind, 1)
@@ -202,7 +202,7 @@ def test_quantize_none_keeps_float32(random_model):
 
 def test_rows_that_are_not_whole_blocks_fall_back_per_tensor(tmp_path, caplog):
     # The llama fixture's rows hold 64 or 160 values: not whole q4_k blocks (256), whole q8_0 blocks (32).
-    caplog.set_level(logging.INFO, logger="shards.ggml_weights")
+    caplog.set_level(logging.INFO, logger="shards.engines.ggml.weights")
     assert make(LLAMA, quantize="q4_k").nbytes() == make(LLAMA, quantize="q8_0").nbytes()
     assert "Q4_K->Q8_0" in caplog.text
     odd = write_random_llama(tmp_path / "odd", hidden_size=48, num_hidden_layers=1, num_attention_heads=3,
@@ -239,7 +239,7 @@ def test_decode_steps_reuse_one_graph_and_release_frees_caches_and_graphs():
 
 
 def test_a_cache_without_reservation_grows_and_keeps_its_contents(monkeypatch):
-    monkeypatch.setattr("shards.ggml_engine.MIN_CAPACITY", 4)
+    monkeypatch.setattr("shards.engines.ggml.engine.MIN_CAPACITY", 4)
     tokens = np.random.default_rng(1).integers(0, 512, 30)
     reserved = chain_forward([make(LLAMA)], "r", tokens, all_logits=True)
     engine, pieces = make(LLAMA), []

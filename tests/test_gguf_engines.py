@@ -7,8 +7,8 @@ teacher-forced top tokens instead of greedy equality."""
 import numpy as np
 import pytest
 
-from shards.config import ModelConfig
-from shards.engines import engine_class, installed
+from shards.formats.config import ModelConfig
+from shards.engines.registry import engine_class, installed
 from shards.generate import chain_forward, generate
 from shards.shard import Shard
 from tests.gguf_util import GGUF_MODELS, fixture, gguf_golden

@@ -7,8 +7,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from shards.config import ModelConfig
-from shards.gguf_file import GGUFError
+from shards.formats.config import ModelConfig
+from shards.formats.gguf_file import GGUFError
 from shards.tokenizer import Tokenizer
 from tests.cluster import ROOT
 from tests.gguf_util import fixture, patch_tensor_info, rewrite
@@ -41,7 +41,7 @@ def test_an_array_longer_than_the_file_is_refused_not_read_forever(tmp_path):
     key = b"general.huge"
     bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
                     + struct.pack("<IIQ", V.ARRAY, V.UINT8, 1 << 40))
-    code = f"from shards.config import ModelConfig\nModelConfig.load({str(bad)!r})"
+    code = f"from shards.formats.config import ModelConfig\nModelConfig.load({str(bad)!r})"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "past the end of the file" in out.stderr, out.stderr[-2000:]
 

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from shards.config import ModelConfig
-from shards.gguf_file import GGUFError, find_gguf, open_gguf
-from shards.gguf_model import load_shard_tensors
-from shards.quant import SUPPORTED_TYPES, QuantizedTensor, unpermute_order
+from shards.formats.config import ModelConfig
+from shards.formats.gguf_file import GGUFError, find_gguf, open_gguf
+from shards.formats.gguf_model import load_shard_tensors
+from shards.formats.quant import SUPPORTED_TYPES, QuantizedTensor, unpermute_order
 from shards.shard import Shard
-from shards.weights import load_shard_weights
+from shards.formats.weights import load_shard_weights
 from tests.gguf_util import GGUF_DIR, GGUF_MODELS, fixture, gguf_golden, smollm2_path
 
 

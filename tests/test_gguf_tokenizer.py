@@ -3,7 +3,7 @@ import pytest
 from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HF
 
-from shards.gguf_tokenizer import PRE_TOKENIZERS
+from shards.formats.gguf_tokenizer import PRE_TOKENIZERS
 from shards.tokenizer import Tokenizer
 from tests.gguf_util import GGUF_MODELS, fixture, gguf_golden, smollm2_path
 

@@ -15,7 +15,7 @@ from shards.tokenizer import Tokenizer
 from tests import netns
 from tests.cluster import ROOT
 from tests.conftest import FIXTURES
-from tests.test_multihost import call, key, peers_seen, start_hosts, stop_hosts, wait_until  # noqa: F401 (fixture)
+from tests.test_multihost import call, key, peers_seen, start_hosts, stop_hosts, wait_until
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
 MEMBERS = {"host0", "host1", "host2"}

@@ -5,17 +5,17 @@ import grpc
 import numpy as np
 import pytest
 
-from node import wire
-from shards.engines import engine_factory
-from node.node import Node, NodeSettings
-from node.peer import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, channel_options
-from node.plan import PlanStep, RequestSpec
-from node.server import GrpcServer
-from node.shard_manager import ShardManager
-from proto import node_service_pb2 as pb
-from proto import node_service_pb2_grpc as pb_grpc
-from shards.config import ModelConfig
-from shards.numpy_engine import NumpyEngine
+from node.grpc import wire
+from shards.engines.registry import engine_factory
+from node.runtime.node import Node, NodeSettings
+from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, channel_options
+from node.core.plan import PlanStep, RequestSpec
+from node.grpc.server import GrpcServer
+from node.runtime.shard_manager import ShardManager
+from node.grpc.generated import node_service_pb2 as pb
+from node.grpc.generated import node_service_pb2_grpc as pb_grpc
+from shards.formats.config import ModelConfig
+from shards.engines.numpy_engine import NumpyEngine
 from shards.sampling import SamplingParams
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer

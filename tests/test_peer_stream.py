@@ -4,10 +4,10 @@ import asyncio
 import grpc
 import pytest
 
-from node.peer import channel_options
-from node.peer_stream import PeerStream, StreamBroken
-from proto import node_service_pb2 as pb
-from proto import node_service_pb2_grpc as pb_grpc
+from node.grpc.client import channel_options
+from node.grpc.stream import PeerStream, StreamBroken
+from node.grpc.generated import node_service_pb2 as pb
+from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 from tests.cluster import free_port
 
 

@@ -14,10 +14,10 @@ import termios
 import pytest
 
 from shards import progress
-from shards.config import ModelConfig
+from shards.formats.config import ModelConfig
 from shards.progress import Progress, track
 from shards.shard import Shard
-from shards.weights import load_shard_weights
+from shards.formats.weights import load_shard_weights
 from tests.conftest import FIXTURES
 
 MODEL = FIXTURES / "llama"

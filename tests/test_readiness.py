@@ -1,9 +1,9 @@
 """Plans use a node only for layers it holds: the target ring once everyone holds their part, else the nodes that
-can serve (node/readiness.py)."""
+can serve (node/core/placement.py)."""
 import pytest
 
-from node.readiness import plan_ring, target_ring
-from node.topology import Availability, Capabilities, NodeInfo
+from node.core.placement import plan_ring, target_ring
+from node.core.topology import Availability, Capabilities, NodeInfo
 from shards.partition import PartitionError
 from shards.shard import Shard
 

@@ -6,9 +6,9 @@ import time
 import numpy as np
 import pytest
 
-from node.sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
-from shards.config import ModelConfig
-from shards.numpy_engine import NumpyEngine
+from node.runtime.sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
+from shards.formats.config import ModelConfig
+from shards.engines.numpy_engine import NumpyEngine
 from shards.sampling import SampleResult, SamplerState, SamplingParams, sample_one
 from shards.shard import Shard
 from tests.conftest import FIXTURES

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from node.scheduler import Group, Queued, SchedulerLimits, StepScheduler
+from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
 from shards.shard import Shard
 
 SHARD = Shard("m", 0, 4, 8)

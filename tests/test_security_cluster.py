@@ -14,11 +14,11 @@ import grpc
 import numpy as np
 import pytest
 
-from node import wire
-from node.plan import PlanStep, RequestSpec
+from node.grpc import wire
+from node.core.plan import PlanStep, RequestSpec
 from node.security import write_key_file
-from proto import node_service_pb2 as pb
-from proto import node_service_pb2_grpc as pb_grpc
+from node.grpc.generated import node_service_pb2 as pb
+from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 from shards.sampling import SamplingParams
 from shards.shard import Shard
 from tests.cluster import ROOT, Cluster, free_port

@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from node.security import ENV_VAR, ClusterKey, ClusterKeyError, add_key_argument, generate_secret, keygen_main, \
-    load_secret, read_key_file, write_key_file
+from node.security import (ENV_VAR, ClusterKey, ClusterKeyError, add_key_argument, generate_secret, keygen_main,
+    load_secret, read_key_file, write_key_file)
 from node.security.keys import LABEL_CA, LABEL_DISCOVERY, PREFIX, encode_key
 
 SECRET = bytes(range(32))

@@ -5,11 +5,11 @@ import sys
 import numpy as np
 import pytest
 
-from shards.config import ModelConfig
-from shards.engine import StepInput
+from shards.formats.config import ModelConfig
+from shards.engines.base import StepInput
 from shards.generate import generate
-from shards.models import PACKAGED, resolve_model
-from shards.numpy_engine import NumpyEngine
+from shards.formats.packaged import PACKAGED, resolve_model
+from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
 from tests.cluster import ROOT, Cluster

@@ -3,10 +3,10 @@ the project's inference engine after export (which proves the exported tensor na
 import numpy as np
 import pytest
 
-from shards.config import ModelConfig
+from shards.formats.config import ModelConfig
 from shards.demo import llama_train as lt
 from shards.generate import chain_forward
-from shards.numpy_engine import NumpyEngine
+from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 
 TINY = lt.LlamaShape(vocab_size=50, hidden_size=16, n_layers=2, n_heads=2, intermediate_size=24,

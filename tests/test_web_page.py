@@ -164,7 +164,7 @@ def test_page_and_assets_need_no_key_but_the_api_does(cluster):
 
 def test_the_page_loads_nothing_from_elsewhere():
     """No CDN, no external fonts or scripts: nodes may have no internet (the CSP header enforces it as well)."""
-    from node.webui import WEB
+    from node.http.webui import WEB
 
     files = {p.name: p.read_text() for p in WEB.iterdir()}
     assert set(files) == {"index.html", "app.js", "style.css"}

@@ -7,10 +7,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from shards.config import ModelConfig
-from shards.numpy_engine import NumpyEngine
+from shards.formats.config import ModelConfig
+from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
-from shards.weights import WeightsError, load_shard_weights
+from shards.formats.weights import WeightsError, load_shard_weights
 from tests.conftest import FIXTURES
 
 

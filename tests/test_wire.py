@@ -7,31 +7,13 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 
-from node.plan import PlanStep, RequestSpec
-from node.requests import Activation, TokenMessage
-from node.topology import Capabilities, NodeInfo
-from node.wire import (
-    MAX_PLAN_STEPS,
-    MAX_STOP_IDS,
-    WireError,
-    decode_node_info,
-    decode_result,
-    decode_sampling,
-    decode_shard,
-    decode_spec,
-    decode_tensor,
-    decode_activation,
-    decode_tokens,
-    encode_node_info,
-    encode_result,
-    encode_sampling,
-    encode_shard,
-    encode_spec,
-    encode_tensor,
-    encode_activation,
-    encode_tokens,
-)
-from proto import node_service_pb2 as pb
+from node.core.plan import PlanStep, RequestSpec
+from node.core.requests import Activation, TokenMessage
+from node.core.topology import Capabilities, NodeInfo
+from node.grpc.wire import (MAX_PLAN_STEPS, MAX_STOP_IDS, WireError, decode_node_info, decode_result,
+    decode_sampling, decode_shard, decode_spec, decode_tensor, decode_activation, decode_tokens, encode_node_info,
+    encode_result, encode_sampling, encode_shard, encode_spec, encode_tensor, encode_activation, encode_tokens)
+from node.grpc.generated import node_service_pb2 as pb
 from shards.sampling import SampleResult, SamplingParams
 from shards.shard import Shard
 

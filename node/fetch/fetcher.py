@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from shards.progress import Progress
 
-from ..transport import Transport, TransportError
-from .local_copy import LocalCopy
-from .manifest import Manifest
+from node.runtime.transport import Transport, TransportError
+from node.fetch.local_copy import LocalCopy
+from node.fetch.manifest import Manifest
 
 log = logging.getLogger(__name__)
 MAX_CORRUPT = 5  # times one piece may fail its check before the fetch is given up (and retried later)

@@ -1,6 +1,6 @@
 """Keeps a fetching node holding the layers the cluster assigns it.
 
-Every node computes the same target ring over all members (node/readiness.py); this node's part of it is its
+Every node computes the same target ring over all members (node/core/placement.py); this node's part of it is its
 target. When the target needs pieces the copy lacks, they are fetched; when the target changes (a node joins or
 leaves) the fetch in progress stops (what it verified stays) and the new target's pieces are fetched. A target
 must hold still for `settle` seconds first, so nodes joining one after the other don't start a fetch per join.
@@ -17,11 +17,11 @@ from collections import Counter
 from shards.partition import PartitionError
 from shards.shard import Shard
 
-from ..node import Node
-from ..readiness import target_ring
-from ..topology import Availability
-from .fetcher import Fetcher, FetchError
-from .local_copy import DiskError, LocalCopy
+from node.runtime.node import Node
+from node.core.placement import target_ring
+from node.core.topology import Availability
+from node.fetch.fetcher import Fetcher, FetchError
+from node.fetch.local_copy import DiskError, LocalCopy
 
 log = logging.getLogger(__name__)
 RETRY_S = (5.0, 60.0)  # after a failed fetch: first wait, longest wait

@@ -12,9 +12,9 @@ import re
 import struct
 from pathlib import Path
 
-from shards.gguf_file import GGUFError, find_gguf, open_gguf
+from shards.formats.gguf_file import GGUFError, find_gguf, open_gguf
 
-from .manifest import FILE_NAME, Manifest, ManifestError, ModelFile, Piece
+from node.fetch.manifest import FILE_NAME, Manifest, ManifestError, ModelFile, Piece
 
 DEFAULT_PIECE = 8 << 20  # big tensors travel in blocks of this size: what an interruption costs at most
 MAX_HEADER = 100 << 20  # safetensors' own limit for its JSON header

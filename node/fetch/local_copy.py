@@ -20,9 +20,9 @@ import os
 import threading
 from pathlib import Path
 
-from node.topology import Availability
+from node.core.topology import Availability
 
-from .manifest import METADATA, Manifest, ManifestError
+from node.fetch.manifest import METADATA, Manifest, ManifestError
 
 log = logging.getLogger(__name__)
 STATE, MANIFEST = ".exo-fetch.json", ".exo-fetch-manifest.json"

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .hashes import HashCache
-from .layout import DEFAULT_PIECE, LayoutError, build_manifest, model_root
-from .manifest import Manifest
+from node.fetch.hashes import HashCache
+from node.fetch.layout import DEFAULT_PIECE, LayoutError, build_manifest, model_root
+from node.fetch.manifest import Manifest
 
 CHUNK = 1 << 20  # bytes per streamed message (far below gRPC's message limit; bounds each message's memory)
 MIN_CHUNK = 16 << 10

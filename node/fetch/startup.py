@@ -15,14 +15,14 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from shards.models import PACKAGED, ModelNotFound, resolve_model
+from shards.formats.packaged import PACKAGED, ModelNotFound, resolve_model
 
-from ..topology import NodeInfo
-from .fetcher import Fetcher, Source
-from .layout import build_manifest
-from .local_copy import LocalCopy
-from .manifest import MODEL_ID, same_layout
-from .source import WeightSource
+from node.core.topology import NodeInfo
+from node.fetch.fetcher import Fetcher, Source
+from node.fetch.layout import build_manifest
+from node.fetch.local_copy import LocalCopy
+from node.fetch.manifest import MODEL_ID, same_layout
+from node.fetch.source import WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def _mbps(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0.128:  # below ~16 kB/s a fetching peer's deadlines (node/peer.py) would give up on pieces
+    if not value >= 0.128:  # below ~16 kB/s a fetching peer's deadlines (node/grpc/client.py) would give up on pieces
         raise argparse.ArgumentTypeError("must be at least 0.128 (16 kB/s)")
     return value
 

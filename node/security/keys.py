@@ -29,7 +29,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from .tls import ClusterCa, NodeTls
+from node.security.tls import ClusterCa, NodeTls
 
 log = logging.getLogger(__name__)
 

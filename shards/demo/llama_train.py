@@ -1,6 +1,6 @@
 """A Llama decoder written out by hand in numpy: forward, backward, AdamW, and export to a Hugging Face folder.
 
-The math is that of `shards.numpy_engine` (RMSNorm `x * (1 / sqrt(mean(x^2) + eps)) * w`, rotary embedding in the
+The math is that of `shards.engines.numpy_engine` (RMSNorm `x * (1 / sqrt(mean(x^2) + eps)) * w`, rotary embedding in the
 HF rotate_half convention, causal softmax attention scaled by 1/sqrt(head_dim), SwiGLU MLP, final RMSNorm, lm_head
 tied to the embedding), with plain multi-head attention (no grouped kv heads). Parameters live in a dict keyed by
 their Hugging Face tensor names, projection matrices in the HF layout [out_features, in_features], so exporting is

@@ -138,9 +138,9 @@ def write_folder(out: Path, params, shape, tok: Tokenizer, chapters: list[str], 
 
 def greedy_sample(out: Path, prompt: str, n: int = 64) -> str:
     """Continue `prompt` greedily with the project's own engine on the exported (bf16) folder."""
-    from shards.config import ModelConfig
+    from shards.formats.config import ModelConfig
     from shards.generate import generate
-    from shards.numpy_engine import NumpyEngine
+    from shards.engines.numpy_engine import NumpyEngine
     from shards.shard import Shard
     from shards.tokenizer import Tokenizer as ExoTokenizer
 

@@ -1,0 +1,367 @@
+"""A node's part of every request's ring, as plain Python: no transport, no threads, no event loop.
+
+The core admits requests, queues their inputs, chooses what one forward pass runs, and says what to do with its
+outputs. It is driven with typed inputs (a prompt arrived, activations arrived, a step finished, tokens were
+sampled, a send failed, a request ended) and answers with typed actions (`Send`, `Deliver`, `Release`, `Sample`)
+that the driver (node/runtime/node.py) carries out over the engine thread, the sampling batcher and the transport.
+
+Token ring: the entry node sends the prompt to the first-shard node; each node runs its layers and sends the
+activations on; the last node samples, delivers the token to the entry node (for the client) and sends it to the
+first node (for the next step).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from shards.formats.config import ModelConfig
+from shards.engines.base import EngineInputError, check_input
+from shards.sampling import SampleResult, SamplerState, SamplingParams
+from shards.shard import Shard
+
+from node.core.authz import check_caller, check_plan, predecessor
+from node.core.plan import Busy, PlanError, RequestSpec
+from node.core.requests import Activation, Refusal, RequestState, TokenMessage, Tombstones
+from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
+
+log = logging.getLogger(__name__)
+
+# Why a request ended, as entries and nodes say it (EndRequest.reason) and as the ended_* counters count it
+END_REASONS = frozenset({"finished", "cancelled", "busy", "failed", "replayed", "expired"})
+
+
+# -- actions the driver carries out ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Send:
+    """Activations to the next node of their plans (or sampled tokens back to the first node)."""
+
+    address: str
+    activations: tuple[Activation, ...]
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Tokens, or the end of a request, to its entry node."""
+
+    address: str
+    message: TokenMessage
+
+
+@dataclass(frozen=True)
+class Release:
+    """Free the request's KV caches (in every engine of this node)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Sample the next token of a request from its logits row (through the sampling batcher)."""
+
+    request_id: str
+    logits: np.ndarray  # [vocab]
+    params: SamplingParams
+    state: SamplerState
+
+
+Action = Send | Deliver | Release | Sample
+
+
+@dataclass(frozen=True)
+class CoreLimits:
+    max_requests: int = 256  # concurrent requests this node takes part in
+    max_requests_per_entry: int = 192  # of those, at most this many from one entry node (no peer takes them all)
+    kv_budget: int | None = None  # bytes of KV cache this node may hold for all its requests (None: no limit)
+    kv_value_bytes: int = 4  # bytes of one cached key or value element (float32)
+    idle_timeout: float = 60.0  # a request whose next input doesn't come for this long is forgotten
+
+
+class NodeCore:
+    def __init__(self, node_id: str, model_id: str, config: ModelConfig, limits: CoreLimits = CoreLimits(),
+                 scheduling: SchedulerLimits = SchedulerLimits(), clock: Callable[[], float] = time.monotonic,
+                 members: Callable[[], Mapping[str, str]] | None = None):
+        """`members`: the nodes this one knows (id -> address, itself included), which plans must stay within;
+        None: plans are not checked against membership."""
+        self.id, self.model_id, self.config, self.limits, self.clock = node_id, model_id, config, limits, clock
+        self.members = members
+        self.requests: dict[str, RequestState] = {}
+        self.ended = Tombstones()
+        self.queue = StepScheduler(scheduling)
+        # Requests of a one-node ring whose next token is being sampled right now: their next step is due within a
+        # millisecond or two, so the driver holds the queue back for them (briefly) rather than split the batch.
+        self.local_inflight: set[str] = set()
+        self.counters: Counter[str] = Counter()
+        self.draining = False  # shutting down: no new requests, the ones we have run to their end
+        self.kv_reserved = 0  # bytes of KV cache reserved by the requests held
+        self.serves: Callable[[Shard], bool] = lambda shard: True  # whether this node holds the shard's weights
+
+    # -- inputs from other nodes ------------------------------------------------------------------------------
+    def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray, caller: str | None = None) -> None:
+        """A new request whose plan makes us the first node, from `caller` (the authenticated member calling, when
+        known). Raises PlanError when it can't be taken."""
+        check_caller(caller, {spec.entry_node_id}, f"a prompt for request {spec.request_id}")
+        if spec.first.node_id != self.id:
+            raise PlanError(f"prompt sent to {self.id}, but the plan's first node is {spec.first.node_id}")
+        if spec.request_id in self.requests or spec.request_id in self.ended:
+            raise PlanError(f"request {spec.request_id} already exists")
+        self._check(True, tokens)
+        self._admit(spec)
+        self._enqueue(Queued(spec.request_id, tokens))
+
+    def accept_activations(self, activations: list[Activation], caller: str | None = None) -> list[Refusal]:
+        """Queue each activation (from `caller`, when known); returns the ones refused, and why."""
+        rejected = []
+        for a in activations:
+            if a.request_id in self.ended:
+                continue  # the request is over; a late activation is simply dropped
+            try:
+                req = self.requests.get(a.request_id)
+                if req is None:
+                    if a.spec is None:
+                        raise PlanError(f"unknown request {a.request_id} (this node has no state for it)")
+                    if a.spec.step_of(self.id) == 0:
+                        raise PlanError("a request starts at its first node with a prompt, not an activation")
+                    check_caller(caller, {predecessor(a.spec, a.spec.step_of(self.id))}, f"request {a.request_id}")
+                    req = self._admit(a.spec)
+                else:
+                    check_caller(caller, {predecessor(req.spec, req.step_index)}, f"request {a.request_id}")
+                self._check(req.shard.is_first, a.data)
+                self._enqueue(Queued(a.request_id, a.data, a.partial))
+            except PlanError as e:
+                rejected.append(Refusal(a.request_id, str(e), isinstance(e, Busy)))
+        return rejected
+
+    def end_request(self, request_id: str, reason: str, caller: str | None = None) -> list[Action]:
+        """The request is over (finished, cancelled or failed): forget it and free its caches. From a peer (`caller`
+        authenticated), only the request's entry or a node of its plan may end it, and only a member may end a
+        request we don't hold (so strangers can't fill the bounded tombstones)."""
+        if caller is not None:
+            req = self.requests.get(request_id)
+            allowed = {req.spec.entry_node_id, *(s.node_id for s in req.spec.plan)} if req else \
+                set(self.members() if self.members else ())
+            if caller not in allowed:
+                self.counters["end_refused"] += 1
+                return []
+        self.ended.add(request_id)
+        self.local_inflight.discard(request_id)
+        if (req := self.requests.pop(request_id, None)) is not None:
+            # a counter per reason: only the reasons nodes send (a peer's free text would grow the status map, which
+            # peers refuse past 256 keys)
+            self.counters[f"ended_{reason if reason in END_REASONS else 'unknown'}"] += 1
+            self.kv_reserved -= req.kv_bytes
+        return [Release(request_id)]
+
+    def _check(self, first: bool, data: np.ndarray) -> None:
+        try:
+            check_input(self.config, first, data, "input")
+        except EngineInputError as e:
+            raise PlanError(str(e)) from None
+
+    def _admit(self, spec: RequestSpec) -> RequestState:
+        index = spec.step_of(self.id)
+        shard = spec.plan[index].shard
+        if (shard.model_id, shard.n_layers) != (self.model_id, self.config.n_layers):
+            raise PlanError(f"plan asks for {shard}, this node serves {self.model_id} "
+                            f"with {self.config.n_layers} layers")
+        if self.draining:
+            raise PlanError(f"node {self.id} is shutting down")
+        if not self.serves(shard):  # a plan made from a stale view of this node's fetching: refuse, never guess
+            raise PlanError(f"node {self.id} does not hold the weights of {shard} yet")
+        if self.members is not None:
+            check_plan(spec, self.members())
+        if len(self.requests) >= self.limits.max_requests:
+            raise Busy(f"node {self.id} is at its limit of {self.limits.max_requests} requests")
+        if sum(r.spec.entry_node_id == spec.entry_node_id for r in self.requests.values()) \
+                >= self.limits.max_requests_per_entry:
+            raise Busy(f"node {self.id} holds {self.limits.max_requests_per_entry} requests from entry "
+                       f"{spec.entry_node_id}, its limit for one entry")
+        if spec.positions > self.config.max_position_embeddings:
+            raise PlanError(f"{spec.prompt_tokens} prompt + {spec.max_tokens} new tokens exceed the model's context "
+                            f"of {self.config.max_position_embeddings}")
+        kv_bytes = self.kv_bytes(shard, spec.positions)
+        budget = self.limits.kv_budget
+        if budget is not None and kv_bytes > budget:
+            raise PlanError(f"{spec.positions} positions need {kv_bytes / 2**20:.1f} MiB of KV cache on node {self.id}, "
+                            f"more than its budget of {budget / 2**20:.1f} MiB")
+        if budget is not None and self.kv_reserved + kv_bytes > budget:
+            raise Busy(f"node {self.id}: KV cache memory is full ({self.kv_reserved / 2**20:.1f} of "
+                       f"{budget / 2**20:.1f} MiB reserved)")
+        req = RequestState(spec, index, last_active=self.clock(), kv_bytes=kv_bytes)
+        self.kv_reserved += kv_bytes
+        if shard.is_last:
+            req.sampler = SamplerState.from_seed(spec.sampling.seed, 0 if spec.sampling.greedy else spec.resumed)
+        self.requests[spec.request_id] = req
+        return req
+
+    def kv_bytes(self, shard: Shard, positions: int) -> int:
+        """KV cache memory `positions` positions take on `shard`: a key and a value per layer and kv head."""
+        cfg = self.config
+        return positions * shard.layer_count * 2 * cfg.n_kv_heads * cfg.head_dim * self.limits.kv_value_bytes
+
+    def _enqueue(self, item: Queued) -> None:
+        self.requests[item.request_id].last_active = self.clock()
+        self.queue.push(item)
+        self.local_inflight.discard(item.request_id)
+
+    # -- choosing a forward pass ------------------------------------------------------------------------------
+    @property
+    def should_wait(self) -> bool:
+        """Hold queued work back: a one-node ring's tokens are about to join it (see `local_inflight`)."""
+        return bool(self.queue) and bool(self.local_inflight)
+
+    def stop_waiting(self) -> None:
+        """The wait ran out: a straggler; run without it."""
+        self.local_inflight.clear()
+
+    def take_batch(self) -> list[Group]:
+        """The next forward pass, as groups of inputs that share an engine call (see node/core/scheduler.py)."""
+        return self.queue.take(lambda rid: req.shard if (req := self.requests.get(rid)) else None)
+
+    # -- outputs of a forward pass ----------------------------------------------------------------------------
+    def step_done(self, group: Group, outputs: dict[str, np.ndarray], errors: dict[str, str]) -> list[Action]:
+        """A forward pass over `group` gave `outputs` (hidden rows, or logits on the last shard) per request;
+        `errors` are requests the pass refused or could not run."""
+        actions: list[Action] = []
+        for rid, message in errors.items():
+            actions += self.fail(rid, message)
+        if (problem := self._malformed(group, outputs)) is not None:
+            # Validated as a whole before any row is routed: an engine that got one row wrong can't be trusted
+            # with the others of the same call.
+            self.counters["malformed_steps"] += 1
+            for rid in outputs:
+                actions += self.fail(rid, f"node {self.id}: the engine returned {problem}")
+            return actions
+        self.counters["steps"] += 1
+        self.counters["step_rows"] += len(outputs)
+        self.counters["step_positions"] += sum(len(item.data) for item in group.items if item.request_id in outputs)
+        sends: dict[str, list[Activation]] = defaultdict(list)
+        for item in group.items:
+            rid = item.request_id
+            if rid not in outputs:
+                continue
+            req = self.requests.get(rid)
+            if req is None:
+                # Ended during the pass, maybe before its engine existed to queue a release: free what the pass made.
+                actions.append(Release(rid))
+                continue
+            req.last_active = self.clock()
+            if item.partial and group.shard.is_last:
+                continue  # more of the prompt to come: nothing to sample yet
+            if group.shard.is_last:
+                actions.append(Sample(rid, outputs[rid][-1], req.spec.sampling, req.sampler))
+                if len(req.spec.plan) == 1:
+                    self.local_inflight.add(rid)
+            else:
+                step = req.next_step
+                to = self._address(step.node_id, step.address)
+                sends[to].append(self._outgoing(req, outputs[rid], item.partial))
+        return actions + [Send(address, tuple(acts)) for address, acts in sends.items()]
+
+    def _malformed(self, group: Group, outputs: dict[str, np.ndarray]) -> str | None:
+        """What is wrong with a step's outputs, if anything: one float32 array per input, [1, vocab] logits on the
+        last shard, [T, hidden] hidden states elsewhere, every value finite."""
+        for item in group.items:
+            out = outputs.get(item.request_id)
+            if out is None:
+                continue
+            want = (1, self.config.vocab_size) if group.shard.is_last else (len(item.data), self.config.hidden_size)
+            if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != want:
+                shape = getattr(out, "shape", type(out).__name__)
+                return f"{shape} for request {item.request_id}, expected float32 {list(want)}"
+            if not np.isfinite(out).all():
+                return f"non-finite values for request {item.request_id}"
+        return None
+
+    def sampled(self, results: dict[str, SampleResult | BaseException]) -> list[Action]:
+        """Tokens sampled on the last shard: deliver each to its entry node; continue or end the request."""
+        actions: list[Action] = []
+        to_first: dict[str, list[Activation]] = defaultdict(list)
+        for rid, result in results.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if isinstance(result, BaseException):
+                actions += self.fail(rid, f"node {self.id}: sampling failed: {type(result).__name__}: {result}")
+                continue
+            req.generated += 1
+            spec = req.spec
+            reason = "stop" if result.token in spec.stop_token_ids else \
+                "length" if req.generated >= spec.max_tokens else None
+            message = TokenMessage(rid, (result,), reason is not None, reason)
+            actions.append(Deliver(self._entry_address(spec), message))
+            if reason is None:
+                first = self._address(spec.first.node_id, spec.first.address)
+                to_first[first].append(self._outgoing(req, np.array([result.token], dtype=np.int64)))
+            else:
+                actions += self.end_request(rid, "finished")
+        return actions + [Send(address, tuple(acts)) for address, acts in to_first.items()]
+
+    def _address(self, node_id: str, planned: str) -> str:
+        """Where this node sends to `node_id`: where it knows that member itself. The plan carries the entry's view
+        of the addresses, and two nodes may know a member by different ones (a hostname and an IP, another
+        interface); the plan's own address only where there is no membership to ask."""
+        known = self.members().get(node_id) if self.members is not None else None
+        return known or planned
+
+    def _entry_address(self, spec: RequestSpec) -> str:
+        return self._address(spec.entry_node_id, spec.entry_address)
+
+    def _outgoing(self, req: RequestState, data: np.ndarray, partial: bool = False) -> Activation:
+        """The spec goes with the first message to our successor (the first node already has it)."""
+        spec = None
+        if not req.spec_sent and req.next_step is not None:
+            spec, req.spec_sent = req.spec, True
+        return Activation(req.id, data, spec, partial)
+
+    # -- failures ---------------------------------------------------------------------------------------------
+    def fail(self, request_id: str, message: str, retryable: bool = False, ended_as: str = "failed",
+             busy: bool = False) -> list[Action]:
+        """Drop our state for a failed request and tell its entry node why, and whether it was a node or link
+        failure (`retryable`: the entry may replay the request on another plan) or a lack of room (`busy`: the
+        entry may try again later)."""
+        req = self.requests.get(request_id)
+        actions = self.end_request(request_id, ended_as)
+        if req is not None:
+            log.warning("request %s failed: %s", request_id, message)
+            actions.append(Deliver(self._entry_address(req.spec), TokenMessage(
+                request_id, finished=True, finish_reason="error", error=message, retryable=retryable, busy=busy)))
+        return actions
+
+    def send_failed(self, address: str, activations: tuple[Activation, ...], why: str, retryable: bool) \
+            -> list[Action]:
+        """The next node could not be reached (`retryable`), or the call failed otherwise."""
+        actions: list[Action] = []
+        for a in activations:
+            actions += self.fail(a.request_id, f"node {self.id}: sending to {address} failed: {why}", retryable)
+        return actions
+
+    def refused(self, address: str, refusals: list[Refusal]) -> list[Action]:
+        actions: list[Action] = []
+        for r in refusals:
+            actions += self.fail(r.request_id, f"node at {address} refused: {r.reason}", busy=r.busy)
+        return actions
+
+    def deliver_failed(self, message: TokenMessage, why: str) -> list[Action]:
+        """The entry node can't be told: nobody waits for this request any more."""
+        log.warning("result for %s could not reach its entry node: %s", message.request_id, why)
+        return self.end_request(message.request_id, "failed")
+
+    def expire(self) -> list[Action]:
+        """Forget requests idle for longer than the idle timeout: their next input is not coming (an upstream node
+        froze or died, or their end was lost). The entry, if it still listens, may replay them."""
+        now, actions = self.clock(), []
+        queued = {item.request_id for item in self.queue.queue}
+        for rid, req in list(self.requests.items()):
+            if rid not in queued and now - req.last_active > self.limits.idle_timeout:
+                actions += self.fail(rid, f"node {self.id}: no input for {self.limits.idle_timeout:g}s", retryable=True,
+                                     ended_as="expired")
+        return actions
+
+    @property
+    def active(self) -> int:
+        return len(self.requests)

@@ -1,0 +1,99 @@
+"""What nodes say to each other about requests, and what a node remembers of each, free of any transport."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from shards.sampling import SampleResult, SamplerState
+from shards.shard import Shard
+
+from node.core.plan import PlanStep, RequestSpec
+
+
+class GenerationError(RuntimeError):
+    """A request failed somewhere in the ring; the message says where and why."""
+
+
+class Overloaded(GenerationError):
+    """No room for the request in the cluster (KV cache memory, request slots) within the queue timeout."""
+
+
+@dataclass(frozen=True)
+class Activation:
+    """One request's input for a node: int64 token ids [T] for the first shard, float32 hidden states [T, hidden]
+    for the others."""
+
+    request_id: str
+    data: np.ndarray
+    spec: RequestSpec | None = None  # travels with a request's first message to each node
+    partial: bool = False  # a chunk of the prompt, with more to come: the last node computes it but samples nothing
+
+
+@dataclass(frozen=True)
+class TokenMessage:
+    """From the last node to the entry node: sampled tokens, and whether (and why) the request is over."""
+
+    request_id: str
+    results: tuple[SampleResult, ...] = ()
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | error
+    error: str | None = None  # what went wrong, when finish_reason is "error"
+    retryable: bool = False  # the error was a node or link failure: the request may be replayed elsewhere
+    busy: bool = False  # a node of the plan had no room for the request: it may be tried again later
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An activation a node would not take, and why."""
+
+    request_id: str
+    reason: str
+    busy: bool = False  # no room right now (KV cache memory, request slots), rather than a bad input
+
+
+@dataclass
+class RequestState:
+    """This node's part of one request."""
+
+    spec: RequestSpec
+    step_index: int  # our position in the plan
+    sampler: SamplerState | None = None  # last node only
+    generated: int = 0  # last node only: tokens sampled so far
+    spec_sent: bool = False  # has our successor received the spec?
+    last_active: float = 0.0  # when its last input arrived or its last step ran (the core's clock)
+    kv_bytes: int = 0  # KV cache memory reserved for it on this node
+
+    @property
+    def id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def step(self) -> PlanStep:
+        return self.spec.plan[self.step_index]
+
+    @property
+    def shard(self) -> Shard:
+        return self.step.shard
+
+    @property
+    def next_step(self) -> PlanStep | None:
+        return self.spec.plan[self.step_index + 1] if self.step_index + 1 < len(self.spec.plan) else None
+
+
+class Tombstones:
+    """Ids of ended requests, so late messages for them are dropped instead of reviving state. Bounded."""
+
+    def __init__(self, size: int = 4096):
+        self.ids: OrderedDict[str, None] = OrderedDict()
+        self.size = size
+
+    def add(self, request_id: str) -> None:
+        self.ids[request_id] = None
+        self.ids.move_to_end(request_id)
+        while len(self.ids) > self.size:
+            self.ids.popitem(last=False)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.ids

@@ -1,0 +1,206 @@
+"""The gRPC client side of the transport: one channel per peer, explicit message size limits, a deadline on every
+call, and gRPC's errors turned into `TransportError`s."""
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from node.grpc.generated import node_service_pb2 as pb
+from node.grpc.generated import node_service_pb2_grpc as pb_grpc
+
+from node.grpc import wire
+from node.fetch.manifest import Manifest, piece_deadline
+from node.core.plan import RequestSpec
+from node.grpc.stream import PeerStream, StreamBroken
+from node.core.requests import Activation, Refusal, TokenMessage
+from node.security import NodeIdentity, NodeTls
+from node.core.topology import NodeInfo
+from node.runtime.transport import TransportError
+
+# Activations of a long prompt can be large (tokens x hidden x 4 bytes); grpc's default cap is 4 MiB.
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+_KINDS = {
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.CANCELLED: "unavailable",  # a call or stream cut off under us: the peer left or restarted
+    # gRPC's own code for a connection that broke mid-stream ("Internal error from Core", seen when a peer is
+    # killed): a link failure, replayable (a handler's own exception is UNKNOWN, which stays "error")
+    grpc.StatusCode.INTERNAL: "unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+    grpc.StatusCode.INVALID_ARGUMENT: "refused",
+    grpc.StatusCode.FAILED_PRECONDITION: "refused",
+    grpc.StatusCode.UNAUTHENTICATED: "refused",
+    grpc.StatusCode.PERMISSION_DENIED: "refused",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "busy",
+}
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # A peer that is starting (or restarting) is retried within 0.1-1 s, not after gRPC's default backoff of up
+        # to two minutes: with wait_for_ready, calls made meanwhile wait for the connection instead of failing.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        # Pings find a connection whose peer vanished without closing it (power loss, a cut cable).
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return channel_options(max_message_bytes) + [
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),  # below the clients' keepalive: no GOAWAY
+        ("grpc.max_connection_idle_ms", 300_000),  # connections of peers that left are closed
+        # Certificates are checked at handshakes only: no connection outlives its peer's leaf by much.
+        ("grpc.max_connection_age_ms", 3_600_000),
+        ("grpc.max_connection_age_grace_ms", 60_000),
+        ("grpc.max_concurrent_streams", 256),  # per connection
+    ]
+
+
+def _translated(call):
+    """Turn a gRPC error of the wrapped call into a TransportError naming the peer."""
+
+    @functools.wraps(call)
+    async def wrapper(self: "GrpcTransport", address: str, *args, **kwargs):
+        try:
+            return await call(self, address, *args, **kwargs)
+        except grpc.aio.AioRpcError as e:
+            raise TransportError(_KINDS.get(e.code(), "error"), f"{address}: {e.code().name} {e.details()}") from None
+        except wire.WireError as e:
+            raise TransportError("malformed", f"{address} answered with a malformed message: {e}") from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # we are being cancelled: not the call's doing
+            # grpc.aio raises CancelledError in calls whose channel was closed meanwhile (a peer that left)
+            raise TransportError("unavailable", f"{address}: the channel was closed") from None
+
+    return wrapper
+
+
+class GrpcTransport:
+    """The `Transport` over gRPC. Calls on a request's data path wait for a connection that is not up yet
+    (`wait_for_ready`: a peer still starting, a reconnect in progress) but never longer than `rpc_timeout`; a peer
+    that is down for longer is noticed by membership's health checks, which fail fast."""
+
+    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rpc_timeout: float = 10.0,
+                 tls: NodeTls | None = None):
+        """With `tls` (a cluster key), every channel is mutual TLS: both ends prove they hold the key."""
+        self.max_message_bytes, self.rpc_timeout, self.tls = max_message_bytes, rpc_timeout, tls
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.streams: dict[str, tuple[pb_grpc.NodeServiceStub, PeerStream]] = {}  # the data path to each peer
+        self._stubs: dict[str, tuple[pb_grpc.NodeServiceStub, NodeIdentity | None]] = {}
+
+    def stub(self, address: str) -> pb_grpc.NodeServiceStub:
+        identity = self.tls.identity() if self.tls else None  # renewed at half-life
+        stub, built_with = self._stubs.get(address, (None, None))
+        if stub is not None and built_with is not identity:
+            # A channel keeps the certificate it was made with: new calls get one with the renewed leaf, calls in
+            # flight finish on the old channel, which is closed once their deadline has passed.
+            old = self.channels.pop(address)
+            asyncio.get_running_loop().call_later(self.rpc_timeout, lambda: asyncio.ensure_future(old.close()))
+            stub = None
+        if stub is None:
+            options = channel_options(self.max_message_bytes)
+            if identity is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                channel = grpc.aio.secure_channel(address, self.tls.channel_credentials(identity),
+                                                  options=options + self.tls.channel_options())
+            self.channels[address] = channel
+            stub = pb_grpc.NodeServiceStub(channel)
+            self._stubs[address] = (stub, identity)
+        return stub
+
+    @_translated
+    async def send_prompt(self, address: str, spec: RequestSpec, tokens: np.ndarray) -> None:
+        request = pb.SendPromptRequest(spec=wire.encode_spec(spec), tokens=wire.encode_tensor(tokens))
+        await self.stub(address).SendPrompt(request, timeout=self.rpc_timeout, wait_for_ready=True)
+
+    @_translated
+    async def send(self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) \
+            -> list[Refusal]:
+        stub = self.stub(address)  # first: it may replace a channel whose certificate was renewed
+        on, stream = self.streams.get(address, (None, None))
+        if on is not stub:  # a new channel gets its own stream
+            if stream is not None:
+                asyncio.ensure_future(stream.close())
+            stream = PeerStream(lambda: stub.SendStream(wait_for_ready=True), self.rpc_timeout)
+            self.streams[address] = (stub, stream)
+        try:
+            response = await stream.send(wire.encode_send(activations, messages))
+        except StreamBroken as e:
+            raise TransportError(_KINDS.get(e.code, "error"), f"{address}: {e}") from None
+        return [wire.decode_refusal(r) for r in response.rejected]
+
+    @_translated
+    async def end_request(self, address: str, request_id: str, reason: str) -> None:
+        request = pb.EndRequestRequest(request_id=request_id, reason=reason)
+        await self.stub(address).EndRequest(request, timeout=self.rpc_timeout, wait_for_ready=True)
+
+    @_translated
+    async def health_check(self, address: str, timeout: float = 2.0) -> NodeInfo:
+        response = await self.stub(address).HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
+        if not response.ok:
+            raise TransportError("unavailable", f"{address} says it is not ready")
+        return wire.decode_node_info(response.node)
+
+    @_translated
+    async def leave(self, address: str, node_id: str, timeout: float = 1.0) -> None:
+        await self.stub(address).Leave(pb.LeaveRequest(node_id=node_id), timeout=timeout)
+
+    @_translated
+    async def manifest(self, address: str, model_id: str, timeout: float = 30.0) -> Manifest:
+        response = await self.stub(address).GetManifest(pb.ManifestRequest(model_id=model_id), timeout=timeout)
+        return wire.decode_manifest(response)
+
+    @_translated
+    async def fetch_piece(self, address: str, model_id: str, index: int, length: int,
+                          on_chunk: Callable[[int], None] = lambda n: None, idle_timeout: float = 30.0
+                          ) -> tuple[bytes, bytes]:
+        """(stated sha256, bytes) of piece `index`, which has `length` bytes. The call's deadline allows for a slow
+        link (`piece_deadline`); a stream that goes quiet for `idle_timeout` seconds is given up sooner."""
+        call = self.stub(address).FetchPiece(pb.PieceRequest(model_id=model_id, piece=index),
+                                             timeout=piece_deadline(length))
+        try:
+            digest, data = None, bytearray()
+            while True:
+                try:
+                    message = await asyncio.wait_for(call.read(), idle_timeout)
+                except asyncio.TimeoutError:
+                    raise TransportError("timeout", f"{address}: piece {index} stalled for {idle_timeout:g}s") from None
+                if message is grpc.aio.EOF:
+                    break
+                if digest is None:
+                    digest = wire.decode_piece_header(message, length)
+                    continue
+                if len(data) + len(message.data) > length:
+                    raise wire.WireError(f"piece {index} sent more than its {length} bytes")
+                data += message.data
+                on_chunk(len(message.data))
+            if digest is None or len(data) != length:
+                raise wire.WireError(f"piece {index} ended after {len(data)} of its {length} bytes")
+            return digest, bytes(data)
+        finally:
+            call.cancel()  # a no-op once the call is over; stops the peer's stream when we give up early
+
+    async def forget(self, address: str) -> None:
+        _, stream = self.streams.pop(address, (None, None))
+        if stream is not None:
+            await stream.close()
+        self._stubs.pop(address, None)
+        channel = self.channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for address in list(self.channels):
+            await self.forget(address)

@@ -1,0 +1,361 @@
+"""Conversions between the protobuf wire messages and the node's dataclasses / numpy arrays.
+
+Everything decoded here came from the network and is hostile until validated: every decoder either returns a
+fully validated value or raises `WireError` (the gRPC server maps it to INVALID_ARGUMENT). Encoders take values
+that were validated when they were built, so they only check what the wire format itself cannot carry.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sized
+from typing import TypeVar
+
+import numpy as np
+
+from node.core.plan import MAX_REQUEST_ID, PlanStep, RequestSpec, parse_address
+from node.core.requests import Activation, Refusal, TokenMessage
+from node.fetch.manifest import MAX_FILES, MAX_PIECES, Manifest, ManifestError, ModelFile, Piece
+from node.core.topology import Availability, Capabilities, NodeInfo
+from node.grpc.generated import node_service_pb2 as pb
+from shards.sampling import MAX_TOP_LOGPROBS, SampleResult, SamplingParams
+from shards.shard import Shard
+
+# Caps on repeated fields and strings: far above anything legitimate, low enough that a hostile message
+# cannot make a node do unbounded work or hold unbounded state.
+MAX_MODEL_ID = 256
+MAX_NAME = 256  # node ids, addresses, engine names, status keys
+MAX_DIMS = 4
+MAX_PLAN_STEPS = 64
+MAX_STOP_IDS = 1024
+MAX_LOADED = 64
+MAX_STATUS = 256
+MAX_TOKENS_PER_MESSAGE = 1024
+MAX_MESSAGES = 4096  # token messages or activations in one call
+MAX_ERROR = 4096
+MAX_LAYER_RUNS = 1024
+FINISH_REASONS = ("", "stop", "length", "error")
+_UINT64 = 2**64
+
+# The allow-list: wire name -> little-endian dtype. The names are exact ("<f4", "float64", "" are rejected).
+_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "int64": np.dtype("<i8")}
+
+
+class WireError(ValueError):
+    """A message from the network is malformed or violates a limit."""
+
+
+def _text(value: str, what: str, max_len: int = MAX_NAME, required: bool = True) -> str:
+    if required and not value:
+        raise WireError(f"{what} is missing")
+    if len(value) > max_len:
+        raise WireError(f"{what} is longer than {max_len} characters")
+    return value
+
+
+_S = TypeVar("_S", bound=Sized)
+
+
+def _count(items: _S, what: str, limit: int) -> _S:
+    if len(items) > limit:
+        raise WireError(f"too many {what}: {len(items)} > {limit}")
+    return items
+
+
+def _f32(x: float) -> float:
+    """The wire stores float32; give back the shortest decimal that round-trips to the same float32 (0.7, not
+    0.699999988). It is a pure function of the bits, so every node decodes the same value; unlike rounding to
+    a fixed number of digits it keeps tiny values (temperature 1e-7 stays non-zero)."""
+    return float(np.format_float_scientific(np.float32(x), unique=True))
+
+
+# --- tensors ---------------------------------------------------------------------------------------------
+
+
+def encode_tensor(a: np.ndarray) -> pb.Tensor:
+    if not isinstance(a, np.ndarray):
+        raise WireError(f"expected a numpy array, got {type(a).__name__}")
+    name = next((n for n, dt in _DTYPES.items() if a.dtype.kind == dt.kind and a.dtype.itemsize == dt.itemsize), None)
+    if name is None:
+        raise WireError(f"dtype {a.dtype} cannot travel; allowed: {', '.join(_DTYPES)}")
+    if not 1 <= a.ndim <= MAX_DIMS:
+        raise WireError(f"tensors have 1 to {MAX_DIMS} dims, got {a.ndim}")
+    # astype to the little-endian dtype byte-swaps big-endian input; tobytes("C") handles any memory layout.
+    data = a.astype(_DTYPES[name], copy=False).tobytes(order="C")
+    return pb.Tensor(data=data, shape=a.shape, dtype=name)
+
+
+def decode_tensor(t: pb.Tensor, max_bytes: int) -> np.ndarray:
+    """A read-only array viewing the message bytes (no copy); callers that write into it must copy it."""
+    data = t.data  # bind once: each attribute read may copy the bytes out of the message
+    dt = _DTYPES.get(t.dtype)
+    if dt is None:
+        raise WireError(f"tensor dtype {t.dtype[:32]!r} is not one of {', '.join(_DTYPES)}")
+    if not 1 <= len(t.shape) <= MAX_DIMS:
+        raise WireError(f"tensors have 1 to {MAX_DIMS} dims, got {len(t.shape)}")
+    shape = tuple(int(d) for d in t.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"tensor shape {shape} has a negative dim")
+    if len(data) > max_bytes:
+        raise WireError(f"tensor of {len(data)} bytes exceeds the limit of {max_bytes}")
+    # Python ints: no overflow, so [2**62, 2**62] cannot wrap around to a small size.
+    if (need := math.prod(shape) * dt.itemsize) != len(data):
+        raise WireError(f"tensor shape {shape} of {t.dtype} needs {need} bytes, got {len(data)}")
+    # An empty tensor matches any other dims ([0, 2**62] holds 0 bytes), but numpy refuses such shapes and no
+    # legitimate tensor has them: the non-zero dims must fit the byte budget as well.
+    if math.prod(max(d, 1) for d in shape) * dt.itemsize > max_bytes:
+        raise WireError(f"tensor shape {shape} exceeds the limit of {max_bytes} bytes")
+    # On a big-endian host astype converts to native order; on little-endian hosts it is a no-op view.
+    a = np.frombuffer(data, dtype=dt).astype(dt.newbyteorder("="), copy=False).reshape(shape)
+    if a.dtype.kind == "f" and not np.isfinite(a).all():
+        raise WireError("float tensor holds NaN or infinity")
+    return a
+
+
+# --- shards, sampling, request specs ---------------------------------------------------------------------
+
+
+def encode_shard(s: Shard) -> pb.ShardRange:
+    return pb.ShardRange(model_id=s.model_id, start_layer=s.start_layer, end_layer=s.end_layer, n_layers=s.n_layers)
+
+
+def decode_shard(m: pb.ShardRange) -> Shard:
+    model_id = _text(m.model_id, "shard model_id", MAX_MODEL_ID)
+    try:
+        return Shard(model_id, m.start_layer, m.end_layer, m.n_layers)
+    except ValueError as e:
+        raise WireError(str(e)) from e
+
+
+def encode_sampling(p: SamplingParams) -> pb.Sampling:
+    if p.seed is not None and p.seed >= _UINT64:
+        raise WireError(f"seed {p.seed} does not fit in 64 bits")
+    return pb.Sampling(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, top_logprobs=p.top_logprobs
+    )
+
+
+def decode_sampling(m: pb.Sampling) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=_f32(m.temperature),
+            top_p=_f32(m.top_p),
+            top_k=m.top_k,
+            seed=m.seed if m.HasField("seed") else None,
+            top_logprobs=m.top_logprobs if m.HasField("top_logprobs") else None,
+        )
+    except ValueError as e:
+        raise WireError(f"invalid sampling: {e}") from e
+
+
+def encode_spec(s: RequestSpec) -> pb.RequestSpec:
+    return pb.RequestSpec(
+        request_id=s.request_id,
+        plan=[pb.PlanStep(node_id=p.node_id, address=p.address, shard=encode_shard(p.shard)) for p in s.plan],
+        sampling=encode_sampling(s.sampling),
+        max_tokens=s.max_tokens,
+        stop_token_ids=sorted(s.stop_token_ids),  # sorted: the same spec always encodes to the same bytes
+        entry_node_id=s.entry_node_id,
+        entry_address=s.entry_address,
+        resumed_tokens=s.resumed,
+        prompt_tokens=s.prompt_tokens,
+    )
+
+
+def decode_spec(m: pb.RequestSpec) -> RequestSpec:
+    # Caps first, so an oversized message is rejected before any per-item work.
+    _count(m.plan, "plan steps", MAX_PLAN_STEPS)
+    _count(m.stop_token_ids, "stop token ids", MAX_STOP_IDS)
+    if any(t < 0 for t in m.stop_token_ids):
+        raise WireError("stop token ids must be >= 0")
+    if not m.HasField("sampling"):
+        raise WireError("request spec has no sampling parameters")
+    plan = tuple(
+        PlanStep(_text(p.node_id, "plan node_id"), _text(p.address, "plan address"), decode_shard(p.shard))
+        for p in m.plan
+    )
+    sampling = decode_sampling(m.sampling)
+    entry_node_id = _text(m.entry_node_id, "entry_node_id")
+    entry_address = _text(m.entry_address, "entry_address")
+    try:
+        return RequestSpec(
+            m.request_id, plan, sampling, m.max_tokens, frozenset(m.stop_token_ids), entry_node_id, entry_address,
+            m.resumed_tokens, m.prompt_tokens,
+        )
+    # PlanError, or the plain ValueError parse_address raises on ports like "1²" ("²".isdigit() is True).
+    except ValueError as e:
+        raise WireError(f"invalid request spec: {e}") from e
+
+
+# --- topology --------------------------------------------------------------------------------------------
+
+
+def encode_node_info(n: NodeInfo) -> pb.NodeInfo:
+    c = n.capabilities
+    m = pb.NodeInfo(
+        node_id=n.node_id,
+        address=n.address,
+        capabilities=pb.Capabilities(
+            memory_bytes=c.memory_bytes, engine=c.engine, model_id=c.model_id, n_layers=c.n_layers
+        ),
+        loaded=[encode_shard(s) for s in n.loaded],
+        active_requests=n.active_requests,
+        status=n.status,
+        draining=n.draining,
+    )
+    if not n.availability.complete:  # absent means complete: what nodes that never fetch have always sent
+        a = n.availability
+        m.availability.CopyFrom(pb.Availability(layers=[pb.LayerRun(start=s, end=e) for s, e in a.layers],
+                                                embed=a.embed, head=a.head, note=a.note))
+    if n.pinned is not None:  # the proto's ShardRange repeats the model of the capabilities
+        start, end = n.pinned
+        m.pinned.CopyFrom(pb.ShardRange(model_id=c.model_id, start_layer=start, end_layer=end, n_layers=c.n_layers))
+    return m
+
+
+def decode_node_info(m: pb.NodeInfo) -> NodeInfo:
+    node_id = _text(m.node_id, "node_id")
+    address = _text(m.address, "node address")
+    try:
+        parse_address(address)
+    except ValueError as e:  # PlanError, or a plain ValueError on odd digits (see decode_spec)
+        raise WireError(f"node {node_id!r}: {e}") from e
+    if not m.HasField("capabilities"):
+        raise WireError(f"node {node_id!r} sent no capabilities")
+    c = m.capabilities
+    if c.n_layers < 0:
+        raise WireError(f"node {node_id!r} reports {c.n_layers} layers")
+    model_id = _text(c.model_id, "model_id", MAX_MODEL_ID, required=False)
+    caps = Capabilities(c.memory_bytes, _text(c.engine, "engine"), model_id, c.n_layers)
+    pinned = None
+    if m.HasField("pinned"):
+        p = decode_shard(m.pinned)  # validates the range
+        if (p.model_id, p.n_layers) != (caps.model_id, caps.n_layers):
+            raise WireError(f"node {node_id!r} pins layers of another model than the one it serves")
+        pinned = (p.start_layer, p.end_layer)
+    loaded = tuple(decode_shard(s) for s in _count(m.loaded, "loaded shards", MAX_LOADED))
+    if m.active_requests < 0:
+        raise WireError(f"node {node_id!r} reports {m.active_requests} active requests")
+    status = {_text(k, "status key"): int(v) for k, v in _count(m.status, "status counters", MAX_STATUS).items()}
+    availability = decode_availability(m.availability, caps.n_layers) if m.HasField("availability") else Availability()
+    return NodeInfo(node_id, address, caps, pinned, loaded, m.active_requests, status, m.draining, availability)
+
+
+def decode_availability(m: pb.Availability, n_layers: int) -> Availability:
+    runs, end = [], 0
+    for r in _count(m.layers, "layer runs", MAX_LAYER_RUNS):
+        if not end <= r.start < r.end <= n_layers or (runs and r.start == end):
+            raise WireError(f"layer runs must be sorted, disjoint, unmerged and within {n_layers} layers")
+        runs.append((r.start, r.end))
+        end = r.end
+    return Availability(m.complete, tuple(runs), m.embed, m.head, _text(m.note, "availability note", MAX_ERROR, False))
+
+
+# --- weights (node/fetch/) -------------------------------------------------------------------------------
+
+
+def encode_manifest(m: Manifest) -> pb.Manifest:
+    return pb.Manifest(model_id=m.model_id, format=m.format, n_layers=m.n_layers,
+                       files=[pb.ModelFile(name=f.name, size=f.size) for f in m.files],
+                       pieces=[pb.Piece(file=p.file, offset=p.offset, length=p.length, part=p.part, layer=p.layer)
+                               for p in m.pieces])
+
+
+def decode_manifest(m: pb.Manifest) -> Manifest:
+    try:  # Manifest validates everything (names, bounds, order, overlaps) and bounds the counts first
+        files = tuple(ModelFile(f.name, f.size) for f in _count(m.files, "model files", MAX_FILES))
+        pieces = tuple(Piece(p.file, p.offset, p.length, p.part, p.layer)
+                       for p in _count(m.pieces, "pieces", MAX_PIECES))
+        return Manifest(m.model_id, m.format, m.n_layers, files, pieces)
+    except ManifestError as e:
+        raise WireError(str(e)) from None
+
+
+def decode_piece_header(m: pb.PieceChunk, length: int) -> bytes:
+    """The sha256 the first message of a piece states, after checking it announces the length asked for."""
+    if len(m.sha256) != 32 or m.data:
+        raise WireError("a piece must start with its 32-byte sha256 and no data")
+    if m.length != length:
+        raise WireError(f"the piece has {length} bytes, the peer announced {m.length}")
+    return m.sha256
+
+
+# --- results ---------------------------------------------------------------------------------------------
+
+
+def encode_result(r: SampleResult) -> pb.TokenResult:
+    return pb.TokenResult(
+        token=r.token,
+        logprob=r.logprob,
+        top_logprobs=[pb.TopLogprob(token=t, logprob=lp) for t, lp in r.top_logprobs],
+    )
+
+
+def _logprob(x: float) -> float:
+    # Log-probabilities are <= 0; -inf (an underflowed probability) is tolerable, NaN and +inf are not.
+    if math.isnan(x) or x == math.inf:
+        raise WireError(f"invalid logprob {x}")
+    return _f32(x)
+
+
+def decode_result(m: pb.TokenResult) -> SampleResult:
+    _count(m.top_logprobs, "top logprobs", MAX_TOP_LOGPROBS)
+    if m.token < 0 or any(t.token < 0 for t in m.top_logprobs):
+        raise WireError("token ids must be >= 0")
+    return SampleResult(
+        token=m.token,
+        logprob=_logprob(m.logprob) if m.HasField("logprob") else None,
+        top_logprobs=tuple((t.token, _logprob(t.logprob)) for t in m.top_logprobs),
+    )
+
+
+def encode_tokens(m: TokenMessage) -> pb.SendResultRequest:
+    return pb.SendResultRequest(request_id=m.request_id, tokens=[encode_result(r) for r in m.results],
+                                finished=m.finished, finish_reason=m.finish_reason or "", error=m.error or "",
+                                retryable=m.retryable, busy=m.busy)
+
+
+def decode_tokens(m: pb.SendResultRequest) -> TokenMessage:
+    request_id = _text(m.request_id, "request_id", MAX_REQUEST_ID)
+    results = tuple(decode_result(t) for t in _count(m.tokens, "tokens", MAX_TOKENS_PER_MESSAGE))
+    if m.finish_reason not in FINISH_REASONS:
+        raise WireError(f"unknown finish_reason {m.finish_reason[:32]!r}")
+    if m.finish_reason and not m.finished:
+        raise WireError("finish_reason given for an unfinished request")
+    if (m.retryable or m.busy) and m.finish_reason != "error":
+        raise WireError("only an error can be retryable or busy")
+    return TokenMessage(request_id, results, m.finished, m.finish_reason or None,
+                        _text(m.error, "error", MAX_ERROR, required=False) or None, m.retryable, m.busy)
+
+
+# --- activations -----------------------------------------------------------------------------------------
+
+
+def encode_activation(a: Activation) -> pb.TensorEntry:
+    entry = pb.TensorEntry(request_id=a.request_id, tensor=encode_tensor(a.data), partial=a.partial)
+    if a.spec is not None:
+        entry.spec.CopyFrom(encode_spec(a.spec))
+    return entry
+
+
+def decode_activation(m: pb.TensorEntry, max_bytes: int) -> Activation:
+    return Activation(_text(m.request_id, "request_id", MAX_REQUEST_ID), decode_tensor(m.tensor, max_bytes),
+                      decode_spec(m.spec) if m.HasField("spec") else None, m.partial)
+
+
+def encode_refusal(r: Refusal) -> pb.Rejected:
+    return pb.Rejected(request_id=r.request_id, reason=r.reason, busy=r.busy)
+
+
+def decode_refusal(m: pb.Rejected) -> Refusal:
+    return Refusal(_text(m.request_id, "request_id", MAX_REQUEST_ID), _text(m.reason, "reason", MAX_ERROR), m.busy)
+
+
+def encode_send(activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> pb.SendTensorRequest:
+    return pb.SendTensorRequest(entries=[encode_activation(a) for a in activations],
+                                results=[encode_tokens(m) for m in messages])
+
+
+def decode_send(m: pb.SendTensorRequest, max_bytes: int) -> tuple[list[Activation], list[TokenMessage]]:
+    _count(m.entries, "activations", MAX_MESSAGES)
+    _count(m.results, "token messages", MAX_MESSAGES)
+    return [decode_activation(e, max_bytes) for e in m.entries], [decode_tokens(r) for r in m.results]

@@ -1,0 +1,262 @@
+"""OpenAI-compatible HTTP API on the entry node (aiohttp).
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming with server-sent events or not),
+GET /v1/models, GET /v1/models/{id}, GET /v1/topology, GET /healthcheck; GET /metrics (Prometheus text format,
+node/runtime/metrics.py); the web page at GET / (node/http/webui.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client.exposition import choose_encoder
+
+from node.http.schema import (ApiError, ChatRequest, CompletionRequest, Options, parse_chat, parse_completion,
+    read_json)
+from node.http.format import ChatFormat, CompletionFormat, Format
+from node.http.completion import Job, TextDelta, run_job
+from node.runtime.node import Node
+from node.core.requests import GenerationError, Overloaded
+from node.core.plan import PlanError
+from node.http import webui
+
+log = logging.getLogger(__name__)
+CREATED = int(time.time())
+WRITE_TIMEOUT_S = 30
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    max_tokens_cap: int = 1024  # default and ceiling for max_tokens
+    max_body_bytes: int = 1 << 20
+    max_concurrent: int = 64  # requests generating at once; beyond -> 503
+    api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
+    cors_origins: tuple[str, ...] = ()  # empty: no CORS headers
+
+
+class Api:
+    def __init__(self, node: Node, settings: ApiSettings = ApiSettings()):
+        self.node, self.settings = node, settings
+        self.active = 0
+
+    @property
+    def model_id(self) -> str:
+        return self.node.settings.model_id
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._cors, webui.security_headers, self._errors, self._auth],
+                              client_max_size=self.settings.max_body_bytes)
+        app.add_routes([
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/completions", self.completions),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{model_id:.+}", self.model),
+            web.get("/v1/topology", self.topology),
+            web.get("/healthcheck", self.healthcheck),
+            web.get("/metrics", self.metrics),
+            *webui.routes(),
+        ])
+        return app
+
+    # -- middlewares ------------------------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every failure leaves as an OpenAI error object; tracebacks stay in the log."""
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return e.response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            message = f"request body exceeds {self.settings.max_body_bytes} bytes" if e.status == 413 else \
+                f"{e.reason}: {request.method} {request.path}"
+            code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(e.status)
+            return ApiError(e.status, message, code=code).response()
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return ApiError(500, "internal server error").response()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        key = self.settings.api_key
+        if key and not webui.is_public(request.path):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        return await handler(request)
+
+    @web.middleware
+    async def _cors(self, request: web.Request, handler) -> web.StreamResponse:
+        origins = self.settings.cors_origins
+        origin = request.headers.get("Origin")
+        allowed = origins and origin and ("*" in origins or origin in origins)
+        if request.method == "OPTIONS" and allowed:
+            response: web.StreamResponse = web.Response(status=204)
+        else:
+            response = await handler(request)
+        if allowed and not response.prepared:
+            response.headers["Access-Control-Allow-Origin"] = "*" if "*" in origins else origin
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        return response
+
+    # -- read-only endpoints ----------------------------------------------------------------------------------
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": CREATED, "owned_by": "exo-node"}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model_id"])
+        return web.json_response(self._model_card())
+
+    async def healthcheck(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "node_id": self.node.id})
+
+    async def topology(self, request: web.Request) -> web.Response:
+        topo = self.node.topology()
+        nodes = [asdict(n) | {"loaded": [str(s) for s in n.loaded]} for n in topo.nodes]
+        try:  # the layers each node would run for a request arriving now (what the web page draws)
+            plan, plan_error = [{"node_id": step.node_id, "start": step.shard.start_layer, "end": step.shard.end_layer}
+                                for step in self.node.make_plan()], None
+        except PlanError as e:
+            plan, plan_error = None, str(e)
+        return web.json_response({"nodes": nodes, "links": [asdict(link) for link in topo.links],
+                                  "model": {"id": self.model_id, "n_layers": self.node.config.n_layers},
+                                  "plan": plan, "plan_error": plan_error})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        # The classic text format unless the scraper asks for OpenMetrics.
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encode(self.node.metrics.registry), headers={"Content-Type": content_type})
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise ApiError(404, f"The model '{model}' does not exist; this cluster serves '{self.model_id}'",
+                           param="model", code="model_not_found")
+
+    # -- generation endpoints ---------------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        chat = parse_chat(await read_json(request))
+        self._check_model(chat.options.model)
+        try:
+            prompt = self.node.tokenizer.encode_chat(chat.messages)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        return await self._generate(request, chat, prompt, "")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_completion(await read_json(request))
+        self._check_model(req.options.model)
+        tok = self.node.tokenizer
+        if isinstance(req.prompt, str):
+            prompt, echo = tok.encode(req.prompt), req.prompt
+        else:
+            if max(req.prompt) >= self.node.config.vocab_size:
+                raise ApiError(400, f"token ids must be below the vocabulary size {self.node.config.vocab_size}",
+                               param="prompt", code="invalid_value")
+            prompt, echo = list(req.prompt), tok.decode(req.prompt)
+        return await self._generate(request, req, prompt, echo if req.echo else "")
+
+    def _job(self, opts: Options, prompt: list[int], param: str) -> Job:
+        context = self.node.config.max_position_embeddings
+        room = context - len(prompt)
+        if room < 1:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context is {context}",
+                           param=param, code="context_length_exceeded")
+        max_tokens = min(self.settings.max_tokens_cap, room) if opts.max_tokens is None else opts.max_tokens
+        if max_tokens > room:
+            raise ApiError(400, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                                f"length {context}", param="max_tokens", code="context_length_exceeded")
+        if max_tokens > self.settings.max_tokens_cap:
+            raise ApiError(400, f"max_tokens may be at most {self.settings.max_tokens_cap} on this node",
+                           param="max_tokens", code="invalid_value")
+        return Job(prompt, opts.sampling, max_tokens, opts.stop)
+
+    async def _generate(self, request: web.Request, req: ChatRequest | CompletionRequest, prompt: list[int],
+                        echo: str) -> web.StreamResponse:
+        chat = isinstance(req, ChatRequest)
+        with self.node.metrics.request("chat" if chat else "completions") as observed:
+            job = self._job(req.options, prompt, "messages" if chat else "prompt")
+            if self.node.draining:
+                raise ApiError(503, "this node is shutting down; send the request to another node",
+                               code="shutting_down")
+            if self.active >= self.settings.max_concurrent:
+                raise ApiError(503, f"the node is at its limit of {self.settings.max_concurrent} concurrent requests; "
+                                    "retry shortly", code="server_overloaded", retry_after=1)
+            observed.admitted(len(prompt))
+            self.active += 1
+            pieces = None
+            try:
+                fmt = (ChatFormat if chat else CompletionFormat)(req.options, len(prompt), self.model_id)
+                pieces = observed.watch(_guard(run_job(self.node, job, observed.tokens)))
+                first = await anext(pieces, None)  # errors before any token become a plain HTTP error
+                if req.options.stream:
+                    return await self._stream(request, fmt, first, pieces, echo)
+                collected = [first] if first else []
+                async for piece in pieces:
+                    collected.append(piece)
+                return web.json_response(fmt.whole(collected, echo))
+            finally:
+                self.active -= 1
+                if pieces is not None:  # now, not when collected: ends the request on every node of its plan
+                    await pieces.aclose()
+
+    async def _stream(self, request: web.Request, fmt: Format, first: TextDelta | None, pieces, echo: str):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(payload: dict[str, Any] | str) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            # A client that stops reading must not hold its generation slot: after WRITE_TIMEOUT_S the request is
+            # cancelled like a disconnect (the CancelledError unwinds the generation and ends it on every node).
+            try:
+                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                    await response.write(f"data: {data}\n\n".encode())
+            except TimeoutError:
+                log.warning("client stopped reading its stream for %ss: cancelling the request", WRITE_TIMEOUT_S)
+                raise asyncio.CancelledError from None
+
+        await send(fmt.opening(echo))
+        last = first
+
+        async def emit(piece: TextDelta) -> None:
+            for chunk in fmt.piece_chunks(piece):
+                await send(chunk)
+
+        try:
+            if first is not None:
+                await emit(first)
+                async for piece in pieces:
+                    await emit(piece)
+                    last = piece
+            if fmt.options.include_usage and last is not None:
+                await send(fmt.usage_chunk(last.completion_tokens))
+        except ApiError as e:  # the stream has started: the error goes in-band, then the stream ends
+            await send(e.body())
+        await send("[DONE]")
+        await response.write_eof()
+        return response
+
+
+async def _guard(pieces):
+    """Map failures of the ring to API errors."""
+    try:
+        async for piece in pieces:
+            yield piece
+    except PlanError as e:
+        raise ApiError(503, f"the cluster cannot serve this model now: {e}", code="no_plan") from None
+    except Overloaded as e:
+        raise ApiError(503, f"the cluster is busy: {e}", code="server_overloaded", retry_after=2) from None
+    except GenerationError as e:
+        raise ApiError(503, f"generation failed: {e}", code="generation_failed") from None
+    finally:
+        await pieces.aclose()  # closing this closes the generation under it too

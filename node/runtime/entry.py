@@ -1,0 +1,194 @@
+"""The entry side of a request: fix its plan, send the prompt to the first node, hand the caller the tokens that
+come back, and make sure every node of the plan forgets the request when it ends, however it ends.
+
+Busy nodes: a node with no room for a request (its KV cache memory is reserved by others) refuses it as busy; the
+entry tries again, backing off, for up to the queue timeout, then gives up with `Overloaded`.
+
+Replay: the entry keeps each request's prompt and the tokens generated so far. When a node of its plan dies, freezes
+or can't be reached, the entry ends the old attempt everywhere and resubmits prompt + generated tokens, as one
+prefill, on a new plan over the nodes still alive; the caller's stream continues where it was. Sampling is exact
+across a replay: every request has a seed (the entry picks one when the client doesn't) and the new last node
+skips the random draws the earlier attempts consumed, so greedy and seeded requests give the tokens they would have
+given without the failure.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Collection
+
+import numpy as np
+
+from shards.sampling import SamplingParams
+
+from node.core.plan import PlanStep, RequestSpec
+from node.core.requests import GenerationError, Overloaded, TokenMessage
+from node.runtime.transport import Transport, TransportError
+
+log = logging.getLogger(__name__)
+
+
+class _Busy(Exception):
+    """A node of the plan had no room for the request: try again a little later."""
+
+
+class _Lost(Exception):
+    """The attempt lost a node or a link: replay it (`suspects`: nodes to leave out of the next plan)."""
+
+    def __init__(self, why: str, suspects: Collection[str] = ()):
+        super().__init__(why)
+        self.suspects = frozenset(suspects)
+
+
+@dataclasses.dataclass
+class _Attempt:
+    spec: RequestSpec
+    inbox: asyncio.Queue  # TokenMessage, or an exception that ends the attempt
+    lost: bool = False
+
+
+class Entry:
+    def __init__(self, node_id: str, address: str, transport: Transport,
+                 plan: Callable[[Collection[str]], tuple[PlanStep, ...]], stop_token_ids: frozenset[int],
+                 request_timeout: float, max_replays: int, queue_timeout: float, counters: Counter[str],
+                 spawn: Callable[..., object]):
+        self.node_id, self.address, self.transport, self.plan = node_id, address, transport, plan
+        self.stop_token_ids, self.request_timeout, self.max_replays = stop_token_ids, request_timeout, max_replays
+        self.queue_timeout = queue_timeout
+        self.counters, self.spawn = counters, spawn
+        self.attempts: dict[str, _Attempt] = {}  # request id -> the attempt we are the entry node of
+
+    async def generate(self, prompt: list[int], sampling: SamplingParams, max_tokens: int) -> AsyncIterator[TokenMessage]:
+        """Run one request through the ring, yielding tokens as the last node samples them, replaying it on a new
+        plan (at most `max_replays` times) when a node of its plan is lost."""
+        if sampling.seed is None and not sampling.greedy:
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))  # so a replay samples the same
+        self.counters["requests"] += 1
+        history: list[int] = []  # tokens the caller has received
+        excluded: set[str] = set()
+        replays, busy_since, backoff = 0, None, 0.05
+        while True:
+            attempt = self._start(prompt + history, sampling, max_tokens - len(history), len(history), excluded)
+            reason = "cancelled"
+            try:
+                async for message in self._run(attempt):
+                    history += [r.token for r in message.results]
+                    if message.finished:
+                        reason = "finished"  # before the yield: the consumer may close us right there
+                    yield message
+                    if message.finished:
+                        return
+            except _Busy as busy:
+                reason = "busy"
+                now = time.monotonic()
+                busy_since = busy_since or now
+                if now - busy_since > self.queue_timeout:
+                    reason = "failed"
+                    self.counters["requests_overloaded"] += 1
+                    raise Overloaded(f"no room for the request within {self.queue_timeout:g}s: {busy}") from None
+                self.counters["busy_retries"] += 1
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 1.0)
+            except _Lost as lost:
+                reason = "replayed"
+                replays += 1
+                self.counters["replays"] += 1
+                if replays > self.max_replays:
+                    reason = "failed"
+                    self.counters["requests_failed"] += 1
+                    raise GenerationError(f"{lost} (gave up after {self.max_replays} replays)") from None
+                excluded |= lost.suspects | await self._unreachable(attempt.spec)
+                log.warning("request %s: %s; replaying %d prompt + %d generated tokens on a new plan",
+                            attempt.spec.request_id, lost, len(prompt), len(history))
+            except GenerationError:
+                reason = "failed"
+                self.counters["requests_failed"] += 1
+                raise
+            finally:
+                self.attempts.pop(attempt.spec.request_id, None)
+                self.spawn(self._end_everywhere(attempt.spec, reason))
+
+    def _start(self, tokens: list[int], sampling: SamplingParams, max_tokens: int, resumed: int,
+               excluded: Collection[str]) -> _Attempt:
+        spec = RequestSpec(request_id=uuid.uuid4().hex, plan=self.plan(excluded), sampling=sampling,
+                           max_tokens=max_tokens, stop_token_ids=self.stop_token_ids, entry_node_id=self.node_id,
+                           entry_address=self.address, resumed=resumed, prompt_tokens=len(tokens))
+        attempt = self.attempts[spec.request_id] = _Attempt(spec, asyncio.Queue())
+
+        async def send_prompt() -> None:
+            try:
+                await self.transport.send_prompt(spec.first.address, spec, np.asarray(tokens, np.int64))
+            except TransportError as e:
+                why = f"first node {spec.first.node_id}: {e}"
+                attempt.inbox.put_nowait(_Lost(why, {spec.first.node_id}) if e.retryable else
+                                         _Busy(why) if e.kind == "busy" else GenerationError(why))
+
+        self.spawn(send_prompt())
+        return attempt
+
+    async def _run(self, attempt: _Attempt) -> AsyncIterator[TokenMessage]:
+        while True:
+            try:
+                message = await asyncio.wait_for(attempt.inbox.get(), self.request_timeout)
+            except asyncio.TimeoutError:
+                raise GenerationError(f"no token within {self.request_timeout:g}s") from None
+            if isinstance(message, Exception):
+                raise message
+            if message.finish_reason == "error":
+                if message.busy:
+                    raise _Busy(message.error)
+                if message.retryable:
+                    raise _Lost(message.error or "a node of the plan failed")
+                raise GenerationError(message.error or "request failed")
+            yield message
+            if message.finished:
+                return
+
+    def accept_tokens(self, message: TokenMessage, caller: str | None = None) -> None:
+        """Tokens (or an error) for one of our requests, from a node of its plan (`caller`, when authenticated)."""
+        attempt = self.attempts.get(message.request_id)
+        if attempt is None or attempt.lost:
+            return
+        if caller is not None and caller not in {step.node_id for step in attempt.spec.plan}:
+            log.warning("tokens for request %s from %s, which is not in its plan: dropped", message.request_id, caller)
+            return
+        attempt.inbox.put_nowait(message)
+
+    def nodes_alive(self, alive: Collection[str]) -> None:
+        """Membership's latest view: every attempt whose plan has a node no longer alive is lost."""
+        for attempt in self.attempts.values():
+            gone = [s.node_id for s in attempt.spec.plan if s.node_id != self.node_id and s.node_id not in alive]
+            if gone and not attempt.lost:
+                attempt.lost = True
+                attempt.inbox.put_nowait(_Lost(f"node {', '.join(gone)} of the plan stopped answering", gone))
+
+    @property
+    def active(self) -> int:
+        return len(self.attempts)
+
+    async def _unreachable(self, spec: RequestSpec) -> set[str]:
+        """Which of the plan's nodes fail a health check right now (membership may not have noticed yet)."""
+        async def down(step: PlanStep) -> bool:
+            try:
+                await self.transport.health_check(step.address, 1.0)
+                return False
+            except TransportError:
+                return True
+
+        steps = [s for s in spec.plan if s.node_id != self.node_id]
+        results = await asyncio.gather(*(down(s) for s in steps))
+        return {s.node_id for s, is_down in zip(steps, results) if is_down}
+
+    async def _end_everywhere(self, spec: RequestSpec, reason: str) -> None:
+        async def end(step: PlanStep) -> None:
+            try:
+                await self.transport.end_request(step.address, spec.request_id, reason)
+            except TransportError as e:
+                log.info("EndRequest %s to %s failed: %s", spec.request_id, step.node_id, e)
+
+        await asyncio.gather(*(end(step) for step in spec.plan))

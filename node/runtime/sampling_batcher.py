@@ -1,0 +1,196 @@
+"""The last shard's sampling batcher: collect up to `max_batch` logits rows or `window` seconds, sample once.
+
+Rows that can share one call (same engine kind, model revision, vocab size and dtype) are stacked and given to the
+engine's batched sampler in one call. The result is validated before anyone is resolved; when the rows cannot be
+batched (an engine without a batched sampler) or the batched call raises or returns something malformed, each
+affected request is sampled on its own instead (the fallback), which is counted and logged. Sampler RNG states are
+rewound before a fallback, so a seeded request gets the same token on every path.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import Counter, defaultdict
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shards.engines.base import Engine
+from shards.sampling import SampleResult, SamplerState, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class BatcherClosed(RuntimeError):
+    """The batcher shut down before this item was sampled."""
+
+
+class MalformedBatch(ValueError):
+    """A batched sampler returned something other than one valid token per row."""
+
+
+@dataclass(frozen=True)
+class SampleItem:
+    request_id: str
+    logits: np.ndarray  # [vocab]
+    params: SamplingParams
+    state: SamplerState
+    engine: Engine
+    model_id: str  # rows of different models never share a call
+
+    @property
+    def group_key(self) -> tuple:
+        return (self.engine.name, self.model_id, self.logits.shape[-1], self.logits.dtype.str)
+
+
+@dataclass
+class _Pending:
+    item: SampleItem
+    future: asyncio.Future = field(repr=False)
+
+
+class SamplingBatcher:
+    """Batches rows and samples them on `executor`: the node passes its engine thread, where every engine call runs.
+    Counters are only touched on the event loop."""
+
+    def __init__(self, max_batch: int = 8, window_ms: float = 5.0, executor: Executor | None = None):
+        if max_batch < 1 or window_ms < 0:
+            raise ValueError("max_batch must be >= 1 and window_ms >= 0")
+        self.max_batch, self.window = max_batch, window_ms / 1000.0
+        self.batching = max_batch > 1 and window_ms > 0
+        self.stats: Counter[str] = Counter()
+        self._pending: list[_Pending] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+        self._tasks: set[asyncio.Task] = set()
+        # Sampling runs off the event loop, so the loop keeps serving RPCs meanwhile.
+        self._own_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
+
+    # -- producer side ----------------------------------------------------------------------------------------
+    def submit(self, item: SampleItem) -> asyncio.Future:
+        """Queue one row; the future resolves to its SampleResult (or the error that only this request hit)."""
+        if self._closed:
+            raise BatcherClosed("the sampling batcher is shut down")
+        logits = item.logits
+        if logits.ndim != 1 or logits.size == 0 or logits.dtype.kind != "f" or np.isnan(logits).any() \
+                or np.isposinf(logits).any():
+            raise ValueError(f"request {item.request_id}: logits must be a non-empty finite float vector")
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(item, future))
+        self.stats["sample_items"] += 1
+        if not self.batching or len(self._pending) >= self.max_batch:
+            self.flush()
+        elif self._timer is None:  # the window starts with the batch's first item
+            self._timer = asyncio.get_running_loop().call_later(self.window, self.flush)
+        return future
+
+    def flush(self) -> None:
+        """Close the current batch now (full batch, window elapsed, or the producer knows nothing else is coming)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch = [p for p in self._pending if not p.future.done()]  # cancelled waiters drop out here
+        self._pending = []
+        if batch:
+            task = asyncio.get_running_loop().create_task(self._run(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Stop: waiters still queued get BatcherClosed; batches already running finish."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for p in self._pending:
+            if not p.future.done():
+                p.future.set_exception(BatcherClosed("the sampling batcher shut down before this row was sampled"))
+        self._pending = []
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._own_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- the sampling ----------------------------------------------------------------------------------------
+    async def _run(self, batch: list[_Pending]) -> None:
+        groups: dict[tuple, list[_Pending]] = defaultdict(list)
+        for p in batch:
+            groups[p.item.group_key].append(p)
+        self.stats["sample_batches"] += 1
+        self.stats[f"sample_batch_size_{len(batch)}"] += 1
+        loop = asyncio.get_running_loop()
+        for group in groups.values():
+            results, counts = await loop.run_in_executor(self._executor, self._sample_group, [p.item for p in group])
+            self.stats.update(counts)
+            for item, reason in counts.fallbacks:
+                log.info("sampling fallback for %d rows (engine %s, vocab %d): %s", len(group), item.engine.name,
+                         item.logits.shape[-1], reason)  # metadata only: never logits or text
+            for p, result in zip(group, results):
+                if p.future.done():
+                    continue  # cancelled while we sampled; nobody waits for it
+                if isinstance(result, BaseException):
+                    p.future.set_exception(result)
+                else:
+                    p.future.set_result(result)
+
+    def _sample_group(self, items: list[SampleItem]) -> tuple[list[SampleResult | BaseException], "_Counts"]:
+        """On the executor's thread: sample one group, counting what happened (the loop adds the counts)."""
+        counts = _Counts()
+        engine = items[0].engine
+        if self.batching and len(items) > 1 and engine.batched_sampling:
+            snapshots = [i.state.snapshot() for i in items]
+            try:
+                results = engine.sample(np.stack([i.logits for i in items]), [i.params for i in items],
+                                        [i.state for i in items])
+                _validate(results, items)
+                counts["sample_calls"] += 1
+                return results, counts
+            except Exception as e:
+                for item, snap in zip(items, snapshots):
+                    item.state.restore(snap)
+                counts.fallback(items, f"batched sampler failed: {type(e).__name__}")
+        elif len(items) > 1:
+            counts.fallback(items, "engine has no batched sampler" if self.batching else "batching disabled")
+        return [_sample_alone(item, counts) for item in items], counts
+
+
+class _Counts(Counter):
+    def __init__(self):
+        super().__init__()
+        self.fallbacks: list[tuple[SampleItem, str]] = []
+
+    def fallback(self, items: list[SampleItem], reason: str) -> None:
+        self["sample_fallbacks"] += len(items)
+        self.fallbacks.append((items[0], reason))
+
+
+def _sample_alone(item: SampleItem, counts: _Counts) -> SampleResult | BaseException:
+    try:
+        result = item.engine.sample_one(item.logits, item.params, item.state)
+        _validate([result], [item])
+        counts["sample_calls"] += 1
+        return result
+    except Exception as e:  # only this request fails
+        counts["sample_errors"] += 1
+        log.warning("sampling failed for request %s: %s", item.request_id, type(e).__name__)
+        return e
+
+
+def _validate(results: object, items: list[SampleItem]) -> None:
+    if not isinstance(results, list) or len(results) != len(items):
+        raise MalformedBatch(f"expected {len(items)} results, got {type(results).__name__}")
+    for r, item in zip(results, items):
+        vocab = item.logits.shape[-1]
+        if not isinstance(r, SampleResult) or not isinstance(r.token, (int, np.integer)) or not 0 <= r.token < vocab:
+            raise MalformedBatch(f"result {r!r} is not a token id in [0, {vocab})")
+        wanted = item.params.top_logprobs
+        if wanted is None:
+            continue
+        if not (_ok_logprob(r.logprob) and math.isfinite(r.logprob)) or len(r.top_logprobs) != min(wanted, vocab) \
+                or not all(_ok_logprob(lp) and 0 <= t < vocab for t, lp in r.top_logprobs):
+            raise MalformedBatch("logprobs missing, out of range or not finite")
+
+
+def _ok_logprob(x: object) -> bool:
+    return isinstance(x, float) and not math.isnan(x) and x <= 1e-6  # -inf is fine for an impossible alternative

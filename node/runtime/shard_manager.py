@@ -1,0 +1,99 @@
+"""Engines for the shards a node has been assigned, loaded on demand, once, and the one thread that runs them."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shards.formats.config import ModelConfig
+from shards.engines.base import Engine, EngineInputError, StepInput
+from shards.shard import Shard
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[Path, Shard, ModelConfig], Engine]
+
+
+class ShardManager:
+    """Owns the engines and the single thread that runs them.
+
+    Every engine call (load, validate, forward, sample, release) runs on one thread, in submission order: KV caches
+    are not thread-safe, and a release queued after a forward can never be overtaken by it.
+    """
+
+    def __init__(self, model_dir: Path, config: ModelConfig, factory: EngineFactory):
+        self.model_dir, self.config, self.factory = model_dir, config, factory
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.engines: dict[Shard, Engine] = {}
+        self._loading: dict[Shard, asyncio.Future] = {}
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def get(self, shard: Shard) -> Engine:
+        engine = self.engines.get(shard)
+        if engine is not None:
+            return engine
+        pending = self._loading.get(shard)
+        if pending is None:  # first asker loads; concurrent askers await the same future
+            pending = self._loading[shard] = asyncio.ensure_future(self._load(shard))
+        try:
+            return await asyncio.shield(pending)
+        finally:
+            if pending.done():
+                self._loading.pop(shard, None)
+
+    async def _load(self, shard: Shard) -> Engine:
+        # Free idle engines of other shards first so a reassignment doesn't need twice the memory.
+        for old in [s for s, e in self.engines.items() if s != shard and e.active_requests == 0]:
+            log.info("unloading %s", old)
+            del self.engines[old]
+        log.info("loading %s", shard)
+        engine = await self.run(self.factory, self.model_dir, shard, self.config)
+        self.engines[shard] = engine
+        return engine
+
+    async def forward(self, engine: Engine, inputs: list[tuple[str, np.ndarray, int]]) \
+            -> tuple[dict[str, np.ndarray], dict[str, str], float]:
+        """One forward pass over (request id, input, most positions it will reach): outputs per request, the
+        requests whose input the engine refused (with why), which are left out of the pass instead of failing it,
+        and the seconds the engine computed (on its thread: no queueing or event-loop time in it)."""
+        return await self.run(_forward, engine, inputs)
+
+    def release(self, request_id: str) -> None:
+        """Queue the release of a request's caches in every engine (after any forward already queued)."""
+        for engine in list(self.engines.values()):
+            self.executor.submit(engine.release, request_id)
+
+    @property
+    def active_requests(self) -> int:
+        return sum(e.active_requests for e in self.engines.values())
+
+    @property
+    def loaded(self) -> tuple[Shard, ...]:
+        return tuple(self.engines)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _forward(engine: Engine, inputs: list[tuple[str, np.ndarray, int]]) \
+        -> tuple[dict[str, np.ndarray], dict[str, str], float]:
+    started = time.perf_counter()
+    items, refused = [], {}
+    for rid, data, positions in inputs:
+        item = StepInput(rid, tokens=data, max_positions=positions) if engine.shard.is_first else \
+            StepInput(rid, hidden=data, max_positions=positions)
+        try:
+            engine.validate([item])
+            items.append(item)
+        except EngineInputError as e:
+            refused[rid] = str(e)
+    outputs = engine.forward(items) if items else []
+    return {item.request_id: out for item, out in zip(items, outputs)}, refused, time.perf_counter() - started

@@ -1,0 +1,225 @@
+"""The interface every inference engine (numpy, tinygrad, mlx) implements.
+
+Batch-first: one `forward` call advances many requests at once. Each request is a prefill (many positions) or a
+decode step (one position); their rows are packed together so the weight matmuls run once for the whole batch,
+while attention runs per request against that request's own KV cache.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shards.engines.backend import Backend, KVCache
+from shards.formats.config import ModelConfig
+from shards.transformer import ShardModel, Step
+from shards.sampling import SampleResult, SamplingParams, SamplerState, sample_one, sample_rows
+from shards.shard import Shard
+from shards.formats.weights import load_shard_weights
+
+
+class EngineInputError(ValueError):
+    """A forward input is malformed: wrong dtype/shape, token id out of range, or context overflow."""
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One request's positions for this step: token ids on the first shard, hidden states otherwise."""
+
+    request_id: str
+    tokens: np.ndarray | None = None  # int [T]
+    hidden: np.ndarray | None = None  # float32 [T, hidden_size]
+    max_positions: int | None = None  # the most positions the request will reach: its KV cache is sized once
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens) if self.tokens is not None else len(self.hidden)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How one step's requests are packed into rows: each request's rows, cache offsets, rotary tables and causal
+    masks, computed once per step for every layer and every engine."""
+
+    lengths: list[int]
+    starts: list[int]  # positions already cached per request
+    bounds: np.ndarray  # request i owns rows bounds[i]:bounds[i+1]
+    cos: np.ndarray  # float32 [rows, 1, head_dim/2], broadcast over heads
+    sin: np.ndarray
+    masks: list[np.ndarray | None]  # bool [1, group*T, start+T] per request (True: may attend); None when T == 1
+
+    @property
+    def last_rows(self) -> np.ndarray:
+        """Index of each request's last row (where the next token's logits come from)."""
+        return self.bounds[1:] - 1
+
+    def split(self, out: np.ndarray, last_rows_only: bool) -> list[np.ndarray]:
+        """Per-request slices of a packed output (`last_rows_only`: out holds one row per request)."""
+        if last_rows_only:
+            return [out[i : i + 1] for i in range(len(self.lengths))]
+        return [out[self.bounds[i] : self.bounds[i + 1]] for i in range(len(self.lengths))]
+
+
+def causal_mask(start: int, length: int, group: int) -> np.ndarray | None:
+    """Which cached positions each of `length` new positions may attend to (itself and everything before), with
+    rows repeated for the `group` query heads that share a kv head; None for one position (it sees everything)."""
+    if length == 1:
+        return None
+    allowed = np.arange(start + length)[None, :] <= (start + np.arange(length))[:, None]  # [T, start+T]
+    return np.tile(allowed, (group, 1))[None]
+
+
+class Engine(ABC):
+    """Runs one shard's layers. Outputs are numpy float32 whatever the engine computes in."""
+
+    name: str
+    config: ModelConfig
+    shard: Shard
+    caches: dict  # request id -> that request's KV cache, in the engine's own representation
+
+    @abstractmethod
+    def forward(self, batch: list[StepInput], all_logits: bool = False) -> list[np.ndarray]:
+        """Advance every request in `batch` (distinct request ids) by its positions.
+
+        Returns per request, in order: hidden states [T, hidden] on a non-last shard; on the last shard logits
+        [1, vocab] for the last position, or [T, vocab] for every position when `all_logits`.
+        """
+
+    def release(self, request_id: str) -> None:
+        """Free the request's KV cache. Unknown ids are ignored (release is idempotent)."""
+        self.caches.pop(request_id, None)
+
+    @abstractmethod
+    def cache_length(self, request_id: str) -> int:
+        """Positions already cached for the request (0 if unknown)."""
+
+    @property
+    def active_requests(self) -> int:
+        """How many requests hold a KV cache."""
+        return len(self.caches)
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of weights this engine keeps for its shard."""
+
+    # Length buckets the engine pads prompt chunks to (few distinct shapes: compiled kernels, reusable graphs), or
+    # None when any length runs as fast. The node's scheduler cuts and charges chunks accordingly.
+    prefill_buckets: tuple[int, ...] | None = None
+    # Bytes of one cached key or value element: what the node's KV cache budget charges per position.
+    kv_value_bytes: int = 4
+
+    # Whether `sample` takes a stacked batch. An engine without a batched sampler sets this False and the
+    # last node's sampling batcher falls back to `sample_one` per request for its rows.
+    batched_sampling: bool = True
+
+    def sample(self, logits: np.ndarray, params: list[SamplingParams], states: list[SamplerState]) -> list[SampleResult]:
+        """Batched sampler: one token per row of `logits` [N, vocab]; row i uses params[i] and advances states[i]."""
+        return sample_rows(logits, params, states)
+
+    def sample_one(self, logits: np.ndarray, params: SamplingParams, state: SamplerState) -> SampleResult:
+        """Per-request sampler for one row [vocab]; must give the same token as `sample` would for that row."""
+        return sample_one(logits, params, state)
+
+    def pack(self, batch: list[StepInput]) -> Packing:
+        """Validate a step's inputs and lay out its rows (shared by every engine, so all agree on positions)."""
+        self.validate(batch)
+        lengths = [item.length for item in batch]
+        starts = [self.cache_length(item.request_id) for item in batch]
+        cos, sin = self.rotary(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)]))
+        group = self.config.n_heads // self.config.n_kv_heads
+        return Packing(lengths, starts, np.cumsum([0] + lengths), cos, sin,
+                       [causal_mask(s, n, group) for s, n in zip(starts, lengths)])
+
+    def rotary(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin tables float32 [len(positions), 1, head_dim/2] (broadcast over heads)."""
+        angles = positions[:, None].astype(np.float64) * self.config.rope.inv_freq(self.config.head_dim)[None, :]
+        return np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :]
+
+    @staticmethod
+    def tokens(batch: list[StepInput]) -> np.ndarray:
+        return np.concatenate([item.tokens for item in batch])
+
+    @staticmethod
+    def hidden(batch: list[StepInput]) -> np.ndarray:
+        return np.concatenate([item.hidden for item in batch])
+
+    def validate(self, batch: list[StepInput]) -> None:
+        ids = set()
+        for item in batch:
+            if item.request_id in ids:
+                raise EngineInputError(f"request {item.request_id!r} appears twice in one batch")
+            ids.add(item.request_id)
+            check_input(self.config, self.shard.is_first, item.tokens if self.shard.is_first else item.hidden,
+                        f"request {item.request_id!r}")
+            end = self.cache_length(item.request_id) + item.length
+            if end > self.config.max_position_embeddings:
+                raise EngineInputError(
+                    f"request {item.request_id!r}: {end} positions exceed max_position_embeddings "
+                    f"{self.config.max_position_embeddings}"
+                )
+
+
+def check_input(cfg: ModelConfig, first: bool, data: np.ndarray | None, who: str) -> None:
+    """A step's input for a first shard is a non-empty 1-D int array of token ids in the vocabulary; for any other
+    shard float32 hidden states [T>0, hidden_size]. The one place these rules live."""
+    if first:
+        if data is None or data.ndim != 1 or data.dtype.kind not in "iu" or len(data) == 0:
+            raise EngineInputError(f"{who}: first shard needs a non-empty 1-D int token array")
+        if data.min() < 0 or data.max() >= cfg.vocab_size:
+            raise EngineInputError(f"{who}: token id out of range [0, {cfg.vocab_size})")
+    elif data is None or data.dtype != np.float32 or data.ndim != 2 or data.shape[0] == 0 \
+            or data.shape[1] != cfg.hidden_size:
+        raise EngineInputError(f"{who}: expected float32 hidden states [T>0, {cfg.hidden_size}]")
+
+
+class BlockEngine(Engine):
+    """An engine made of a backend's array operations and the shared model (shards/transformer.py)."""
+
+    def __init__(self, model_dir: str | Path, shard: Shard, config: ModelConfig | None = None):
+        self.config = cfg = config or ModelConfig.from_dir(model_dir)
+        self.shard = shard
+        self.ops = self.make_backend()
+        self.model = ShardModel(self.ops, cfg, load_shard_weights(model_dir, cfg, shard))
+        self.caches: dict[str, list[KVCache]] = {}  # request id -> its cache of every layer
+
+    @abstractmethod
+    def make_backend(self) -> Backend: ...
+
+    def forward(self, batch: list[StepInput], all_logits: bool = False) -> list[np.ndarray]:
+        return self.run(batch, self.pack(batch), all_logits) if batch else []
+
+    def run(self, batch: list[StepInput], p: Packing, all_logits: bool) -> list[np.ndarray]:
+        """The forward pass of a validated, packed batch."""
+        caches = [self.request_cache(item.request_id, item.max_positions) for item in batch]
+        x = self.tokens(batch) if self.shard.is_first else self.ops.array(self.hidden(batch))
+        last_rows = p.last_rows if self.shard.is_last and not all_logits else None
+        out = self.model(x, self.step(p), caches, last_rows)
+        return p.split(self.ops.to_numpy(out), last_rows is not None)
+
+    def step(self, p: Packing) -> Step:
+        ops = self.ops
+        return Step(p.bounds, p.starts, ops.array(p.cos), ops.array(p.sin),
+                    [None if m is None else ops.array(m) for m in p.masks])
+
+    def request_cache(self, request_id: str, max_positions: int | None = None) -> list[KVCache]:
+        cache = self.caches.get(request_id)
+        if cache is None:
+            cfg = self.config
+            if max_positions is not None:  # a peer's number: never a cache larger than the model's context
+                max_positions = min(max_positions, cfg.max_position_embeddings)
+            cache = self.caches[request_id] = [self.ops.new_cache(cfg.n_kv_heads, cfg.head_dim, max_positions)
+                                               for _ in self.model.layers]
+        return cache
+
+    def cache_length(self, request_id: str) -> int:
+        cache = self.caches.get(request_id)
+        return cache[0].length if cache else 0
+
+    def nbytes(self) -> int:
+        return sum(self.ops.nbytes(a) for a in self.model.parameters())
+
+    def cache_bytes(self) -> int:
+        """Memory held by every request's KV cache."""
+        return sum(c.nbytes for cache in self.caches.values() for c in cache)

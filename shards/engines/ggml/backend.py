@@ -1,0 +1,353 @@
+"""The shared Llama block (shards/transformer.py) over ggml: every array operation adds a node to a ggml graph.
+
+Running the shared `ShardModel` on this backend does not compute anything: it builds one compute graph for a whole
+forward pass, which the engine (shards/engines/ggml/engine.py) allocates once and re-runs with new inputs. An array is a
+`GArray`: a ggml tensor plus its shape in numpy order (ggml orders dimensions innermost first, `ne`, the reverse).
+
+Weights keep their GGUF block types (`fused_weight` concatenates raw block rows when the parts share a type, and
+otherwise keeps them apart and concatenates their outputs); the embedding table stays quantized (ggml_get_rows
+dequantizes the looked-up rows). Rotary embedding is ggml_rope_ext at positions given as an input tensor, in NEOX
+mode (Hugging Face's rotate_half) for Hugging Face Q/K rows, in NORMAL mode for a llama GGUF's rows kept in
+llama.cpp's order (shards/engines/ggml/weights.py says why); attention is ggml_flash_attn_ext, with
+grouped-query heads native and a mask over the cache's cells.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from shards.engines.backend import Backend, KVCache
+from shards.formats.config import ModelConfig
+from shards.engines.ggml.lib import (F32, I32, WEIGHT_TYPES, Context, GgmlError, Tensor, WeightArena, g,
+    release_file_pages, repack_supported, type_name, validate_rows)
+from shards.formats.quant import QuantizedTensor
+
+
+class GArray:
+    """A node of the graph being built, with numpy-style `+`, `*`, `.shape`, `.reshape` and basic slicing (views)."""
+
+    __slots__ = ("ops", "t", "shape")
+
+    def __init__(self, ops: "GgmlBackend", t: Tensor, shape: tuple[int, ...]):
+        self.ops, self.t, self.shape = ops, t, shape
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        nb = self.t.contents.nb
+        return tuple(int(nb[i]) for i in reversed(range(len(self.shape))))
+
+    def __add__(self, other: "GArray") -> "GArray":
+        return self.ops.binary(g.ggml_add, self, other)
+
+    def __mul__(self, other: "GArray") -> "GArray":
+        return self.ops.binary(g.ggml_mul, self, other)
+
+    def __getitem__(self, key) -> "GArray":
+        return self.ops.slice(self, key)
+
+    def reshape(self, *shape) -> "GArray":
+        return self.ops.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
+
+
+@dataclass
+class GWeight:
+    """A projection [out, in] as one or more ggml tensors stacked along `out` (one when the fused parts share a
+    type and width)."""
+
+    parts: list[tuple[Tensor, int]]  # (tensor, out rows)
+    ggml_types: tuple[int, ...]
+    nbytes: int
+    repacked: bool = False  # in CPU_REPACK: for mul_mat only (get_rows would read the interleaved blocks as rows)
+
+    @property
+    def tensor(self) -> Tensor:
+        return self.parts[0][0]
+
+
+def expect(condition: bool, what: str) -> None:
+    """ggml aborts the process on a shape it does not accept; a graph we build wrong must raise instead."""
+    if not condition:
+        raise GgmlError(f"ggml graph: unexpected shapes ({what})")
+
+
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    out, step = [], itemsize
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def nocopy_strides(old: tuple[int, ...], strides: tuple[int, ...], new: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Strides that view `old` (with `strides`) as `new` without copying, or None (numpy's rule: dims are regrouped
+    only where each group of old dims is itself contiguous)."""
+    out: list[int] = [0] * len(new)
+    i = j = 0
+    while i < len(old) and j < len(new):
+        ni, nj, i2, j2 = old[i], new[j], i + 1, j + 1
+        while ni != nj:
+            if ni < nj:
+                ni *= old[i2]
+                i2 += 1
+            else:
+                nj *= new[j2]
+                j2 += 1
+        for k in range(i, i2 - 1):  # the old dims of this group must be laid out contiguously
+            if old[k + 1] != 1 and strides[k] != strides[k + 1] * old[k + 1]:
+                return None
+        out[j2 - 1] = strides[i2 - 1]
+        for k in range(j2 - 1, j, -1):
+            out[k - 1] = out[k] * new[k]
+        i, j = i2, j2
+    for k in range(j, len(new)):  # trailing 1s
+        out[k] = out[k - 1] if k else strides[-1]
+    return tuple(out)
+
+
+class GgmlBackend(Backend):
+    """Builds ggml graphs for the shared model. `ctx` is the context of the graph being built (set by the engine);
+    weights live in their own context and CPU buffers for the backend's lifetime."""
+
+    name = "ggml"
+
+    def __init__(self, cfg: ModelConfig, n_layers: int, repack: bool = True, interleaved_rope: bool = False):
+        # At most ~12 tensors per layer (q/k/v and gate/up as parts when their types differ, norms, biases, q/k
+        # norms) plus embedding, norm, head and rope factors.
+        self.wctx = Context(16 * n_layers + 8)
+        self.arena = WeightArena()
+        self.repack = repack  # matmul weights into CPU_REPACK where the probe allows
+        self.repacked: dict[str, int] = {}  # type name -> tensors repacked
+        self.shared: dict[int, GWeight] = {}  # id(embedding source) -> its weight, while loading (tied heads)
+        self.ctx: Context | None = None
+        self.head_dim, self.theta = cfg.head_dim, cfg.rope.theta
+        # Rotate-half pairs (i, i + hd/2) for Hugging Face's Q/K layout (NEOX mode); adjacent pairs (NORMAL) for
+        # the Q/K rows of llama-architecture GGUF files left in llama.cpp's permuted order
+        self.rope_mode = g.GGML_ROPE_TYPE_NORMAL if interleaved_rope else g.GGML_ROPE_TYPE_NEOX
+        self.rope_ctx = cfg.rope.original_max_position_embeddings  # only used by YaRN, which is off (ext_factor 0)
+        # Any scaling (linear, llama3) as per-pair frequency divisors: theta_i = pos * base^(-2i/d) / factor_i.
+        default = 1.0 / (cfg.rope.theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+        factors = (default / np.asarray(cfg.rope.inv_freq(cfg.head_dim))).astype(np.float32)
+        self.freq_factors = None if np.all(factors == 1.0) else self._upload(F32, factors.shape, [factors], "rope")
+
+    # -- weights ------------------------------------------------------------------------------------------------
+    def _upload(self, ggml_type: int, shape: tuple[int, ...], pieces: list[np.ndarray], what: str,
+                matmul: bool = False) -> Tensor:
+        """One weight tensor from its row blocks `pieces` (stacked along `out`), copied in place by place, so a fused
+        projection never needs a stacked copy in memory (a freed one of tens of MB tends to stay resident)."""
+        if ggml_type not in WEIGHT_TYPES:
+            raise ValueError(f"{what}: weight type {type_name(ggml_type)} is not supported by the ggml engine")
+        pieces = [np.ascontiguousarray(p) for p in pieces]
+        for p in pieces:
+            validate_rows(ggml_type, p, what)
+        ne = tuple(reversed(shape))
+        t = self.wctx.new(ggml_type, ne)
+        if matmul and self.repack and repack_supported(ggml_type, ne):
+            # ggml re-lays a repacked tensor out as it is set, which it only does whole
+            self.arena.place_repacked(t, pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
+            self.repacked[type_name(ggml_type)] = self.repacked.get(type_name(ggml_type), 0) + 1
+        else:
+            self.arena.place(t, pieces)
+        for p in pieces:
+            release_file_pages(p)
+        return t
+
+    def _matrix(self, w: np.ndarray | QuantizedTensor) -> tuple[int, tuple[int, ...], np.ndarray, str]:
+        if isinstance(w, QuantizedTensor):
+            return int(w.ggml_type), w.shape, w.data, w.name
+        if w.ndim != 2:
+            raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
+        return F32, w.shape, np.asarray(w, dtype=np.float32), "weight"
+
+    def fused_weight(self, *parts, matmul: bool = True) -> GWeight:
+        specs = [self._matrix(p) for p in parts]
+        if len({(s[0], s[1][1]) for s in specs}) == 1:  # one type and width: one tensor of the stacked rows (exact)
+            ggml_type, _, _, name = specs[0]
+            groups = [(ggml_type, (sum(s[1][0] for s in specs), specs[0][1][1]), [s[2] for s in specs], name)]
+        else:  # kept apart; linear concatenates their outputs
+            groups = [(t, shape, [data], name) for t, shape, data, name in specs]
+        before = sum(self.repacked.values())
+        tensors = [(self._upload(t, shape, pieces, name, matmul), shape[0]) for t, shape, pieces, name in groups]
+        return GWeight(tensors, tuple(group[0] for group in groups), sum(int(g.ggml_nbytes(t)) for t, _ in tensors),
+                       sum(self.repacked.values()) > before)
+
+    def weight(self, w) -> GWeight:
+        # A tied head is the embedding table itself: ShardModel builds the table first, and both sources are alive
+        # while it loads, so an equal id() means the same array.
+        return self.shared.get(id(w)) or self.fused_weight(w)
+
+    def table(self, t) -> GWeight:
+        """The embedding stays quantized: get_rows dequantizes only the rows it looks up."""
+        self.shared[id(t)] = weight = self.fused_weight(t, matmul=False)  # get_rows cannot read repacked rows
+        return weight
+
+    def loaded(self) -> None:
+        """The model is built: forget the ids used to share the tied embedding (they may be reused from now on)."""
+        self.shared.clear()
+
+    def array(self, a: np.ndarray | QuantizedTensor) -> GWeight:
+        """Norm weights and biases, as F32 (they are F32 in GGUF files, and tiny)."""
+        v = a.dequantize() if isinstance(a, QuantizedTensor) else np.asarray(a, dtype=np.float32)
+        return GWeight([(self._upload(F32, v.shape, [v], "vector"), v.shape[0])], (F32,), v.nbytes)
+
+    def nbytes(self, x) -> int:
+        return x.nbytes if isinstance(x, GWeight) else int(g.ggml_nbytes(x.t))
+
+    def to_numpy(self, x: GArray) -> np.ndarray:
+        """An F32 tensor's values (after the graph holding it has been computed)."""
+        out = np.empty(x.shape, dtype=np.float32)
+        g.ggml_backend_tensor_get(x.t, out.ctypes.data, 0, out.nbytes)
+        return out
+
+    def new_cache(self, n_kv_heads: int, head_dim: int, capacity: int | None = None) -> KVCache:
+        raise NotImplementedError("the ggml engine allocates a request's caches itself (shards/engines/ggml/cache.py)")
+
+    def free(self) -> None:
+        self.arena.free()
+        self.wctx.free()
+
+    # -- graph nodes ----------------------------------------------------------------------------------------------
+    def node(self, fn, *args) -> Tensor:
+        self.ctx.room()
+        return fn(self.ctx.ctx, *args)
+
+    def wrap(self, t: Tensor, shape: tuple[int, ...]) -> GArray:
+        return GArray(self, t, tuple(shape))
+
+    def input(self, ggml_type: int, shape: tuple[int, ...]) -> GArray:
+        """A tensor the engine fills before each run. Flagged output too, so the allocator never reuses its memory:
+        a re-run sees the inputs as they were set, and an input unchanged between steps needs no new copy."""
+        t = self.ctx.new(ggml_type, tuple(reversed(shape)))
+        g.ggml_set_input(t)
+        g.ggml_set_output(t)
+        return self.wrap(t, shape)
+
+    def view(self, x: GArray, shape: tuple[int, ...], strides: tuple[int, ...], offset: int = 0) -> GArray:
+        ne, nb = list(reversed(shape)), list(reversed(strides))
+        n = len(ne)
+        if n == 1:
+            t = self.node(g.ggml_view_1d, x.t, ne[0], offset)
+        elif n == 2:
+            t = self.node(g.ggml_view_2d, x.t, ne[0], ne[1], nb[1], offset)
+        elif n == 3:
+            t = self.node(g.ggml_view_3d, x.t, ne[0], ne[1], ne[2], nb[1], nb[2], offset)
+        elif n == 4:
+            t = self.node(g.ggml_view_4d, x.t, *ne, nb[1], nb[2], nb[3], offset)
+        else:
+            raise ValueError(f"ggml tensors have at most 4 dimensions, not {n}")
+        return self.wrap(t, shape)
+
+    def slice(self, x: GArray, key) -> GArray:
+        """Basic slicing with unit steps (`x[a:b]`, `x[:, a:b]`): a view, no copy."""
+        key = key if isinstance(key, tuple) else (key,)
+        if len(key) > len(x.shape) or not all(isinstance(k, slice) for k in key):
+            raise IndexError(f"GArray supports slices with unit steps only, got {key!r}")
+        shape, strides, offset = list(x.shape), x.strides, 0
+        for axis, k in enumerate(key):
+            start, stop, step = k.indices(shape[axis])
+            if step != 1 or stop <= start:
+                raise IndexError(f"GArray slices must be non-empty with step 1, got {k!r}")
+            offset += start * strides[axis]
+            shape[axis] = stop - start
+        return self.view(x, tuple(shape), strides, offset)
+
+    def reshape(self, x: GArray, shape: tuple[int, ...]) -> GArray:
+        shape = tuple(int(n) for n in shape)
+        if -1 in shape:
+            known = math.prod(n for n in shape if n != -1)
+            shape = tuple(math.prod(x.shape) // known if n == -1 else n for n in shape)
+        if math.prod(shape) != math.prod(x.shape):
+            raise ValueError(f"cannot reshape {x.shape} into {shape}")
+        strides = nocopy_strides(x.shape, x.strides, shape)
+        if strides is None:  # no view can do it: copy to contiguous first
+            x = self.wrap(self.node(g.ggml_cont, x.t), x.shape)
+            strides = c_strides(shape, x.strides[-1])
+        return self.view(x, shape, strides)
+
+    def contiguous(self, x: GArray) -> GArray:
+        if x.strides == c_strides(x.shape, x.strides[-1]):
+            return x
+        return self.wrap(self.node(g.ggml_cont, x.t), x.shape)
+
+    def binary(self, fn, a: GArray, b: GArray) -> GArray:
+        # ggml broadcasts b over a (b's dims divide a's); the shared block only ever adds/multiplies equal shapes or
+        # a vector over rows, both of which this covers.
+        if len(b.shape) > len(a.shape) or any(m % n for m, n in zip(reversed(a.shape), reversed(b.shape))):
+            raise ValueError(f"cannot broadcast {b.shape} over {a.shape}")
+        return self.wrap(self.node(fn, a.t, b.t), a.shape)
+
+    # -- operations of the shared block -----------------------------------------------------------------------------
+    def linear(self, x: GArray, w: GWeight, bias: GWeight | None = None) -> GArray:
+        expect(len(x.shape) == 2 and x.shape[1] == int(w.tensor.contents.ne[0]), f"linear: input {x.shape}")
+        outs = [self.wrap(self.node(g.ggml_mul_mat, t, x.t), (x.shape[0], rows)) for t, rows in w.parts]
+        y = outs[0] if len(outs) == 1 else self.concat(outs, axis=-1)
+        if bias is not None:
+            y = self.wrap(self.node(g.ggml_add, y.t, bias.tensor), y.shape)
+        return y
+
+    def embedding(self, table: GWeight, ids: GArray) -> GArray:
+        expect(len(ids.shape) == 1 and ids.t.contents.type == I32 and not table.repacked, f"embedding: {ids.shape}")
+        width = int(table.tensor.contents.ne[0])
+        return self.wrap(self.node(g.ggml_get_rows, table.tensor, ids.t), (ids.shape[0], width))
+
+    def take_rows(self, x: GArray, rows: GArray) -> GArray:
+        expect(len(x.shape) == 2 and len(rows.shape) == 1, f"take_rows: {x.shape} by {rows.shape}")
+        return self.wrap(self.node(g.ggml_get_rows, x.t, rows.t), (rows.shape[0], *x.shape[1:]))
+
+    def rms_norm(self, x: GArray, weight: GWeight, eps: float) -> GArray:
+        expect(x.shape[-1] == weight.parts[0][1] and x.strides[-1] == 4, f"rms_norm: {x.shape}")
+        normed = self.node(g.ggml_rms_norm, x.t, eps)
+        return self.wrap(self.node(g.ggml_mul, normed, weight.tensor), x.shape)
+
+    def silu(self, x: GArray) -> GArray:
+        return self.wrap(self.node(g.ggml_silu, x.t), x.shape)
+
+    def concat(self, xs: list[GArray], axis: int) -> GArray:
+        """Pairwise, as a balanced tree: n pieces cost log2(n) copies of each element, not n."""
+        while len(xs) > 1:
+            pairs = []
+            for a, b in zip(xs[::2], xs[1::2]):
+                ax = axis % len(a.shape)
+                expect(len(a.shape) == len(b.shape) and all(m == n for i, (m, n) in enumerate(zip(a.shape, b.shape))
+                                                            if i != ax), f"concat: {a.shape} and {b.shape}")
+                shape = tuple(a.shape[i] + b.shape[i] if i == ax else a.shape[i] for i in range(len(a.shape)))
+                pairs.append(self.wrap(self.node(g.ggml_concat, a.t, b.t, len(a.shape) - 1 - ax), shape))
+            xs = pairs + ([xs[-1]] if len(xs) % 2 else [])
+        return xs[0]
+
+    def transpose(self, x: GArray, axes: tuple[int, ...]) -> GArray:
+        n = len(x.shape)
+        # numpy: out axis k is in axis axes[k]. ggml_permute: in dim d goes to out dim p[d]. Dims are reversed.
+        p = [0, 1, 2, 3]
+        for k, a in enumerate(axes):
+            p[n - 1 - a] = n - 1 - k
+        t = self.node(g.ggml_permute, x.t, *p)
+        return self.wrap(t, tuple(x.shape[a] for a in axes))
+
+    def softmax(self, x: GArray) -> GArray:
+        return self.wrap(self.node(g.ggml_soft_max, self.contiguous(x).t), x.shape)
+
+    def where(self, mask, x, fill):
+        raise NotImplementedError("the ggml backend masks inside flash attention (see attention)")
+
+    def rope(self, x: GArray, cos: GArray, sin=None) -> GArray:
+        """Rotary embedding of x [N, heads, hd] (NEOX or NORMAL pairs, see __init__). `cos` carries the rows'
+        positions (I32 [N]): this engine's steps put positions where other engines put cos/sin tables, and ggml
+        computes the angles."""
+        expect(len(x.shape) == 3 and x.shape[2] == self.head_dim and cos.shape == (x.shape[0],), f"rope: {x.shape}")
+        t = self.node(g.ggml_rope_ext, x.t, cos.t, self.freq_factors, self.head_dim, self.rope_mode,
+                      self.rope_ctx, self.theta, 1.0, 0.0, 1.0, 32.0, 1.0)
+        return self.wrap(t, x.shape)
+
+    def attention(self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float) -> GArray:
+        """Flash attention of one request: q [T, heads, hd] against keys/values [kv_heads, cells, hd] (F16 cache
+        views), `mask` F16 [T, cells] (0 visible, -inf not). -> [T, heads*hd]"""
+        t, nh, hd = q.shape
+        nkv, cells, khd = keys.shape
+        expect(khd == hd and values.shape == keys.shape and nh % nkv == 0, f"attention: {q.shape}, {keys.shape}")
+        expect(mask is None or mask.shape == (t, cells), f"attention: mask {None if mask is None else mask.shape}")
+        qp = self.node(g.ggml_permute, q.t, 0, 2, 1, 3)  # ne [hd, T, heads], what flash attention reads
+        out = self.node(g.ggml_flash_attn_ext, qp, keys.t, values.t, None if mask is None else mask.t, scale,
+                        0.0, 0.0)  # ne [hd, heads, T], contiguous
+        return self.view(self.wrap(out, (t, nh, hd)), (t, nh * hd), c_strides((t, nh * hd), 4))

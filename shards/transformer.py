@@ -1,0 +1,150 @@
+"""The Llama-family transformer (Llama, Mistral, Qwen2 biases, Qwen3 q/k norms), written once for every engine.
+
+In the style of mlx-lm's model files: each block is a residual equation over small callables named as in Hugging
+Face checkpoints. Array work goes through a `Backend`; the causal masks, rotary tables and row packing come ready
+made in a `Step` (computed once per forward pass, not per layer). q/k/v and gate/up are fused into one matmul
+each, so a step does four weight matmuls per layer for all rows of all requests.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shards.engines.backend import Array, Backend, KVCache
+from shards.formats.config import ModelConfig
+from shards.formats.weights import LayerWeights, ShardWeights
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward pass's row layout in backend arrays: request i owns rows bounds[i]:bounds[i+1]."""
+
+    bounds: Sequence[int]
+    starts: Sequence[Any]  # positions already cached per request (ints, or a tracer's symbolic positions)
+    cos: Array  # [rows, 1, head_dim/2]
+    sin: Array
+    masks: Sequence[Array | None]  # per request [1, group*T, start+T], None for a single position
+
+    def rows(self, i: int) -> slice:
+        return slice(int(self.bounds[i]), int(self.bounds[i + 1]))
+
+
+@dataclass
+class RMSNorm:
+    ops: Backend
+    weight: Array
+    eps: float
+
+    def __call__(self, x: Array) -> Array:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+@dataclass
+class Linear:
+    ops: Backend
+    weight: Array
+    bias: Array | None = None
+
+    def __call__(self, x: Array) -> Array:
+        return self.ops.linear(x, self.weight, self.bias)
+
+
+class Attention:
+    def __init__(self, ops: Backend, cfg: ModelConfig, w: LayerWeights):
+        self.ops, self.n_heads, self.n_kv_heads, self.head_dim = ops, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        bias = w.qkv_bias()
+        self.qkv_proj = Linear(ops, ops.fused_weight(w.q_proj, w.k_proj, w.v_proj),
+                               None if bias is None else ops.array(bias))
+        self.o_proj = Linear(ops, ops.weight(w.o_proj))
+        self.q_norm = None if w.q_norm is None else RMSNorm(ops, ops.array(w.q_norm), cfg.rms_norm_eps)
+        self.k_norm = None if w.k_norm is None else RMSNorm(ops, ops.array(w.k_norm), cfg.rms_norm_eps)
+        self.scale = 1.0 / float(np.sqrt(cfg.head_dim))
+
+    def __call__(self, x: Array, step: Step, caches: Sequence[KVCache]) -> Array:
+        ops, nh, nkv, hd = self.ops, self.n_heads, self.n_kv_heads, self.head_dim
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : nh * hd].reshape(n, nh, hd)
+        k = qkv[:, nh * hd : (nh + nkv) * hd].reshape(n, nkv, hd)
+        v = qkv[:, (nh + nkv) * hd :].reshape(n, nkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = ops.rope(q, step.cos, step.sin), ops.rope(k, step.cos, step.sin)
+        outs = []
+        for i, cache in enumerate(caches):  # attention is per request, against that request's own cache
+            rows = step.rows(i)
+            keys, values = cache.update_and_fetch(k[rows], v[rows], step.starts[i])
+            outs.append(ops.attention(q[rows], keys, values, step.masks[i], self.scale))
+        return self.o_proj(outs[0] if len(outs) == 1 else ops.concat(outs, axis=0))
+
+
+class MLP:
+    def __init__(self, ops: Backend, cfg: ModelConfig, w: LayerWeights):
+        self.ops, self.intermediate = ops, cfg.intermediate_size
+        self.gate_up_proj = Linear(ops, ops.fused_weight(w.gate_proj, w.up_proj))
+        self.down_proj = Linear(ops, ops.weight(w.down_proj))
+
+    def __call__(self, x: Array) -> Array:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+        return self.down_proj(self.ops.silu(gate) * up)
+
+
+class TransformerBlock:
+    def __init__(self, ops: Backend, cfg: ModelConfig, w: LayerWeights):
+        self.input_layernorm = RMSNorm(ops, ops.array(w.input_norm), cfg.rms_norm_eps)
+        self.self_attn = Attention(ops, cfg, w)
+        self.post_attention_layernorm = RMSNorm(ops, ops.array(w.post_norm), cfg.rms_norm_eps)
+        self.mlp = MLP(ops, cfg, w)
+
+    def __call__(self, x: Array, step: Step, caches: Sequence[KVCache]) -> Array:
+        h = x + self.self_attn(self.input_layernorm(x), step, caches)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ShardModel:
+    """A shard's layers, with the embedding on the first shard and the final norm + head on the last."""
+
+    def __init__(self, ops: Backend, cfg: ModelConfig, w: ShardWeights):
+        self.ops = ops
+        self.layers: list[TransformerBlock] = []
+        while w.layers:  # convert one layer at a time so peak memory stays near one shard's worth
+            self.layers.append(TransformerBlock(ops, cfg, w.layers.pop(0)))
+        self.embed_tokens = None if w.embed_tokens is None else ops.table(w.embed_tokens)
+        self.norm = None if w.norm is None else RMSNorm(ops, ops.array(w.norm), cfg.rms_norm_eps)
+        self.lm_head = None if w.lm_head is None else Linear(ops, ops.weight(w.lm_head))
+
+    def __call__(self, x: Array, step: Step, caches: Sequence[Sequence[KVCache]], last_rows: np.ndarray | None) -> Array:
+        """x: token ids (first shard) or hidden rows; caches[r][l] is request r's cache of layer l. On the last shard
+        returns logits of `last_rows` (all rows when None), elsewhere the hidden rows."""
+        if self.embed_tokens is not None:
+            x = self.ops.embedding(self.embed_tokens, x)
+        for li, layer in enumerate(self.layers):
+            layer_caches = [c[li] for c in caches]
+            x = self.ops.layer_done(layer(x, step, layer_caches), layer_caches)
+        if self.lm_head is None:
+            return x
+        if last_rows is not None:
+            x = self.ops.take_rows(x, last_rows)
+        return self.lm_head(self.norm(x))
+
+    def parameters(self) -> list[Array]:
+        """Every weight array this shard holds."""
+        out: list[Array] = []
+
+        def collect(obj: Any) -> None:
+            for value in vars(obj).values():
+                if isinstance(value, (RMSNorm, Linear)):
+                    out.extend(a for a in (value.weight, getattr(value, "bias", None)) if a is not None)
+                elif isinstance(value, (TransformerBlock, Attention, MLP)):
+                    collect(value)
+
+        for layer in self.layers:
+            collect(layer)
+        collect(self)
+        if self.embed_tokens is not None:
+            out.append(self.embed_tokens)
+        return out
