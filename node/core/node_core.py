@@ -84,9 +84,11 @@ class CoreLimits:
 class NodeCore:
     def __init__(self, node_id: str, model_id: str, config: ModelConfig, limits: CoreLimits = CoreLimits(),
                  scheduling: SchedulerLimits = SchedulerLimits(), clock: Callable[[], float] = time.monotonic,
-                 members: Callable[[], Mapping[str, str]] | None = None):
+                 members: Callable[[], Mapping[str, str]] | None = None,
+                 serves: Callable[[Shard], bool] = lambda shard: True):
         """`members`: the nodes this one knows (id -> address, itself included), which plans must stay within;
-        None: plans are not checked against membership."""
+        None: plans are not checked against membership. `serves`: whether this node holds a shard's weights now
+        (always, unless it fetches them from a peer: node/fetch/follow.py)."""
         self.id, self.model_id, self.config, self.limits, self.clock = node_id, model_id, config, limits, clock
         self.members = members
         self.requests: dict[str, RequestState] = {}
@@ -98,7 +100,7 @@ class NodeCore:
         self.counters: Counter[str] = Counter()
         self.draining = False  # shutting down: no new requests, the ones we have run to their end
         self.kv_reserved = 0  # bytes of KV cache reserved by the requests held
-        self.serves: Callable[[Shard], bool] = lambda shard: True  # whether this node holds the shard's weights
+        self.serves = serves
 
     # -- inputs from other nodes ------------------------------------------------------------------------------
     def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray, caller: str | None = None) -> None:
