@@ -27,7 +27,7 @@ from node.fetch.layout import build_manifest
 from shards.formats.config import ModelConfig
 from shards.formats.packaged import resolve_model
 from shards.shard import Shard
-from tests.cluster import Cluster
+from tests.support.cluster import Cluster
 
 PROMPT = "Write a haiku about the sea."
 

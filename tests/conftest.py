@@ -29,7 +29,7 @@ API_KEY = "sk-test-key"
 @pytest.fixture(scope="session")
 def single_api():
     """A live single node with an API key and CORS for one origin: (base url, key)."""
-    from tests.cluster import Cluster
+    from tests.support.cluster import Cluster
 
     with Cluster(FIXTURES / "llama", 1, api_key=API_KEY, extra=["--cors-origins", "http://app.example"]) as c:
         yield c.nodes[0].api_url, API_KEY
@@ -38,7 +38,7 @@ def single_api():
 @pytest.fixture(scope="session")
 def live_cluster():
     """A live 3-node cluster, layers pinned 0:2 / 2:4 / 4:6, an API on every node, no key."""
-    from tests.cluster import Cluster
+    from tests.support.cluster import Cluster
 
     with Cluster(FIXTURES / "llama", 3, shards=["0:2", "2:4", "4:6"]) as c:
         yield c

@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shards.shard import Shard
-from tests.test_node_rpc import serving, shutdown, spec_for
+from tests.unit.test_node_rpc import serving, shutdown, spec_for
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

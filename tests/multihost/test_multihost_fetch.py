@@ -11,12 +11,12 @@ import pytest
 from node.fetch.layout import build_manifest
 from node.security import write_key_file
 from shards.shard import Shard
-from tests import netns
-from tests.cluster import READY_API, ROOT
+from tests.support import netns
+from tests.support.cluster import READY_API, ROOT
 from tests.conftest import FIXTURES
-from tests.test_cluster import reference
-from tests.test_fetch_cluster import MARGIN
-from tests.test_multihost import call, wait_until
+from tests.cluster.test_cluster import reference
+from tests.cluster.test_fetch_cluster import MARGIN
+from tests.multihost.test_multihost import call, wait_until
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
 MODEL = FIXTURES / "llama"

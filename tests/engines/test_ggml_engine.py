@@ -25,8 +25,8 @@ from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.quant import SUPPORTED_TYPES, QuantizedTensor
 from shards.shard import Shard
 from tests.conftest import FIXTURES
-from tests.gguf_util import fixture, smollm2_path
-from tests.tolerance import QUANTIZED_RMS, regrouped_atol, relative_rms
+from tests.support.gguf_util import fixture, smollm2_path
+from tests.support.tolerance import QUANTIZED_RMS, regrouped_atol, relative_rms
 
 LLAMA = FIXTURES / "llama"
 
@@ -182,7 +182,7 @@ def test_quantize_on_load_holds_a_fraction_of_float32_and_computes_on_the_quanti
     vectors = sum(a.nbytes for a in dense.model.parameters() if a.ndim == 1)  # norms stay float32
     assert quantized.nbytes() - vectors == pytest.approx(RATIOS[kind] * (dense.nbytes() - vectors), rel=1e-9)
     # Against float32 math on the very weights it holds (widened back): what is left is quantized math's own
-    # rounding (tests/tolerance.py; observed 1.7-3.0%). (Against the original float32 weights these random,
+    # rounding (tests/support/tolerance.py; observed 1.7-3.0%). (Against the original float32 weights these random,
     # untrained matrices lose far more to 4-bit weights: 30-35% RMS, see the ggml figures note.)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 40)
     copy = dequantized_copy(random_model, kind, tmp_path / "copy")

@@ -21,9 +21,9 @@ from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 from shards.sampling import SamplingParams
 from shards.shard import Shard
-from tests.cluster import ROOT, Cluster, free_port
+from tests.support.cluster import ROOT, Cluster, free_port
 from tests.conftest import FIXTURES
-from tests.test_cluster import assert_matches_reference
+from tests.cluster.test_cluster import assert_matches_reference
 
 MODEL = FIXTURES / "llama"
 REFUSED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)

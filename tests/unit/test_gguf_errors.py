@@ -10,8 +10,8 @@ from gguf import GGUFValueType as V
 from shards.formats.config import ModelConfig
 from shards.formats.gguf_file import GGUFError
 from shards.tokenizer import Tokenizer
-from tests.cluster import ROOT
-from tests.gguf_util import fixture, patch_tensor_info, rewrite
+from tests.support.cluster import ROOT
+from tests.support.gguf_util import fixture, patch_tensor_info, rewrite
 
 
 def load_all(path):

@@ -11,7 +11,7 @@ import numpy as np
 
 from shards.formats.packaged import resolve_model
 
-GGUF_DIR = Path(__file__).parent / "fixtures" / "gguf"
+GGUF_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
 GGUF_MODELS = ["llama", "qwen2", "qwen3"]
 
 

@@ -1,7 +1,7 @@
 """A secured cluster on a private network: a host without the key (or with another) never gets in, replayed
 announcements are dropped, and nothing of a prompt crosses the wire in the clear.
 
-Hosts are network namespaces on a bridge of their own (tests/netns.py); traffic never leaves them.
+Hosts are network namespaces on a bridge of their own (tests/support/netns.py); traffic never leaves them.
 """
 import subprocess
 import sys
@@ -12,10 +12,10 @@ import pytest
 
 from node.security import write_key_file
 from shards.tokenizer import Tokenizer
-from tests import netns
-from tests.cluster import ROOT
+from tests.support import netns
+from tests.support.cluster import ROOT
 from tests.conftest import FIXTURES
-from tests.test_multihost import call, key, peers_seen, start_hosts, stop_hosts, wait_until
+from tests.multihost.test_multihost import call, key, peers_seen, start_hosts, stop_hosts, wait_until
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
 MEMBERS = {"host0", "host1", "host2"}
@@ -99,7 +99,7 @@ def captured_request(lan, key, tmp_path) -> tuple[bytes, bytes]:
         for i in range(3):
             procs += start_hosts(lan, 1, key, first=i, extra=["--shard", shards[i]])
         wait_until(lambda: peers_seen(lan, 0) == MEMBERS, 30)
-        capture = subprocess.Popen(["ip", "netns", "exec", lan.switch, sys.executable, "-m", "tests.capture", "any",
+        capture = subprocess.Popen(["ip", "netns", "exec", lan.switch, sys.executable, "-m", "tests.support.capture", "any",
                                     "8", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
         assert capture.stdout.readline().strip() == "capturing"
         body = {"model": "llama", "messages": [{"role": "user", "content": content}], "max_tokens": 8}

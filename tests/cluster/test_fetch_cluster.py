@@ -13,7 +13,7 @@ from shards.generate import generate
 from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
-from tests.cluster import ROOT, Cluster
+from tests.support.cluster import ROOT, Cluster
 from tests.conftest import FIXTURES
 
 PROMPT = "The capital of France is"

@@ -1,4 +1,4 @@
-"""numpy-engine specifics beyond the all-engine conformance suite (tests/test_engines.py): bit-identical splits,
+"""numpy-engine specifics beyond the all-engine conformance suite (tests/engines/test_engines.py): bit-identical splits,
 batch-size numerics, generation bookkeeping and input validation."""
 import itertools
 

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from tests.cluster import READY_API, ROOT
+from tests.support.cluster import READY_API, ROOT
 
 README = (ROOT / "README.md").read_text()
 

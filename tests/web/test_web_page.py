@@ -15,10 +15,10 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.wait import WebDriverWait
 
 from bench.random_model import write_random_llama
-from tests.browser import chromium
-from tests.cluster import Cluster
+from tests.support.browser import chromium
+from tests.support.cluster import Cluster
 from tests.conftest import FIXTURES
-from tests.test_metrics import scrape, value
+from tests.cluster.test_metrics import scrape, value
 
 KEY = "sk-page-test"
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,

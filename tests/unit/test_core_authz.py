@@ -1,6 +1,6 @@
 """The node core's checks on what peers ask of it: plans name only members it knows, data goes only where it knows
 them, each message comes from its proper sender, and one entry can't take every slot. Plain values, as in
-tests/test_core.py (whose helpers these tests share)."""
+tests/unit/test_core.py (whose helpers these tests share)."""
 import dataclasses
 
 import pytest
@@ -10,7 +10,7 @@ from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation
 from shards.sampling import SampleResult, SamplingParams
 from shards.shard import Shard
-from tests.test_core import ADDR, CFG, STOP, hidden, logits, spec, tokens
+from tests.unit.test_core import ADDR, CFG, STOP, hidden, logits, spec, tokens
 
 
 def guarded(node_id, **limits):

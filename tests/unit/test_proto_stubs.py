@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ["node_service_pb2.py", "node_service_pb2.pyi", "node_service_pb2_grpc.py"]
 PACKAGE = "node/grpc/generated"  # where the stubs live; recorded in them (imports, descriptor name)
 
@@ -34,7 +34,7 @@ def regenerated(tmp_path_factory) -> Path:
 def test_committed_stub_matches_regenerated(regenerated, name):
     committed = (ROOT / PACKAGE / name).read_bytes()
     assert (regenerated / name).read_bytes() == committed, (
-        f"{PACKAGE}/{name} is stale: regenerate it with the command in tests/test_proto_stubs.py's docstring"
+        f"{PACKAGE}/{name} is stale: regenerate it with the command in tests/unit/test_proto_stubs.py's docstring"
     )
 
 

@@ -8,7 +8,7 @@ from shards.generate import generate
 from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
-from tests.cluster import Cluster
+from tests.support.cluster import Cluster
 from tests.conftest import FIXTURES
 
 MODEL = FIXTURES / "llama"
@@ -142,7 +142,7 @@ def test_eight_concurrent_streams_batch_their_sampling_and_equal_sequential_runs
 def test_manual_discovery_file_and_wait_for_peers(tmp_path):
     import json
 
-    from tests.cluster import free_port
+    from tests.support.cluster import free_port
 
     ports = [free_port() for _ in range(3)]
     peers = tmp_path / "peers.json"

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.cluster import Cluster, rss_bytes, stream_completion
+from tests.support.cluster import Cluster, rss_bytes, stream_completion
 from tests.conftest import FIXTURES
 
 MODEL = FIXTURES / "llama"

@@ -9,7 +9,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from node.http.api import Api, ApiSettings
 from tests.conftest import API_KEY
-from tests.test_node_rpc import serving, shutdown
+from tests.unit.test_node_rpc import serving, shutdown
 
 
 def raw(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None, key=API_KEY):

@@ -5,7 +5,7 @@ from tokenizers import Tokenizer as HF
 
 from shards.formats.gguf_tokenizer import PRE_TOKENIZERS
 from shards.tokenizer import Tokenizer
-from tests.gguf_util import GGUF_MODELS, fixture, gguf_golden, smollm2_path
+from tests.support.gguf_util import GGUF_MODELS, fixture, gguf_golden, smollm2_path
 
 CASES = [(name, fixture(name), gguf_golden()["models"][name]["tokenizer"]) for name in GGUF_MODELS] + [
     ("spm", fixture("spm"), gguf_golden()["spm"]["tokenizer"]),

@@ -7,9 +7,9 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.cluster import Cluster, http
+from tests.support.cluster import Cluster, http
 from tests.conftest import FIXTURES
-from tests.test_cluster import reference
+from tests.cluster.test_cluster import reference
 
 MODEL = FIXTURES / "llama"
 LONG = "Tell me everything about the sea, the ships that sail on it, the fish that swim in it and the storms. " * 2

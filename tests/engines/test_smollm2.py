@@ -12,8 +12,8 @@ from shards.formats.packaged import PACKAGED, resolve_model
 from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
-from tests.cluster import ROOT, Cluster
-from tests.gguf_util import gguf_golden, smollm2_path
+from tests.support.cluster import ROOT, Cluster
+from tests.support.gguf_util import gguf_golden, smollm2_path
 
 QUESTION = "What is the capital of France?"
 

@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 READY_GRPC = re.compile(r"exo-node (\S+): gRPC listening on (\S+)")
 READY_API = re.compile(r"exo-node (\S+): API listening on (\S+)")
 

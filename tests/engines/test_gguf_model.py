@@ -13,7 +13,7 @@ from shards.formats.gguf_model import load_shard_tensors
 from shards.formats.quant import SUPPORTED_TYPES, QuantizedTensor, unpermute_order
 from shards.shard import Shard
 from shards.formats.weights import load_shard_weights
-from tests.gguf_util import GGUF_DIR, GGUF_MODELS, fixture, gguf_golden, smollm2_path
+from tests.support.gguf_util import GGUF_DIR, GGUF_MODELS, fixture, gguf_golden, smollm2_path
 
 
 @pytest.mark.parametrize("name", GGUF_MODELS)

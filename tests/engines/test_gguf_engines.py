@@ -2,7 +2,7 @@
 greedy tokens (observed max |logit error| ~3e-5 for the numpy engine), and shard chains equal the whole model.
 
 The ggml engine computes on the blocks themselves (the fixtures hold every supported weight type between them), so
-its bounds are those of quantized math (tests/tolerance.py): RMS difference within 8% of the logits' spread and
+its bounds are those of quantized math (tests/support/tolerance.py): RMS difference within 8% of the logits' spread and
 teacher-forced top tokens instead of greedy equality."""
 import numpy as np
 import pytest
@@ -11,8 +11,8 @@ from shards.formats.config import ModelConfig
 from shards.engines.registry import engine_class, installed
 from shards.generate import chain_forward, generate
 from shards.shard import Shard
-from tests.gguf_util import GGUF_MODELS, fixture, gguf_golden
-from tests.tolerance import QUANTIZED_RMS, clear_top1_disagreements, exact, relative_rms
+from tests.support.gguf_util import GGUF_MODELS, fixture, gguf_golden
+from tests.support.tolerance import QUANTIZED_RMS, clear_top1_disagreements, exact, relative_rms
 
 
 def make(engine_name: str, name: str, start: int = 0, end: int | None = None):

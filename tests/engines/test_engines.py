@@ -1,7 +1,7 @@
 """Conformance: every installed engine against the HF golden outputs and the engine contract.
 
 Tolerance: logits within 1e-4 (abs) of transformers for all float32 paths (observed <= 1e-5 for numpy, tinygrad and
-mlx); ggml's F16 KV cache gets 0.05 and teacher-forced top-1 checks instead of greedy equality (tests/tolerance.py
+mlx); ggml's F16 KV cache gets 0.05 and teacher-forced top-1 checks instead of greedy equality (tests/support/tolerance.py
 says why).
 """
 import numpy as np
@@ -13,7 +13,7 @@ from shards.engines.registry import ENGINES, engine_class, installed
 from shards.generate import chain_forward, generate
 from shards.shard import Shard
 from tests.conftest import FIXTURES, MODELS, golden
-from tests.tolerance import atol, clear_top1_disagreements, exact, regrouped_atol
+from tests.support.tolerance import atol, clear_top1_disagreements, exact, regrouped_atol
 
 ENGINE_NAMES = installed()
 

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from tests import netns
-from tests.cluster import READY_API, ROOT
+from tests.support import netns
+from tests.support.cluster import READY_API, ROOT
 from tests.conftest import FIXTURES
 from node.security import write_key_file
-from tests.test_cluster import reference
+from tests.cluster.test_cluster import reference
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
 

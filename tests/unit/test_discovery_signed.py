@@ -10,7 +10,7 @@ import pytest
 from discovery.signed import MAGIC, OVERHEAD, PacketAuth, Rejected
 from discovery.udp import MAX_PACKET, Announcement, UdpDiscovery
 from node.security import ClusterKey, generate_secret
-from tests.test_discovery import free_udp_port
+from tests.unit.test_discovery import free_udp_port
 
 KEY = ClusterKey(generate_secret()).discovery_key()
 OTHER_KEY = ClusterKey(generate_secret()).discovery_key()

@@ -1,6 +1,6 @@
 """Record every frame crossing a network interface for a while (run inside the namespace that owns it, as root).
 
-    python -m tests.capture IFACE SECONDS OUT     # IFACE "any": every interface of the namespace
+    python -m tests.support.capture IFACE SECONDS OUT     # IFACE "any": every interface of the namespace
 
 (On a bridge, frames forwarded from port to port never reach the bridge device itself: capture the ports, "any".)
 

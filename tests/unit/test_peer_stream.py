@@ -8,7 +8,7 @@ from node.grpc.client import channel_options
 from node.grpc.stream import PeerStream, StreamBroken
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
-from tests.cluster import free_port
+from tests.support.cluster import free_port
 
 
 class Peer(pb_grpc.NodeServiceServicer):
