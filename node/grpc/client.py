@@ -202,5 +202,5 @@ class GrpcTransport:
             await channel.close()
 
     async def close(self) -> None:
-        for address in list(self.channels):
+        for address in {*self.channels, *self.streams}:
             await self.forget(address)

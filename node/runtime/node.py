@@ -156,9 +156,7 @@ class Node:
         self.entry.nodes_alive(self.known.keys())
         for gone in self.peers.keys() - peers.keys():
             log.info("peer %s left", gone)
-            self.counters["peers_left"] += 1
-            if gone not in alive:  # a draining peer still finishes requests with us: keep its channel till then
-                self._spawn(self.transport.forget(self.peers[gone].address))
+            self.counters["peers_left"] += 1  # its connection is closed by membership, once it stops answering
         for new in peers.keys() - self.peers.keys():
             log.info("peer %s joined at %s", new, peers[new].address)
             self.counters["peers_joined"] += 1

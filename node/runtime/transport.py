@@ -54,6 +54,8 @@ class Transport(Protocol):
         """(the sha256 the peer states, the bytes) of one piece of the model; not verified here."""
 
     async def forget(self, address: str) -> None:
-        """Drop whatever is kept for a peer that left (its channel)."""
+        """Close whatever is kept for `address` (its channel, its data-path stream and that stream's reader task):
+        the node no longer reaches it. Membership calls this for every address that stops answering or is no longer
+        proposed; a later call to the address connects afresh."""
 
     async def close(self) -> None: ...
