@@ -50,16 +50,13 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.Ack()
 
-    async def SendTensor(self, request: pb.SendTensorRequest, context: grpc.aio.ServicerContext) -> pb.SendTensorResponse:
-        return await self._send(request, context, peer_node_id(context))
-
     async def SendStream(self, requests, context: grpc.aio.ServicerContext):
         caller = peer_node_id(context)
         async for request in requests:
             yield await self._send(request, context, caller)
 
-    async def _send(self, request: pb.SendTensorRequest, context: grpc.aio.ServicerContext, caller: str | None) \
-            -> pb.SendTensorResponse:
+    async def _send(self, request: pb.SendRequest, context: grpc.aio.ServicerContext, caller: str | None) \
+            -> pb.SendResponse:
         try:
             activations, messages = wire.decode_send(request, self.node.max_tensor_bytes)
         except wire.WireError as e:
@@ -67,7 +64,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         refused = self.node.accept_activations(activations, caller) if activations else []
         for message in messages:
             self.node.accept_tokens(message, caller)
-        return pb.SendTensorResponse(rejected=[wire.encode_refusal(r) for r in refused])
+        return pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused])
 
     async def EndRequest(self, request: pb.EndRequestRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         self.node.end_request(request.request_id[:MAX_REQUEST_ID], request.reason[:32], peer_node_id(context))

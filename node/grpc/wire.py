@@ -350,12 +350,12 @@ def decode_refusal(m: pb.Rejected) -> Refusal:
     return Refusal(_text(m.request_id, "request_id", MAX_REQUEST_ID), _text(m.reason, "reason", MAX_ERROR), m.busy)
 
 
-def encode_send(activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> pb.SendTensorRequest:
-    return pb.SendTensorRequest(entries=[encode_activation(a) for a in activations],
+def encode_send(activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> pb.SendRequest:
+    return pb.SendRequest(entries=[encode_activation(a) for a in activations],
                                 results=[encode_tokens(m) for m in messages])
 
 
-def decode_send(m: pb.SendTensorRequest, max_bytes: int) -> tuple[list[Activation], list[TokenMessage]]:
+def decode_send(m: pb.SendRequest, max_bytes: int) -> tuple[list[Activation], list[TokenMessage]]:
     _count(m.entries, "activations", MAX_MESSAGES)
     _count(m.results, "token messages", MAX_MESSAGES)
     return [decode_activation(e, max_bytes) for e in m.entries], [decode_tokens(r) for r in m.results]

@@ -35,9 +35,10 @@ class Collector(pb_grpc.NodeServiceServicer):
     def __init__(self):
         self.received = []
 
-    async def SendTensor(self, request, context):
-        self.received.append(request)
-        return pb.SendTensorResponse()
+    async def SendStream(self, requests, context):  # the data path a node sends activations and tokens on
+        async for request in requests:
+            self.received.append(request)
+            yield pb.SendResponse()
 
 
 def crafted(rid: str, victim: str, attacker: str, attacker_is_entry: bool) -> pb.SendPromptRequest:
@@ -83,7 +84,7 @@ def other_calls(victim: str) -> list[grpc.StatusCode]:
     async def go():
         channel = grpc.aio.insecure_channel(victim)
         stub = pb_grpc.NodeServiceStub(channel)
-        calls = [stub.SendTensor(pb.SendTensorRequest(), timeout=3), stub.EndRequest(pb.EndRequestRequest(
+        calls = [stub.SendStream(iter([pb.SendRequest()]), timeout=3).read(), stub.EndRequest(pb.EndRequestRequest(
                  request_id="x"), timeout=3), stub.HealthCheck(pb.HealthCheckRequest(), timeout=3),
                  stub.Leave(pb.LeaveRequest(node_id="n"), timeout=3),
                  stub.GetManifest(pb.ManifestRequest(model_id="llama"), timeout=3),  # the weights, too

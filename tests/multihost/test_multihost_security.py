@@ -40,11 +40,12 @@ print("replayed", flush=True)
 
 RAW_CALLS = """
 import asyncio, grpc, sys
-from proto import node_service_pb2 as pb, node_service_pb2_grpc as pb_grpc
+from node.grpc.generated import node_service_pb2 as pb, node_service_pb2_grpc as pb_grpc
 async def go():
     stub = pb_grpc.NodeServiceStub(grpc.aio.insecure_channel(sys.argv[1]))
     for call, msg in [(stub.HealthCheck, pb.HealthCheckRequest()), (stub.SendPrompt, pb.SendPromptRequest()),
-                      (stub.SendTensor, pb.SendTensorRequest()), (stub.EndRequest, pb.EndRequestRequest())]:
+                      (lambda m, timeout: stub.SendStream(iter([m]), timeout=timeout).read(), pb.SendRequest()),
+                      (stub.EndRequest, pb.EndRequestRequest())]:
         try:
             await call(msg, timeout=3)
             print("OK")

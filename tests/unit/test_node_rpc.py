@@ -38,8 +38,14 @@ class RawClient:
     async def send_prompt(self, request):
         return await self.stub.SendPrompt(request, timeout=10)
 
-    async def send_tensor(self, request):
-        return await self.stub.SendTensor(request, timeout=10)
+    async def send(self, request):
+        """One message on a data-path stream of its own (as a peer's first message), and its answer."""
+        call = self.stub.SendStream(timeout=10)
+        try:
+            await call.write(request)
+            return await call.read()
+        finally:
+            call.cancel()
 
     async def end_request(self, request_id, reason):
         return await self.stub.EndRequest(pb.EndRequestRequest(request_id=request_id, reason=reason), timeout=10)
@@ -99,7 +105,7 @@ def test_malformed_tensors_are_invalid_argument(tensor):
         node, server, client = await serving()
         try:
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await client.send_tensor(pb.SendTensorRequest(entries=[pb.TensorEntry(request_id="x", tensor=tensor)]))
+                await client.send(pb.SendRequest(entries=[pb.TensorEntry(request_id="x", tensor=tensor)]))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             # and the node still works
             assert (await client.health_check()).ok
@@ -115,7 +121,7 @@ def test_tensor_over_the_size_cap_is_refused():
             big = np.zeros(((9 << 20) // 4 // 64, 64), dtype=np.float32)  # 9 MiB > the node's 8 MiB cap
             entry = pb.TensorEntry(request_id="x", tensor=wire.encode_tensor(big))
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await client.send_tensor(pb.SendTensorRequest(entries=[entry]))
+                await client.send(pb.SendRequest(entries=[entry]))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         finally:
             await shutdown(node, server, client)
@@ -129,7 +135,7 @@ def test_messages_larger_than_grpcs_default_4mib_get_through():
             spec = spec_for(node, (("a", 0, 3), ("n0", 3, 6)))
             hidden = np.zeros(((5 << 20) // 4 // 64, 64), dtype=np.float32)  # 5 MiB of activations
             entry = pb.TensorEntry(request_id="r1", tensor=wire.encode_tensor(hidden), spec=wire.encode_spec(spec))
-            response = await client.send_tensor(pb.SendTensorRequest(entries=[entry]))
+            response = await client.send(pb.SendRequest(entries=[entry]))
             assert list(response.rejected) == []
         finally:
             await shutdown(node, server, client)
@@ -141,7 +147,7 @@ def test_stray_activations_for_unknown_requests_are_rejected_per_entry():
         node, server, client = await serving()
         try:
             entry = pb.TensorEntry(request_id="nobody", tensor=wire.encode_tensor(np.zeros((1, 64), np.float32)))
-            response = await client.send_tensor(pb.SendTensorRequest(entries=[entry]))
+            response = await client.send(pb.SendRequest(entries=[entry]))
             assert [(r.request_id, "unknown request" in r.reason) for r in response.rejected] == [("nobody", True)]
             assert node.info().active_requests == 0
         finally:
@@ -168,12 +174,12 @@ def test_end_request_frees_state_and_late_activations_are_dropped():
         node, server, client = await serving()
         try:
             spec = spec_for(node, (("a", 0, 3), ("n0", 3, 6)))
-            await client.send_tensor(pb.SendTensorRequest(entries=[pb.TensorEntry(
+            await client.send(pb.SendRequest(entries=[pb.TensorEntry(
                 request_id="r1", tensor=wire.encode_tensor(np.zeros((1, 64), np.float32)), spec=wire.encode_spec(spec))]))
             await client.end_request("r1", "cancelled")
             await node.shards.run(lambda: None)  # wait for queued releases on the engine thread
             assert node.info().active_requests == 0
-            late = await client.send_tensor(pb.SendTensorRequest(entries=[pb.TensorEntry(
+            late = await client.send(pb.SendRequest(entries=[pb.TensorEntry(
                 request_id="r1", tensor=wire.encode_tensor(np.zeros((1, 64), np.float32)), spec=wire.encode_spec(spec))]))
             assert list(late.rejected) == [] and node.info().active_requests == 0
         finally:

@@ -21,7 +21,7 @@ class Peer(pb_grpc.NodeServiceServicer):
         self.streams += 1
         async for request in requests:
             await asyncio.sleep(self.delay)
-            yield pb.SendTensorResponse(rejected=[pb.Rejected(request_id=e.request_id) for e in request.entries])
+            yield pb.SendResponse(rejected=[pb.Rejected(request_id=e.request_id) for e in request.entries])
 
 
 async def serve(peer: Peer, port: int) -> grpc.aio.Server:
@@ -32,8 +32,8 @@ async def serve(peer: Peer, port: int) -> grpc.aio.Server:
     return server
 
 
-def message(name: str) -> pb.SendTensorRequest:
-    return pb.SendTensorRequest(entries=[pb.TensorEntry(request_id=name)])
+def message(name: str) -> pb.SendRequest:
+    return pb.SendRequest(entries=[pb.TensorEntry(request_id=name)])
 
 
 def answered(response) -> str:

@@ -446,7 +446,7 @@ def test_invalid_results_are_rejected(m):
 def _decode_entries(raw: bytes) -> int:
     """Parse like the server does: only DecodeError (bad protobuf) or WireError (bad content) may escape."""
     try:
-        req = pb.SendTensorRequest.FromString(raw)
+        req = pb.SendRequest.FromString(raw)
     except DecodeError:
         return 0
     for e in req.entries:
@@ -466,7 +466,7 @@ def test_random_bytes_raise_only_wire_errors():
 
 def test_mutated_valid_messages_raise_only_wire_errors():
     # Random bytes rarely parse; flipping bytes of a valid request reaches the validators far more often.
-    valid = pb.SendTensorRequest(
+    valid = pb.SendRequest(
         entries=[pb.TensorEntry(request_id="req-1", tensor=encode_tensor(np.ones((2, 3), np.float32)), spec=spec_msg())]
     ).SerializeToString()
     rng = random.Random(5678)

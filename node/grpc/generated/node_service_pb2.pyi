@@ -94,7 +94,7 @@ class TensorEntry(_message.Message):
     partial: bool
     def __init__(self, request_id: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., partial: _Optional[bool] = ...) -> None: ...
 
-class SendTensorRequest(_message.Message):
+class SendRequest(_message.Message):
     __slots__ = ("entries", "results")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -112,7 +112,7 @@ class Rejected(_message.Message):
     busy: bool
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., busy: _Optional[bool] = ...) -> None: ...
 
-class SendTensorResponse(_message.Message):
+class SendResponse(_message.Message):
     __slots__ = ("rejected",)
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     rejected: _containers.RepeatedCompositeFieldContainer[Rejected]

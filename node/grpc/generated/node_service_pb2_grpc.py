@@ -41,13 +41,8 @@ class NodeServiceStub:
                 _registered_method=True)
         self.SendStream = channel.stream_stream(
                 '/exo_node.NodeService/SendStream',
-                request_serializer=node_dot_grpc_dot_generated_dot_node__service__pb2.SendTensorRequest.SerializeToString,
-                response_deserializer=node_dot_grpc_dot_generated_dot_node__service__pb2.SendTensorResponse.FromString,
-                _registered_method=True)
-        self.SendTensor = channel.unary_unary(
-                '/exo_node.NodeService/SendTensor',
-                request_serializer=node_dot_grpc_dot_generated_dot_node__service__pb2.SendTensorRequest.SerializeToString,
-                response_deserializer=node_dot_grpc_dot_generated_dot_node__service__pb2.SendTensorResponse.FromString,
+                request_serializer=node_dot_grpc_dot_generated_dot_node__service__pb2.SendRequest.SerializeToString,
+                response_deserializer=node_dot_grpc_dot_generated_dot_node__service__pb2.SendResponse.FromString,
                 _registered_method=True)
         self.EndRequest = channel.unary_unary(
                 '/exo_node.NodeService/EndRequest',
@@ -87,13 +82,6 @@ class NodeServiceServicer:
 
     def SendStream(self, request_iterator, context):
         """The data path: one long-lived stream per peer, one response per request, in order.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SendTensor(self, request, context):
-        """One message of SendStream as a call of its own, for one-shot senders.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,13 +127,8 @@ def add_NodeServiceServicer_to_server(servicer, server):
             ),
             'SendStream': grpc.stream_stream_rpc_method_handler(
                     servicer.SendStream,
-                    request_deserializer=node_dot_grpc_dot_generated_dot_node__service__pb2.SendTensorRequest.FromString,
-                    response_serializer=node_dot_grpc_dot_generated_dot_node__service__pb2.SendTensorResponse.SerializeToString,
-            ),
-            'SendTensor': grpc.unary_unary_rpc_method_handler(
-                    servicer.SendTensor,
-                    request_deserializer=node_dot_grpc_dot_generated_dot_node__service__pb2.SendTensorRequest.FromString,
-                    response_serializer=node_dot_grpc_dot_generated_dot_node__service__pb2.SendTensorResponse.SerializeToString,
+                    request_deserializer=node_dot_grpc_dot_generated_dot_node__service__pb2.SendRequest.FromString,
+                    response_serializer=node_dot_grpc_dot_generated_dot_node__service__pb2.SendResponse.SerializeToString,
             ),
             'EndRequest': grpc.unary_unary_rpc_method_handler(
                     servicer.EndRequest,
@@ -225,35 +208,8 @@ class NodeService:
             request_iterator,
             target,
             '/exo_node.NodeService/SendStream',
-            node_dot_grpc_dot_generated_dot_node__service__pb2.SendTensorRequest.SerializeToString,
-            node_dot_grpc_dot_generated_dot_node__service__pb2.SendTensorResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SendTensor(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/exo_node.NodeService/SendTensor',
-            node_dot_grpc_dot_generated_dot_node__service__pb2.SendTensorRequest.SerializeToString,
-            node_dot_grpc_dot_generated_dot_node__service__pb2.SendTensorResponse.FromString,
+            node_dot_grpc_dot_generated_dot_node__service__pb2.SendRequest.SerializeToString,
+            node_dot_grpc_dot_generated_dot_node__service__pb2.SendResponse.FromString,
             options,
             channel_credentials,
             insecure,
