@@ -16,10 +16,11 @@ from collections.abc import Collection, Mapping
 from node.core.plan import Busy, PlanError, RequestSpec
 
 
-def check_plan(spec: RequestSpec, members: Mapping[str, str]) -> None:
-    """`members`: node id -> address of every node this one knows (itself included). The plan's addresses are not
-    compared with them: a node sends only to the addresses it knows members by (NodeCore._address), so a plan can
-    only name who takes part, never where data goes."""
+def check_plan_members(spec: RequestSpec, members: Mapping[str, str]) -> None:
+    """Every node the plan names, and its entry, must be a member this node knows (whether the plan is well formed
+    is node/core/plan.py's `check_plan_shape`). `members`: node id -> address of every node this one knows (itself
+    included). The plan's addresses are not compared with them: a node sends only to the addresses it knows members
+    by (NodeCore._address), so a plan can only name who takes part, never where data goes."""
     for node_id in [step.node_id for step in spec.plan] + [spec.entry_node_id]:
         if node_id not in members:
             # Busy, not refused: a node that has just joined may be known to the entry a moment before us.

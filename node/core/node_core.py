@@ -24,7 +24,7 @@ from shards.engines.base import EngineInputError, check_input
 from shards.sampling import SampleResult, SamplerState, SamplingParams
 from shards.shard import Shard
 
-from node.core.authz import check_caller, check_plan, predecessor
+from node.core.authz import check_caller, check_plan_members, predecessor
 from node.core.plan import Busy, PlanError, RequestSpec
 from node.core.requests import Activation, Refusal, RequestState, TokenMessage, Tombstones
 from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
@@ -175,7 +175,7 @@ class NodeCore:
         if not self.serves(shard):  # a plan made from a stale view of this node's fetching: refuse, never guess
             raise PlanError(f"node {self.id} does not hold the weights of {shard} yet")
         if self.members is not None:
-            check_plan(spec, self.members())
+            check_plan_members(spec, self.members())
         if len(self.requests) >= self.limits.max_requests:
             raise Busy(f"node {self.id} is at its limit of {self.limits.max_requests} requests")
         if sum(r.spec.entry_node_id == spec.entry_node_id for r in self.requests.values()) \

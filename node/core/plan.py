@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import discovery.address
+from discovery.address import parse_address
 from shards.sampling import SamplingParams
 from shards.shard import Shard
 
@@ -54,8 +54,8 @@ class RequestSpec:
                 raise PlanError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.resumed > self.prompt_tokens:  # a replay's generated tokens are part of its prompt
             raise PlanError(f"resumed ({self.resumed}) exceeds prompt_tokens ({self.prompt_tokens})")
-        check_plan(self.plan)
-        parse_address(self.entry_address)
+        check_plan_shape(self.plan)
+        _check_address(self.entry_address)
 
     def step_of(self, node_id: str) -> int:
         for i, step in enumerate(self.plan):
@@ -77,8 +77,9 @@ class RequestSpec:
         return self.plan[-1]
 
 
-def check_plan(plan: tuple[PlanStep, ...]) -> None:
-    """The steps must cover [0, n_layers) of one model, in order, without gap or overlap."""
+def check_plan_shape(plan: tuple[PlanStep, ...]) -> None:
+    """The steps must cover [0, n_layers) of one model, in order, without gap or overlap, each node once. (Whether
+    the nodes may take part is node/core/authz.py's `check_plan_members`.)"""
     if not plan:
         raise PlanError("the plan is empty")
     model, n = plan[0].shard.model_id, plan[0].shard.n_layers
@@ -90,7 +91,7 @@ def check_plan(plan: tuple[PlanStep, ...]) -> None:
         if step.node_id in seen:
             raise PlanError(f"node {step.node_id!r} appears twice in the plan")
         seen.add(step.node_id)
-        parse_address(step.address)
+        _check_address(step.address)
         s = step.shard
         if s.model_id != model or s.n_layers != n:
             raise PlanError(f"plan mixes models: {s} vs {model} with {n} layers")
@@ -101,8 +102,9 @@ def check_plan(plan: tuple[PlanStep, ...]) -> None:
         raise PlanError(f"plan ends at layer {expected}, the model has {n}")
 
 
-def parse_address(address: str) -> tuple[str, int]:
+def _check_address(address: str) -> None:
+    """A plan's addresses are host:port (discovery/address.py's rule); anything else is a PlanError."""
     try:
-        return discovery.address.parse_address(address)
+        parse_address(address)
     except ValueError as e:
         raise PlanError(str(e)) from None

@@ -12,7 +12,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from node.core.plan import MAX_REQUEST_ID, PlanStep, RequestSpec, parse_address
+from discovery.address import parse_address
+from node.core.plan import MAX_REQUEST_ID, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.fetch.manifest import MAX_FILES, MAX_PIECES, Manifest, ManifestError, ModelFile, Piece
 from node.core.topology import Availability, Capabilities, NodeInfo
@@ -181,7 +182,7 @@ def decode_spec(m: pb.RequestSpec) -> RequestSpec:
             m.request_id, plan, sampling, m.max_tokens, frozenset(m.stop_token_ids), entry_node_id, entry_address,
             m.resumed_tokens, m.prompt_tokens,
         )
-    # PlanError, or the plain ValueError parse_address raises on ports like "1²" ("²".isdigit() is True).
+    # PlanError: a spec that is not a valid request (node/core/plan.py)
     except ValueError as e:
         raise WireError(f"invalid request spec: {e}") from e
 
@@ -217,7 +218,7 @@ def decode_node_info(m: pb.NodeInfo) -> NodeInfo:
     address = _text(m.address, "node address")
     try:
         parse_address(address)
-    except ValueError as e:  # PlanError, or a plain ValueError on odd digits (see decode_spec)
+    except ValueError as e:
         raise WireError(f"node {node_id!r}: {e}") from e
     if not m.HasField("capabilities"):
         raise WireError(f"node {node_id!r} sent no capabilities")
