@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
 from shards.engines.base import StepInput
 from shards.engines.registry import engine_class
 from shards.formats.packaged import resolve_model
@@ -85,7 +85,7 @@ def llama_cpp_prefill(python: str, lengths: list[int]) -> dict[int, float]:
 
 def prefill(engine_name: str, lengths: list[int], chunk: int, reference: dict[int, float]) -> None:
     path, _ = resolve_model("smollm2")
-    cfg = ModelConfig.load(path)
+    cfg = load_config(path)
     engine = engine_class(engine_name)(path, Shard.whole(MODEL_ID, cfg.n_layers), cfg)
     rng = np.random.default_rng(0)
     engine.forward([StepInput("warm", tokens=rng.integers(0, 1000, 64))])
@@ -106,7 +106,7 @@ def tinygrad_first_requests(lengths: list[int]) -> None:
     each bucket's largest length. Without buckets every new length compiles new kernels; with them, a length inside
     a bucket that has run before compiles nothing."""
     path, _ = resolve_model("smollm2")
-    cfg = ModelConfig.load(path)
+    cfg = load_config(path)
     cls = engine_class("tinygrad")
     for label, buckets in (("before (exact lengths)", None), ("after (buckets 16/64/256)", cls.prefill_buckets)):
         engine = cls(path, Shard.whole(MODEL_ID, cfg.n_layers), cfg)

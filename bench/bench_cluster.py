@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from bench import plots
 from bench.random_model import write_random_llama
-from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
 from shards.progress import Progress, track
 from tests.support.cluster import Cluster
@@ -82,7 +82,7 @@ class Setup:
     node_args: tuple[str, ...] = ()
 
     def splits(self, n: int) -> list[str] | None:
-        layers = ModelConfig.load(self.model).n_layers
+        layers = load_config(self.model).n_layers
         cuts = [round(i * layers / n) for i in range(n + 1)]
         return [f"{a}:{b}" for a, b in zip(cuts, cuts[1:])] if n > 1 else None
 

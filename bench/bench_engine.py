@@ -19,7 +19,7 @@ import numpy as np
 
 from bench import plots
 from bench.random_model import write_random_llama
-from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
 from shards.engines.base import StepInput
 from shards.engines.registry import engine_class
 from shards.progress import Progress
@@ -46,7 +46,7 @@ def decode_rate(engine, batch: int, steps: int, context: int, progress: Progress
 def measure(spec: str, model: Path, steps: int) -> dict[str, float]:
     """spec: an engine name, or ggml:TYPE for the ggml engine quantizing the checkpoint on load."""
     name, _, quantize = spec.partition(":")
-    cfg = ModelConfig.load(model)
+    cfg = load_config(model)
     t = time.perf_counter()
     options = {"quantize": quantize} if quantize else {}
     engine = engine_class(name)(model, Shard.whole("bench", cfg.n_layers), cfg, **options)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.random_model import write_random_llama
 from node.fetch.layout import build_manifest
-from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
 from shards.shard import Shard
 from tests.support.cluster import Cluster
@@ -44,7 +44,7 @@ def prepare(name: str, work: Path) -> tuple[Path, str]:
 
 def run(path: Path, model_id: str, work: Path, fetching: bool = True, timeout: float = 600) -> dict:
     """One fresh cluster; `fetching`: only node0 has the files (else all three do, the baseline)."""
-    n_layers = ModelConfig.load(path).n_layers
+    n_layers = load_config(path).n_layers
     manifest = build_manifest(path, model_id, n_layers)
     fetch = [["--model", model_id, "--models-dir", str(work / f"node{i}"), "--wait-for-peers", "2"] for i in (1, 2)]
     per_node = [[], *fetch] if fetching else [["--wait-for-peers", "2"]] * 3

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
 from shards.engines.base import StepInput
 from shards.shard import Shard
 
@@ -66,7 +66,7 @@ def model_paths() -> dict[str, Path]:
 def engine(path: Path, threads: int, start: int = 0, end: int | None = None, name: str = "ggml"):
     from shards.engines.registry import engine_class
 
-    cfg = ModelConfig.load(path)
+    cfg = load_config(path)
     shard = Shard("m", start, end or cfg.n_layers, cfg.n_layers)
     return engine_class(name)(path, shard, cfg, **({"threads": threads} if name == "ggml" else {}))
 
@@ -146,7 +146,7 @@ def ours_memory(path: Path, start: int, end: int | None) -> dict:
 
     import shards.engines.ggml.engine
 
-    ModelConfig.load(path)  # nor is the file's parsed metadata (cached): the vocabulary alone is ~30 MB of objects
+    load_config(path)  # nor is the file's parsed metadata (cached): the vocabulary alone is ~30 MB of objects
     before = status()
     e = engine(path, 1, start, end)
     x = {"tokens": np.arange(8)} if e.shard.is_first else {"hidden": np.zeros((8, e.config.hidden_size), np.float32)}
@@ -216,7 +216,7 @@ def agreement(models: dict[str, Path], llama: str, work: Path) -> dict:
 
     out = {}
     for name, path in models.items():
-        cfg = ModelConfig.load(path)
+        cfg = load_config(path)
         if name.startswith("smollm2"):
             tok = Tokenizer.load(path)
             tokens = [t for text in TEXTS for t in tok.encode(text)][:1000]
@@ -265,7 +265,7 @@ def memory(models: dict[str, Path]) -> list[dict]:
 
     rows = []
     for name, path in models.items():
-        n = ModelConfig.load(path).n_layers
+        n = load_config(path).n_layers
         for start, end in ((0, n), (0, n // 3), (n - n // 3, n)):
             rows.append({"model": name, "shard": f"{start}:{end}", **ours("memory", path, start, end)})
             print(json.dumps(rows[-1]), flush=True)

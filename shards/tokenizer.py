@@ -15,6 +15,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from shards.formats.config import token_id_list
+from shards.formats.gguf_tokenizer import gguf_tokenizer
+from shards.formats.loader import open_model
 
 
 class TokenizerError(ValueError):
@@ -42,13 +44,8 @@ def _token_text(value: Any) -> str | None:
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
-        """From a Hugging Face folder, or a GGUF file (or a folder holding one)."""
+        """From a Hugging Face folder (tokenizer.json and friends); `Tokenizer.load` takes any model path."""
         model_dir = Path(model_dir)
-        from shards.formats.gguf_file import find_gguf
-
-        if (gguf := find_gguf(model_dir)) is not None:
-            self._from_gguf(gguf)
-            return
         path = model_dir / "tokenizer.json"
         try:
             self.hf = HFTokenizer.from_file(str(path))
@@ -68,16 +65,19 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> "Tokenizer":
-        """From a Hugging Face folder or a GGUF file (the constructor dispatches; named like ModelConfig.load)."""
-        return cls(path)
+        """From any model path: a Hugging Face folder, or a GGUF file (or a folder holding one); see formats.loader."""
+        source = open_model(path)
+        return cls.from_gguf(source.gguf) if source.gguf is not None else cls(source.root)
 
-    def _from_gguf(self, path: Path) -> None:
-        from shards.formats.gguf_tokenizer import gguf_tokenizer
-
+    @classmethod
+    def from_gguf(cls, path: Path) -> "Tokenizer":
+        """From the vocabulary, merges and chat template a GGUF file's metadata carries."""
         g = gguf_tokenizer(path)
+        self = cls.__new__(cls)
         self.hf, self.bos_token, self.eos_token = g.hf, g.bos_token, g.eos_token
         self.chat_template, self.eos_token_ids = g.chat_template, g.eos_token_ids
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+        return self
 
     @staticmethod
     def _find_template(model_dir: Path, tcfg: dict[str, Any]) -> str | None:

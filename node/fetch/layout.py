@@ -12,7 +12,8 @@ import re
 import struct
 from pathlib import Path
 
-from shards.formats.gguf_file import GGUFError, find_gguf, open_gguf
+from shards.formats.gguf_file import GGUFError, open_gguf
+from shards.formats.loader import ModelFormatError, open_model
 
 from node.fetch.manifest import FILE_NAME, Manifest, ManifestError, ModelFile, Piece
 
@@ -39,11 +40,11 @@ def build_manifest(path: str | Path, model_id: str, n_layers: int, max_piece: in
     """The manifest of the model at `path` (a GGUF file, a folder holding one, or a Hugging Face folder)."""
     path = Path(path)
     try:
-        gguf = find_gguf(path)
-        if gguf is not None:
-            return _manifest(model_id, "gguf", n_layers, [(gguf, _gguf_tensors(gguf))], max_piece)
-        return _manifest(model_id, "safetensors", n_layers, _hf_files(path), max_piece)
-    except (GGUFError, ManifestError) as e:
+        source = open_model(path)
+        if source.gguf is not None:
+            return _manifest(model_id, source.format, n_layers, [(source.gguf, _gguf_tensors(source.gguf))], max_piece)
+        return _manifest(model_id, source.format, n_layers, _hf_files(source.root), max_piece)
+    except (GGUFError, ModelFormatError, ManifestError) as e:
         raise LayoutError(str(e)) from None
     except OSError as e:
         raise LayoutError(f"{path}: cannot read ({e.strerror or e})") from None
@@ -51,8 +52,7 @@ def build_manifest(path: str | Path, model_id: str, n_layers: int, max_piece: in
 
 def model_root(path: str | Path) -> Path:
     """The folder whose files a manifest names."""
-    gguf = find_gguf(path)
-    return gguf.parent if gguf is not None else Path(path)
+    return open_model(path).root
 
 
 def _manifest(model_id: str, fmt: str, n_layers: int,
@@ -90,8 +90,6 @@ def _gguf_tensors(path: Path) -> list[tuple[str, int, int]]:
 
 
 def _hf_files(folder: Path) -> list[tuple[Path, list[tuple[str, int, int]] | None]]:
-    if not (folder / "config.json").is_file():
-        raise LayoutError(f"{folder}: not a model folder (no config.json) and no .gguf file")
     out: list[tuple[Path, list[tuple[str, int, int]] | None]] = []
     for name in SMALL_FILES:
         if (folder / name).is_file():

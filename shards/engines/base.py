@@ -17,7 +17,7 @@ from shards.formats.config import ModelConfig
 from shards.transformer import ShardModel, Step
 from shards.sampling import SampleResult, SamplingParams, SamplerState, sample_one, sample_rows
 from shards.shard import Shard
-from shards.formats.weights import load_shard_weights
+from shards.formats.loader import load_config, load_shard_weights
 
 
 class EngineInputError(ValueError):
@@ -178,7 +178,7 @@ class BlockEngine(Engine):
     """An engine made of a backend's array operations and the shared model (shards/transformer.py)."""
 
     def __init__(self, model_dir: str | Path, shard: Shard, config: ModelConfig | None = None):
-        self.config = cfg = config or ModelConfig.from_dir(model_dir)
+        self.config = cfg = config or load_config(model_dir)
         self.shard = shard
         self.ops = self.make_backend()
         self.model = ShardModel(self.ops, cfg, load_shard_weights(model_dir, cfg, shard))

@@ -1,4 +1,8 @@
-"""Model configuration read from a Hugging Face folder's config.json (Llama family); GGUF via `load`."""
+"""The model configuration every engine reads (Llama family), in the terms of a Hugging Face config.json.
+
+`ModelConfig.from_dir` / `from_dict` read a config.json; `formats.gguf_model.gguf_config` translates GGUF metadata
+into the same type. To read whichever a path holds, use `formats.loader.load_config` (this module imports no format).
+"""
 from __future__ import annotations
 
 import json
@@ -68,17 +72,6 @@ class ModelConfig:
     qk_norm: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def load(cls, path: str | Path) -> "ModelConfig":
-        """From a Hugging Face folder, or a GGUF file (or a folder holding one)."""
-        from shards.formats.gguf_file import find_gguf
-
-        if (gguf := find_gguf(path)) is not None:
-            from shards.formats.gguf_model import gguf_config
-
-            return gguf_config(gguf)
-        return cls.from_dir(path)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":

@@ -23,24 +23,6 @@ class GGUFError(ValueError):
     """A GGUF file is unreadable, corrupt, or describes something exo-node cannot run. Names the file."""
 
 
-def find_gguf(path: str | Path) -> Path | None:
-    """The GGUF file `path` designates (the file itself, or the single .gguf in a folder), else None.
-
-    A folder with a config.json is a Hugging Face folder even if a .gguf lies beside it.
-    """
-    path = Path(path)
-    if path.suffix.lower() == ".gguf" and not path.is_dir():
-        if not path.is_file():
-            raise GGUFError(f"{path}: no such file")
-        return path
-    if not path.is_dir() or (path / "config.json").exists():
-        return None
-    found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
-    if len(found) > 1:
-        raise GGUFError(f"{path}: holds several .gguf files ({', '.join(p.name for p in found)}); pass one of them")
-    return found[0] if found else None
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor's bytes lie. `shape` is in GGUF order (innermost first), as the file states it."""

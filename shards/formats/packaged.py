@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from shards.formats.loader import open_model
+
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo" / "exo-demo"  # ships inside this package
 
 
@@ -59,7 +61,7 @@ def resolve_model(arg: str | Path) -> tuple[Path, str]:
 
 
 def model_id(path: Path) -> str:
-    """A packaged model's id; else a GGUF file's stem, lowercased; else the folder's name."""
+    """A packaged model's id; else the model's default id (a GGUF file's stem, lowercased; else the folder's name)."""
     resolved = path.resolve()
     for m in PACKAGED.values():
         try:
@@ -67,9 +69,7 @@ def model_id(path: Path) -> str:
                 return m.model_id
         except ModelNotFound:
             continue
-    if resolved.is_file():
-        return resolved.stem.lower()
-    return resolved.name
+    return open_model(resolved).default_id
 
 
 def list_models() -> str:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from node.fetch.layout import build_manifest
-from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
 from shards.generate import generate
 from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
@@ -24,7 +24,7 @@ MARGIN = 0.10
 
 def reference(model: Path, model_id: str, prompt: str, max_tokens: int) -> str:
     """The text one process holding the whole model gives (itself proven against transformers elsewhere)."""
-    cfg, tok = ModelConfig.load(model), Tokenizer.load(model)
+    cfg, tok = load_config(model), Tokenizer.load(model)
     engine = NumpyEngine(model, Shard.whole(model_id, cfg.n_layers), cfg)
     ids = [r.token for r in generate([engine], tok.encode_chat([{"role": "user", "content": prompt}]), max_tokens,
                                      eos_ids=tok.eos_token_ids)]
@@ -54,7 +54,7 @@ def fetching_cluster(model: Path, model_id: str, tmp_path: Path, extra0: list[st
 def check_bytes(c: Cluster, model: Path, model_id: str, plan: list[dict]) -> dict[str, tuple[int, int]]:
     """Each fetching node received the pieces of its shard (and the metadata), within MARGIN; returns
     node id -> (received, shard's bytes)."""
-    manifest = build_manifest(model, model_id, ModelConfig.load(model).n_layers)
+    manifest = build_manifest(model, model_id, load_config(model).n_layers)
     status = {node_id: info["status"] for node_id, info in c.self_info().items()}
     out = {}
     for step in plan:

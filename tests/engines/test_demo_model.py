@@ -14,7 +14,7 @@ from shards.generate import generate
 from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
-from shards.formats.weights import Checkpoint
+from shards.formats.hf import Checkpoint
 
 DEMO = Path(shards.demo.__file__).parent / "exo-demo"
 PROMPTS = ["And God said, Let there be", "And the LORD spake unto Moses, saying"]

@@ -7,7 +7,7 @@ teacher-forced top tokens instead of greedy equality."""
 import numpy as np
 import pytest
 
-from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
 from shards.engines.registry import engine_class, installed
 from shards.generate import chain_forward, generate
 from shards.shard import Shard
@@ -16,7 +16,7 @@ from tests.support.tolerance import QUANTIZED_RMS, clear_top1_disagreements, exa
 
 
 def make(engine_name: str, name: str, start: int = 0, end: int | None = None):
-    cfg = ModelConfig.load(fixture(name))
+    cfg = load_config(fixture(name))
     return engine_class(engine_name)(fixture(name), Shard(name, start, end or cfg.n_layers, cfg.n_layers), cfg)
 
 

@@ -7,19 +7,18 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from shards.formats.config import ModelConfig
-from shards.formats.gguf_file import GGUFError, find_gguf, open_gguf
+from shards.formats.gguf_file import GGUFError, open_gguf
 from shards.formats.gguf_model import load_shard_tensors
 from shards.formats.quant import SUPPORTED_TYPES, QuantizedTensor, unpermute_order
 from shards.shard import Shard
-from shards.formats.weights import load_shard_weights
+from shards.formats.loader import load_config, load_shard_weights, open_model
 from tests.support.gguf_util import GGUF_DIR, GGUF_MODELS, fixture, gguf_golden, smollm2_path
 
 
 @pytest.mark.parametrize("name", GGUF_MODELS)
 def test_config_matches_what_transformers_reads(name):
     g = gguf_golden()["models"][name]["config"]
-    c = ModelConfig.load(fixture(name))
+    c = load_config(fixture(name))
     assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim) == (
         g["vocab_size"], g["hidden_size"], g["intermediate_size"], g["num_hidden_layers"], g["num_attention_heads"],
         g["num_key_value_heads"], g["head_dim"])
@@ -31,7 +30,7 @@ def test_config_matches_what_transformers_reads(name):
 
 
 def test_smollm2_config_is_the_published_one():
-    c = ModelConfig.load(smollm2_path())
+    c = load_config(smollm2_path())
     assert (c.architecture, c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.intermediate_size, c.vocab_size,
             c.rope.theta, c.max_position_embeddings, c.tie_word_embeddings) == (
         "LlamaForCausalLM", 30, 576, 9, 3, 1536, 49152, 100000.0, 8192, True)
@@ -62,7 +61,7 @@ def test_dequantized_weights_match_an_independent_dequantizer(type_name, model):
 
 
 def test_quantized_tensors_are_read_only_views_of_the_file():
-    cfg = ModelConfig.load(smollm2_path())
+    cfg = load_config(smollm2_path())
     t = load_shard_tensors(smollm2_path(), cfg, Shard("s", 10, 12, 30), dequantize=False)
     assert set(t) == {f"{i}.{k}" for i in (10, 11) for k in ("input_norm", "q_proj", "k_proj", "v_proj", "o_proj",
                                                               "post_norm", "gate_proj", "up_proj", "down_proj")}
@@ -100,7 +99,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 
 def test_float_weights_dispatch_on_the_path_and_share_the_tied_embedding():
-    cfg = ModelConfig.load(fixture("qwen2"))
+    cfg = load_config(fixture("qwen2"))
     w = load_shard_weights(fixture("qwen2"), cfg, Shard.whole("q", cfg.n_layers))
     assert w.lm_head is w.embed_tokens and w.embed_tokens.dtype == np.float32
     assert w.layers[0].q_bias.shape == (64,) and len(w.layers) == 3
@@ -109,11 +108,11 @@ def test_float_weights_dispatch_on_the_path_and_share_the_tied_embedding():
 
 
 def test_a_folder_holding_one_gguf_is_that_gguf(tmp_path):
-    assert find_gguf(fixture("llama")) == fixture("llama")
-    assert find_gguf(GGUF_DIR.parent / "llama") is None  # a Hugging Face folder
+    assert open_model(fixture("llama")).gguf == fixture("llama")
+    assert open_model(GGUF_DIR.parent / "llama").gguf is None  # a Hugging Face folder
     (tmp_path / "m.gguf").write_bytes(fixture("qwen3").read_bytes())
-    assert find_gguf(tmp_path) == tmp_path / "m.gguf"
-    assert ModelConfig.load(tmp_path).qk_norm
+    assert open_model(tmp_path).gguf == tmp_path / "m.gguf"
+    assert load_config(tmp_path).qk_norm
     (tmp_path / "n.gguf").write_bytes(b"")
     with pytest.raises(GGUFError, match="several .gguf files"):
-        find_gguf(tmp_path)
+        open_model(tmp_path)

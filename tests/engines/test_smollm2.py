@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
 from shards.engines.base import StepInput
 from shards.generate import generate
 from shards.formats.packaged import PACKAGED, resolve_model
@@ -21,7 +21,7 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def smol():
     path = smollm2_path()
-    cfg = ModelConfig.load(path)
+    cfg = load_config(path)
     return cfg, Tokenizer.load(path), NumpyEngine(path, Shard.whole("smollm2", cfg.n_layers), cfg)
 
 

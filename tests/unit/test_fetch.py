@@ -24,9 +24,9 @@ from node.grpc.client import GrpcTransport
 from node.grpc.server import NodeServicer
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
-from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
 from shards.shard import Shard
-from shards.formats.weights import load_shard_weights
+from shards.formats.loader import load_shard_weights
 from tests.conftest import FIXTURES
 
 LLAMA = FIXTURES / "llama"  # 6 layers, 683 kB, three safetensors files
@@ -56,7 +56,7 @@ class Peer:
     """A node that has the model, reduced to its weight-serving gRPC service."""
 
     def __init__(self, path=LLAMA, model_id="llama", source=WeightSource, **kw):
-        n_layers = ModelConfig.load(path).n_layers
+        n_layers = load_config(path).n_layers
         self.source = source(path, model_id, n_layers, **{**SMALL, **kw})
         self.server = grpc.aio.server()
         pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(None, self.source), self.server)
@@ -76,7 +76,7 @@ def fetcher_for(*peers, model_id="llama", transport=None) -> Fetcher:
 
 
 def assert_same_weights(copy_root, original, shard):
-    cfg = ModelConfig.load(original)
+    cfg = load_config(original)
     got, want = load_shard_weights(copy_root, cfg, shard), load_shard_weights(original, cfg, shard)
     for a, b in zip(got.layers + [got], want.layers + [want]):
         for name in ("q_proj", "down_proj", "input_norm", "embed_tokens", "lm_head", "norm"):

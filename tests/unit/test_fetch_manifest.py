@@ -12,6 +12,7 @@ from node.fetch import manifest as manifest_module
 from node.fetch.manifest import Manifest, ManifestError, ModelFile, Piece, same_layout
 from node.core.topology import Availability
 from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
 from shards.shard import Shard
 from tests.conftest import FIXTURES
 
@@ -55,7 +56,7 @@ def test_a_shard_needs_only_its_layers_and_the_metadata():
 
 
 def test_a_tied_gguf_model_gives_its_last_shard_the_embedding_and_splits_big_tensors_into_blocks():
-    n = ModelConfig.load(QWEN2).n_layers
+    n = load_config(QWEN2).n_layers
     m = build_manifest(QWEN2, "qwen2", n, max_piece=4096)
     assert len(m.files) == 1 and m.pieces[0].part == "header"
     assert not any(p.part == "head" for p in m.pieces)

@@ -7,7 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
 from shards.formats.gguf_file import GGUFError
 from shards.tokenizer import Tokenizer
 from tests.support.cluster import ROOT
@@ -15,7 +15,7 @@ from tests.support.gguf_util import fixture, patch_tensor_info, rewrite
 
 
 def load_all(path):
-    ModelConfig.load(path)
+    load_config(path)
     Tokenizer.load(path)
 
 
@@ -41,7 +41,7 @@ def test_an_array_longer_than_the_file_is_refused_not_read_forever(tmp_path):
     key = b"general.huge"
     bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
                     + struct.pack("<IIQ", V.ARRAY, V.UINT8, 1 << 40))
-    code = f"from shards.formats.config import ModelConfig\nModelConfig.load({str(bad)!r})"
+    code = f"from shards.formats.loader import load_config\nload_config({str(bad)!r})"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "past the end of the file" in out.stderr, out.stderr[-2000:]
 
@@ -74,7 +74,7 @@ def test_unknown_and_unsupported_tensor_types(tmp_path):
     # ffn_down is Q6_K [64, 256]: as Q2_K it is still whole blocks (and smaller), a type we do not run
     q2k = patch_tensor_info(fixture("qwen2"), tmp_path / "k.gguf", "blk.0.ffn_down.weight", ggml_type=int(Q.Q2_K))
     with pytest.raises(GGUFError, match=r"'blk.0.ffn_down.weight' has type Q2_K, which exo-node does not support"):
-        ModelConfig.load(q2k)
+        load_config(q2k)
 
 
 @pytest.mark.parametrize("key", ["qwen2.block_count", "qwen2.embedding_length", "qwen2.attention.head_count",
@@ -103,12 +103,12 @@ def test_metadata_values_that_cannot_describe_this_file(tmp_path, key, value, vt
 def test_metadata_of_the_wrong_type(tmp_path):
     bad = rewrite(fixture("qwen2"), tmp_path / "t.gguf", replace={"qwen2.block_count": ("three", V.STRING)})
     with pytest.raises(GGUFError, match=r"metadata 'qwen2.block_count' must be an integer, got STRING"):
-        ModelConfig.load(bad)
+        load_config(bad)
 
 
 def test_a_byte_level_vocabulary_without_merges(tmp_path):
     bad = rewrite(fixture("llama"), tmp_path / "nm.gguf", drop=("tokenizer.ggml.merges",))
-    ModelConfig.load(bad)  # the model itself is fine
+    load_config(bad)  # the model itself is fine
     with pytest.raises(GGUFError, match=rf"{bad}: a gpt2 \(byte-level BPE\) vocabulary needs merges"):
         Tokenizer.load(bad)
 
@@ -116,7 +116,7 @@ def test_a_byte_level_vocabulary_without_merges(tmp_path):
 def test_unsupported_architecture_tokenizer_and_pre_tokenizer(tmp_path):
     arch = rewrite(fixture("qwen2"), tmp_path / "a.gguf", replace={"general.architecture": ("gemma3", V.STRING)})
     with pytest.raises(GGUFError, match=r"unsupported architecture 'gemma3'; supported: \['llama', 'qwen2', 'qwen3'\]"):
-        ModelConfig.load(arch)
+        load_config(arch)
     model = rewrite(fixture("qwen2"), tmp_path / "t.gguf", replace={"tokenizer.ggml.model": ("bert", V.STRING)})
     with pytest.raises(GGUFError, match=r"unsupported tokenizer model 'bert'"):
         Tokenizer.load(model)

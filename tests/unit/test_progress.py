@@ -17,7 +17,7 @@ from shards import progress
 from shards.formats.config import ModelConfig
 from shards.progress import Progress, track
 from shards.shard import Shard
-from shards.formats.weights import load_shard_weights
+from shards.formats.loader import load_shard_weights
 from tests.conftest import FIXTURES
 
 MODEL = FIXTURES / "llama"

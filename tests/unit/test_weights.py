@@ -10,7 +10,8 @@ from safetensors.numpy import save_file
 from shards.formats.config import ModelConfig
 from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
-from shards.formats.weights import WeightsError, load_shard_weights
+from shards.formats.loader import load_shard_weights
+from shards.formats.weights import WeightsError
 from tests.conftest import FIXTURES
 
 

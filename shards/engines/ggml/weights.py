@@ -26,12 +26,13 @@ from gguf import GGMLQuantizationType as Q
 from shards.formats.config import ModelConfig
 from shards.engines.registry import QUANTIZE_CHOICES
 from shards.engines.ggml.lib import QUANTIZE_TYPES, block_size, quantize
-from shards.formats.gguf_file import find_gguf
 from shards.formats.gguf_model import load_shard_tensors
+from shards.formats.hf import Checkpoint
+from shards.formats.loader import open_model
 from shards.progress import Progress
 from shards.formats.quant import QuantizedTensor
 from shards.shard import Shard
-from shards.formats.weights import Checkpoint, LayerWeights, ShardWeights, WeightsError, layer_tensor_shapes
+from shards.formats.weights import LayerWeights, ShardWeights, WeightsError, layer_tensor_shapes
 
 log = logging.getLogger(__name__)
 assert set(QUANTIZE_CHOICES) == {*QUANTIZE_TYPES, "none"}
@@ -41,10 +42,10 @@ MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 def load_ggml_shard_weights(model_dir: str | Path, cfg: ModelConfig, shard: Shard, quantize: str | None,
                             threads: int) -> ShardWeights:
     """`quantize` (checked by the engine): None/"none" keeps a checkpoint's float32; a GGUF keeps its own types."""
-    gguf = find_gguf(model_dir)
-    if gguf is not None:
-        return _gguf_weights(gguf, cfg, shard)
-    return _SafetensorsLoader(Path(model_dir), cfg, shard, quantize or "none", threads).weights()
+    source = open_model(model_dir)
+    if source.gguf is not None:
+        return _gguf_weights(source.gguf, cfg, shard)
+    return _SafetensorsLoader(source.root, cfg, shard, quantize or "none", threads).weights()
 
 
 def _gguf_weights(path: Path, cfg: ModelConfig, shard: Shard) -> ShardWeights:
