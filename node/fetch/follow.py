@@ -13,13 +13,13 @@ import dataclasses
 import logging
 import time
 from collections import Counter
+from typing import Protocol
 
 from shards.partition import PartitionError
 from shards.shard import Shard
 
-from node.runtime.node import Node
 from node.core.placement import target_ring
-from node.core.topology import Availability
+from node.core.topology import Availability, NodeInfo
 from node.fetch.fetcher import Fetcher, FetchError
 from node.fetch.local_copy import DiskError, LocalCopy
 
@@ -27,39 +27,54 @@ log = logging.getLogger(__name__)
 RETRY_S = (5.0, 60.0)  # after a failed fetch: first wait, longest wait
 
 
+class RingView(Protocol):
+    """What the follower reads of its node (node/runtime/node.py): who it is, and who a ring may hold."""
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    def ring_members(self) -> list[NodeInfo]:
+        """The node itself (unless it drains) and the peers serving the same model."""
+        ...
+
+
 class Follower:
-    def __init__(self, node: Node, copy: LocalCopy, fetcher: Fetcher, counters: Counter[str],
-                 settle: float = 2.0, interval: float = 0.25):
-        self.node, self.copy, self.fetcher, self.counters = node, copy, fetcher, counters
+    """Made before its node, whose `availability` it is (the node's constructor takes it); run with the node once
+    that exists."""
+
+    def __init__(self, copy: LocalCopy, fetcher: Fetcher, counters: Counter[str], *, settle: float = 2.0,
+                 interval: float = 0.25):
+        self.copy, self.fetcher, self.counters = copy, fetcher, counters
         self.settle, self.interval = settle, interval
         self.note = ""
         self._job: asyncio.Task | None = None
         self._job_target: Shard | None = None
         self._retry_at, self._retry_wait = 0.0, RETRY_S[0]
-        node.availability = self.availability
 
     def availability(self) -> Availability:
+        """The layers this node can serve now, with how far its fetch got (what its topology entry shows)."""
         a = self.copy.availability()
         return a if a.complete else dataclasses.replace(a, note=self.note)
 
-    def target(self) -> Shard | None:
+    def target(self, node: RingView) -> Shard | None:
         """This node's part of the ring the cluster is meant to have (None: no part, e.g. more nodes than layers)."""
-        node = self.node
         if node.draining:
             return None
-        members = [node.info(), *(p for p in node.peers.values()
-                                   if (p.capabilities.model_id, p.capabilities.n_layers)
-                                   == (node.settings.model_id, node.config.n_layers))]
-        try:
-            return dict(target_ring(members, node.settings.model_id, node.config.n_layers)).get(node.id)
+        try:  # the copy's layer count is the model's (checked at start-up, node/cli.py)
+            return dict(target_ring(node.ring_members(), node.model_id, self.copy.manifest.n_layers)).get(node.id)
         except PartitionError:
             return None
 
-    async def run(self) -> None:
+    async def run(self, node: RingView) -> None:
         seen, since = None, time.monotonic()
         try:
             while True:
-                target = self.target()
+                target = self.target(node)
                 now = time.monotonic()
                 if target != seen:
                     seen, since = target, now

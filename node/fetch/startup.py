@@ -110,21 +110,24 @@ def weight_source(args: argparse.Namespace, path: Path, model_id: str, n_layers:
 
 class PeerBoard:
     """Membership's view for the time before the node exists (a fetching node finds its peers first), then
-    handed on to the node."""
+    handed on to the node, and let go of on the way out (a stopped node hears no more)."""
 
     def __init__(self) -> None:
         self.peers: dict[str, NodeInfo] = {}
         self.alive: dict[str, str] = {}
-        self.forward: Callable[[dict[str, NodeInfo], dict[str, str]], None] | None = None
+        self._forward: Callable[[dict[str, NodeInfo], dict[str, str]], None] | None = None
 
     def update(self, peers: dict[str, NodeInfo], alive: dict[str, str]) -> None:
         self.peers, self.alive = peers, alive
-        if self.forward is not None:
-            self.forward(peers, alive)
+        if self._forward is not None:
+            self._forward(peers, alive)
 
     def hand_on(self, forward: Callable[[dict[str, NodeInfo], dict[str, str]], None]) -> None:
-        self.forward = forward
+        self._forward = forward
         forward(self.peers, self.alive)
+
+    def let_go(self) -> None:
+        self._forward = None
 
 
 def fetch_counters() -> Counter[str]:

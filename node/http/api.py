@@ -47,7 +47,7 @@ class Api:
 
     @property
     def model_id(self) -> str:
-        return self.node.settings.model_id
+        return self.node.model_id
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._cors, webui.security_headers, self._errors, self._auth],
@@ -184,7 +184,8 @@ class Api:
     async def _generate(self, request: web.Request, req: ChatRequest | CompletionRequest, prompt: list[int],
                         echo: str) -> web.StreamResponse:
         chat = isinstance(req, ChatRequest)
-        with self.node.metrics.request("chat" if chat else "completions") as observed:
+        endpoint = "chat" if chat else "completions"
+        with self.node.metrics.request(endpoint, refusals=(ApiError,)) as observed:
             job = self._job(req.options, prompt, "messages" if chat else "prompt")
             if self.node.draining:
                 raise ApiError(503, "this node is shutting down; send the request to another node",

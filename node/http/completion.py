@@ -69,7 +69,7 @@ async def run_job(node: Node, job: Job, on_tokens: Callable[[int], None] | None 
         sent = upto
         return piece
 
-    events = node.entry.generate(job.prompt, job.sampling, job.max_tokens)
+    events = node.generate(job.prompt, job.sampling, job.max_tokens)
     try:
         async for event in events:
             if on_tokens is not None and event.results:

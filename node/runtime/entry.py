@@ -53,10 +53,12 @@ class _Attempt:
 
 
 class Entry:
-    def __init__(self, node_id: str, address: str, transport: Transport,
+    def __init__(self, node_id: str, address: str, transport: Transport, *,
                  plan: Callable[[Collection[str]], tuple[PlanStep, ...]], stop_token_ids: frozenset[int],
                  request_timeout: float, max_replays: int, queue_timeout: float, counters: Counter[str],
                  spawn: Callable[..., object]):
+        """`plan`: a new plan over the nodes alive, leaving out the ones given; `spawn` runs a coroutine as a task
+        its owner cancels on stop (ending a request everywhere outlives the caller's stream)."""
         self.node_id, self.address, self.transport, self.plan = node_id, address, transport, plan
         self.stop_token_ids, self.request_timeout, self.max_replays = stop_token_ids, request_timeout, max_replays
         self.queue_timeout = queue_timeout

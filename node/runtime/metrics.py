@@ -4,7 +4,10 @@ global default registry would mix them up).
 Two kinds of numbers. What only exists at the moment it happens (latencies, sizes of forward steps, request
 outcomes, token counts) is recorded through the small hooks below, called where the event happens. What the node
 already counts (sampling batches and fallbacks, peers, requests in flight, KV-cache bytes) is read when Prometheus
-scrapes, by `_NodeCollector`, so the hot paths write nothing extra for it.
+scrapes, by `_NodeCollector` from the node's `NodeStatus` snapshot, so the hot paths write nothing extra for it.
+
+The metrics know the node only through the callables handed to their constructor: the node owns the metrics, never
+the reverse (no import of node.py here), and they know nothing of HTTP (the API says which errors are refusals).
 """
 from __future__ import annotations
 
@@ -13,14 +16,11 @@ import re
 import time
 from collections import Counter as Tally
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-
-if TYPE_CHECKING:
-    from node.runtime.node import Node
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -28,8 +28,24 @@ OUTCOMES = ("stop", "length", "error", "cancelled", "rejected")
 _BATCH_SIZE = re.compile(r"sample_batch_size_(\d+)$")
 
 
+@dataclass(frozen=True)
+class NodeStatus:
+    """A snapshot of what a node counts anyway (`Node.status()`), read when Prometheus scrapes."""
+    active_requests: int  # requests it holds state for: as entry, in its layers, or in a KV cache
+    peers: int  # live peers
+    peers_joined: int
+    peers_left: int
+    kv_cache_bytes: int
+    weights_bytes: int
+    ended: Mapping[str, int]  # requests it took part in that ended, by reason
+    sampling: Mapping[str, int]  # the sampling batcher's counts (sample_items, sample_batch_size_N, ...)
+
+
 class NodeMetrics:
-    def __init__(self, node: Node):
+    def __init__(self, *, status: Callable[[], NodeStatus], kv_cache_bytes: Callable[[], int],
+                 name_of: Callable[[str], str]):
+        """`status`: the node's snapshot; `kv_cache_bytes`: the one live number the node's own status carries;
+        `name_of`: a peer's node id from its address (the address itself when unknown)."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter("exo_requests", "Generation requests this node was the entry of, by endpoint and "
                                 "outcome (stop, length, error, cancelled by the client, rejected before generating)",
@@ -48,10 +64,10 @@ class NodeMetrics:
                                    buckets=SIZE_BUCKETS, registry=r)
         self.rpc_errors = Counter("exo_peer_rpc_errors", "Failed calls to a peer, by peer (node id, or address when "
                                   "unknown) and call", ["peer", "call"], registry=r)
-        r.register(_NodeCollector(node))
-        self.node = node
+        r.register(_NodeCollector(status))
+        self.name_of = name_of
         # Counters for the node's `status` (in /v1/topology and health checks), which the web page turns into rates.
-        self.status = _Status(lambda: {"kv_cache_bytes": kv_cache_bytes(node)})
+        self.status = _Status(lambda: {"kv_cache_bytes": kv_cache_bytes()})
 
     # -- hooks ------------------------------------------------------------------------------------------------
     def step_done(self, seconds: float, rows: int, positions: int) -> None:
@@ -60,19 +76,20 @@ class NodeMetrics:
         self.status.counts["step_positions"] += positions
 
     def rpc_error(self, address: str, call: str) -> None:
-        peer = next((p.node_id for p in self.node.peers.values() if p.address == address), address)
-        self.rpc_errors.labels(peer, call).inc()
+        self.rpc_errors.labels(self.name_of(address), call).inc()
 
-    def request(self, endpoint: str) -> RequestObserver:
-        return RequestObserver(self, endpoint)
+    def request(self, endpoint: str, *, refusals: tuple[type[BaseException], ...] = ()) -> RequestObserver:
+        """`refusals`: the errors that refuse a request (the API's 4xx/5xx answers): "rejected" before the request
+        was admitted, "error" after."""
+        return RequestObserver(self, endpoint, refusals)
 
 
 class RequestObserver:
     """One generation request at the entry node: `with metrics.request("chat") as obs:` counts its outcome when the
     block exits (however it exits), `obs.tokens(n)` times each token, `obs.watch(pieces)` notes the finish reason."""
 
-    def __init__(self, metrics: NodeMetrics, endpoint: str):
-        self.metrics, self.endpoint = metrics, endpoint
+    def __init__(self, metrics: NodeMetrics, endpoint: str, refusals: tuple[type[BaseException], ...] = ()):
+        self.metrics, self.endpoint, self.refusals = metrics, endpoint, refusals
         self.started = self.last = time.perf_counter()
         self.count = 0
         self.outcome: str | None = None
@@ -82,12 +99,10 @@ class RequestObserver:
         return self
 
     def __exit__(self, kind, error, tb) -> None:
-        from node.http.schema import ApiError
-
         outcome = self.outcome
         if kind is None:
             outcome = outcome or "error"  # a stream that ended without a finish reason
-        elif issubclass(kind, ApiError):
+        elif issubclass(kind, self.refusals):
             outcome = outcome or ("error" if self.was_admitted else "rejected")  # e.g. 400 or 503 overloaded
         elif issubclass(kind, (asyncio.CancelledError, ConnectionError)):
             outcome = "cancelled"  # the client went away; aiohttp cancels the handler
@@ -152,43 +167,26 @@ class _Status(Mapping):
         return self._items().items()
 
 
-def kv_cache_bytes(node: Node) -> int:
-    """Bytes held by every KV cache of the node's engines. The engine thread adds and drops caches meanwhile; a
-    dict that changes while it is summed raises, and the next try gets a consistent view."""
-    total = 0
-    for engine in list(node.shards.engines.values()):
-        measure = getattr(engine, "cache_bytes", None)
-        for _ in range(5):
-            try:
-                total += measure() if measure else 0
-                break
-            except RuntimeError:
-                continue
-    return total
-
-
 class _NodeCollector(Collector):
     """Read at scrape time from the counters the node keeps anyway."""
 
-    def __init__(self, node: Node):
-        self.node = node
+    def __init__(self, status: Callable[[], NodeStatus]):
+        self.status = status
 
     def collect(self):
-        node = self.node
-        stats = node.batcher.stats
+        now = self.status()
+        stats = now.sampling
         yield _gauge("exo_requests_in_flight", "Requests this node holds state for (as entry, in its layers, or "
-                     "in a KV cache)", node.info().active_requests)
-        yield _gauge("exo_kv_cache_bytes", "Memory held by KV caches", kv_cache_bytes(node))
-        yield _gauge("exo_weights_bytes", "Memory held by loaded weights",
-                     sum(e.nbytes() for e in list(node.shards.engines.values())))
-        yield _gauge("exo_peers", "Peers that answer health checks", len(node.peers))
-        yield _counter("exo_peers_joined", "Peers that joined", node.counters["peers_joined"])
-        yield _counter("exo_peers_left", "Peers that left", node.counters["peers_left"])
+                     "in a KV cache)", now.active_requests)
+        yield _gauge("exo_kv_cache_bytes", "Memory held by KV caches", now.kv_cache_bytes)
+        yield _gauge("exo_weights_bytes", "Memory held by loaded weights", now.weights_bytes)
+        yield _gauge("exo_peers", "Peers that answer health checks", now.peers)
+        yield _counter("exo_peers_joined", "Peers that joined", now.peers_joined)
+        yield _counter("exo_peers_left", "Peers that left", now.peers_left)
         ended = CounterMetricFamily("exo_node_requests_ended", "Requests this node took part in that ended, by "
                                     "reason", labels=["reason"])
-        for key, value in sorted(node.core.counters.items()):
-            if key.startswith("ended_"):
-                ended.add_metric([key.removeprefix("ended_")], value)
+        for reason, value in sorted(now.ended.items()):
+            ended.add_metric([reason], value)
         yield ended
         yield _batch_sizes(stats)
         yield _counter("exo_sampling_rows", "Rows (tokens) sampled on this node", stats["sample_items"])

@@ -1,109 +1,168 @@
-"""The node process's engine room: drives the transport-free core (node/core/node_core.py) with the engine thread, the
-sampling batcher and a transport, and serves as the entry node of the requests its API receives.
+"""A node: owns its parts and their lifetimes, and is what the gRPC server and the HTTP API talk to.
 
-All work that reaches a node is queued in the core, and the worker runs what the core picks in one forward pass,
-so concurrent requests batch at every stage of the pipeline.
+The parts, each with one job:
+- `NodeCore` (node/core/node_core.py): every decision about the requests this node takes part in, pure;
+- `Pipeline` (pipeline.py): runs the forward passes the core schedules and carries out its actions;
+- `PeerView` (peers.py): what the node knows of the other members;
+- `Entry` (entry.py): the requests this node is the entry of (plan, prompt, tokens back, replays);
+- `ShardManager` and `SamplingBatcher`: the engines and their one thread, and batched sampling.
+
+Other layers use the small surface below: what peers send (`accept_*`, `end_request`, `peer_leaving`), what the
+API asks (`generate`, `topology`, `make_plan`, `status`, ...), and start/stop/drain; never the parts themselves.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 
 import numpy as np
 
 from shards.formats.config import ModelConfig
-from shards.engines.base import Engine
 from shards.partition import PartitionError
+from shards.sampling import SamplingParams
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
 
-from node.core.node_core import Action, CoreLimits, Deliver, NodeCore, Release, Sample, Send
-from node.runtime.entry import Entry
-from node.runtime.metrics import NodeMetrics
-from node.runtime.outbox import Outbox
-from node.core.plan import Busy, PlanError, PlanStep, RequestSpec
+from node.core.node_core import NodeCore
 from node.core.placement import plan_ring
+from node.core.plan import Busy, PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
-from node.runtime.sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
-from node.core.scheduler import Group, SchedulerLimits
-from node.runtime.shard_manager import EngineFactory, ShardManager
 from node.core.topology import Availability, Capabilities, NodeInfo, PeerLink, Topology
+from node.runtime.entry import Entry
+from node.runtime.metrics import NodeMetrics, NodeStatus
+from node.runtime.peers import PeerView
+from node.runtime.pipeline import Pipeline
+from node.runtime.sampling_batcher import SamplingBatcher
+from node.runtime.settings import NodeSettings, ServedModel
+from node.runtime.shard_manager import EngineFactory, ShardManager
 from node.runtime.transport import Transport, TransportError
-
-log = logging.getLogger(__name__)
-LOCAL_WAIT_S = 0.02  # longest the worker holds queued work back for a one-node ring's tokens in flight
-
-
-@dataclass(frozen=True)
-class NodeSettings:
-    node_id: str
-    model_dir: Path
-    model_id: str
-    address: str  # host:port other nodes use to reach this node's gRPC server
-    memory_bytes: int
-    engine: str = "numpy"
-    pinned: tuple[int, int] | None = None
-    max_tensor_bytes: int = 255 * 1024 * 1024
-    request_timeout: float = 300.0  # the entry gives up after this long without a token
-    max_requests: int = 256  # concurrent requests a node takes part in
-    sample_batch_max: int = 8  # sampling batcher: rows per batch ...
-    sample_batch_window_ms: float = 5.0  # ... or this long after the batch's first row
-    max_replays: int = 2  # the entry replays a request on a new plan at most this often when it loses a node
-    request_idle_timeout: float = 60.0  # forget a request whose next input doesn't come for this long
-    scheduling: SchedulerLimits = SchedulerLimits()  # what one forward pass carries
-    kv_budget: int | None = None  # bytes of KV cache this node may reserve for requests (None: no limit)
-    kv_value_bytes: int = 4  # bytes per cached key/value element in this node's engine
-    queue_timeout: float = 30.0  # the entry retries a request that found no room for this long, then gives up
 
 
 class Node:
-    def __init__(self, settings: NodeSettings, config: ModelConfig, tokenizer: Tokenizer, factory: EngineFactory,
-                 transport: Transport, stat_sources: Iterable[Mapping[str, int]] = ()):
-        self.settings, self.config, self.tokenizer = settings, config, tokenizer
-        self.id, self.address, self.max_tensor_bytes = settings.node_id, settings.address, settings.max_tensor_bytes
-        self.known: dict[str, str] = {self.id: self.address}  # every member that answers, draining ones too
-        self.core = NodeCore(self.id, settings.model_id, config,
-                             CoreLimits(max_requests=settings.max_requests, kv_budget=settings.kv_budget,
-                                        kv_value_bytes=settings.kv_value_bytes,
-                                        idle_timeout=settings.request_idle_timeout), settings.scheduling,
-                             members=lambda: self.known)
-        self.shards = ShardManager(settings.model_dir, config, factory)
+    def __init__(self, settings: NodeSettings, model: ServedModel, *, address: str, engines: EngineFactory,
+                 transport: Transport, availability: Callable[[], Availability] = Availability,
+                 stat_sources: Iterable[Mapping[str, int]] = ()):
+        """`address`: host:port other nodes reach this node's gRPC server at (known once the server is bound);
+        `availability`: the layers this node can serve now (all, unless it fetches its weights from a peer:
+        node/fetch/follow.py); `stat_sources`: more counters for the node's status (discovery, fetching)."""
+        if settings.pinned is not None and settings.pinned[1] > model.config.n_layers:
+            raise ValueError(f"--shard {settings.pinned[0]}:{settings.pinned[1]}: the model has "
+                             f"{model.config.n_layers} layers; need END <= {model.config.n_layers}")
+        self.settings, self.model, self.address, self.availability = settings, model, address, availability
+        self.id = settings.node_id
+        self.view = PeerView(self.id, address)
+        self.core = NodeCore(self.id, model.model_id, model.config, settings.core, settings.scheduling,
+                             members=self.view.known, serves=lambda shard: availability().can_serve(shard))
+        self.shards = ShardManager(model.path, model.config, engines)
         self.batcher = SamplingBatcher(settings.sample_batch_max, settings.sample_batch_window_ms,
                                        executor=self.shards.executor)
         self.transport = _Loopback(self, transport)
-        self.counters: Counter[str] = Counter()
-        self.peers: dict[str, NodeInfo] = {}  # the live peers new plans may use, as membership last saw them
-        # The layers this node can serve: all, unless it fetches its weights from a peer (node/fetch/follow.py).
-        self.availability: Callable[[], Availability] = Availability
-        self.core.serves = lambda shard: self.availability().can_serve(shard)
-        self.entry = Entry(self.id, self.address, self.transport, self.make_plan, tokenizer.eos_token_ids,
-                           settings.request_timeout, settings.max_replays, settings.queue_timeout, self.counters,
-                           self._spawn)
-        self.metrics = NodeMetrics(self)
-        self.stat_sources = [self.counters, self.core.counters, self.batcher.stats, self.metrics.status,
-                             *stat_sources]
-        self._wake = asyncio.Event()
+        self.metrics = NodeMetrics(status=self.status, kv_cache_bytes=self.shards.cache_bytes,
+                                   name_of=self.view.name_of)
+        self.pipeline = Pipeline(self.core, self.shards, self.batcher, self.transport, model_id=model.model_id,
+                                 metrics=self.metrics, spawn=self._spawn)
+        self.counters: Counter[str] = Counter()  # the entry's
+        self.entry = Entry(self.id, address, self.transport, plan=self.make_plan,
+                           stop_token_ids=model.tokenizer.eos_token_ids, request_timeout=settings.request_timeout,
+                           max_replays=settings.max_replays, queue_timeout=settings.queue_timeout,
+                           counters=self.counters, spawn=self._spawn)
+        self._stat_sources = [self.counters, self.view.counters, self.pipeline.counters, self.core.counters,
+                              self.batcher.stats, self.metrics.status, *stat_sources]
         self._tasks: set[asyncio.Task] = set()
-        self._worker: asyncio.Task | None = None
-        self._outboxes: dict[str, Outbox] = {}
+
+    # -- what the API and the tools read ----------------------------------------------------------------------
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.model.tokenizer
+
+    @property
+    def model_id(self) -> str:
+        return self.model.model_id
+
+    @property
+    def max_tensor_bytes(self) -> int:
+        return self.settings.max_tensor_bytes
+
+    @property
+    def draining(self) -> bool:
+        return self.core.draining
+
+    def peers(self) -> tuple[NodeInfo, ...]:
+        """The live peers new plans may use."""
+        return self.view.peers()
+
+    def info(self) -> NodeInfo:
+        s = self.settings
+        return NodeInfo(
+            node_id=self.id,
+            address=self.address,
+            capabilities=Capabilities(s.memory_bytes, s.engine, self.model_id, self.config.n_layers),
+            pinned=s.pinned,
+            loaded=self.shards.loaded,
+            active_requests=self._active_requests(),
+            status={k: v for source in self._stat_sources for k, v in source.items()},
+            draining=self.draining,
+            availability=self.availability(),
+        )
+
+    def status(self) -> NodeStatus:
+        return NodeStatus(
+            active_requests=self._active_requests(), peers=len(self.view.peers()),
+            peers_joined=self.view.counters["peers_joined"], peers_left=self.view.counters["peers_left"],
+            kv_cache_bytes=self.shards.cache_bytes(), weights_bytes=self.shards.weights_bytes(),
+            ended={k.removeprefix("ended_"): v for k, v in self.core.counters.items() if k.startswith("ended_")},
+            sampling=Counter(self.batcher.stats))
+
+    def _active_requests(self) -> int:
+        return self.core.active + self.entry.active + self.shards.active_requests
+
+    def topology(self) -> Topology:
+        peers = self.view.peers()
+        return Topology(nodes=(self.info(), *peers), links=tuple(PeerLink(self.id, p.node_id) for p in peers))
+
+    def ring_members(self) -> list[NodeInfo]:
+        """This node (unless it drains) and the peers serving the same model: who a ring may hold."""
+        me = [] if self.draining else [self.info()]
+        return [*me, *self.view.serving(self.model_id, self.config.n_layers)]
+
+    def make_plan(self, excluded: Collection[str] = ()) -> tuple[PlanStep, ...]:
+        """Partition the layers over this node and the peers serving the same model, leaving out `excluded` nodes
+        (and this node while it drains), and nodes for layers they don't hold yet (node/core/placement.py)."""
+        nodes = {n.node_id: n for n in self.ring_members() if n.node_id not in excluded}
+        try:
+            ring = plan_ring(list(nodes.values()), self.model_id, self.config.n_layers)
+        except PartitionError as e:
+            raise PlanError(str(e)) from None
+        return tuple(PlanStep(node_id, nodes[node_id].address, shard) for node_id, shard in ring)
+
+    def generate(self, prompt: list[int], sampling: SamplingParams, max_tokens: int) -> AsyncIterator[TokenMessage]:
+        """Run one request, with this node as its entry (node/runtime/entry.py)."""
+        return self.entry.generate(prompt, sampling, max_tokens)
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._worker = asyncio.create_task(self._work_loop(), name="pipeline-worker")
+        self._spawn(self.pipeline.work())
         self._spawn(self._expire_loop())
+
+    async def load_pinned(self) -> None:
+        """A pinned node knows its shard: load it now rather than at the first request (when it holds it)."""
+        if self.settings.pinned is not None:
+            shard = Shard(self.model_id, *self.settings.pinned, self.config.n_layers)
+            if self.availability().can_serve(shard):
+                await self.shards.get(shard)
 
     async def _expire_loop(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, self.settings.request_idle_timeout / 4))
-            self._do(self.core.expire())
+            await asyncio.sleep(min(1.0, self.settings.core.idle_timeout / 4))
+            self.pipeline.do(self.core.expire())
 
     async def stop(self) -> None:
-        tasks = [t for t in [self._worker, *self._tasks] if t is not None]
+        tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -115,25 +174,6 @@ class Node:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # -- what this node is, and who its peers are -------------------------------------------------------------
-    def info(self) -> NodeInfo:
-        s = self.settings
-        return NodeInfo(
-            node_id=self.id,
-            address=self.address,
-            capabilities=Capabilities(s.memory_bytes, s.engine, s.model_id, self.config.n_layers),
-            pinned=s.pinned,
-            loaded=self.shards.loaded,
-            active_requests=self.core.active + self.entry.active + self.shards.active_requests,
-            status={k: v for source in self.stat_sources for k, v in source.items()},
-            draining=self.draining,
-            availability=self.availability(),
-        )
-
-    @property
-    def draining(self) -> bool:
-        return self.core.draining
-
     def start_draining(self) -> None:
         """Shutting down: take no new request; the ones in flight run to their end (or are replayed elsewhere by
         their entry nodes once this node is gone)."""
@@ -142,172 +182,35 @@ class Node:
     async def drained(self) -> None:
         """Returns once this node holds no request any more, as entry or as a member of a plan, and has sent what
         it owes its peers (a request's last token leaves after the request has ended here)."""
-        while self.core.active or self.entry.active or self._outboxes:
+        while self.core.active or self.entry.active or self.pipeline.sending:
             await asyncio.sleep(0.05)
 
-    def topology(self) -> Topology:
-        peers = tuple(sorted(self.peers.values(), key=lambda n: n.node_id))
-        return Topology(nodes=(self.info(), *peers), links=tuple(PeerLink(self.id, p.node_id) for p in peers))
-
+    # -- what membership and peers tell us (the transport's server side calls these) --------------------------
     def update_peers(self, peers: dict[str, NodeInfo], alive: dict[str, str]) -> None:
-        """Membership's latest view: the peers new plans may use, and every peer that answered (draining ones too)
-        with its address. Requests we are the entry of lose the nodes that did not answer."""
-        self.known = {self.id: self.address} | alive
-        self.entry.nodes_alive(self.known.keys())
-        for gone in self.peers.keys() - peers.keys():
-            log.info("peer %s left", gone)
-            self.counters["peers_left"] += 1  # its connection is closed by membership, once it stops answering
-        for new in peers.keys() - self.peers.keys():
-            log.info("peer %s joined at %s", new, peers[new].address)
-            self.counters["peers_joined"] += 1
-        self.peers = peers
-
-    def make_pinned_shard(self) -> Shard:
-        start, end = self.settings.pinned
-        return Shard(self.settings.model_id, start, end, self.config.n_layers)
+        """Membership's latest view (node/runtime/peers.py). Requests we are the entry of lose the nodes that did
+        not answer; connections to peers gone for good are closed."""
+        for address in self.view.update(peers, alive):
+            self._spawn(self.transport.forget(address))
+        self.entry.nodes_alive(self.view.known().keys())
 
     def peer_leaving(self, node_id: str, caller: str | None = None) -> None:
-        """A peer said it is shutting down: plan without it from now on (its requests in flight go on)."""
-        if caller is not None and caller != node_id:
-            return  # only a node itself may say it leaves
-        if self.peers.pop(node_id, None) is not None:
-            log.info("peer %s is leaving", node_id)
-            self.counters["peers_left"] += 1
+        self.view.leaving(node_id, caller)
 
-    def make_plan(self, excluded: Collection[str] = ()) -> tuple[PlanStep, ...]:
-        """Partition the layers over this node and the peers serving the same model, leaving out `excluded` nodes
-        (and this node while it drains), and nodes for layers they don't hold yet (node/core/placement.py)."""
-        me = self.info()
-        nodes = {} if self.draining else {me.node_id: me}
-        nodes |= {
-            n.node_id: n for n in self.peers.values()
-            if (n.capabilities.model_id, n.capabilities.n_layers) == (self.settings.model_id, self.config.n_layers)
-        }
-        nodes = {node_id: n for node_id, n in nodes.items() if node_id not in excluded}
-        try:
-            ring = plan_ring(list(nodes.values()), self.settings.model_id, self.config.n_layers)
-        except PartitionError as e:
-            raise PlanError(str(e)) from None
-        return tuple(PlanStep(node_id, nodes[node_id].address, shard) for node_id, shard in ring)
-
-    # -- what peers send (the transport's server side calls these) --------------------------------------------
     # `caller`: the member calling, authenticated by mutual TLS (None without a cluster key, or when it is us).
     def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray, caller: str | None = None) -> None:
         self.core.accept_prompt(spec, tokens, caller)
-        self._wake.set()
+        self.pipeline.wake()
 
     def accept_activations(self, activations: list[Activation], caller: str | None = None) -> list[Refusal]:
         rejected = self.core.accept_activations(activations, caller)
-        self._wake.set()
+        self.pipeline.wake()
         return rejected
 
     def accept_tokens(self, message: TokenMessage, caller: str | None = None) -> None:
         self.entry.accept_tokens(message, caller)
 
     def end_request(self, request_id: str, reason: str, caller: str | None = None) -> None:
-        self._do(self.core.end_request(request_id, reason, caller))
-
-    # -- the pipeline worker ----------------------------------------------------------------------------------
-    async def _work_loop(self) -> None:
-        while True:
-            if not self.core.queue or self.core.should_wait:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), LOCAL_WAIT_S if self.core.queue else None)
-                    continue
-                except asyncio.TimeoutError:
-                    self.core.stop_waiting()
-            for group in self.core.take_batch():
-                try:
-                    await self._run(group)
-                except Exception as e:  # a bug: fail this batch's requests, keep serving the others
-                    log.exception("pipeline step failed")
-                    for item in group.items:
-                        self._do(self.core.fail(item.request_id, f"node {self.id}: internal error: {e}"))
-
-    async def _run(self, group: Group) -> None:
-        try:
-            engine = await self.shards.get(group.shard)
-        except Exception as e:
-            for item in group.items:
-                self._do(self.core.fail(item.request_id, f"node {self.id} cannot load {group.shard}: {e}"))
-            return
-        requests = self.core.requests
-        inputs = [(i.request_id, i.data, _positions(requests[i.request_id].spec)) for i in group.items
-                  if i.request_id in requests]  # not ended meanwhile
-        if not inputs:
-            return
-        started = time.perf_counter()
-        try:
-            outputs, refused, computed = await self.shards.forward(engine, inputs)
-        except Exception as e:
-            log.exception("forward failed")
-            for rid, _, _ in inputs:
-                self._do(self.core.fail(rid, f"node {self.id}: forward failed: {e}"))
-            return
-        # forward_us: the engine computing; step_us: the same step as the pipeline saw it (waiting for the engine
-        # thread included). Their difference, and the time between steps, is overhead.
-        self.core.queue.observe(group, computed)
-        self.counters["forward_us_total"] += int(computed * 1e6)
-        self.counters["step_us_total"] += int((time.perf_counter() - started) * 1e6)
-        self.metrics.step_done(time.perf_counter() - started, len(inputs), sum(len(data) for _, data, _ in inputs))
-        errors = {rid: f"node {self.id}: {why}" for rid, why in refused.items()}
-        self._do(self.core.step_done(group, outputs, errors), engine)
-
-    # -- carrying out the core's actions ----------------------------------------------------------------------
-    def _do(self, actions: list[Action], engine: Engine | None = None) -> None:
-        samples: dict[str, asyncio.Future] = {}
-        for action in actions:
-            if isinstance(action, Release):
-                self.shards.release(action.request_id)
-            elif isinstance(action, Send):
-                self._outbox(action.address).put(*action.activations)
-            elif isinstance(action, Deliver):
-                self._outbox(action.address).put(action.message)
-            elif isinstance(action, Sample):
-                item = SampleItem(action.request_id, action.logits, action.params, action.state, engine,
-                                  self.settings.model_id)
-                try:
-                    samples[action.request_id] = self.batcher.submit(item)
-                except (ValueError, BatcherClosed) as e:
-                    self._do(self.core.fail(action.request_id, f"node {self.id}: cannot sample: {e}"))
-        if samples:
-            if not self.core.queue:
-                self.batcher.flush()  # no more forward passes queued here: nothing else can join this batch
-            self._spawn(self._sampled(samples))
-
-    async def _sampled(self, futures: dict[str, asyncio.Future]) -> None:
-        results = await asyncio.gather(*futures.values(), return_exceptions=True)
-        self._do(self.core.sampled(dict(zip(futures, results))))
-
-    def _outbox(self, address: str) -> Outbox:
-        """The ordered outbox for `address` (activations and token messages alike, so a last node whose entry is
-        also the first node sends it the token and its delivery in one call); gone again once it is empty."""
-        box = self._outboxes.get(address)
-        if box is None:
-            box = self._outboxes[address] = Outbox(lambda batch: self._send(address, batch), self._spawn,
-                                                   lambda: self._outboxes.pop(address, None))
-        return box
-
-    async def _send(self, address: str, batch: tuple[Activation | TokenMessage, ...]) -> None:
-        activations = tuple(m for m in batch if isinstance(m, Activation))
-        messages = tuple(m for m in batch if isinstance(m, TokenMessage))
-        try:
-            refused = await self.transport.send(address, activations, messages)
-        except Exception as e:  # a transport error, or a message that can't be sent: its requests fail, never vanish
-            if not isinstance(e, TransportError):
-                log.exception("sending to %s failed", address)
-            self.metrics.rpc_error(address, "send")
-            self._do(self.core.send_failed(address, activations, str(e), isinstance(e, TransportError) and e.retryable))
-            for message in messages:
-                self._do(self.core.deliver_failed(message, str(e)))
-            return
-        self._do(self.core.refused(address, refused))
-
-
-def _positions(spec: RequestSpec) -> int | None:
-    """The most positions a request's KV cache will hold, when the spec says (it sizes the cache once)."""
-    return spec.positions if spec.prompt_tokens else None
+        self.pipeline.do(self.core.end_request(request_id, reason, caller))
 
 
 class _Loopback:

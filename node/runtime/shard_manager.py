@@ -79,6 +79,24 @@ class ShardManager:
     def loaded(self) -> tuple[Shard, ...]:
         return tuple(self.engines)
 
+    def cache_bytes(self) -> int:
+        """Bytes held by every KV cache of the engines. The engine thread adds and drops caches meanwhile; a dict
+        that changes while it is summed raises, and the next try gets a consistent view."""
+        total = 0
+        for engine in list(self.engines.values()):
+            measure = getattr(engine, "cache_bytes", None)
+            for _ in range(5):
+                try:
+                    total += measure() if measure else 0
+                    break
+                except RuntimeError:
+                    continue
+        return total
+
+    def weights_bytes(self) -> int:
+        """Bytes held by the loaded weights."""
+        return sum(e.nbytes() for e in list(self.engines.values()))
+
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
 

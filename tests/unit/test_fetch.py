@@ -344,17 +344,17 @@ def test_a_fetch_reports_its_progress_with_rate_and_time_left_when_not_on_a_term
 
 
 class StandIn:
-    """What the follower reads of a node: its id, its view of its peers, its model, whether it drains."""
+    """What the follower reads of a node (node/fetch/follow.py's RingView): its id, its model, whether it drains,
+    and who a ring may hold: itself, as far as its follower got, and its peers."""
 
-    def __init__(self, node_id: str, peers: dict):
-        from types import SimpleNamespace
-        self.id, self.peers, self.draining = node_id, peers, False
-        self.settings, self.config = SimpleNamespace(model_id="llama"), SimpleNamespace(n_layers=6)
-        self.availability = None  # set by the follower
+    def __init__(self, node_id: str, peers: dict, availability):
+        self.id, self.peers, self.availability = node_id, peers, availability
+        self.model_id, self.draining = "llama", False
 
-    def info(self):
+    def ring_members(self):
         from node.core.topology import Capabilities, NodeInfo
-        return NodeInfo(self.id, "127.0.0.1:1", Capabilities(1, "numpy", "llama", 6), availability=self.availability())
+        me = NodeInfo(self.id, "127.0.0.1:1", Capabilities(1, "numpy", "llama", 6), availability=self.availability())
+        return [me, *self.peers.values()]
 
 
 def test_when_a_node_leaves_the_follower_fetches_just_the_layers_newly_assigned(tmp_path):
@@ -376,9 +376,10 @@ def test_when_a_node_leaves_the_follower_fetches_just_the_layers_newly_assigned(
             counters = Counter()
             fetcher = Fetcher("llama", GrpcTransport(), lambda: [Source("n0", source.address)], counters)
             copy = await open_copy("llama", tmp_path, fetcher)
-            node = StandIn("n2", {"n0": peer("n0", Availability()), "n1": peer("n1", Availability(complete=False))})
-            follower = Follower(node, copy, fetcher, counters, settle=0.1, interval=0.02)
-            task = asyncio.ensure_future(follower.run())
+            follower = Follower(copy, fetcher, counters, settle=0.1, interval=0.02)
+            node = StandIn("n2", {"n0": peer("n0", Availability()), "n1": peer("n1", Availability(complete=False))},
+                           follower.availability)
+            task = asyncio.ensure_future(follower.run(node))
             await until(lambda: copy.availability().can_serve(Shard("llama", 4, 6, 6)))  # its part of 3: 4-5
             after_first = counters["fetch_bytes_received"]
             del node.peers["n1"]  # n1 leaves: n2's part of 2 is 3-5

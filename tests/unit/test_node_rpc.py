@@ -7,7 +7,8 @@ import pytest
 
 from node.grpc import wire
 from shards.engines.registry import engine_factory
-from node.runtime.node import Node, NodeSettings
+from node.runtime.node import Node
+from node.runtime.settings import NodeSettings, ServedModel
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, channel_options
 from node.core.plan import PlanStep, RequestSpec
 from node.grpc.server import GrpcServer
@@ -60,12 +61,12 @@ class RawClient:
 async def serving(pinned=None, node_id="n0"):
     cfg = ModelConfig.from_dir(MODEL)
     server = GrpcServer("127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES)
-    settings = NodeSettings(node_id=node_id, model_dir=MODEL, model_id="llama", address=f"127.0.0.1:{server.port}",
-                            memory_bytes=1 << 30, pinned=pinned, max_tensor_bytes=8 << 20)
-    node = Node(settings, cfg, Tokenizer(MODEL), engine_factory("numpy"), GrpcTransport())
+    settings = NodeSettings(node_id=node_id, memory_bytes=1 << 30, pinned=pinned, max_tensor_bytes=8 << 20)
+    node = Node(settings, ServedModel("llama", MODEL, cfg, Tokenizer(MODEL)), address=f"127.0.0.1:{server.port}",
+                engines=engine_factory("numpy"), transport=GrpcTransport())
     node.start()
     await server.start(node)
-    return node, server, RawClient(settings.address)
+    return node, server, RawClient(node.address)
 
 
 async def shutdown(node, server, client):
@@ -76,11 +77,11 @@ async def shutdown(node, server, client):
 
 
 def spec_for(node, plan_nodes=(("n0", 0, 3), ("other", 3, 6)), rid="r1"):
-    plan = tuple(PlanStep(n, node.settings.address if n == node.id else "127.0.0.1:9", Shard("llama", a, b, 6))
+    plan = tuple(PlanStep(n, node.address if n == node.id else "127.0.0.1:9", Shard("llama", a, b, 6))
                  for n, a, b in plan_nodes)
     # the other nodes of the plan are members as far as this node knows (as membership would have found them)
-    node.known |= {n: "127.0.0.1:9" for n, _, _ in plan_nodes if n != node.id}
-    return RequestSpec(rid, plan, SamplingParams(temperature=0), 4, frozenset({509}), "n0", node.settings.address)
+    node.update_peers({}, alive={n: "127.0.0.1:9" for n, _, _ in plan_nodes if n != node.id})
+    return RequestSpec(rid, plan, SamplingParams(temperature=0), 4, frozenset({509}), "n0", node.address)
 
 
 def test_health_check_describes_the_node():
@@ -88,7 +89,7 @@ def test_health_check_describes_the_node():
         node, server, client = await serving(pinned=(0, 3))
         try:
             info = wire.decode_node_info((await client.health_check()).node)
-            assert (info.node_id, info.address, info.pinned, info.capabilities.n_layers) == ("n0", node.settings.address, (0, 3), 6)
+            assert (info.node_id, info.address, info.pinned, info.capabilities.n_layers) == ("n0", node.address, (0, 3), 6)
         finally:
             await shutdown(node, server, client)
     run(go())

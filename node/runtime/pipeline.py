@@ -1,0 +1,155 @@
+"""The pipeline: runs the forward passes the core schedules, and carries out the actions the core answers with
+(`Send` and `Deliver` -> an ordered outbox per address, `Sample` -> the sampling batcher, `Release` -> the shard
+manager), feeding every outcome back to the core. The core decides; this only does, so all the decisions stay
+testable without threads, sockets or engines (node/core/node_core.py).
+
+All work that reaches a node is queued in the core, and the worker runs what the core picks in one forward pass,
+so concurrent requests batch at every stage of the pipeline.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from shards.engines.base import Engine
+
+from node.core.node_core import Action, Deliver, NodeCore, Release, Sample, Send
+from node.core.plan import RequestSpec
+from node.core.requests import Activation, TokenMessage
+from node.core.scheduler import Group
+from node.runtime.metrics import NodeMetrics
+from node.runtime.outbox import Outbox
+from node.runtime.sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
+from node.runtime.shard_manager import ShardManager
+from node.runtime.transport import Transport, TransportError
+
+log = logging.getLogger(__name__)
+LOCAL_WAIT_S = 0.02  # longest the worker holds queued work back for a one-node ring's tokens in flight
+
+
+class Pipeline:
+    def __init__(self, core: NodeCore, shards: ShardManager, batcher: SamplingBatcher, transport: Transport, *,
+                 model_id: str, metrics: NodeMetrics, spawn: Callable[..., object]):
+        """`transport`: where `Send`s and `Deliver`s go (this node's own address included: the node hands it a
+        transport that loops those back); `spawn` runs a coroutine as a task the node owns (and cancels on stop)."""
+        self.core, self.shards, self.batcher, self.transport = core, shards, batcher, transport
+        self.model_id, self.metrics, self.spawn = model_id, metrics, spawn
+        self.counters: Counter[str] = Counter()  # forward_us_total, step_us_total
+        self._wake = asyncio.Event()
+        self._outboxes: dict[str, Outbox] = {}
+
+    @property
+    def sending(self) -> bool:
+        """Whether messages are still on their way out (a request's last token leaves after it ended here)."""
+        return bool(self._outboxes)
+
+    def wake(self) -> None:
+        """New work was queued in the core."""
+        self._wake.set()
+
+    # -- the worker -------------------------------------------------------------------------------------------
+    async def work(self) -> None:
+        core = self.core
+        while True:
+            if not core.queue or core.should_wait:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), LOCAL_WAIT_S if core.queue else None)
+                    continue
+                except asyncio.TimeoutError:
+                    core.stop_waiting()
+            for group in core.take_batch():
+                try:
+                    await self._run(group)
+                except Exception as e:  # a bug: fail this batch's requests, keep serving the others
+                    log.exception("pipeline step failed")
+                    for item in group.items:
+                        self.do(core.fail(item.request_id, f"node {core.id}: internal error: {e}"))
+
+    async def _run(self, group: Group) -> None:
+        me = self.core.id
+        try:
+            engine = await self.shards.get(group.shard)
+        except Exception as e:
+            for item in group.items:
+                self.do(self.core.fail(item.request_id, f"node {me} cannot load {group.shard}: {e}"))
+            return
+        requests = self.core.requests
+        inputs = [(i.request_id, i.data, _positions(requests[i.request_id].spec)) for i in group.items
+                  if i.request_id in requests]  # not ended meanwhile
+        if not inputs:
+            return
+        started = time.perf_counter()
+        try:
+            outputs, refused, computed = await self.shards.forward(engine, inputs)
+        except Exception as e:
+            log.exception("forward failed")
+            for rid, _, _ in inputs:
+                self.do(self.core.fail(rid, f"node {me}: forward failed: {e}"))
+            return
+        # forward_us: the engine computing; step_us: the same step as the pipeline saw it (waiting for the engine
+        # thread included). Their difference, and the time between steps, is overhead.
+        self.core.queue.observe(group, computed)
+        self.counters["forward_us_total"] += int(computed * 1e6)
+        self.counters["step_us_total"] += int((time.perf_counter() - started) * 1e6)
+        self.metrics.step_done(time.perf_counter() - started, len(inputs), sum(len(data) for _, data, _ in inputs))
+        errors = {rid: f"node {me}: {why}" for rid, why in refused.items()}
+        self.do(self.core.step_done(group, outputs, errors), engine)
+
+    # -- carrying out the core's actions ----------------------------------------------------------------------
+    def do(self, actions: list[Action], engine: Engine | None = None) -> None:
+        samples: dict[str, asyncio.Future] = {}
+        for action in actions:
+            if isinstance(action, Release):
+                self.shards.release(action.request_id)
+            elif isinstance(action, Send):
+                self._outbox(action.address).put(*action.activations)
+            elif isinstance(action, Deliver):
+                self._outbox(action.address).put(action.message)
+            elif isinstance(action, Sample):
+                item = SampleItem(action.request_id, action.logits, action.params, action.state, engine,
+                                  self.model_id)
+                try:
+                    samples[action.request_id] = self.batcher.submit(item)
+                except (ValueError, BatcherClosed) as e:
+                    self.do(self.core.fail(action.request_id, f"node {self.core.id}: cannot sample: {e}"))
+        if samples:
+            if not self.core.queue:
+                self.batcher.flush()  # no more forward passes queued here: nothing else can join this batch
+            self.spawn(self._sampled(samples))
+
+    async def _sampled(self, futures: dict[str, asyncio.Future]) -> None:
+        results = await asyncio.gather(*futures.values(), return_exceptions=True)
+        self.do(self.core.sampled(dict(zip(futures, results))))
+
+    def _outbox(self, address: str) -> Outbox:
+        """The ordered outbox for `address` (activations and token messages alike, so a last node whose entry is
+        also the first node sends it the token and its delivery in one call); gone again once it is empty."""
+        box = self._outboxes.get(address)
+        if box is None:
+            box = self._outboxes[address] = Outbox(lambda batch: self._send(address, batch), self.spawn,
+                                                   lambda: self._outboxes.pop(address, None))
+        return box
+
+    async def _send(self, address: str, batch: tuple[Activation | TokenMessage, ...]) -> None:
+        activations = tuple(m for m in batch if isinstance(m, Activation))
+        messages = tuple(m for m in batch if isinstance(m, TokenMessage))
+        try:
+            refused = await self.transport.send(address, activations, messages)
+        except Exception as e:  # a transport error, or a message that can't be sent: its requests fail, never vanish
+            if not isinstance(e, TransportError):
+                log.exception("sending to %s failed", address)
+            self.metrics.rpc_error(address, "send")
+            self.do(self.core.send_failed(address, activations, str(e), isinstance(e, TransportError) and e.retryable))
+            for message in messages:
+                self.do(self.core.deliver_failed(message, str(e)))
+            return
+        self.do(self.core.refused(address, refused))
+
+
+def _positions(spec: RequestSpec) -> int | None:
+    """The most positions a request's KV cache will hold, when the spec says (it sizes the cache once)."""
+    return spec.positions if spec.prompt_tokens else None

@@ -1,0 +1,64 @@
+"""What a node is told at start-up (by flags, node/settings.py), and the model it serves once that is loaded.
+
+`NodeSettings` holds only what the operator chose, so it can be built, and checked, before anything starts; facts
+learnt while starting (the port the gRPC server got, the folder a fetched model lands in) are handed to the `Node`
+constructor next to it. The core's own limits are one `CoreLimits` inside it, never copied field by field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
+from shards.tokenizer import Tokenizer
+
+from node.core.node_core import CoreLimits
+from node.core.scheduler import SchedulerLimits
+
+DEFAULT_MAX_TENSOR_BYTES = 255 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    node_id: str
+    memory_bytes: int  # memory this node reports for partitioning
+    engine: str = "numpy"
+    pinned: tuple[int, int] | None = None  # --shard START:END: exactly these layers, no automatic partitioning
+    max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES  # largest tensor a peer may send this node
+    request_timeout: float = 300.0  # the entry gives up after this long without a token
+    max_replays: int = 2  # the entry replays a request on a new plan at most this often when it loses a node
+    queue_timeout: float = 30.0  # the entry retries a request that found no room for this long, then gives up
+    sample_batch_max: int = 8  # sampling batcher: rows per batch ...
+    sample_batch_window_ms: float = 5.0  # ... or this long after the batch's first row
+    core: CoreLimits = CoreLimits()  # what the core admits: requests, KV-cache budget, idle timeout
+    scheduling: SchedulerLimits = SchedulerLimits()  # what one forward pass carries
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            raise ValueError("a node needs a non-empty node id (--node-id)")
+        if self.memory_bytes <= 0:
+            raise ValueError(f"memory to report must be positive, got {self.memory_bytes} bytes (--memory-gb)")
+        if self.pinned is not None and not 0 <= self.pinned[0] < self.pinned[1]:
+            raise ValueError(f"--shard {self.pinned[0]}:{self.pinned[1]}: need 0 <= START < END")
+        for name in ("request_timeout", "queue_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)} (--{name.replace('_', '-')})")
+        if self.max_replays < 0:
+            raise ValueError(f"max_replays must be >= 0, got {self.max_replays} (--max-replays)")
+        if self.sample_batch_max < 1 or self.sample_batch_window_ms < 0:
+            raise ValueError("--sample-batch-max must be >= 1 and --sample-batch-window-ms >= 0")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model a node serves, as loaded at start-up: its id (what peers and API clients call it), its folder (or
+    .gguf file), its config and tokenizer."""
+    model_id: str
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+    @classmethod
+    def load(cls, model_id: str, path: Path) -> ServedModel:
+        return cls(model_id, path, load_config(path), Tokenizer.load(path))
