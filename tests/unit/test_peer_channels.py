@@ -6,7 +6,8 @@ from discovery.static import StaticDiscovery
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport
 from node.grpc.server import GrpcServer
 from node.runtime.membership import Membership
-from node.runtime.node import Node, NodeSettings
+from node.runtime.node import Node
+from node.runtime.settings import NodeSettings, ServedModel
 from node.runtime.transport import TransportError
 from shards.engines.registry import engine_factory
 from shards.formats.config import ModelConfig
@@ -28,10 +29,10 @@ NOTHING = {"channels": 0, "streams": 0, "readers": 0}
 
 async def serving(node_id: str) -> tuple[Node, GrpcServer, GrpcTransport]:
     server = GrpcServer("127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES)
-    settings = NodeSettings(node_id=node_id, model_dir=MODEL, model_id="llama", address=f"127.0.0.1:{server.port}",
-                            memory_bytes=1 << 30)
     transport = GrpcTransport(rpc_timeout=2.0)
-    node = Node(settings, ModelConfig.from_dir(MODEL), Tokenizer(MODEL), engine_factory("numpy"), transport)
+    node = Node(NodeSettings(node_id=node_id, memory_bytes=1 << 30),
+                ServedModel("llama", MODEL, ModelConfig.from_dir(MODEL), Tokenizer(MODEL)),
+                address=f"127.0.0.1:{server.port}", engines=engine_factory("numpy"), transport=transport)
     node.start()
     await server.start(node)
     return node, server, transport
@@ -63,13 +64,13 @@ def test_a_peer_that_left_keeps_its_channel_while_it_drains_and_none_once_it_is_
         membership = Membership("a", node.address, transport, [StaticDiscovery([peer.address])],
                                 node.update_peers, check_timeout=0.5)
         await membership.refresh()
-        assert set(node.peers) == {"b"}
+        assert [p.node_id for p in node.peers()] == ["b"]
         await transport.send(peer.address, (), ())  # the data path to b: a stream with its reader
         assert held(transport) == {"channels": 1, "streams": 1, "readers": 1}
 
         peer.start_draining()
         await peer_transport.leave(node.address, "b")  # b leaves cleanly ...
-        assert node.peers == {}
+        assert node.peers() == ()
         await membership.refresh()  # ... and finishes its requests with us meanwhile: its connection stays
         assert held(transport) == {"channels": 1, "streams": 1, "readers": 1}
 
