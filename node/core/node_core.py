@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from shards.formats.config import ModelConfig
-from shards.engines.base import EngineInputError, check_input
 from shards.sampling import SampleResult, SamplerState, SamplingParams
 from shards.shard import Shard
 
-from node.core.authz import check_caller, check_plan_members, predecessor
+from node.core.admission import Admission, CoreLimits
+from node.core.authz import check_caller, predecessor
 from node.core.plan import Busy, PlanError, RequestSpec
 from node.core.requests import Activation, Refusal, RequestState, TokenMessage, Tombstones
 from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
@@ -72,16 +72,26 @@ class Sample:
 Action = Send | Deliver | Release | Sample
 
 
-@dataclass(frozen=True)
-class CoreLimits:
-    max_requests: int = 256  # concurrent requests this node takes part in
-    max_requests_per_entry: int = 192  # of those, at most this many from one entry node (no peer takes them all)
-    kv_budget: int | None = None  # bytes of KV cache this node may hold for all its requests (None: no limit)
-    kv_value_bytes: int = 4  # bytes of one cached key or value element (float32)
-    idle_timeout: float = 60.0  # a request whose next input doesn't come for this long is forgotten
+def malformed_outputs(config: ModelConfig, group: Group, outputs: dict[str, np.ndarray]) -> str | None:
+    """What is wrong with a step's outputs, if anything: one float32 array per input, [1, vocab] logits on the
+    last shard, [T, hidden] hidden states elsewhere, every value finite."""
+    for item in group.items:
+        out = outputs.get(item.request_id)
+        if out is None:
+            continue
+        want = (1, config.vocab_size) if group.shard.is_last else (len(item.data), config.hidden_size)
+        if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != want:
+            shape = getattr(out, "shape", type(out).__name__)
+            return f"{shape} for request {item.request_id}, expected float32 {list(want)}"
+        if not np.isfinite(out).all():
+            return f"non-finite values for request {item.request_id}"
+    return None
 
 
 class NodeCore:
+    """Requests held, their queued inputs and what to do with a step's outputs; whether a request is taken, and the
+    memory it reserves, is `admission`'s (node/core/admission.py)."""
+
     def __init__(self, node_id: str, model_id: str, config: ModelConfig, limits: CoreLimits = CoreLimits(),
                  scheduling: SchedulerLimits = SchedulerLimits(), clock: Callable[[], float] = time.monotonic,
                  members: Callable[[], Mapping[str, str]] | None = None,
@@ -89,8 +99,9 @@ class NodeCore:
         """`members`: the nodes this one knows (id -> address, itself included), which plans must stay within;
         None: plans are not checked against membership. `serves`: whether this node holds a shard's weights now
         (always, unless it fetches them from a peer: node/fetch/follow.py)."""
-        self.id, self.model_id, self.config, self.limits, self.clock = node_id, model_id, config, limits, clock
+        self.id, self.config, self.limits, self.clock = node_id, config, limits, clock
         self.members = members
+        self.admission = Admission(node_id, model_id, config, limits, members=members, serves=serves)
         self.requests: dict[str, RequestState] = {}
         self.ended = Tombstones()
         self.queue = StepScheduler(scheduling)
@@ -98,9 +109,23 @@ class NodeCore:
         # millisecond or two, so the driver holds the queue back for them (briefly) rather than split the batch.
         self.local_inflight: set[str] = set()
         self.counters: Counter[str] = Counter()
-        self.draining = False  # shutting down: no new requests, the ones we have run to their end
-        self.kv_reserved = 0  # bytes of KV cache reserved by the requests held
-        self.serves = serves
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: no new requests, the ones held run to their end."""
+        return self.admission.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.admission.draining = value
+
+    @property
+    def kv_reserved(self) -> int:
+        """Bytes of KV cache reserved by the requests held."""
+        return self.admission.kv_reserved
+
+    def kv_bytes(self, shard: Shard, positions: int) -> int:
+        return self.admission.kv_bytes(shard, positions)
 
     # -- inputs from other nodes ------------------------------------------------------------------------------
     def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray, caller: str | None = None) -> None:
@@ -111,7 +136,7 @@ class NodeCore:
             raise PlanError(f"prompt sent to {self.id}, but the plan's first node is {spec.first.node_id}")
         if spec.request_id in self.requests or spec.request_id in self.ended:
             raise PlanError(f"request {spec.request_id} already exists")
-        self._check(True, tokens)
+        self.admission.check_input(True, tokens)
         self._admit(spec)
         self._enqueue(Queued(spec.request_id, tokens))
 
@@ -132,7 +157,7 @@ class NodeCore:
                     req = self._admit(a.spec)
                 else:
                     check_caller(caller, {predecessor(req.spec, req.step_index)}, f"request {a.request_id}")
-                self._check(req.shard.is_first, a.data)
+                self.admission.check_input(req.shard.is_first, a.data)
                 self._enqueue(Queued(a.request_id, a.data, a.partial))
             except PlanError as e:
                 rejected.append(Refusal(a.request_id, str(e), isinstance(e, Busy)))
@@ -155,55 +180,12 @@ class NodeCore:
             # a counter per reason: only the reasons nodes send (a peer's free text would grow the status map, which
             # peers refuse past 256 keys)
             self.counters[f"ended_{reason if reason in END_REASONS else 'unknown'}"] += 1
-            self.kv_reserved -= req.kv_bytes
+            self.admission.release(req)
         return [Release(request_id)]
 
-    def _check(self, first: bool, data: np.ndarray) -> None:
-        try:
-            check_input(self.config, first, data, "input")
-        except EngineInputError as e:
-            raise PlanError(str(e)) from None
-
     def _admit(self, spec: RequestSpec) -> RequestState:
-        index = spec.step_of(self.id)
-        shard = spec.plan[index].shard
-        if (shard.model_id, shard.n_layers) != (self.model_id, self.config.n_layers):
-            raise PlanError(f"plan asks for {shard}, this node serves {self.model_id} "
-                            f"with {self.config.n_layers} layers")
-        if self.draining:
-            raise PlanError(f"node {self.id} is shutting down")
-        if not self.serves(shard):  # a plan made from a stale view of this node's fetching: refuse, never guess
-            raise PlanError(f"node {self.id} does not hold the weights of {shard} yet")
-        if self.members is not None:
-            check_plan_members(spec, self.members())
-        if len(self.requests) >= self.limits.max_requests:
-            raise Busy(f"node {self.id} is at its limit of {self.limits.max_requests} requests")
-        if sum(r.spec.entry_node_id == spec.entry_node_id for r in self.requests.values()) \
-                >= self.limits.max_requests_per_entry:
-            raise Busy(f"node {self.id} holds {self.limits.max_requests_per_entry} requests from entry "
-                       f"{spec.entry_node_id}, its limit for one entry")
-        if spec.positions > self.config.max_position_embeddings:
-            raise PlanError(f"{spec.prompt_tokens} prompt + {spec.max_tokens} new tokens exceed the model's context "
-                            f"of {self.config.max_position_embeddings}")
-        kv_bytes = self.kv_bytes(shard, spec.positions)
-        budget = self.limits.kv_budget
-        if budget is not None and kv_bytes > budget:
-            raise PlanError(f"{spec.positions} positions need {kv_bytes / 2**20:.1f} MiB of KV cache on node {self.id}, "
-                            f"more than its budget of {budget / 2**20:.1f} MiB")
-        if budget is not None and self.kv_reserved + kv_bytes > budget:
-            raise Busy(f"node {self.id}: KV cache memory is full ({self.kv_reserved / 2**20:.1f} of "
-                       f"{budget / 2**20:.1f} MiB reserved)")
-        req = RequestState(spec, index, last_active=self.clock(), kv_bytes=kv_bytes)
-        self.kv_reserved += kv_bytes
-        if shard.is_last:
-            req.sampler = SamplerState.from_seed(spec.sampling.seed, 0 if spec.sampling.greedy else spec.resumed)
-        self.requests[spec.request_id] = req
+        req = self.requests[spec.request_id] = self.admission.admit(spec, self.requests, self.clock())
         return req
-
-    def kv_bytes(self, shard: Shard, positions: int) -> int:
-        """KV cache memory `positions` positions take on `shard`: a key and a value per layer and kv head."""
-        cfg = self.config
-        return positions * shard.layer_count * 2 * cfg.n_kv_heads * cfg.head_dim * self.limits.kv_value_bytes
 
     def _enqueue(self, item: Queued) -> None:
         self.requests[item.request_id].last_active = self.clock()
@@ -231,7 +213,7 @@ class NodeCore:
         actions: list[Action] = []
         for rid, message in errors.items():
             actions += self.fail(rid, message)
-        if (problem := self._malformed(group, outputs)) is not None:
+        if (problem := malformed_outputs(self.config, group, outputs)) is not None:
             # Validated as a whole before any row is routed: an engine that got one row wrong can't be trusted
             # with the others of the same call.
             self.counters["malformed_steps"] += 1
@@ -263,21 +245,6 @@ class NodeCore:
                 to = self._address(step.node_id, step.address)
                 sends[to].append(self._outgoing(req, outputs[rid], item.partial))
         return actions + [Send(address, tuple(acts)) for address, acts in sends.items()]
-
-    def _malformed(self, group: Group, outputs: dict[str, np.ndarray]) -> str | None:
-        """What is wrong with a step's outputs, if anything: one float32 array per input, [1, vocab] logits on the
-        last shard, [T, hidden] hidden states elsewhere, every value finite."""
-        for item in group.items:
-            out = outputs.get(item.request_id)
-            if out is None:
-                continue
-            want = (1, self.config.vocab_size) if group.shard.is_last else (len(item.data), self.config.hidden_size)
-            if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != want:
-                shape = getattr(out, "shape", type(out).__name__)
-                return f"{shape} for request {item.request_id}, expected float32 {list(want)}"
-            if not np.isfinite(out).all():
-                return f"non-finite values for request {item.request_id}"
-        return None
 
     def sampled(self, results: dict[str, SampleResult | BaseException]) -> list[Action]:
         """Tokens sampled on the last shard: deliver each to its entry node; continue or end the request."""
