@@ -51,20 +51,17 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         return pb.Ack()
 
     async def SendStream(self, requests, context: grpc.aio.ServicerContext):
+        """The data path: each message (activations, token messages) is answered with the activations refused."""
         caller = peer_node_id(context)
         async for request in requests:
-            yield await self._send(request, context, caller)
-
-    async def _send(self, request: pb.SendRequest, context: grpc.aio.ServicerContext, caller: str | None) \
-            -> pb.SendResponse:
-        try:
-            activations, messages = wire.decode_send(request, self.node.max_tensor_bytes)
-        except wire.WireError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        refused = self.node.accept_activations(activations, caller) if activations else []
-        for message in messages:
-            self.node.accept_tokens(message, caller)
-        return pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused])
+            try:
+                activations, messages = wire.decode_send(request, self.node.max_tensor_bytes)
+            except wire.WireError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            refused = self.node.accept_activations(activations, caller) if activations else []
+            for message in messages:
+                self.node.accept_tokens(message, caller)
+            yield pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused])
 
     async def EndRequest(self, request: pb.EndRequestRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         self.node.end_request(request.request_id[:MAX_REQUEST_ID], request.reason[:32], peer_node_id(context))
