@@ -1,4 +1,4 @@
-"""What mutual TLS costs on loopback: small unary calls, new connections, and bulk activations.
+"""What mutual TLS costs on loopback: small messages on a stream, new connections, and bulk activations.
 
     uv run python -m bench.bench_tls [--calls 2000] [--repeats 3]
 
@@ -22,22 +22,23 @@ from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 
 
 class Sink(pb_grpc.NodeServiceServicer):
-    async def SendTensor(self, request, context):
-        return pb.SendTensorResponse()
+    async def SendStream(self, requests, context):
+        async for _ in requests:
+            yield pb.SendResponse()
 
     async def HealthCheck(self, request, context):
         return pb.HealthCheckResponse(ok=True)
 
 
-def result_message() -> pb.SendTensorRequest:
+def result_message() -> pb.SendRequest:
     """The size of a streamed token: one id, a logprob, a 32-hex request id."""
-    return pb.SendTensorRequest(results=[pb.SendResultRequest(request_id="0123456789abcdef0123456789abcdef",
+    return pb.SendRequest(results=[pb.SendResultRequest(request_id="0123456789abcdef0123456789abcdef",
                                                               tokens=[pb.TokenResult(token=31337, logprob=-0.25)])])
 
 
-def tensor_message(mib: int) -> pb.SendTensorRequest:
+def tensor_message(mib: int) -> pb.SendRequest:
     data = bytes(mib << 20)  # float32 activations, e.g. 256 tokens x 4096 hidden = 4 MiB
-    return pb.SendTensorRequest(entries=[pb.TensorEntry(request_id="r", tensor=pb.Tensor(
+    return pb.SendRequest(entries=[pb.TensorEntry(request_id="r", tensor=pb.Tensor(
         data=data, shape=[len(data) // 16384, 4096], dtype="float32"))])
 
 
@@ -79,13 +80,23 @@ async def timed(n: int, call: Callable[[], Awaitable]) -> tuple[float, float]:
     return (time.perf_counter() - wall) / n, (time.process_time() - cpu) / n
 
 
-async def small_calls(pair: Pair, n: int) -> tuple[float, float]:
+async def on_a_stream(pair: Pair, n: int, msg: pb.SendRequest) -> tuple[float, float]:
+    """n messages, each awaiting its answer, on one long-lived SendStream (the data path)."""
     channel = pair.channel()
-    stub, msg = pb_grpc.NodeServiceStub(channel), result_message()
+    call = pb_grpc.NodeServiceStub(channel).SendStream()
+
+    async def one():
+        await call.write(msg)
+        return await call.read()
     try:
-        return await timed(n, lambda: stub.SendTensor(msg, timeout=10))
+        return await timed(n, one)
     finally:
+        call.cancel()
         await channel.close()
+
+
+async def small_calls(pair: Pair, n: int) -> tuple[float, float]:
+    return await on_a_stream(pair, n, result_message())
 
 
 async def new_connections(pair: Pair, n: int) -> tuple[float, float]:
@@ -99,19 +110,14 @@ async def new_connections(pair: Pair, n: int) -> tuple[float, float]:
 
 
 async def bulk(pair: Pair, n: int, mib: int) -> tuple[float, float]:
-    channel = pair.channel()
-    stub, msg = pb_grpc.NodeServiceStub(channel), tensor_message(mib)
-    try:
-        return await timed(n, lambda: stub.SendTensor(msg, timeout=30))
-    finally:
-        await channel.close()
+    return await on_a_stream(pair, n, tensor_message(mib))
 
 
 async def measure(calls: int, repeats: int) -> None:
     key = ClusterKey(generate_secret())
-    rows = [("SendResult-sized unary call", lambda p: small_calls(p, calls), f"{calls} sequential calls"),
+    rows = [("SendResult-sized message", lambda p: small_calls(p, calls), f"{calls} sequential calls"),
             ("new connection + HealthCheck", lambda p: new_connections(p, 100), "100 fresh channels"),
-            ("4 MiB SendTensor", lambda p: bulk(p, 20, 4), "20 sequential calls")]
+            ("4 MiB activations", lambda p: bulk(p, 20, 4), "20 sequential calls")]
     print(f"{'':30} {'plaintext wall / CPU':>22} {'mTLS wall / CPU':>22} {'extra CPU':>10}")
     for name, run, what in rows:
         samples: dict[str, list[tuple[float, float]]] = {"plain": [], "tls": []}
