@@ -57,3 +57,61 @@ def test_shards_has_no_import_cycles():
     assert "shards.formats.loader" in graph and graph["shards.formats.loader"] >= {"shards.formats.hf"}
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}; move the shared part into a module both can import"
+
+
+# -- node/: no cycles, and one direction between its layers ----------------------------------------------------------
+# http -> runtime -> core; grpc -> runtime.transport (the port it implements) and core; the core is pure.
+FORBIDDEN = {
+    "node.core": ("node.runtime", "node.grpc", "node.http", "node.fetch", "node.cli", "node.settings", "grpc",
+                  "google.protobuf", "aiohttp", "asyncio"),
+    "node.runtime": ("node.http", "node.grpc", "node.cli", "node.settings", "grpc", "google.protobuf", "aiohttp"),
+    "node.grpc": ("node.http", "node.cli", "node.settings", "aiohttp"),
+    "node.http": ("node.grpc", "node.cli", "node.settings", "grpc", "google.protobuf"),
+    "node.fetch": ("node.http", "node.cli", "node.settings"),
+}
+PORTS = {"node.grpc": {"node.runtime.transport"}, "node.fetch": {"node.runtime.transport"}}  # the one runtime module
+
+
+def all_imports(path: Path) -> set[str]:
+    """Every module name `path` imports, anywhere in it (function bodies included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    return found
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_node_has_no_import_cycles():
+    graph = module_graph("node")
+    assert graph["node.runtime.node"] >= {"node.runtime.pipeline", "node.runtime.peers", "node.runtime.metrics"}
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}; move the shared part into a module both can import"
+
+
+def test_node_layers_import_in_one_direction():
+    wrong = []
+    for path in sorted((ROOT / "node").rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        layer = next((p for p in FORBIDDEN if _within(name, p)), None)
+        if layer is None:
+            continue
+        for target in all_imports(path):
+            if any(_within(target, banned) for banned in FORBIDDEN[layer]):
+                wrong.append(f"{name} imports {target}")
+            elif layer in PORTS and _within(target, "node.runtime") \
+                    and not any(_within(target, port) for port in PORTS[layer]):
+                wrong.append(f"{name} imports {target} (of the runtime it may use only {sorted(PORTS[layer])})")
+    assert not wrong, "imports against the layers (http -> runtime -> core; grpc -> runtime.transport, core):\n" \
+        + "\n".join(wrong)
+
+
+def test_the_layer_check_sees_lazy_imports(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from node.http.schema import ApiError\n    import grpc\n")
+    assert all_imports(module) >= {"node.http.schema", "node.http.schema.ApiError", "grpc"}
