@@ -204,3 +204,10 @@ def test_concurrent_loads_of_one_shard_happen_once():
         assert manager.loaded == (Shard("llama", 3, 6, 6),)
         manager.close()
     run(go())
+
+
+def test_a_pinned_shard_past_the_models_layers_is_refused_before_anything_starts():
+    settings = NodeSettings(node_id="n0", memory_bytes=1 << 30, pinned=(3, 9))
+    with pytest.raises(ValueError, match=r"--shard 3:9: the model has 6 layers; need END <= 6"):
+        Node(settings, ServedModel("llama", MODEL, ModelConfig.from_dir(MODEL), Tokenizer(MODEL)),
+             address="127.0.0.1:1", engines=engine_factory("numpy"), transport=GrpcTransport())
