@@ -104,7 +104,8 @@ async def run(args: argparse.Namespace) -> int:
                                 interval=args.discovery_interval)
         stack.push_async_callback(membership.stop)
         fetch_counters = fetching.fetch_counters()
-        fetcher = Fetcher(model_id, transport, fetching.sources_from(lambda: board.peers, model_id), fetch_counters)
+        fetcher = Fetcher(model_id, transport, fetching.sources_from(lambda: board.peers, model_id),
+                          counters=fetch_counters)
         copy = None
         if model_path is None:  # a model this node doesn't have: find a peer that has it, fetch its metadata first
             await membership.start()
@@ -114,7 +115,7 @@ async def run(args: argparse.Namespace) -> int:
         if copy is not None and model.config.n_layers != copy.manifest.n_layers:
             raise ValueError(f"{model_path}: the config has {model.config.n_layers} layers, the peers' manifest "
                              f"{copy.manifest.n_layers}")
-        source = fetching.weight_source(args, model_path, model_id, model.config.n_layers, copy)
+        source = fetching.weight_source(args, model_path, model_id, model.config.n_layers, copy=copy)
         stack.callback(source.close)
         follower = Follower(copy, fetcher, fetch_counters) if copy is not None else None
         node = Node(settings.node, model, address=address, engines=engines, transport=transport,

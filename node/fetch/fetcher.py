@@ -41,7 +41,7 @@ class Source:
 
 
 class Fetcher:
-    def __init__(self, model_id: str, transport: Transport, sources: Callable[[], list[Source]],
+    def __init__(self, model_id: str, transport: Transport, sources: Callable[[], list[Source]], *,
                  counters: Counter[str] | None = None, concurrency: int = 2, idle_timeout: float = 30.0):
         """`sources`: the peers that have the whole model right now (asked again whenever one is needed)."""
         self.model_id, self.transport, self.sources = model_id, transport, sources

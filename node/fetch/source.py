@@ -70,7 +70,7 @@ class Transfer:
 
 
 class WeightSource:
-    def __init__(self, path: Path, model_id: str, n_layers: int, cache_dir: Path | None = None,
+    def __init__(self, path: Path, model_id: str, n_layers: int, *, cache_dir: Path | None = None,
                  rate: float | None = None, max_transfers: int = 4, chunk: int = CHUNK,
                  max_piece: int = DEFAULT_PIECE, ready: Callable[[], bool] = lambda: True,
                  manifest: Manifest | None = None):

@@ -97,14 +97,14 @@ async def open_copy(model_id: str, models_dir: Path, fetcher: Fetcher) -> LocalC
     return copy
 
 
-def weight_source(args: argparse.Namespace, path: Path, model_id: str, n_layers: int,
+def weight_source(args: argparse.Namespace, path: Path, model_id: str, n_layers: int, *,
                   copy: LocalCopy | None) -> WeightSource:
     """What this node offers peers that fetch: its model once it has all of it."""
     rate = args.max_upload_mbps * 1e6 / 8 if args.max_upload_mbps else None
     cache = Path(args.models_dir) / ".hashes"
     if copy is None:
-        return WeightSource(path, model_id, n_layers, cache, rate)
-    return WeightSource(copy.root, model_id, n_layers, cache, rate, ready=lambda: copy.complete,
+        return WeightSource(path, model_id, n_layers, cache_dir=cache, rate=rate)
+    return WeightSource(copy.root, model_id, n_layers, cache_dir=cache, rate=rate, ready=lambda: copy.complete,
                         manifest=copy.manifest)
 
 

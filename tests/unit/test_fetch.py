@@ -374,7 +374,7 @@ def test_when_a_node_leaves_the_follower_fetches_just_the_layers_newly_assigned(
     async def go():
         async with Peer() as source:
             counters = Counter()
-            fetcher = Fetcher("llama", GrpcTransport(), lambda: [Source("n0", source.address)], counters)
+            fetcher = Fetcher("llama", GrpcTransport(), lambda: [Source("n0", source.address)], counters=counters)
             copy = await open_copy("llama", tmp_path, fetcher)
             follower = Follower(copy, fetcher, counters, settle=0.1, interval=0.02)
             node = StandIn("n2", {"n0": peer("n0", Availability()), "n1": peer("n1", Availability(complete=False))},
