@@ -11,7 +11,6 @@ from pathlib import Path
 
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
-from shards.formats.loader import load_config
 from shards.tokenizer import Tokenizer
 
 from node.core.node_core import CoreLimits
