@@ -1,9 +1,10 @@
 """The Llama-family transformer (Llama, Mistral, Qwen2 biases, Qwen3 q/k norms), written once for every engine.
 
 In the style of mlx-lm's model files: each block is a residual equation over small callables named as in Hugging
-Face checkpoints. Array work goes through a `Backend`; the causal masks, rotary tables and row packing come ready
-made in a `Step` (computed once per forward pass, not per layer). q/k/v and gate/up are fused into one matmul
-each, so a step does four weight matmuls per layer for all rows of all requests.
+Face checkpoints. Array work goes through a `Backend`; the rows' positions (and what the backend's `rotary` made of
+them), the causal masks and the row packing come ready made in a `Step` (once per forward pass, not per layer).
+q/k/v and gate/up are fused into one matmul each, so a step does four weight matmuls per layer for all rows of
+all requests.
 """
 from __future__ import annotations
 
@@ -20,13 +21,16 @@ from shards.formats.weights import LayerWeights, ShardWeights
 
 @dataclass(frozen=True)
 class Step:
-    """One forward pass's row layout in backend arrays: request i owns rows bounds[i]:bounds[i+1]."""
+    """One forward pass's row layout in backend arrays: request i owns rows bounds[i]:bounds[i+1], at positions
+    starts[i].. (each row's in `positions`). Positions are the step's, never an argument smuggled elsewhere: every
+    backend turns them into its own rotary input once (`Backend.rotary`), and the block only passes that on."""
 
     bounds: Sequence[int]
     starts: Sequence[Any]  # positions already cached per request (ints, or a tracer's symbolic positions)
-    cos: Array  # [rows, 1, head_dim/2]
-    sin: Array
-    masks: Sequence[Array | None]  # per request [1, group*T, start+T], None for a single position
+    positions: Array | None  # each row's position (host ints or a backend tensor; None inside a traced capture,
+    #                          whose rotary tables were made from them outside it)
+    rotary: Any  # Backend.rotary(positions): cos/sin tables, or the positions themselves for ggml
+    masks: Sequence[Array | None]  # per request, in the backend's form (shards/engines/masks.py); None: sees all
 
     def rows(self, i: int) -> slice:
         return slice(int(self.bounds[i]), int(self.bounds[i + 1]))
@@ -72,7 +76,7 @@ class Attention:
         v = qkv[:, (nh + nkv) * hd :].reshape(n, nkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rope(q, step.cos, step.sin), ops.rope(k, step.cos, step.sin)
+        q, k = ops.rope(q, step.rotary), ops.rope(k, step.rotary)
         outs = []
         for i, cache in enumerate(caches):  # attention is per request, against that request's own cache
             rows = step.rows(i)

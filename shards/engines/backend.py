@@ -1,10 +1,11 @@
-"""What an engine supplies to the shared Llama block (shards/transformer.py): its array operations and its KV cache.
+"""What an engine supplies to the shared Llama block (shards/transformer.py): its array operations and its KV caches.
 
-The block is written once over a `Backend`; each engine (numpy, mlx, tinygrad, ...) subclasses it with its own
-array library. Arrays are the library's own type; shapes below are in numpy order. Arithmetic the libraries share
-(`+`, `*`, `@`, `.reshape`, basic slicing) is used on the arrays directly; everything whose spelling differs is a
-method here. Attention with grouped-query heads is written once in terms of these primitives; a library with a
-fused attention kernel may override `attention`.
+The block is written once over a `Backend`: the operations it calls, and nothing else, so every backend implements
+all of its contract. Arrays are the library's own type; shapes below are in numpy order. Arithmetic the libraries
+share (`+`, `*`, `@`, `.reshape`, basic slicing) is used on the arrays directly; everything whose spelling differs is
+a method. An `EagerBackend` (numpy, MLX, tinygrad) computes as it goes and gets rotary embedding and grouped-query
+attention written once over a few more primitives (`transpose`, `softmax`, `where`); a graph backend (ggml) builds
+nodes instead and supplies its own fused `rope` and `attention`.
 """
 from __future__ import annotations
 
@@ -15,18 +16,24 @@ from typing import Any
 import numpy as np
 
 Array = Any  # the backend library's array type
+Rotary = Any  # what a backend's `rotary` makes of the rows' positions (cos/sin tables, or the positions themselves)
+
+
+def rotary_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin float32 [len(positions), 1, head_dim/2] (broadcast over heads), angles in float64."""
+    angles = np.asarray(positions)[:, None].astype(np.float64) * np.asarray(inv_freq)[None, :]
+    return np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :]
 
 
 class KVCache(ABC):
-    """One request's keys and values for one layer. The same contract for every engine, storage behind it."""
-
-    length: int  # positions cached
+    """One request's keys and values for one layer. The same contract for every engine, storage behind it. A layer
+    cache keeps no length: how many positions a request holds is its `RequestCache`'s, advanced once per step."""
 
     @abstractmethod
     def update_and_fetch(self, k: Array, v: Array, start: Any) -> tuple[Array, Array]:
-        """Store keys/values [T, kv_heads, head_dim] of positions start..start+T-1 (`start` is `length` unless a
-        backend traces the step with a symbolic position) and return every cached key and value so far, each
-        [kv_heads, start+T, head_dim]."""
+        """Store keys/values [T, kv_heads, head_dim] of positions start..start+T-1 (`start` is the request's
+        length, or a symbolic position where a backend traces the step) and return the cached keys and values the
+        step attends, each [kv_heads, cells, head_dim] (cells: start+T, or a padded span the masks cover)."""
 
     @property
     @abstractmethod
@@ -43,7 +50,6 @@ class SlabCache(KVCache):
         capacity = capacity or 64  # unknown: start small and double
         self.zeros = zeros
         self.k, self.v = zeros((n_kv, capacity, head_dim)), zeros((n_kv, capacity, head_dim))
-        self.length = 0
 
     def update_and_fetch(self, k: Array, v: Array, start: int) -> tuple[Array, Array]:
         end = start + k.shape[0]
@@ -55,7 +61,6 @@ class SlabCache(KVCache):
                 setattr(self, name, grown)
         self.k[:, start:end] = k.transpose(1, 0, 2)
         self.v[:, start:end] = v.transpose(1, 0, 2)
-        self.length = end
         return self.k[:, :end], self.v[:, :end]
 
     @property
@@ -63,8 +68,38 @@ class SlabCache(KVCache):
         return self.k.nbytes + self.v.nbytes
 
 
+class RequestCache:
+    """Every layer's cache of one request, and how many positions they hold.
+
+    Only `commit` advances `length`, and the engine calls it once per step after every layer has written the step's
+    positions: a step that fails leaves the length where it was, and no layer, runner or engine keeps a second
+    count that could disagree."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def commit(self, positions: int) -> None:
+        """The step just run wrote `positions` more positions into every layer."""
+        if positions < 1:
+            raise ValueError(f"a step commits at least one position, not {positions}")
+        self._length += positions
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def free(self) -> None:
+        self.layers = []
+
+
 class Backend(ABC):
-    """Array operations of one library. Weights are converted once by `weight`; `linear` applies them."""
+    """What the shared block calls, and all of it: a backend implements every method here. Weights are converted
+    once by `weight`; `linear` applies them."""
 
     name: str
 
@@ -80,7 +115,7 @@ class Backend(ABC):
 
     @abstractmethod
     def array(self, a: np.ndarray) -> Array:
-        """A vector/table as it is (norm weights, biases, rotary tables, masks)."""
+        """A vector/table as it is (norm weights, biases, masks)."""
 
     def table(self, t: Any) -> Array:
         """The embedding table [vocab, hidden] that `embedding` looks rows up in."""
@@ -93,17 +128,13 @@ class Backend(ABC):
     @abstractmethod
     def nbytes(self, x: Array) -> int: ...
 
-    @abstractmethod
-    def new_cache(self, n_kv_heads: int, head_dim: int, capacity: int | None = None) -> KVCache:
-        """An empty cache; `capacity`, when known, is the most positions the request will reach."""
-
     # -- operations -------------------------------------------------------------------------------------------
     @abstractmethod
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
         """x [N, in] @ weight -> [N, out] (+ bias)."""
 
     @abstractmethod
-    def embedding(self, table: Array, ids: np.ndarray) -> Array: ...
+    def embedding(self, table: Array, ids: Array) -> Array: ...
 
     @abstractmethod
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
@@ -115,6 +146,39 @@ class Backend(ABC):
     @abstractmethod
     def concat(self, xs: list[Array], axis: int) -> Array: ...
 
+    def take_rows(self, x: Array, rows: Array) -> Array:
+        return x[rows]
+
+    def layer_done(self, x: Array, caches: list[KVCache]) -> Array:
+        """Called with each layer's output: lazy libraries evaluate here so the graph stays one layer deep."""
+        return x
+
+    @abstractmethod
+    def rotary(self, positions: Array, inv_freq: np.ndarray) -> Rotary:
+        """What `rope` needs for rows at `positions` (one per row), made once per step for every layer: cos/sin
+        tables from the model's per-pair frequencies `inv_freq`, or, for a backend computing the angles itself,
+        the positions as they are."""
+
+    @abstractmethod
+    def rope(self, x: Array, rotary: Rotary) -> Array:
+        """Rotary embedding of x [N, heads, hd] in the Hugging Face 'rotate_half' convention (pairs (i, i + hd/2))
+        unless the weights' rows say otherwise (ggml, llama GGUFs)."""
+
+    @abstractmethod
+    def attention(self, q: Array, keys: Array, values: Array, mask: Array | None, scale: float) -> Array:
+        """Grouped-query attention of one request: q [T, heads, hd] against keys/values [kv_heads, cells, hd],
+        `mask` in the backend's form (see shards/engines/masks.py) or None when every cell may be seen.
+        -> [T, heads*hd]"""
+
+
+class EagerBackend(Backend):
+    """A library that computes as it goes (numpy, MLX, tinygrad): rotary embedding and attention written once over
+    `transpose`, `softmax` and `where`, and caches in the library's arrays."""
+
+    @abstractmethod
+    def new_cache(self, n_kv_heads: int, head_dim: int, capacity: int | None = None) -> KVCache:
+        """An empty layer cache; `capacity`, when known, is the most positions the request will reach."""
+
     @abstractmethod
     def transpose(self, x: Array, axes: tuple[int, ...]) -> Array: ...
 
@@ -125,25 +189,20 @@ class Backend(ABC):
     @abstractmethod
     def where(self, mask: Array, x: Array, fill: float) -> Array: ...
 
-    def take_rows(self, x: Array, rows: np.ndarray) -> Array:
-        return x[rows]
-
-    def layer_done(self, x: Array, caches: list[KVCache]) -> Array:
-        """Called with each layer's output: lazy libraries evaluate here so the graph stays one layer deep."""
-        return x
-
     # -- composite operations, written once ---------------------------------------------------------------------
-    def rope(self, x: Array, cos: Array, sin: Array) -> Array:
-        """Rotary embedding in the HF 'rotate_half' convention (pairs are (i, i + head_dim/2)); x [N, heads, hd],
-        cos/sin [N, 1, hd/2]."""
+    def rotary(self, positions: np.ndarray, inv_freq: np.ndarray) -> tuple[Array, Array]:
+        """cos and sin tables [N, 1, hd/2] (see `rotary_tables`)."""
+        return tuple(self.array(t) for t in rotary_tables(positions, inv_freq))
+
+    def rope(self, x: Array, rotary: tuple[Array, Array]) -> Array:
+        """x [N, heads, hd] rotated by the cos/sin tables [N, 1, hd/2] of `rotary`."""
+        cos, sin = rotary
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         return self.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     def attention(self, q: Array, keys: Array, values: Array, mask: Array | None, scale: float) -> Array:
-        """Grouped-query attention of one request: q [T, heads, hd] against keys/values [kv_heads, L, hd];
-        `mask` [1, group*T, L] (True = may attend) or None when every cached position may be seen. -> [T, heads*hd]
-        """
+        """`mask` [1, group*T, cells] (True = may attend), as `masks.allowed` makes it. -> [T, heads*hd]"""
         t, nh, hd = q.shape
         nkv = keys.shape[0]
         group = nh // nkv

@@ -1,8 +1,12 @@
-"""The interface every inference engine (numpy, tinygrad, mlx) implements.
+"""The interface every inference engine (numpy, tinygrad, mlx, ggml) implements, and the one way they run a step.
 
 Batch-first: one `forward` call advances many requests at once. Each request is a prefill (many positions) or a
 decode step (one position); their rows are packed together so the weight matmuls run once for the whole batch,
 while attention runs per request against that request's own KV cache.
+
+Every engine is a `BlockEngine`: `forward` validates and packs the step, and `run` hands it to the engine's runner
+(shards/engines/runner.py: eager, a TinyJit capture, a ggml graph) with each request's cache, then commits the
+positions to the caches. Engines differ in their backend and runner, never in how a step is carried out.
 """
 from __future__ import annotations
 
@@ -12,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.engines.backend import Backend, KVCache
+from shards.engines.backend import Backend, RequestCache
+from shards.engines.runner import EagerRunner, Runner
 from shards.formats.config import ModelConfig
-from shards.transformer import ShardModel, Step
+from shards.transformer import ShardModel
 from shards.sampling import SampleResult, SamplingParams, SamplerState, sample_one, sample_rows
 from shards.shard import Shard
 from shards.formats.loader import load_config, load_shard_weights
@@ -40,15 +45,15 @@ class StepInput:
 
 @dataclass(frozen=True)
 class Packing:
-    """How one step's requests are packed into rows: each request's rows, cache offsets, rotary tables and causal
-    masks, computed once per step for every layer and every engine."""
+    """How one step's requests are packed into rows: each request's rows, the positions already cached and each
+    row's position, computed once per step for every layer and every engine. Masks and rotary inputs are the
+    runner's to make from these, in its backend's form."""
 
+    request_ids: tuple[str, ...]
     lengths: list[int]
     starts: list[int]  # positions already cached per request
     bounds: np.ndarray  # request i owns rows bounds[i]:bounds[i+1]
-    cos: np.ndarray  # float32 [rows, 1, head_dim/2], broadcast over heads
-    sin: np.ndarray
-    masks: list[np.ndarray | None]  # bool [1, group*T, start+T] per request (True: may attend); None when T == 1
+    positions: np.ndarray  # int32 [rows]: row r is at position positions[r]
 
     @property
     def last_rows(self) -> np.ndarray:
@@ -60,15 +65,6 @@ class Packing:
         if last_rows_only:
             return [out[i : i + 1] for i in range(len(self.lengths))]
         return [out[self.bounds[i] : self.bounds[i + 1]] for i in range(len(self.lengths))]
-
-
-def causal_mask(start: int, length: int, group: int) -> np.ndarray | None:
-    """Which cached positions each of `length` new positions may attend to (itself and everything before), with
-    rows repeated for the `group` query heads that share a kv head; None for one position (it sees everything)."""
-    if length == 1:
-        return None
-    allowed = np.arange(start + length)[None, :] <= (start + np.arange(length))[:, None]  # [T, start+T]
-    return np.tile(allowed, (group, 1))[None]
 
 
 class Engine(ABC):
@@ -127,15 +123,12 @@ class Engine(ABC):
         self.validate(batch)
         lengths = [item.length for item in batch]
         starts = [self.cache_length(item.request_id) for item in batch]
-        cos, sin = self.rotary(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)]))
-        group = self.config.n_heads // self.config.n_kv_heads
-        return Packing(lengths, starts, np.cumsum([0] + lengths), cos, sin,
-                       [causal_mask(s, n, group) for s, n in zip(starts, lengths)])
-
-    def rotary(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin tables float32 [len(positions), 1, head_dim/2] (broadcast over heads)."""
-        angles = positions[:, None].astype(np.float64) * self.config.rope.inv_freq(self.config.head_dim)[None, :]
-        return np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :]
+        if max(lengths) == 1:
+            positions = np.array(starts, dtype=np.int32)
+        else:
+            positions = np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, lengths)])
+        ids = tuple(item.request_id for item in batch)
+        return Packing(ids, lengths, starts, np.cumsum([0] + lengths), positions)
 
     @staticmethod
     def tokens(batch: list[StepInput]) -> np.ndarray:
@@ -175,51 +168,56 @@ def check_input(cfg: ModelConfig, first: bool, data: np.ndarray | None, who: str
 
 
 class BlockEngine(Engine):
-    """An engine made of a backend's array operations and the shared model (shards/transformer.py)."""
+    """An engine made of a backend's array operations, the shared model (shards/transformer.py) and a runner that
+    carries out each step (shards/engines/runner.py). Subclasses supply `make_backend` and `make_runner`; one whose
+    weights load differently (ggml) sets the same attributes in its own __init__."""
 
     def __init__(self, model_dir: str | Path, shard: Shard, config: ModelConfig | None = None):
-        self.config = cfg = config or load_config(model_dir)
+        self.config = cfg = config or ModelConfig.from_dir(model_dir)
         self.shard = shard
         self.ops = self.make_backend()
         self.model = ShardModel(self.ops, cfg, load_shard_weights(model_dir, cfg, shard))
-        self.caches: dict[str, list[KVCache]] = {}  # request id -> its cache of every layer
+        self.caches: dict[str, RequestCache] = {}
+        self.runner = self.make_runner()
 
     @abstractmethod
     def make_backend(self) -> Backend: ...
+
+    def make_runner(self) -> Runner:
+        return EagerRunner(self)
 
     def forward(self, batch: list[StepInput], all_logits: bool = False) -> list[np.ndarray]:
         return self.run(batch, self.pack(batch), all_logits) if batch else []
 
     def run(self, batch: list[StepInput], p: Packing, all_logits: bool) -> list[np.ndarray]:
-        """The forward pass of a validated, packed batch."""
-        caches = [self.request_cache(item.request_id, item.max_positions) for item in batch]
-        x = self.tokens(batch) if self.shard.is_first else self.ops.array(self.hidden(batch))
-        last_rows = p.last_rows if self.shard.is_last and not all_logits else None
-        out = self.model(x, self.step(p), caches, last_rows)
-        return p.split(self.ops.to_numpy(out), last_rows is not None)
+        """The forward pass of a validated, packed batch, the same for every engine: the runner computes it, then
+        each request's cache takes the step's positions (only now: a step that raised has committed nothing)."""
+        caches = [self.request_cache(item, start + n) for item, start, n in zip(batch, p.starts, p.lengths)]
+        x = self.tokens(batch) if self.shard.is_first else self.hidden(batch)
+        out = self.runner.run(x, p, caches, all_logits)
+        for cache, n in zip(caches, p.lengths):
+            cache.commit(n)
+        return p.split(out, self.shard.is_last and not all_logits)
 
-    def step(self, p: Packing) -> Step:
-        ops = self.ops
-        return Step(p.bounds, p.starts, ops.array(p.cos), ops.array(p.sin),
-                    [None if m is None else ops.array(m) for m in p.masks])
-
-    def request_cache(self, request_id: str, max_positions: int | None = None) -> list[KVCache]:
-        cache = self.caches.get(request_id)
-        if cache is None:
-            cfg = self.config
-            if max_positions is not None:  # a peer's number: never a cache larger than the model's context
-                max_positions = min(max_positions, cfg.max_position_embeddings)
-            cache = self.caches[request_id] = [self.ops.new_cache(cfg.n_kv_heads, cfg.head_dim, max_positions)
-                                               for _ in self.model.layers]
+    def request_cache(self, item: StepInput, end: int) -> RequestCache:
+        """The request's cache, made or grown by the runner (which knows its storage) to hold `end` positions."""
+        cache = self.caches[item.request_id] = self.runner.cache(self.caches.get(item.request_id), item, end)
         return cache
+
+    def release(self, request_id: str) -> None:
+        cache = self.caches.pop(request_id, None)
+        if cache is not None:
+            self.runner.drop(request_id)
+            cache.free()
 
     def cache_length(self, request_id: str) -> int:
         cache = self.caches.get(request_id)
-        return cache[0].length if cache else 0
+        return cache.length if cache else 0
 
     def nbytes(self) -> int:
         return sum(self.ops.nbytes(a) for a in self.model.parameters())
 
     def cache_bytes(self) -> int:
-        """Memory held by every request's KV cache."""
-        return sum(c.nbytes for cache in self.caches.values() for c in cache)
+        """Memory held by every request's KV cache (read from other threads: a snapshot of the dict)."""
+        return sum(c.nbytes for c in list(self.caches.values()))
+

@@ -12,10 +12,10 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the install
     raise ImportError("the mlx engine needs MLX: pip install 'exo-node[mlx]'") from e
 
-from shards.engines.backend import Backend, KVCache, SlabCache
+from shards.engines.backend import EagerBackend, KVCache, SlabCache
 from shards.engines.base import BlockEngine
 
-class MlxBackend(Backend):
+class MlxBackend(EagerBackend):
     name = "mlx"
 
     def weight(self, w: np.ndarray) -> "mx.array":

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from shards.engines.backend import Backend, SlabCache
+from shards.engines.backend import EagerBackend, SlabCache
 from shards.engines.base import BlockEngine
 
 
-class NumpyBackend(Backend):
+class NumpyBackend(EagerBackend):
     name = "numpy"
 
     def weight(self, w: np.ndarray) -> np.ndarray:

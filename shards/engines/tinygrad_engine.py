@@ -6,7 +6,9 @@ tinygrad's CPU kernels). Each request's KV cache is preallocated in capacity buc
 position, so decode steps are captured once per (batch size, capacities) with TinyJit and replayed, instead of
 being compiled for every step. Prompt chunks are padded to length buckets (16/64/256) and attend over the cache's
 whole capacity with a mask from the true lengths, so a prefill is captured once per (requests, bucket,
-capacities): a new prompt length no longer compiles new kernels. Activations leave as numpy float32.
+capacities): a new prompt length no longer compiles new kernels. Both are `TinyJitRunner`, the engine's runner for
+`BlockEngine.run`; other shapes (every row's logits, chunks of several buckets) run eagerly. Activations leave as
+numpy float32.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the install
     raise ImportError("the tinygrad engine needs tinygrad: pip install 'exo-node[tinygrad]'") from e
 
-from shards.engines.backend import Backend, KVCache
+from shards.engines.backend import EagerBackend, KVCache, RequestCache, rotary_tables
 from shards.engines.base import BlockEngine, Packing, StepInput
+from shards.engines.runner import EagerRunner
 from shards.transformer import Step
 
 MIN_CAPACITY = 256
@@ -32,29 +35,27 @@ class TinygradCache(KVCache):
 
     def __init__(self, kv: "Tensor", whole: bool = False):
         self.kv, self.whole = kv, whole
-        self.length = 0
 
     @classmethod
     def empty(cls, n_kv: int, head_dim: int) -> "TinygradCache":
         return cls(Tensor.zeros(2, MIN_CAPACITY, n_kv, head_dim, dtype=dtypes.float32).contiguous().realize())
 
-    def reserve(self, end: int) -> None:
+    def reserve(self, end: int, length: int) -> None:
+        """Room for `end` positions, keeping the `length` already written."""
         capacity = self.kv.shape[1]
         if end <= capacity:
             return
         while capacity < end:
             capacity *= 2
         grown = Tensor.zeros(2, capacity, *self.kv.shape[2:], dtype=dtypes.float32).contiguous().realize()
-        if self.length:
-            grown[:, : self.length].assign(self.kv[:, : self.length]).realize()
+        if length:
+            grown[:, :length].assign(self.kv[:, :length]).realize()
         self.kv = grown
 
     def update_and_fetch(self, k: "Tensor", v: "Tensor", start) -> tuple["Tensor", "Tensor"]:
         # `start` is an int, or a bound Variable while a decode step is being captured.
         t = k.shape[0]
         self.kv.shrink((None, (start, start + t), None, None)).assign(k.stack(v)).realize()
-        if isinstance(start, int):
-            self.length = start + t
         end = self.kv.shape[1] if self.whole else start + t
         keys = self.kv[0].shrink(((0, end), None, None)).permute(1, 0, 2)  # [nkv, L, hd]
         values = self.kv[1].shrink(((0, end), None, None)).permute(1, 0, 2)
@@ -65,7 +66,7 @@ class TinygradCache(KVCache):
         return self.kv.nbytes()
 
 
-class TinygradBackend(Backend):
+class TinygradBackend(EagerBackend):
     name = "tinygrad"
 
     def weight(self, w: np.ndarray) -> "Tensor":
@@ -116,79 +117,70 @@ class TinygradBackend(Backend):
         return x.realize()
 
 
-class TinygradEngine(BlockEngine):
-    name = "tinygrad"
-    # No batched sampler yet: the last node's sampling batcher samples tinygrad rows one request at a time.
-    batched_sampling = False
-    prefill_buckets = (16, 64, 256)
+class TinyJitRunner(EagerRunner):
+    """Decode steps and bucketed prefills through TinyJit captures keyed by their shapes; anything else eagerly."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, engine: "TinygradEngine"):
+        super().__init__(engine)
+        self.buckets = engine.prefill_buckets
         self._jits: dict[tuple, TinyJit] = {}
 
-    def make_backend(self) -> TinygradBackend:
-        return TinygradBackend()
+    def cache(self, cache: RequestCache | None, item: StepInput, end: int) -> RequestCache:
+        if cache is None:
+            cfg = self.engine.config
+            cache = RequestCache([TinygradCache.empty(cfg.n_kv_heads, cfg.head_dim) for _ in self.model.layers])
+        for layer in cache.layers:
+            layer.reserve(end, cache.length)
+        return cache
 
-    def run(self, batch: list[StepInput], p: Packing, all_logits: bool) -> list[np.ndarray]:
+    def run(self, x: np.ndarray, p: Packing, caches: list[RequestCache], all_logits: bool) -> np.ndarray:
         if all_logits:
-            return super().run(batch, p, all_logits)
+            return super().run(x, p, caches, all_logits)
         if max(p.lengths) > 1:
-            buckets = {next((b for b in self.prefill_buckets if b >= n), None) for n in p.lengths}
+            buckets = {next((b for b in self.buckets if b >= n), None) for n in p.lengths}
             if len(buckets) == 1 and None not in buckets:
-                return self._padded_prefill(batch, p, buckets.pop())
-            return super().run(batch, p, all_logits)  # lengths of several buckets, or beyond the largest
+                return self._padded_prefill(x, p, caches, buckets.pop())
+            return super().run(x, p, caches, all_logits)  # lengths of several buckets, or beyond the largest
         # Decode: replay captured kernels. Positions are symbolic (one variable per batch slot), so one capture
         # serves every step with this many requests and these cache capacities.
-        caches = [self.request_cache(item.request_id) for item in batch]
-        for cache, start in zip(caches, p.starts):
-            for c in cache:
-                c.reserve(start + 1)
-        kvs = [c.kv for cache in caches for c in cache]
-        key = (len(batch), tuple(kv.shape[1] for kv in kvs))
+        kvs = [c.kv for cache in caches for c in cache.layers]
+        key = (len(caches), tuple(kv.shape[1] for kv in kvs))
         jit = self._jits.get(key)
         if jit is None:
             jit = self._jits[key] = TinyJit(self._decode)
-        pos = [Variable(f"start_pos{i}", 0, cache[0].kv.shape[1] - 1).bind(s)
+        pos = [Variable(f"start_pos{i}", 0, cache.layers[0].kv.shape[1] - 1).bind(s)
                for i, (s, cache) in enumerate(zip(p.starts, caches))]
-        x = Tensor(self.tokens(batch).astype(np.int32)) if self.shard.is_first else Tensor(self.hidden(batch))
-        out = jit(x, Tensor(p.cos), Tensor(p.sin), *kvs, *pos).numpy()
-        for cache, start in zip(caches, p.starts):
-            for c in cache:
-                c.length = start + 1
-        return p.split(out, self.shard.is_last)
+        cos, sin = rotary_tables(p.positions, self.inv_freq)
+        x = Tensor(x.astype(np.int32)) if self.engine.shard.is_first else Tensor(x)
+        return jit(x, Tensor(cos), Tensor(sin), *kvs, *pos).numpy()
 
-    def _padded_prefill(self, batch: list[StepInput], p: Packing, bucket: int) -> list[np.ndarray]:
+    def _padded_prefill(self, x: np.ndarray, p: Packing, caches: list[RequestCache], bucket: int) -> np.ndarray:
         """Every request's chunk padded to `bucket` rows, through a capture for this (requests, bucket, capacities).
         Pad rows write cache positions beyond the true length (overwritten by the next chunk or token) and their
         outputs are dropped; the masks come from the true lengths, so a real token 0 is still input."""
-        caches = [self.request_cache(item.request_id, item.max_positions) for item in batch]
         for cache, start in zip(caches, p.starts):
-            for c in cache:
-                c.reserve(start + bucket)
-        kvs = [c.kv for cache in caches for c in cache]
-        capacities = [cache[0].kv.shape[1] for cache in caches]
-        key = ("prefill", len(batch), bucket, tuple(kv.shape[1] for kv in kvs))
+            for c in cache.layers:
+                c.reserve(start + bucket, cache.length)
+        kvs = [c.kv for cache in caches for c in cache.layers]
+        capacities = [cache.layers[0].kv.shape[1] for cache in caches]
+        key = ("prefill", len(caches), bucket, tuple(kv.shape[1] for kv in kvs))
         jit = self._jits.get(key)
         if jit is None:
             jit = self._jits[key] = TinyJit(self._prefill)
-        group = self.config.n_heads // self.config.n_kv_heads
-        cos, sin = self.rotary(np.concatenate([np.arange(s, s + bucket) for s in p.starts]))
-        masks = [Tensor(np.tile(np.arange(cap)[None, :] <= (s + np.arange(bucket))[:, None], (group, 1))[None])
+        cos, sin = rotary_tables(np.concatenate([np.arange(s, s + bucket) for s in p.starts]), self.inv_freq)
+        masks = [Tensor(np.tile(self.masks(s, bucket, cap), (self.group, 1))[None])
                  for s, cap in zip(p.starts, capacities)]
         last = Tensor(np.array([i * bucket + n - 1 for i, n in enumerate(p.lengths)], dtype=np.int32))
         pos = [Variable(f"start_pos{i}", 0, cap - 1).bind(s) for i, (s, cap) in enumerate(zip(p.starts, capacities))]
-        if self.shard.is_first:
-            x = Tensor(np.concatenate([np.pad(item.tokens, (0, bucket - len(item.tokens))) for item in batch])
-                       .astype(np.int32))
+        pieces = np.split(x, p.bounds[1:-1])
+        if self.engine.shard.is_first:
+            x = Tensor(np.concatenate([np.pad(t, (0, bucket - len(t))) for t in pieces]).astype(np.int32))
         else:
-            x = Tensor(np.concatenate([np.pad(item.hidden, ((0, bucket - len(item.hidden)), (0, 0))) for item in batch]))
+            x = Tensor(np.concatenate([np.pad(h, ((0, bucket - len(h)), (0, 0))) for h in pieces]))
         out = jit(x, Tensor(cos), Tensor(sin), last, *masks, *kvs, *pos).numpy()
-        for cache, start, n in zip(caches, p.starts, p.lengths):
-            for c in cache:
-                c.length = start + n
-        if self.shard.is_last:
-            return p.split(out, True)
-        return [out[i * bucket: i * bucket + n] for i, n in enumerate(p.lengths)]
+        if self.engine.shard.is_last:
+            return out
+        return np.concatenate([out[i * bucket: i * bucket + n] for i, n in enumerate(p.lengths)])
 
     def _prefill(self, x: "Tensor", cos: "Tensor", sin: "Tensor", last: "Tensor", *args) -> "Tensor":
         """One padded prefill step over caches and masks given as arguments (see `_decode`)."""
@@ -196,13 +188,26 @@ class TinygradEngine(BlockEngine):
         masks, kvs, pos = args[:n], args[n: n + n * n_layers], list(args[n + n * n_layers:])
         caches = [[TinygradCache(kv, whole=True) for kv in kvs[r * n_layers:(r + 1) * n_layers]] for r in range(n)]
         bucket = x.shape[0] // n
-        step = Step(range(0, n * bucket + 1, bucket), pos, cos, sin, masks)
-        return self.model(x, step, caches, last if self.shard.is_last else None).realize()
+        step = Step(range(0, n * bucket + 1, bucket), pos, None, (cos, sin), masks)
+        return self.model(x, step, caches, last if self.engine.shard.is_last else None).realize()
 
     def _decode(self, x: "Tensor", cos: "Tensor", sin: "Tensor", *args) -> "Tensor":
         """One decode step over caches given as arguments, so TinyJit swaps in each call's own buffers."""
         n, n_layers = x.shape[0], len(self.model.layers)
         kvs, pos = args[: n * n_layers], list(args[n * n_layers:])
         caches = [[TinygradCache(kv) for kv in kvs[r * n_layers:(r + 1) * n_layers]] for r in range(n)]
-        step = Step(range(n + 1), pos, cos, sin, [None] * n)
+        step = Step(range(n + 1), pos, None, (cos, sin), [None] * n)
         return self.model(x, step, caches, None).realize()
+
+
+class TinygradEngine(BlockEngine):
+    name = "tinygrad"
+    # No batched sampler yet: the last node's sampling batcher samples tinygrad rows one request at a time.
+    batched_sampling = False
+    prefill_buckets = (16, 64, 256)
+
+    def make_backend(self) -> TinygradBackend:
+        return TinygradBackend()
+
+    def make_runner(self) -> TinyJitRunner:
+        return TinyJitRunner(self)

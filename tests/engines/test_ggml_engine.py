@@ -13,12 +13,11 @@ pytest.importorskip("ggml", reason="the ggml extra is not installed")
 from bench.random_model import write_random_llama
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
-from shards.engines.base import EngineInputError, StepInput, causal_mask
+from shards.engines.base import EngineInputError, StepInput
 from shards.engines.registry import engine_factory, resolve
 from shards.generate import chain_forward
 from shards.engines.ggml.backend import GgmlBackend, nocopy_strides
 from shards.engines.ggml.engine import GgmlEngine
-from shards.engines.ggml.graph import MaskRamp
 from shards.engines.ggml.lib import F32, I32, Context, GgmlError, cpu_buffer_type, g, quantize, repack_supported
 from shards.formats.gguf_model import _hf_shapes
 from shards.formats.gguf_file import open_gguf
@@ -274,16 +273,6 @@ def test_inputs_ggml_would_abort_on_are_refused_and_the_engine_goes_on():
 
 
 # -- the pieces -------------------------------------------------------------------------------------------------------
-def test_masks_are_the_causal_masks_over_the_attended_cells():
-    ramp = MaskRamp()
-    for start, length, span in [(0, 1, 256), (0, 7, 256), (250, 6, 256), (5, 3, 8), (1000, 1, 1024)]:
-        allowed = causal_mask(start, length, 1)
-        allowed = np.ones((1, start + 1), bool) if allowed is None else allowed[0]
-        expected = np.full((length, span), -np.inf, np.float16)
-        expected[:, : start + length][allowed] = 0
-        assert np.array_equal(ramp.mask(start, length, span).reshape(length, span), expected)
-
-
 @pytest.mark.parametrize("shape,index,new", [((6, 8), (slice(None), slice(2, 6)), (6, 2, 2)),
                                             ((6, 8), (slice(1, 4),), (3, 4, 2)),
                                             ((4, 3, 8), (slice(None), slice(None), slice(0, 4)), (4, 12)),

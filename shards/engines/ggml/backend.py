@@ -6,10 +6,12 @@ forward pass, which the engine (shards/engines/ggml/engine.py) allocates once an
 
 Weights keep their GGUF block types (`fused_weight` concatenates raw block rows when the parts share a type, and
 otherwise keeps them apart and concatenates their outputs); the embedding table stays quantized (ggml_get_rows
-dequantizes the looked-up rows). Rotary embedding is ggml_rope_ext at positions given as an input tensor, in NEOX
+dequantizes the looked-up rows). Rotary embedding is ggml_rope_ext at the step's positions (an input tensor: this
+backend's `rotary` is the positions themselves, and ggml computes the angles), in NEOX
 mode (Hugging Face's rotate_half) for Hugging Face Q/K rows, in NORMAL mode for a llama GGUF's rows kept in
 llama.cpp's order (shards/engines/ggml/weights.py says why); attention is ggml_flash_attn_ext, with
-grouped-query heads native and a mask over the cache's cells.
+grouped-query heads native and a mask over the cache's cells. It implements the block's `Backend` and no more: the
+eager primitives (`where`, `softmax`, caches in its arrays) are not part of a graph backend's contract.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shards.engines.backend import Backend, KVCache
+from shards.engines.backend import Backend
 from shards.formats.config import ModelConfig
 from shards.engines.ggml.lib import (F32, I32, WEIGHT_TYPES, Context, GgmlError, Tensor, WeightArena, g,
     release_file_pages, repack_supported, type_name, validate_rows)
@@ -200,9 +202,6 @@ class GgmlBackend(Backend):
         g.ggml_backend_tensor_get(x.t, out.ctypes.data, 0, out.nbytes)
         return out
 
-    def new_cache(self, n_kv_heads: int, head_dim: int, capacity: int | None = None) -> KVCache:
-        raise NotImplementedError("the ggml engine allocates a request's caches itself (shards/engines/ggml/cache.py)")
-
     def free(self) -> None:
         self.arena.free()
         self.wctx.free()
@@ -316,27 +315,17 @@ class GgmlBackend(Backend):
             xs = pairs + ([xs[-1]] if len(xs) % 2 else [])
         return xs[0]
 
-    def transpose(self, x: GArray, axes: tuple[int, ...]) -> GArray:
-        n = len(x.shape)
-        # numpy: out axis k is in axis axes[k]. ggml_permute: in dim d goes to out dim p[d]. Dims are reversed.
-        p = [0, 1, 2, 3]
-        for k, a in enumerate(axes):
-            p[n - 1 - a] = n - 1 - k
-        t = self.node(g.ggml_permute, x.t, *p)
-        return self.wrap(t, tuple(x.shape[a] for a in axes))
+    def rotary(self, positions: GArray, inv_freq=None) -> GArray:
+        """The positions (I32 [rows]) as they are: ggml_rope_ext computes the angles, from the frequencies and
+        scaling this backend took from the model's config."""
+        expect(len(positions.shape) == 1 and positions.t.contents.type == I32, f"rotary: {positions.shape}")
+        return positions
 
-    def softmax(self, x: GArray) -> GArray:
-        return self.wrap(self.node(g.ggml_soft_max, self.contiguous(x).t), x.shape)
-
-    def where(self, mask, x, fill):
-        raise NotImplementedError("the ggml backend masks inside flash attention (see attention)")
-
-    def rope(self, x: GArray, cos: GArray, sin=None) -> GArray:
-        """Rotary embedding of x [N, heads, hd] (NEOX or NORMAL pairs, see __init__). `cos` carries the rows'
-        positions (I32 [N]): this engine's steps put positions where other engines put cos/sin tables, and ggml
-        computes the angles."""
-        expect(len(x.shape) == 3 and x.shape[2] == self.head_dim and cos.shape == (x.shape[0],), f"rope: {x.shape}")
-        t = self.node(g.ggml_rope_ext, x.t, cos.t, self.freq_factors, self.head_dim, self.rope_mode,
+    def rope(self, x: GArray, rotary: GArray) -> GArray:
+        """Rotary embedding of x [N, heads, hd] (NEOX or NORMAL pairs, see __init__) at the rows' positions
+        `rotary` (I32 [N], see `rotary`)."""
+        expect(len(x.shape) == 3 and x.shape[2] == self.head_dim and rotary.shape == (x.shape[0],), f"rope: {x.shape}")
+        t = self.node(g.ggml_rope_ext, x.t, rotary.t, self.freq_factors, self.head_dim, self.rope_mode,
                       self.rope_ctx, self.theta, 1.0, 0.0, 1.0, 32.0, 1.0)
         return self.wrap(t, x.shape)
 

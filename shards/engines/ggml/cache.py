@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
-from shards.engines.backend import KVCache
+from shards.engines.backend import KVCache, RequestCache
 from shards.engines.ggml.backend import expect
 from shards.engines.ggml.lib import F16, Context, MappedBuffer, g
 
@@ -53,22 +53,19 @@ class LayerKV:
         self.ctx.free()
 
 
-class RequestKV:
-    """Every layer's cache of one request, and how many positions they hold."""
+class RequestKV(RequestCache):
+    """Every layer's cache of one request, how many positions they hold (advanced by `commit` only) and how many
+    they can hold."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int):
-        self.length, self.capacity = 0, capacity
-        self.layers: list[LayerKV] = []
+        super().__init__([])
+        self.capacity = capacity
         try:
             for _ in range(n_layers):
                 self.layers.append(LayerKV(n_kv_heads, head_dim, capacity))
         except BaseException:
             self.free()
             raise
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
 
     def grow(self, capacity: int) -> None:
         """Move to larger caches (the graphs that referenced the old ones must be dropped by the caller)."""
@@ -95,8 +92,8 @@ class RequestKV:
 class GraphKV(KVCache):
     """A layer cache as the graph being built sees it (see the module docstring)."""
 
-    def __init__(self, ops, layer: LayerKV, positions, span: int, length: int):
-        self.ops, self.layer, self.positions, self.span, self.length = ops, layer, positions, span, length
+    def __init__(self, ops, layer: LayerKV, positions, span: int):
+        self.ops, self.layer, self.positions, self.span = ops, layer, positions, span
 
     def update_and_fetch(self, k, v, start):
         ops, layer = self.ops, self.layer

@@ -7,8 +7,9 @@ quantized CPU kernels on `threads` threads.
 Matmul weights of the types ggml's CPU_REPACK buffer has kernels for on this CPU (per llama.cpp's own probe: Q4_0,
 Q4_K here) are placed there; everything else, and always the embedding table, in plain CPU memory.
 
-Each step's batch layout (see shards/engines/ggml/graph.py) has one compute graph, built by running the shared model on the
-ggml backend the first time the layout is seen and re-run afterwards; KV caches are F16 per request and layer
+A step runs as every engine's does (`BlockEngine.run`); this engine's runner, `GraphRunner`, gives each batch layout
+(see shards/engines/ggml/graph.py) one compute graph, built by running the shared model on the ggml backend the
+first time the layout is seen and re-run afterwards; KV caches are F16 per request and layer
 (shards/engines/ggml/cache.py). Every input is validated before ggml sees it: a ggml assertion would abort the process.
 """
 from __future__ import annotations
@@ -19,11 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from shards.formats.config import ModelConfig
-from shards.engines.base import Engine, EngineInputError, StepInput
+from shards.engines.base import BlockEngine, EngineInputError, Packing, StepInput
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cache import RequestKV, span_for
-from shards.engines.ggml.graph import Graph, GraphCache, Layout, MaskRamp
+from shards.engines.ggml.graph import Graph, GraphCache, Layout
 from shards.engines.ggml.lib import default_threads, g
+from shards.engines.masks import CausalMasks
+from shards.engines.runner import Runner
 from shards.engines.ggml.weights import QUANTIZE_CHOICES, load_ggml_shard_weights
 from shards.formats.loader import open_model
 from shards.formats.gguf_model import rope_pairs_interleaved
@@ -34,7 +37,7 @@ log = logging.getLogger(__name__)
 MIN_CAPACITY = 256  # a request without a reservation starts with this many positions and doubles
 
 
-class GgmlEngine(Engine):
+class GgmlEngine(BlockEngine):
     name = "ggml"
     options = ("threads", "quantize")  # engine options this engine takes (node flags --threads, --quantize)
     kv_value_bytes = 2  # F16 cache
@@ -64,8 +67,14 @@ class GgmlEngine(Engine):
             raise MemoryError("ggml could not start its CPU backend")
         g.ggml_backend_cpu_set_n_threads(self.backend, threads)
         self.caches: dict[str, RequestKV] = {}
-        self.graphs = GraphCache()
-        self.ramp = MaskRamp()
+        self.runner = GraphRunner(self)
+
+    def make_backend(self) -> GgmlBackend:
+        return self.ops  # made in __init__, which needs the model's files to choose its rope mode
+
+    @property
+    def graphs(self) -> GraphCache:
+        return self.runner.graphs
 
     @staticmethod
     def check_options(model_dir: str | Path, threads: int | None = None, quantize: str | None = None) -> None:
@@ -78,76 +87,13 @@ class GgmlEngine(Engine):
             raise ValueError(f"--quantize {quantize} applies to Hugging Face safetensors models; a GGUF file is "
                              "served in its own weight types")
 
-    # -- the engine interface ---------------------------------------------------------------------------------------
-    def forward(self, batch: list[StepInput], all_logits: bool = False) -> list[np.ndarray]:
-        if not batch:
-            return []
-        self.validate(batch)
-        output = "hidden" if not self.shard.is_last else ("all" if all_logits else "last")
-        caches = [self._cache(item) for item in batch]
-        starts = [c.length for c in caches]
-        lengths = tuple(item.length for item in batch)
-        spans = tuple(span_for(s + n, c.capacity) for s, n, c in zip(starts, lengths, caches))
-        layout = Layout(tuple(item.request_id for item in batch), lengths, spans, output)
-        graph = self.graphs.get(layout)
-        if graph is None:
-            graph = Graph(self.ops, self.model, layout, caches, self.shard.is_first, self.config.hidden_size)
-            self.graphs.put(graph)
-        if self.shard.is_first:
-            x = np.concatenate([item.tokens for item in batch])  # ids validated: they fit in int32
-        else:
-            x = np.ascontiguousarray(np.concatenate([item.hidden for item in batch]), dtype=np.float32)
-        if max(lengths) == 1:
-            positions = np.array(starts, dtype=np.int32)
-        else:
-            positions = np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, lengths)])
-        masks = [self.ramp.mask(s, n, span) for s, n, span in zip(starts, lengths, spans)]
-        out = graph.run(self.backend, x, positions, masks)
-        for cache, s, n in zip(caches, starts, lengths):
-            cache.length = s + n
-        if output == "last":
-            return [out[i: i + 1] for i in range(len(batch))]
-        bounds = np.cumsum((0,) + lengths)
-        return [out[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-
-    def _cache(self, item: StepInput) -> RequestKV:
-        """The request's cache, able to hold this step's positions (which `validate` keeps within the model's
-        context): sized from the reservation when it is known, else doubled as needed."""
-        cfg, rid = self.config, item.request_id
-        cache = self.caches.get(rid)
-        end = (cache.length if cache else 0) + item.length
-        if cache is None:
-            capacity = item.max_positions if item.max_positions and item.max_positions >= end else MIN_CAPACITY
-            capacity = min(max(capacity, end), cfg.max_position_embeddings)
-            cache = self.caches[rid] = RequestKV(len(self.model.layers), cfg.n_kv_heads, cfg.head_dim, capacity)
-        elif end > cache.capacity:
-            self.graphs.drop(rid)
-            cache.grow(min(max(end, 2 * cache.capacity), cfg.max_position_embeddings))
-        if end > cache.capacity:  # unreachable while validate() bounds positions; ggml would abort on it
-            raise EngineInputError(f"request {rid!r}: {end} positions exceed its cache of {cache.capacity}")
-        return cache
-
-    def release(self, request_id: str) -> None:
-        cache = self.caches.pop(request_id, None)
-        if cache is not None:
-            self.graphs.drop(request_id)
-            cache.free()
-
-    def cache_length(self, request_id: str) -> int:
-        cache = self.caches.get(request_id)
-        return cache.length if cache else 0
-
     def nbytes(self) -> int:
         return sum(self.ops.nbytes(w) for w in self._weights.values())
-
-    def cache_bytes(self) -> int:
-        """Memory reserved by every request's KV cache (read from other threads: plain ints only)."""
-        return sum(c.nbytes for c in list(self.caches.values()))
 
     def close(self) -> None:
         """Free everything ggml holds for this engine (also done when it is garbage collected)."""
         if getattr(self, "backend", None):
-            self.graphs.clear()
+            self.runner.graphs.clear()
             for rid in list(self.caches):
                 self.caches.pop(rid).free()
             g.ggml_backend_free(self.backend)
@@ -159,3 +105,44 @@ class GgmlEngine(Engine):
             self.close()
         except Exception:  # interpreter shutdown: the binding may already be gone, and the OS frees it all anyway
             pass
+
+
+class GraphRunner(Runner):
+    """Steps through graphs built once per batch layout, caches sized from reservations, F16 additive masks."""
+
+    def __init__(self, engine: GgmlEngine):
+        self.engine, self.config = engine, engine.config
+        self.graphs = GraphCache()
+        self.masks = CausalMasks(np.float16(0), np.float16(-np.inf), np.float16)
+
+    def cache(self, cache: RequestKV | None, item: StepInput, end: int) -> RequestKV:
+        """Sized from the reservation when it is known, else doubled as needed (its graphs dropped: they point at
+        the old memory)."""
+        cfg = self.config
+        if cache is None:
+            capacity = item.max_positions if item.max_positions and item.max_positions >= end else MIN_CAPACITY
+            capacity = min(max(capacity, end), cfg.max_position_embeddings)
+            cache = RequestKV(len(self.engine.model.layers), cfg.n_kv_heads, cfg.head_dim, capacity)
+        elif end > cache.capacity:
+            self.graphs.drop(item.request_id)
+            cache.grow(min(max(end, 2 * cache.capacity), cfg.max_position_embeddings))
+        if end > cache.capacity:  # unreachable while validate() bounds positions; ggml would abort on it
+            raise EngineInputError(f"request {item.request_id!r}: {end} positions exceed its cache of {cache.capacity}")
+        return cache
+
+    def run(self, x: np.ndarray, p: Packing, caches: list[RequestKV], all_logits: bool) -> np.ndarray:
+        e, starts, lengths = self.engine, p.starts, tuple(p.lengths)
+        output = "hidden" if not e.shard.is_last else ("all" if all_logits else "last")
+        spans = tuple(span_for(s + n, c.capacity) for s, n, c in zip(starts, lengths, caches))
+        layout = Layout(p.request_ids, lengths, spans, output)
+        graph = self.graphs.get(layout)
+        if graph is None:
+            graph = Graph(e.ops, e.model, layout, caches, e.shard.is_first, self.config.hidden_size)
+            self.graphs.put(graph)
+        if not e.shard.is_first:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        masks = [self.masks(s, n, span) for s, n, span in zip(starts, lengths, spans)]
+        return graph.run(e.backend, x, p.positions, masks)
+
+    def drop(self, request_id: str) -> None:
+        self.graphs.drop(request_id)

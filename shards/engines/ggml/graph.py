@@ -4,7 +4,8 @@ A `Layout` is what fixes a graph's shape and the tensors it touches: which reque
 how many rows each brings, how many cache cells each attends (its span), and which logits come out. The first step
 with a layout runs `ShardModel` on the ggml backend to build the graph (a few ms for a 30-layer model) and gives it
 its own compute buffer; every later step with the same layout only copies in the inputs (tokens or hidden rows,
-positions, masks) and computes: tens of microseconds of Python per step.
+positions, masks) and computes: tens of microseconds of Python per step. `GraphRunner` is the engine's runner for
+`BlockEngine.run`: it makes and grows the caches, finds or builds the step's graph and runs it.
 """
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ from shards.engines.ggml.backend import GArray, GgmlBackend
 from shards.engines.ggml.cache import GraphKV, RequestKV
 from shards.engines.ggml.lib import F16, F32, I32, Context, GgmlError, cpu_buffer_type, g
 from shards.transformer import ShardModel, Step
-
-NEG_INF = np.float16(-np.inf)
 
 
 @dataclass(frozen=True)
@@ -62,8 +61,8 @@ class Graph:
             bound = []
             for r, cache in enumerate(caches):
                 pos = ops.view(positions, (layout.lengths[r],), (4,), 4 * bounds[r])
-                bound.append([GraphKV(ops, layer, pos, layout.spans[r], cache.length) for layer in cache.layers])
-            step = Step(bounds, [c.length for c in caches], positions, None, masks)
+                bound.append([GraphKV(ops, layer, pos, layout.spans[r]) for layer in cache.layers])
+            step = Step(bounds, [c.length for c in caches], positions, ops.rotary(positions), masks)
             out: GArray = ops.contiguous(model(x, step, bound, out_ids))
         except BaseException:  # a failed build (context full, a shape check): its context's memory goes back now
             self.ctx.free()
@@ -141,23 +140,3 @@ class GraphCache:
     @property
     def compute_bytes(self) -> int:
         return sum(graph.compute_bytes for graph in self.graphs.values())
-
-
-class MaskRamp:
-    """Causal masks without building them: row p of a mask over `span` cells (0 for cells <= p, -inf beyond) is
-    the slice ramp[L-1-p : L-1-p+span] of one array of L zeros followed by L -infs. A decode step's mask is such
-    a slice as it is; a prompt chunk's rows are consecutive slices, read out with one strided copy."""
-
-    def __init__(self):
-        self.half = 0
-        self.ramp = np.zeros(0, dtype=np.float16)
-
-    def mask(self, start: int, length: int, span: int) -> np.ndarray:
-        if span > self.half:
-            self.half = max(span, 2 * self.half, 1024)
-            self.ramp = np.concatenate([np.zeros(self.half, np.float16), np.full(self.half, NEG_INF)])
-        at = self.half - 1 - start
-        if length == 1:
-            return self.ramp[at: at + span]
-        rows = np.lib.stride_tricks.as_strided(self.ramp[at - length + 1:], (length, span), (2, 2))[::-1]
-        return np.ascontiguousarray(rows)

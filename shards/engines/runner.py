@@ -1,0 +1,70 @@
+"""How a step is carried out once `BlockEngine.run` has validated and packed it: the pluggable part of an engine.
+
+A `Runner` makes and grows each request's cache (it knows the storage) and computes a packed step over the shared
+model: `EagerRunner` op by op (numpy, MLX, and tinygrad's shapes it has not captured), tinygrad's `TinyJitRunner`
+by replaying captured kernels, ggml's `GraphRunner` by re-running a graph built once per batch layout. A runner
+writes keys and values but never advances a cache's length: `BlockEngine.run` commits the step once it returns.
+Masks come from shards/engines/masks.py in every runner, in its backend's form.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from shards.engines.backend import RequestCache
+from shards.engines.masks import CausalMasks, allowed
+from shards.transformer import Step
+
+if TYPE_CHECKING:
+    from shards.engines.base import BlockEngine, Packing, StepInput
+
+
+class Runner(ABC):
+    @abstractmethod
+    def cache(self, cache: RequestCache | None, item: StepInput, end: int) -> RequestCache:
+        """The request's cache (a new one when `cache` is None) able to hold `end` positions: `validate` has kept
+        `end` within the model's context, and `item.max_positions`, when given, is the request's reservation."""
+
+    @abstractmethod
+    def run(self, x: np.ndarray, p: Packing, caches: list[RequestCache], all_logits: bool) -> np.ndarray:
+        """Compute the step: x is the packed token ids (first shard) or float32 hidden rows. Returns float32 rows:
+        hidden [rows, hidden] on a non-last shard; on the last, logits of each request's last row [requests,
+        vocab], or of every row when `all_logits` (teacher-forced scoring: a runner may then prefer its exact
+        eager path to a padded capture, whatever the shard)."""
+
+    def drop(self, request_id: str) -> None:
+        """Forget what the runner keeps for a released request (graphs that point at its cache)."""
+
+
+class EagerRunner(Runner):
+    """The shared model called op by op on the engine's `EagerBackend`, with boolean masks over each request's
+    positions so far and layer caches that grow as they are written."""
+
+    def __init__(self, engine: BlockEngine):
+        self.engine, self.ops, self.model = engine, engine.ops, engine.model
+        cfg = engine.config
+        self.group = cfg.n_heads // cfg.n_kv_heads
+        self.inv_freq = np.asarray(cfg.rope.inv_freq(cfg.head_dim))
+        self.masks = CausalMasks(True, False, bool)
+
+    def cache(self, cache: RequestCache | None, item: StepInput, end: int) -> RequestCache:
+        if cache is not None:
+            return cache
+        cfg, capacity = self.engine.config, item.max_positions
+        if capacity is not None:  # a peer's number: never a cache larger than the model's context
+            capacity = min(capacity, cfg.max_position_embeddings)
+        return RequestCache([self.ops.new_cache(cfg.n_kv_heads, cfg.head_dim, capacity) for _ in self.model.layers])
+
+    def step(self, p: Packing) -> Step:
+        ops = self.ops
+        masks = [allowed(self.masks, s, n, self.group) for s, n in zip(p.starts, p.lengths)]
+        return Step(p.bounds, p.starts, p.positions, ops.rotary(p.positions, self.inv_freq),
+                    [None if m is None else ops.array(m) for m in masks])
+
+    def run(self, x: np.ndarray, p: Packing, caches: list[RequestCache], all_logits: bool) -> np.ndarray:
+        ops, shard = self.ops, self.engine.shard
+        x = x if shard.is_first else ops.array(x)
+        last_rows = p.last_rows if shard.is_last and not all_logits else None
+        return ops.to_numpy(self.model(x, self.step(p), [c.layers for c in caches], last_rows))
