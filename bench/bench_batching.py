@@ -30,7 +30,7 @@ from shards.engines.base import StepInput
 from shards.engines.registry import engine_class
 from shards.formats.packaged import resolve_model
 from shards.shard import Shard
-from tests.support.cluster import Cluster
+from bench.local_cluster import Cluster
 
 MODEL_ID = "smollm2-135m-instruct"
 STORY = ("The old lighthouse keeper climbed the spiral stairs every evening, counting the steps as his father had "

@@ -34,7 +34,7 @@ from bench.random_model import write_random_llama
 from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
 from shards.progress import Progress, track
-from tests.support.cluster import Cluster
+from bench.local_cluster import Cluster
 
 NODES = (1, 2, 3, 4)
 STREAMS = (1, 2, 4, 8, 16)

@@ -27,7 +27,7 @@ from node.fetch.layout import build_manifest
 from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
 from shards.shard import Shard
-from tests.support.cluster import Cluster
+from bench.local_cluster import Cluster
 
 PROMPT = "Write a haiku about the sea."
 

@@ -261,7 +261,7 @@ def chats(path: Path, llama: str, work: Path) -> list[dict]:
 def memory(models: dict[str, Path]) -> list[dict]:
     """The engine's load in a fresh process (resident memory before/after), and whole exo-node processes pinned to
     all layers or a third of them (ggml, and numpy for comparison)."""
-    from tests.support.cluster import Cluster
+    from bench.local_cluster import Cluster
 
     rows = []
     for name, path in models.items():
@@ -284,7 +284,7 @@ def pipeline(models: dict[str, Path], tokens: int = 128) -> list[dict]:
     """One greedy stream through the HTTP API: 1 node vs 3 nodes on loopback (ggml, 1 thread each: three nodes
     share this machine's cores), for SmolLM2 (30 layers) and the random 357.6M Q8_0 model (8 layers)."""
     from bench.bench_cluster import decode_rate, stream_stamps
-    from tests.support.cluster import Cluster
+    from bench.local_cluster import Cluster
 
     rows = []
     for name, splits in (("smollm2-q4_1", ["0:10", "10:20", "20:30"]), ("random357m-q8_0", ["0:3", "3:6", "6:8"])):

@@ -138,7 +138,7 @@ def cluster_decode(rounds: int, tokens: int, engine: str) -> None:
 
     from bench.bench_cluster import decode_rate, stream_stamps
     from node.security import write_key_file
-    from tests.support.cluster import Cluster
+    from bench.local_cluster import Cluster
 
     with tempfile.TemporaryDirectory() as tmp:
         key_file = Path(tmp) / "k"

@@ -14,8 +14,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.wait import WebDriverWait
 
 from node.cli import DEMO_MODEL
-from tests.support.browser import chromium
-from tests.support.cluster import ROOT, Cluster
+from bench.browser import chromium
+from bench.local_cluster import ROOT, Cluster
 
 PROMPT = "And God said, Let there be"
 

@@ -1,16 +1,32 @@
-import json
-from functools import cache
+"""Fixtures shared by every tier, and the tiers' markers.
+
+tests/unit       fast, in process                      (no marker: `pytest -m "not slow"` runs exactly these)
+tests/engines    numerics against references           slow, engines
+tests/cluster    real node processes on loopback       slow, cluster
+tests/multihost  network namespaces, needs root        slow, root
+tests/web        a headless browser                    slow, browser
+"""
 from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures"
-MODELS = ["llama", "qwen2", "qwen3"]
+from tests.support.http import API_KEY
+from tests.support.models import FIXTURES, MODELS, golden
+
+__all__ = ["API_KEY", "FIXTURES", "MODELS", "golden"]  # (tests written before tests/support/ import them from here)
+
+TIER_MARKERS = {"engines": ("slow", "engines"), "cluster": ("slow", "cluster"), "multihost": ("slow", "root"),
+                "web": ("slow", "browser")}
 
 
-@cache
-def golden(model: str) -> dict:
-    return json.loads((FIXTURES / model / "golden.json").read_text())
+def pytest_collection_modifyitems(config, items):
+    """Mark each test by the tier folder it lives in, so that `-m` selects tiers without a decorator per file."""
+    tests = Path(__file__).parent
+    for item in items:
+        path = Path(item.fspath)
+        tier = path.relative_to(tests).parts[0] if path.is_relative_to(tests) else None
+        for name in TIER_MARKERS.get(tier, ()):
+            item.add_marker(name)
 
 
 @pytest.fixture(params=MODELS)
@@ -21,9 +37,6 @@ def model(request) -> str:
 @pytest.fixture
 def model_dir(model) -> Path:
     return FIXTURES / model
-
-
-API_KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="session")

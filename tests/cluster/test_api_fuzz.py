@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.cluster import Cluster
-from tests.conftest import FIXTURES
-from tests.cluster.test_api_http import post, raw
+from tests.support.http import post, raw
+from tests.support.models import FIXTURES
 
 KNOWN = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
          "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs", "n", "echo", "suffix", "user",

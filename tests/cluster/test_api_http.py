@@ -1,30 +1,13 @@
 """Raw HTTP against a live node: SSE framing, auth, CORS, limits, and malformed requests (never a 5xx)."""
 import asyncio
-import http.client
 import json
-from urllib.parse import urlparse
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from node.http.api import Api, ApiSettings
-from tests.conftest import API_KEY
+from tests.support.http import API_KEY, post, raw
 from tests.unit.test_node_rpc import serving, shutdown
-
-
-def raw(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None, key=API_KEY):
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-    h = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {}) | (headers or {})
-    conn.request(method, path, body=body, headers={k: v for k, v in h.items() if v is not None})
-    r = conn.getresponse()
-    data = r.read()
-    conn.close()
-    return r.status, dict(r.getheaders()), data
-
-
-def post(url, path, obj, **kw):
-    return raw(url, "POST", path, json.dumps(obj).encode(), **kw)
 
 
 CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -36,7 +19,7 @@ def api(request):
 
 
 def test_sse_framing(api):
-    status, headers, data = post(api[0], "/v1/chat/completions", CHAT | {"stream": True})
+    status, headers, data = post(api[0], "/v1/chat/completions", CHAT | {"stream": True}, key=API_KEY)
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     text = data.decode()
     assert text.endswith("data: [DONE]\n\n")
@@ -53,7 +36,7 @@ def test_auth_is_required_but_healthcheck_is_open(single_api):
     status, _, data = raw(url, "GET", "/v1/models", key="wrong")
     assert status == 401 and json.loads(data)["error"]["type"] == "authentication_error"
     assert raw(url, "GET", "/healthcheck", key=None)[0] == 200
-    assert raw(url, "GET", "/v1/models")[0] == 200
+    assert raw(url, "GET", "/v1/models", key=API_KEY)[0] == 200
 
 
 def test_cors_only_for_configured_origins(single_api, cluster_api):
@@ -61,9 +44,9 @@ def test_cors_only_for_configured_origins(single_api, cluster_api):
     status, headers, _ = raw(url, "OPTIONS", "/v1/chat/completions", key=None,
                              headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST"})
     assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://app.example"
-    _, headers, _ = raw(url, "GET", "/v1/models", headers={"Origin": "http://app.example"})
+    _, headers, _ = raw(url, "GET", "/v1/models", headers={"Origin": "http://app.example"}, key=API_KEY)
     assert headers["Access-Control-Allow-Origin"] == "http://app.example"
-    _, headers, _ = raw(url, "GET", "/v1/models", headers={"Origin": "http://evil.example"})
+    _, headers, _ = raw(url, "GET", "/v1/models", headers={"Origin": "http://evil.example"}, key=API_KEY)
     assert "Access-Control-Allow-Origin" not in headers
     _, headers, _ = raw(cluster_api[0], "GET", "/v1/models", key=None, headers={"Origin": "http://app.example"})
     assert "Access-Control-Allow-Origin" not in headers  # off by default
@@ -155,7 +138,7 @@ BAD = [
 @pytest.mark.parametrize("path,body,headers,status,param", BAD, ids=range(len(BAD)))
 def test_malformed_requests_get_a_clear_4xx_error_object(api, path, body, headers, status, param):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    got, _, raw_body = raw(api[0], "POST", path, data, headers=headers)
+    got, _, raw_body = raw(api[0], "POST", path, data, headers=headers, key=API_KEY)
     assert got == status, raw_body[:300]
     error = json.loads(raw_body)["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -163,12 +146,12 @@ def test_malformed_requests_get_a_clear_4xx_error_object(api, path, body, header
 
 
 def test_wrong_method_is_405_with_an_error_object(single_api):
-    status, _, data = raw(single_api[0], "GET", "/v1/chat/completions")
+    status, _, data = raw(single_api[0], "GET", "/v1/chat/completions", key=API_KEY)
     assert status == 405 and json.loads(data)["error"]["code"] == "method_not_allowed"
 
 
 def test_node_still_serves_after_all_that(api):
-    assert post(api[0], C, CHAT)[0] == 200
+    assert post(api[0], C, CHAT, key=API_KEY)[0] == 200
 
 
 def test_beyond_max_concurrent_requests_is_503_overloaded():

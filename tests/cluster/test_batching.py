@@ -1,15 +1,13 @@
 """Continuous batching on live nodes: prompts prefilled in chunks give the same text, KV cache memory is a budget
 that requests wait for (or are refused by, with a 503), never an out-of-memory death."""
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.support.cluster import Cluster, http
-from tests.conftest import FIXTURES
-from tests.cluster.test_cluster import reference
+from tests.support.cluster import Cluster, reference
+from tests.support.http import call_json as http
+from tests.support.http import chat_admission
+from tests.support.models import FIXTURES
 
 MODEL = FIXTURES / "llama"
 LONG = "Tell me everything about the sea, the ships that sail on it, the fish that swim in it and the storms. " * 2
@@ -56,23 +54,12 @@ def test_a_request_that_can_never_fit_the_kv_budget_is_refused_at_once():
         assert time.monotonic() - started < 5
 
 
-def post(url, body):
-    """(status, Retry-After header, error code or None) of a chat request."""
-    request = urllib.request.Request(f"{url}/v1/chat/completions", method="POST", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, None, None
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers.get("Retry-After"), json.loads(e.read())["error"]["code"]
-
-
 def flood(c, n, max_tokens):
     """n requests at once; their outcomes."""
     body = {"model": "llama", "messages": [{"role": "user", "content": "Tell me a long story"}],
             "max_tokens": max_tokens, "temperature": 0}
     with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(lambda _: post(c.nodes[0].api_url, body), range(n)))
+        return list(pool.map(lambda _: chat_admission(c.nodes[0].api_url, body), range(n)))
 
 
 def test_when_no_room_comes_within_the_queue_timeout_the_answer_is_503_with_retry_after():

@@ -3,44 +3,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-import urllib.request
 
 import numpy as np
 from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from shards.shard import Shard
+from tests.support.http import post, raw
 from tests.unit.test_node_rpc import serving, shutdown, spec_for
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def parse(text: str) -> Samples:
-    """(sample name, sorted labels) -> value, as Prometheus would read them."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def scrape(url: str, key: str | None = None) -> Samples:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    with urllib.request.urlopen(urllib.request.Request(f"{url}/metrics", headers=headers), timeout=10) as r:
-        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        return parse(r.read().decode())
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def post(url: str, path: str, body: dict) -> tuple[int, bytes]:
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+from tests.support.metrics import parse, scrape, value
+from tests.support.polling import wait_until
 
 
 def test_counters_and_histograms_add_up_after_real_traffic(live_cluster):
@@ -49,16 +20,16 @@ def test_counters_and_histograms_add_up_after_real_traffic(live_cluster):
     entry = urls["node0"]
     before = {node: scrape(url) for node, url in urls.items()}
 
-    status, body = post(entry, "/v1/chat/completions", {"model": "llama", "max_tokens": 7, "temperature": 0,
+    status, _, body = post(entry, "/v1/chat/completions", {"model": "llama", "max_tokens": 7, "temperature": 0,
                                                         "messages": [{"role": "user", "content": "count"}]})
     assert status == 200
     usages = [json.loads(body)["usage"]]
-    status, body = post(entry, "/v1/completions", {"model": "llama", "prompt": "Once upon", "max_tokens": 5,
+    status, _, body = post(entry, "/v1/completions", {"model": "llama", "prompt": "Once upon", "max_tokens": 5,
                                                    "stream": True, "stream_options": {"include_usage": True}})
     assert status == 200
     usages.append(next(json.loads(line[6:])["usage"] for line in body.decode().split("\n\n")
                        if line.startswith("data: {") and '"usage"' in line))
-    status, _ = post(entry, "/v1/chat/completions", {"model": "llama", "max_tokens": 300,  # beyond the context
+    status, _, _ = post(entry, "/v1/chat/completions", {"model": "llama", "max_tokens": 300,  # beyond the context
                                                      "messages": [{"role": "user", "content": "x"}]})
     assert status == 400
     wait_idle(urls)
@@ -96,19 +67,14 @@ def test_counters_and_histograms_add_up_after_real_traffic(live_cluster):
 
 
 def wait_idle(urls: dict[str, str], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while any(value(scrape(url), "exo_requests_in_flight") for url in urls.values()):
-        assert time.monotonic() < deadline, "requests still in flight"
-        time.sleep(0.05)
+    wait_until(lambda: not any(value(scrape(url), "exo_requests_in_flight") for url in urls.values()), timeout,
+               "no request in flight on any node")
 
 
 def test_metrics_needs_the_api_key_like_the_rest_of_the_api(single_api):
     url, key = single_api
-    try:
-        urllib.request.urlopen(f"{url}/metrics", timeout=10)
-        raise AssertionError("/metrics answered without the key")
-    except urllib.error.HTTPError as e:
-        assert e.code == 401
+    status, _, _ = raw(url, "GET", "/metrics", timeout=10)
+    assert status == 401, "/metrics answered without the key"
     assert value(scrape(url, key), "exo_peers") == 0
 
 

@@ -12,8 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.support.cluster import Cluster, rss_bytes, stream_completion
-from tests.conftest import FIXTURES
+from tests.support.cluster import Cluster, rss_bytes
+from tests.support.http import stream_completion
+from tests.support.models import FIXTURES
+from tests.support.polling import wait_until
 
 MODEL = FIXTURES / "llama"
 PROMPT = "Once upon a time, in a land far away, there lived"
@@ -172,8 +174,8 @@ def test_a_node_waiting_for_an_input_that_never_comes_frees_the_request_after_th
             return c.topology(c.nodes[1])["nodes"][0]
 
         try:
-            while node1()["active_requests"] and time.monotonic() - frozen < 10:
-                time.sleep(0.1)
+            wait_until(lambda: not node1()["active_requests"], 10 - (time.monotonic() - frozen),
+                       "node1 to free the request after its idle timeout", interval=0.1)
             freed = time.monotonic() - frozen
             assert node1()["active_requests"] == 0 and freed < 5
             assert node1()["status"].get("ended_expired") == 1, node1()["status"]

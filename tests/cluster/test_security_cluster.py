@@ -21,9 +21,8 @@ from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 from shards.sampling import SamplingParams
 from shards.shard import Shard
-from tests.support.cluster import ROOT, Cluster, free_port
-from tests.conftest import FIXTURES
-from tests.cluster.test_cluster import assert_matches_reference
+from tests.support.cluster import ROOT, Cluster, assert_matches_reference, free_port
+from tests.support.models import FIXTURES
 
 MODEL = FIXTURES / "llama"
 REFUSED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)

@@ -13,9 +13,9 @@ import pytest
 
 from tests.support import netns
 from tests.support.cluster import READY_API, ROOT
-from tests.conftest import FIXTURES
-from node.security import write_key_file
-from tests.cluster.test_cluster import reference
+from tests.support.models import FIXTURES
+from tests.support.polling import wait_until
+from tests.support.cluster import reference
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
 
@@ -33,22 +33,6 @@ def call(lan, i, path, body=None) -> dict:
 
 def peers_seen(lan, i) -> set[str]:
     return {n["node_id"] for n in call(lan, i, "/v1/topology")["nodes"]}
-
-
-def wait_until(predicate, timeout: float) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not true within {timeout}s")
-        time.sleep(0.2)
-    return time.monotonic() - start
-
-
-@pytest.fixture(scope="module")
-def key(tmp_path_factory):
-    path = tmp_path_factory.mktemp("key") / "cluster.key"
-    write_key_file(path)
-    return path
 
 
 def start_hosts(lan, n: int, key, first: int = 0, extra=()) -> list[subprocess.Popen]:
@@ -79,7 +63,8 @@ def test_three_hosts_find_each_other_serve_and_survive_a_death(capsys, key):
         procs = start_hosts(lan, 3, key)
         try:
             everyone = {"host0", "host1", "host2"}
-            join = wait_until(lambda: all(peers_seen(lan, i) == everyone for i in range(3)), 30)
+            join = wait_until(lambda: all(peers_seen(lan, i) == everyone for i in range(3)), 30,
+                              "every host to see all three", interval=0.2)
             join_time = time.monotonic() - started
 
             prompt = "The capital of France is"
@@ -93,7 +78,8 @@ def test_three_hosts_find_each_other_serve_and_survive_a_death(capsys, key):
             procs[2].send_signal(signal.SIGKILL)
             procs[2].wait()
             killed = time.monotonic()
-            wait_until(lambda: all(peers_seen(lan, i) == {"host0", "host1"} for i in range(2)), 5 + 2)
+            wait_until(lambda: all(peers_seen(lan, i) == {"host0", "host1"} for i in range(2)), 5 + 2,
+                       "the survivors to drop the dead host", interval=0.2)
             eviction = time.monotonic() - killed
             assert call(lan, 1, "/v1/chat/completions", body)["choices"][0]["message"]["content"] == expected
             with capsys.disabled():
@@ -109,11 +95,12 @@ def test_a_host_whose_link_goes_down_mid_request_is_routed_around(capsys, key):
     with netns.PrivateLan(3, subnet=78) as lan:
         procs = start_hosts(lan, 3, key)
         try:
-            wait_until(lambda: peers_seen(lan, 0) == {"host0", "host1", "host2"}, 30)
+            wait_until(lambda: peers_seen(lan, 0) == {"host0", "host1", "host2"}, 30, "host0 to see all three",
+                       interval=0.2)
             expected = call(lan, 0, "/v1/completions", body)["choices"][0]["text"]
             # all three carry layers (host0 hears of its peers' loaded shards at their next health check)
             wait_until(lambda: {n["node_id"] for n in call(lan, 0, "/v1/topology")["nodes"] if n["loaded"]}
-                       == {"host0", "host1", "host2"}, 10)
+                       == {"host0", "host1", "host2"}, 10, "all three hosts to report loaded layers", interval=0.2)
             answer = {}
 
             def ask():

@@ -13,10 +13,11 @@ from node.security import write_key_file
 from shards.shard import Shard
 from tests.support import netns
 from tests.support.cluster import READY_API, ROOT
-from tests.conftest import FIXTURES
-from tests.cluster.test_cluster import reference
+from tests.support.cluster import reference
+from tests.support.models import FIXTURES
 from tests.cluster.test_fetch_cluster import MARGIN
-from tests.multihost.test_multihost import call, wait_until
+from tests.multihost.test_multihost import call
+from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
 MODEL = FIXTURES / "llama"
@@ -43,7 +44,8 @@ def test_two_hosts_without_the_model_fetch_their_layers_from_the_third(tmp_path,
 
             def plans():
                 return [call(lan, i, "/v1/topology")["plan"] or [] for i in range(3)]
-            wait_until(lambda: len((p := plans())[0]) == 3 and all(x == p[0] for x in p), 60)
+            wait_until(lambda: len((p := plans())[0]) == 3 and all(x == p[0] for x in p), 60,
+                       "all hosts to agree on a three-host plan", interval=0.2)
             ready = time.monotonic() - started
             prompt = "The capital of France is"
             body = {"model": "llama", "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,

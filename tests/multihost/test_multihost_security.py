@@ -14,8 +14,9 @@ from node.security import write_key_file
 from shards.tokenizer import Tokenizer
 from tests.support import netns
 from tests.support.cluster import ROOT
-from tests.conftest import FIXTURES
-from tests.multihost.test_multihost import call, key, peers_seen, start_hosts, stop_hosts, wait_until
+from tests.support.models import FIXTURES
+from tests.support.polling import wait_until
+from tests.multihost.test_multihost import call, peers_seen, start_hosts, stop_hosts
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
 MEMBERS = {"host0", "host1", "host2"}
@@ -69,7 +70,8 @@ def test_a_host_without_the_key_is_never_a_member_and_replayed_announcements_are
             # the rogue: announces itself (signed with another key) and points at the members directly too
             procs += start_hosts(lan, 1, tmp_path / "other.key", first=3,
                                  extra=["--peers", ",".join(f"{ip}:50051" for ip in lan.ips[:3])])
-            wait_until(lambda: all(peers_seen(lan, i) == MEMBERS for i in range(3)), 30)
+            wait_until(lambda: all(peers_seen(lan, i) == MEMBERS for i in range(3)), 30, "the members to see each other",
+                       interval=0.2)
             assert replayer.stdout.readline().strip() == "replayed"
             time.sleep(2)  # more announcements and membership rounds with the rogue around
             assert all(peers_seen(lan, i) == MEMBERS for i in range(3))
@@ -99,7 +101,7 @@ def captured_request(lan, key, tmp_path) -> tuple[bytes, bytes]:
     try:
         for i in range(3):
             procs += start_hosts(lan, 1, key, first=i, extra=["--shard", shards[i]])
-        wait_until(lambda: peers_seen(lan, 0) == MEMBERS, 30)
+        wait_until(lambda: peers_seen(lan, 0) == MEMBERS, 30, "host0 to see the members", interval=0.2)
         capture = subprocess.Popen(["ip", "netns", "exec", lan.switch, sys.executable, "-m", "tests.support.capture", "any",
                                     "8", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
         assert capture.stdout.readline().strip() == "capturing"

@@ -12,19 +12,9 @@ from node.core.node_core import CoreLimits, Deliver, NodeCore, Release, Sample, 
 from node.core.scheduler import Group, Queued, SchedulerLimits
 from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage, Tombstones
-from shards.formats.config import ModelConfig
-from shards.sampling import SampleResult, SamplingParams
+from shards.sampling import SampleResult
 from shards.shard import Shard
-from tests.conftest import FIXTURES
-
-CFG = ModelConfig.from_dir(FIXTURES / "llama")  # 6 layers, hidden 64, vocab 512
-STOP = 509
-ADDR = {"a": "h:1", "b": "h:2", "c": "h:3", "entry": "h:9"}
-
-
-def spec(rid="r1", nodes=(("a", 0, 2), ("b", 2, 4), ("c", 4, 6)), max_tokens=3, entry="entry"):
-    plan = tuple(PlanStep(n, ADDR[n], Shard("llama", s, e, 6)) for n, s, e in nodes)
-    return RequestSpec(rid, plan, SamplingParams(temperature=0), max_tokens, frozenset({STOP}), entry, ADDR[entry])
+from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
 
 
 def core(node_id, scheduling=SchedulerLimits(), **limits):
@@ -34,18 +24,6 @@ def core(node_id, scheduling=SchedulerLimits(), **limits):
 def ran(shard, **outputs):
     """A group as the scheduler would have handed it out, for requests' single-position inputs."""
     return Group(shard, None, tuple(Queued(rid, np.zeros(1)) for rid in outputs))
-
-
-def hidden(rows=1):
-    return np.zeros((rows, CFG.hidden_size), np.float32)
-
-
-def logits():
-    return np.zeros((1, CFG.vocab_size), np.float32)
-
-
-def tokens(*ids):
-    return np.array(ids, np.int64)
 
 
 def of(kind, actions):

@@ -10,7 +10,7 @@ from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation
 from shards.sampling import SampleResult, SamplingParams
 from shards.shard import Shard
-from tests.unit.test_core import ADDR, CFG, STOP, hidden, logits, spec, tokens
+from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
 
 
 def guarded(node_id, **limits):

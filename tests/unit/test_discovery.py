@@ -4,7 +4,6 @@ import itertools
 import json
 import os
 import random
-import socket
 import time
 
 import pytest
@@ -12,6 +11,8 @@ import pytest
 from discovery.manual import ManualConfigError, ManualDiscovery
 from discovery.static import PeerListError, parse_peers
 from discovery.udp import MAX_PACKET, Announcement, BadPacket, UdpDiscovery, parse_announcement
+from tests.support.factories import free_udp_port
+from tests.support.polling import wait_until_async
 
 GOOD = Announcement("node-a", 50051, "llama", "numpy", 8 << 30)
 
@@ -71,12 +72,6 @@ def test_a_peer_not_heard_from_for_the_timeout_is_dropped():
     assert d.candidates() == []
 
 
-def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_instances_on_one_host_find_each_other_over_loopback():
     async def go():
         port = free_udp_port()
@@ -85,9 +80,7 @@ def test_two_instances_on_one_host_find_each_other_over_loopback():
         await a.start()
         await b.start()  # the same port twice on one host: address/port reuse
         try:
-            deadline = time.monotonic() + 10
-            while not (a.candidates() and b.candidates()) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await wait_until_async(lambda: a.candidates() and b.candidates(), 10, "the two nodes to hear each other")
             assert a.candidates() == ["127.0.0.1:1002"] and b.candidates() == ["127.0.0.1:1001"]
         finally:
             await a.stop()

@@ -10,7 +10,8 @@ import pytest
 from discovery.signed import MAGIC, OVERHEAD, PacketAuth, Rejected
 from discovery.udp import MAX_PACKET, Announcement, UdpDiscovery
 from node.security import ClusterKey, generate_secret
-from tests.unit.test_discovery import free_udp_port
+from tests.support.factories import free_udp_port
+from tests.support.polling import holds_within
 
 KEY = ClusterKey(generate_secret()).discovery_key()
 OTHER_KEY = ClusterKey(generate_secret()).discovery_key()
@@ -155,9 +156,7 @@ async def find_each_other(a: UdpDiscovery, b: UdpDiscovery, seconds: float) -> N
     await a.start()
     await b.start()
     try:
-        deadline = time.monotonic() + seconds
-        while not (a.candidates() and b.candidates()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await holds_within(lambda: a.candidates() and b.candidates(), seconds)  # not finding them is an outcome
     finally:
         await a.stop()
         await b.stop()

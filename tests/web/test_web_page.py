@@ -6,8 +6,6 @@ request really is still running when the stop button is pressed.
 from __future__ import annotations
 
 import re
-import urllib.error
-import urllib.request
 
 import pytest
 from selenium.common.exceptions import StaleElementReferenceException
@@ -15,10 +13,13 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.wait import WebDriverWait
 
 from bench.random_model import write_random_llama
-from tests.support.browser import chromium
+from bench.browser import chromium, missing
 from tests.support.cluster import Cluster
-from tests.conftest import FIXTURES
-from tests.cluster.test_metrics import scrape, value
+from tests.support.http import raw
+from tests.support.metrics import scrape, value
+from tests.support.models import FIXTURES
+
+pytestmark = pytest.mark.skipif(missing() is not None, reason=missing() or "")
 
 KEY = "sk-page-test"
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -154,12 +155,10 @@ def test_stop_button_ends_the_request_on_every_node(cluster, page):
 def test_page_and_assets_need_no_key_but_the_api_does(cluster):
     base = cluster.nodes[0].api_url
     for path in ("/", "/static/app.js", "/static/style.css"):
-        with urllib.request.urlopen(base + path, timeout=10) as r:
-            assert r.status == 200 and "default-src 'none'" in r.headers["Content-Security-Policy"]
+        status, headers, _ = raw(base, "GET", path, timeout=10)
+        assert status == 200 and "default-src 'none'" in headers["Content-Security-Policy"]
     for path in ("/v1/topology", "/metrics"):
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(base + path, timeout=10)
-        assert e.value.code == 401
+        assert raw(base, "GET", path, timeout=10)[0] == 401
 
 
 def test_the_page_loads_nothing_from_elsewhere():

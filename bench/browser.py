@@ -21,13 +21,18 @@ FLAGS = [
 ]
 
 
+def missing() -> str | None:
+    """None when a headless Chromium can be driven here, else what to install (the browser tests skip with it)."""
+    if (shutil.which("chromium") or shutil.which("chromium-browser")) and shutil.which("chromedriver"):
+        return None
+    return ("the browser tests need Debian's chromium and chromium-driver packages "
+            "(apt-get install chromium chromium-driver; .ci/run installs them)")
+
+
 def find_chromium() -> tuple[str, str]:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if not (browser and driver):
-        raise RuntimeError("the browser tests need Debian's chromium and chromium-driver packages "
-                           "(apt-get install chromium chromium-driver; .ci/run installs them)")
-    return browser, driver
+    if reason := missing():
+        raise RuntimeError(reason)
+    return shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
 
 
 @contextmanager
