@@ -8,28 +8,11 @@ from shards.generate import generate
 from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
-from tests.support.cluster import Cluster
-from tests.conftest import FIXTURES
+from tests.support.cluster import Cluster, assert_matches_reference, reference
+from tests.support.models import FIXTURES
 
 MODEL = FIXTURES / "llama"
 PROMPTS = ["The capital of France is", "Hello there, how are you?", "Write a poem about the sea.", "Why?"]
-
-
-def reference(prompt: str, max_tokens: int) -> tuple[str, str]:
-    """Text and finish reason from one process holding the whole model (itself proven against HF)."""
-    cfg, tok = ModelConfig.from_dir(MODEL), Tokenizer(MODEL)
-    engine = NumpyEngine(MODEL, Shard.whole("llama", cfg.n_layers), cfg)
-    ids = [r.token for r in generate([engine], tok.encode_chat([{"role": "user", "content": prompt}]), max_tokens,
-                                     eos_ids=tok.eos_token_ids)]
-    return tok.decode(ids), "stop" if ids[-1] in tok.eos_token_ids else "length"
-
-
-def assert_matches_reference(cluster: Cluster, prompt: str, max_tokens: int = 24, node=None) -> None:
-    status, body = cluster.chat(prompt, node=node, max_tokens=max_tokens, temperature=0)
-    assert status == 200, body
-    text, reason = reference(prompt, max_tokens)
-    assert body["choices"][0]["message"]["content"] == text
-    assert body["choices"][0]["finish_reason"] == reason
 
 
 def loaded_shards(cluster: Cluster) -> dict[str, list[str]]:
