@@ -243,6 +243,11 @@ class Api:
                 await send(fmt.usage_chunk(last.completion_tokens))
         except ApiError as e:  # the stream has started: the error goes in-band, then the stream ends
             await send(e.body())
+        except (ConnectionError, asyncio.CancelledError):
+            raise  # the client is gone: nothing can reach it
+        except Exception:  # a bug after the first chunk: still an error event and [DONE], never a stream cut short
+            log.exception("stream of %s %s failed", request.method, request.path)
+            await send(ApiError(500, "internal server error").body())
         await send("[DONE]")
         await response.write_eof()
         return response

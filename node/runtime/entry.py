@@ -56,10 +56,12 @@ class Entry:
     def __init__(self, node_id: str, address: str, transport: Transport, *,
                  plan: Callable[[Collection[str]], tuple[PlanStep, ...]], stop_token_ids: frozenset[int],
                  request_timeout: float, max_replays: int, queue_timeout: float, counters: Counter[str],
-                 spawn: Callable[..., object]):
+                 spawn: Callable[..., object], vocab_size: int):
         """`plan`: a new plan over the nodes alive, leaving out the ones given; `spawn` runs a coroutine as a task
-        its owner cancels on stop (ending a request everywhere outlives the caller's stream)."""
+        its owner cancels on stop (ending a request everywhere outlives the caller's stream); `vocab_size`: token
+        ids at or above it are refused (they come from a broken or hostile node, and would crash the decoder)."""
         self.node_id, self.address, self.transport, self.plan = node_id, address, transport, plan
+        self.vocab_size = vocab_size
         self.stop_token_ids, self.request_timeout, self.max_replays = stop_token_ids, request_timeout, max_replays
         self.queue_timeout = queue_timeout
         self.counters, self.spawn = counters, spawn
@@ -152,12 +154,31 @@ class Entry:
                 return
 
     def accept_tokens(self, message: TokenMessage, caller: str | None = None) -> None:
-        """Tokens (or an error) for one of our requests, from a node of its plan (`caller`, when authenticated)."""
+        """Tokens (or an error) for one of our requests, from a node of its plan (`caller`, when authenticated).
+
+        Only the plan's last node samples, so only it may send tokens or end the request other than with an error
+        (any node of the plan may report a failure): a key holder elsewhere in the plan can't put words in the
+        answer. Every token id must be in the vocabulary, whoever sends it: an id outside fails the request (it
+        would otherwise reach the tokenizer's decoder, which can't take it)."""
         attempt = self.attempts.get(message.request_id)
         if attempt is None or attempt.lost:
             return
-        if caller is not None and caller not in {step.node_id for step in attempt.spec.plan}:
+        plan = attempt.spec.plan
+        if caller is not None and caller not in {step.node_id for step in plan}:
             log.warning("tokens for request %s from %s, which is not in its plan: dropped", message.request_id, caller)
+            return
+        if caller is not None and caller != plan[-1].node_id and message.finish_reason != "error":
+            self.counters["results_refused"] += 1
+            log.warning("tokens for request %s from %s, which is not the last node of its plan (%s): dropped",
+                        message.request_id, caller, plan[-1].node_id)
+            return
+        ids = [t for r in message.results for t in (r.token, *(t for t, _ in r.top_logprobs))]
+        if bad := [t for t in ids if not 0 <= t < self.vocab_size]:
+            self.counters["results_refused"] += 1
+            attempt.lost = True  # nothing more from this attempt is believed
+            attempt.inbox.put_nowait(GenerationError(
+                f"node {caller or plan[-1].node_id} sent token id {bad[0]}, outside the vocabulary "
+                f"[0, {self.vocab_size})"))
             return
         attempt.inbox.put_nowait(message)
 

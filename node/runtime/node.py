@@ -66,7 +66,7 @@ class Node:
         self.entry = Entry(self.id, address, self.transport, plan=self.make_plan,
                            stop_token_ids=model.tokenizer.eos_token_ids, request_timeout=settings.request_timeout,
                            max_replays=settings.max_replays, queue_timeout=settings.queue_timeout,
-                           counters=self.counters, spawn=self._spawn)
+                           counters=self.counters, spawn=self._spawn, vocab_size=model.config.vocab_size)
         self._stat_sources = [self.counters, self.view.counters, self.pipeline.counters, self.core.counters,
                               self.batcher.stats, self.metrics.status, *stat_sources]
         self._tasks: set[asyncio.Task] = set()
