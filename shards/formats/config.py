@@ -27,17 +27,30 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | factors
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # kind "factors": one divisor per rotary pair, as a GGUF's rope_freqs.weight stores Llama 3.1+'s llama3 scaling
+    freq_factors: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.kind == "factors") != bool(self.freq_factors):
+            raise ConfigError("rope kind 'factors' needs freq_factors, and only it takes them")
+        if not all(math.isfinite(f) and f > 0 for f in self.freq_factors):
+            raise ConfigError("rope frequency factors must be positive finite numbers")
 
     def inv_freq(self, head_dim: int) -> "list[float]":
-        """Per-pair rotation frequencies, float64, after any scaling (llama3 smooths between bands)."""
+        """Per-pair rotation frequencies, float64, after any scaling (llama3 smooths between bands; `factors`
+        divides each pair's frequency by its factor, as llama.cpp's rope does with rope_freqs.weight)."""
         import numpy as np
 
         inv = 1.0 / (self.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+        if self.kind == "factors":
+            if len(self.freq_factors) != len(inv):
+                raise ConfigError(f"{len(self.freq_factors)} rope frequency factors for {len(inv)} rotary pairs")
+            return inv / np.asarray(self.freq_factors, dtype=np.float64)
         if self.kind == "linear":
             return inv / self.factor
         if self.kind == "llama3":

@@ -15,7 +15,7 @@ import numpy as np
 
 from shards.formats.config import ModelConfig, RopeConfig
 from shards.formats.gguf_file import GGUFError, GGUFFile, TensorInfo, open_gguf
-from shards.formats.quant import SUPPORTED_TYPES, QuantizedTensor, unpermute_order
+from shards.formats.quant import SUPPORTED_TYPES, Q, QuantizedTensor, unpermute_order
 from shards.shard import Shard
 from shards.formats.weights import LayerWeights, ShardWeights, layer_tensor_shapes
 
@@ -44,6 +44,7 @@ LAYER_NAMES = {
     "k_norm": "attn_k_norm.weight",
 }
 EMBED, NORM, HEAD = "token_embd.weight", "output_norm.weight", "output.weight"
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: one float32 divisor per rotary pair
 
 
 def gguf_config(path: str | Path) -> ModelConfig:
@@ -102,6 +103,9 @@ def gguf_config(path: str | Path) -> ModelConfig:
     if f"blk.{cfg.n_layers - 1}.{LAYER_NAMES['input_norm']}" not in f.tensors:
         raise GGUFError(f"{f.path}: block_count says {cfg.n_layers} blocks, but block {cfg.n_layers - 1} has no "
                         "tensors")
+    if cfg.rope.freq_factors and len(cfg.rope.freq_factors) != head_dim // 2:
+        raise GGUFError(f"{f.path}: {ROPE_FREQS} has {len(cfg.rope.freq_factors)} factors, expected one per rotary "
+                        f"pair ({head_dim // 2})")
     if not (cfg.rms_norm_eps > 0 and math.isfinite(cfg.rms_norm_eps)):
         raise GGUFError(f"{f.path}: layer_norm_rms_epsilon must be a positive number, not {cfg.rms_norm_eps}")
     for name, _, shape in _hf_shapes(cfg, Shard.whole("check", cfg.n_layers)):
@@ -113,10 +117,12 @@ def _rope(f: GGUFFile, arch: str) -> RopeConfig:
     theta = f.get_float(f"{arch}.rope.freq_base", 10000.0)
     if not theta > 0:
         raise GGUFError(f"{f.path}: {arch}.rope.freq_base must be positive, got {theta}")
-    if "rope_freqs.weight" in f.tensors:  # Llama 3.1+ writes its rope scaling as a tensor of per-pair factors
-        raise GGUFError(f"{f.path}: per-frequency rope factors (rope_freqs.weight, Llama 3.1-style rope scaling) "
-                        "are not supported yet")
     kind = f.get_str(f"{arch}.rope.scaling.type", "none")
+    if ROPE_FREQS in f.tensors:  # Llama 3.1+: the converter writes its llama3 rope scaling as per-pair factors
+        if kind not in ("none", ""):
+            raise GGUFError(f"{f.path}: both {ROPE_FREQS} and rope scaling {kind!r}; llama.cpp applies both, which "
+                            "no known model asks for: refusing rather than guessing")
+        return RopeConfig(theta=theta, kind="factors", freq_factors=rope_freq_factors(f))
     if kind in ("none", ""):
         return RopeConfig(theta=theta)
     if kind == "linear":
@@ -125,6 +131,19 @@ def _rope(f: GGUFFile, arch: str) -> RopeConfig:
             raise GGUFError(f"{f.path}: {arch}.rope.scaling.factor must be positive, got {factor}")
         return RopeConfig(theta=theta, kind="linear", factor=factor)
     raise GGUFError(f"{f.path}: unsupported rope scaling {kind!r} (supported: none, linear)")
+
+
+def rope_freq_factors(f: GGUFFile) -> tuple[float, ...]:
+    """A file's rope_freqs.weight: float32, one positive factor per rotary pair (its length is checked against the
+    head dimension by RopeConfig.inv_freq, in gguf_config)."""
+    info = f.tensor(ROPE_FREQS)
+    if info.ggml_type != Q.F32 or len(info.shape) != 1:
+        raise GGUFError(f"{f.path}: {ROPE_FREQS} must be a float32 vector, got {info.ggml_type.name} "
+                        f"{list(info.hf_shape)}")
+    values = tuple(float(v) for v in f.raw(info).view(np.float32).reshape(-1))
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise GGUFError(f"{f.path}: {ROPE_FREQS} holds a factor that is not a positive finite number")
+    return values
 
 
 def _hf_shapes(cfg: ModelConfig, shard: Shard) -> list[tuple[str, str, tuple[int, ...]]]:
