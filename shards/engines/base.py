@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
@@ -52,13 +53,13 @@ class Packing:
     request_ids: tuple[str, ...]
     lengths: list[int]
     starts: list[int]  # positions already cached per request
-    bounds: np.ndarray  # request i owns rows bounds[i]:bounds[i+1]
+    bounds: tuple[int, ...]  # request i owns rows bounds[i]:bounds[i+1]
     positions: np.ndarray  # int32 [rows]: row r is at position positions[r]
 
     @property
     def last_rows(self) -> np.ndarray:
         """Index of each request's last row (where the next token's logits come from)."""
-        return self.bounds[1:] - 1
+        return np.array(self.bounds[1:]) - 1
 
     def split(self, out: np.ndarray, last_rows_only: bool) -> list[np.ndarray]:
         """Per-request slices of a packed output (`last_rows_only`: out holds one row per request)."""
@@ -128,7 +129,7 @@ class Engine(ABC):
         else:
             positions = np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, lengths)])
         ids = tuple(item.request_id for item in batch)
-        return Packing(ids, lengths, starts, np.cumsum([0] + lengths), positions)
+        return Packing(ids, lengths, starts, tuple(accumulate(lengths, initial=0)), positions)
 
     @staticmethod
     def tokens(batch: list[StepInput]) -> np.ndarray:
