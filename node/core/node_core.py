@@ -315,10 +315,21 @@ class NodeCore:
             actions += self.fail(r.request_id, f"node at {address} refused: {r.reason}", busy=r.busy)
         return actions
 
-    def deliver_failed(self, message: TokenMessage, why: str) -> list[Action]:
-        """The entry node can't be told: nobody waits for this request any more."""
-        log.warning("result for %s could not reach its entry node: %s", message.request_id, why)
-        return self.end_request(message.request_id, "failed")
+    def deliver_failed(self, address: str, message: TokenMessage, why: str) -> list[Action]:
+        """A message for a request's entry, at `address`, could not be sent (the link broke, or the channel was
+        closed under the call). The request ends here, and unless the lost message was itself an error, the entry
+        is told at once, in a call of its own, that the request failed and may be replayed: a lost token must not
+        leave the entry waiting for one that will never come. Replay resumes from the tokens the entry holds, so
+        a token that did arrive after all is neither lost nor repeated. If the entry is really gone, that message
+        fails too, and ends nothing more."""
+        rid = message.request_id
+        log.warning("result for %s could not reach its entry node: %s", rid, why)
+        actions = self.end_request(rid, "failed")
+        if message.finish_reason != "error":
+            actions.append(Deliver(address, TokenMessage(
+                rid, finished=True, finish_reason="error", retryable=True,
+                error=f"node {self.id}: a result could not reach the entry ({why}); replay")))
+        return actions
 
     def expire(self) -> list[Action]:
         """Forget requests idle for longer than the idle timeout: their next input is not coming (an upstream node

@@ -28,16 +28,26 @@ class Membership:
     data-path stream and its reader task) per address it was asked to call, and is told to `forget` every address
     that did not answer this round or is no longer proposed. So an address that never answers holds nothing between
     checks, and a peer that left (a `Leave`, then silence) or vanished is let go once it stops answering. A peer
-    that is draining still answers: its connection stays while it finishes the requests it has with us."""
+    that is draining still answers: its connection stays while it finishes the requests it has with us.
+
+    A busy peer is not a dead one: a peer that answered before and now lets a check time out (its event loop held
+    by a burst of work, a slow link) keeps its place, as it last answered, until it has missed `misses` checks in a
+    row; one whose connection is refused or closed (a process killed, a port shut) is dropped at the first miss.
+    So a peer stalled for less than `misses` x (interval + check_timeout) never flaps membership, and never has
+    its requests replayed or its channel closed under calls in flight."""
 
     def __init__(self, self_id: str, self_address: str, transport: Transport, discoveries: list[Discovery],
                  on_change: Callable[[dict[str, NodeInfo], dict[str, str]], None], interval: float = 1.0,
-                 check_timeout: float = 1.0):
+                 check_timeout: float = 1.0, misses: int = 3):
+        if misses < 1:
+            raise ValueError(f"misses must be >= 1, got {misses}")
         self.self_id, self.self_address, self.transport = self_id, self_address, transport
         self.discoveries, self.on_change = discoveries, on_change
-        self.interval, self.check_timeout = interval, check_timeout
+        self.interval, self.check_timeout, self.misses = interval, check_timeout, misses
         self.peers: dict[str, NodeInfo] = {}
         self.reached: set[str] = set()  # the addresses that answered the last round: the transport may keep these
+        self.answered: dict[str, NodeInfo] = {}  # address -> what it said the last time it answered
+        self.missed: dict[str, int] = {}  # address -> checks timed out in a row since
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()
 
@@ -66,7 +76,11 @@ class Membership:
     async def refresh(self) -> None:
         candidates = [a for d in self.discoveries for a in d.candidates()]
         addresses = [a for a in dict.fromkeys(candidates) if a != self.self_address]
-        infos = await asyncio.gather(*(self._check(a) for a in addresses))
+        infos = [self._tolerate(a, result) for a, result in
+                 zip(addresses, await asyncio.gather(*(self._check(a) for a in addresses)))]
+        for gone in self.answered.keys() - set(addresses):  # no longer proposed: nothing to remember of it
+            self.answered.pop(gone)
+            self.missed.pop(gone, None)
         peers, alive, reached = {}, {}, set()
         for address, info in zip(addresses, infos):
             if info is not None and info.node_id != self.self_id:
@@ -82,10 +96,27 @@ class Membership:
         await asyncio.gather(*(self.transport.forget(a) for a in dropped))
         self._changed.set()
 
-    async def _check(self, address: str) -> NodeInfo | None:
+    def _tolerate(self, address: str, result: NodeInfo | TransportError) -> NodeInfo | None:
+        """What counts as `address`'s answer this round: its own, or while it is only slow (a timeout, fewer than
+        `misses` in a row, after a real answer), the last one it gave."""
+        if not isinstance(result, TransportError):
+            self.answered[address] = result
+            self.missed.pop(address, None)
+            return result
+        last = self.answered.get(address)
+        missed = self.missed[address] = self.missed.get(address, 0) + 1
+        if result.kind == "timeout" and last is not None and missed < self.misses:
+            log.info("peer at %s did not answer within %gs (%d of %d misses tolerated)", address,
+                     self.check_timeout, missed, self.misses - 1)
+            return last
+        self.answered.pop(address, None)
+        self.missed.pop(address, None)
+        return None
+
+    async def _check(self, address: str) -> NodeInfo | TransportError:
         try:
             return await self.transport.health_check(address, self.check_timeout)
         except TransportError as e:
             if e.kind == "malformed":
                 log.warning("peer at %s sent a bad HealthCheck answer: %s", address, e)
-            return None
+            return e

@@ -145,7 +145,7 @@ class Pipeline:
             self.metrics.rpc_error(address, "send")
             self.do(self.core.send_failed(address, activations, str(e), isinstance(e, TransportError) and e.retryable))
             for message in messages:
-                self.do(self.core.deliver_failed(message, str(e)))
+                self.do(self.core.deliver_failed(address, message, str(e)))
             return
         self.do(self.core.refused(address, refused))
 

@@ -227,11 +227,24 @@ def test_sampling_errors_fail_their_request():
     assert "sampling failed: ValueError: boom" in failed(c.sampled({"r1": ValueError("boom")}))
 
 
-def test_a_result_that_cannot_reach_the_entry_ends_the_request_here():
+def test_a_result_that_cannot_reach_the_entry_ends_the_request_here_and_the_entry_is_told_to_replay():
     c = core("c")
     c.accept_activations([Activation("r1", hidden(), spec())])
-    assert c.deliver_failed(TokenMessage("r1", (SampleResult(1),)), "unavailable") == [Release("r1")]
-    assert not c.requests
+    actions = c.deliver_failed("h:9", TokenMessage("r1", (SampleResult(1),)), "unavailable: channel closed")
+    assert actions[0] == Release("r1") and not c.requests
+    told = of(Deliver, actions)
+    assert [d.address for d in told] == ["h:9"] and told[0].message.retryable and told[0].message.finished
+    assert "could not reach the entry (unavailable: channel closed)" in told[0].message.error
+
+
+def test_a_last_token_that_cannot_reach_the_entry_is_reported_too_and_a_lost_error_ends_nothing_more():
+    c = core("c")
+    c.accept_activations([Activation("r1", hidden(), spec())])
+    c.end_request("r1", "finished")  # the last token ended the request here before its delivery failed
+    last = TokenMessage("r1", (SampleResult(STOP),), True, "stop")
+    report = of(Deliver, c.deliver_failed("h:9", last, "timeout"))[0].message
+    assert report.retryable and report.finish_reason == "error"
+    assert not of(Deliver, c.deliver_failed("h:9", report, "timeout"))  # no loop of reports
 
 
 def test_failing_an_unknown_request_only_releases():
