@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shards.grammar import Constraint, Matcher
+
 MAX_TOP_LOGPROBS = 20
 # top-p first looks for the nucleus among this many most likely tokens; it sorts the whole row only when
 # they don't reach top_p (a nearly flat distribution).
@@ -25,8 +27,11 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
     top_logprobs: int | None = None  # None: no logprobs; 0..20: chosen token's logprob plus that many alternatives
+    constraint: Constraint | None = None  # a grammar every token must follow (applied by the sampling batcher)
 
     def __post_init__(self) -> None:
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
@@ -47,9 +52,11 @@ class SamplingParams:
 
 @dataclass
 class SamplerState:
-    """A request's private random stream."""
+    """A request's private random stream, and its grammar state when the request is constrained (made by the
+    sampling batcher at the first token, dropped with the request)."""
 
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
+    matcher: Matcher | None = None
 
     @classmethod
     def from_seed(cls, seed: int | None, skip: int = 0) -> "SamplerState":

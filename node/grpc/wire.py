@@ -18,6 +18,7 @@ from node.core.requests import Activation, Refusal, TokenMessage
 from node.fetch.manifest import MAX_FILES, MAX_PIECES, Manifest, ManifestError, ModelFile, Piece
 from node.core.topology import Availability, Capabilities, NodeInfo
 from node.grpc.generated import node_service_pb2 as pb
+from shards.grammar import Constraint
 from shards.sampling import MAX_TOP_LOGPROBS, SampleResult, SamplingParams
 from shards.shard import Shard
 
@@ -34,6 +35,7 @@ MAX_TOKENS_PER_MESSAGE = 1024
 MAX_MESSAGES = 4096  # token messages or activations in one call
 MAX_ERROR = 4096
 MAX_LAYER_RUNS = 1024
+MAX_GRAMMAR_PREFIX = 1 << 17  # tokens generated before a replay (at most a context)
 FINISH_REASONS = ("", "stop", "length", "error")
 _UINT64 = 2**64
 
@@ -130,8 +132,10 @@ def decode_shard(m: pb.ShardRange) -> Shard:
 def encode_sampling(p: SamplingParams) -> pb.Sampling:
     if p.seed is not None and p.seed >= _UINT64:
         raise WireError(f"seed {p.seed} does not fit in 64 bits")
+    c = p.constraint
     return pb.Sampling(
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, top_logprobs=p.top_logprobs
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, top_logprobs=p.top_logprobs,
+        grammar=None if c is None else c.grammar, grammar_prefix=() if c is None else c.prefix,
     )
 
 
@@ -143,9 +147,19 @@ def decode_sampling(m: pb.Sampling) -> SamplingParams:
             top_k=m.top_k,
             seed=m.seed if m.HasField("seed") else None,
             top_logprobs=m.top_logprobs if m.HasField("top_logprobs") else None,
+            constraint=_constraint(m),
         )
-    except ValueError as e:
+    except ValueError as e:  # GrammarError included: an oversized grammar or a bad prefix
         raise WireError(f"invalid sampling: {e}") from e
+
+
+def _constraint(m: pb.Sampling) -> Constraint | None:
+    if not m.HasField("grammar"):
+        if m.grammar_prefix:
+            raise WireError("a grammar prefix without a grammar")
+        return None
+    _count(m.grammar_prefix, "grammar prefix tokens", MAX_GRAMMAR_PREFIX)
+    return Constraint(m.grammar, tuple(m.grammar_prefix))  # checks the grammar's size and the ids
 
 
 def encode_spec(s: RequestSpec) -> pb.RequestSpec:

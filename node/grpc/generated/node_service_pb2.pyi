@@ -39,18 +39,22 @@ class PlanStep(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "top_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "top_logprobs", "grammar", "grammar_prefix")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_PREFIX_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
     top_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    grammar: str
+    grammar_prefix: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_prefix: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
     __slots__ = ("request_id", "plan", "sampling", "max_tokens", "stop_token_ids", "entry_node_id", "entry_address", "resumed_tokens", "prompt_tokens")
