@@ -62,6 +62,9 @@ class NodeMetrics:
                                       "layers", buckets=LATENCY_BUCKETS, registry=r)
         self.step_rows = Histogram("exo_forward_step_rows", "Requests batched into one forward pass",
                                    buckets=SIZE_BUCKETS, registry=r)
+        self.loop_lag = Histogram("exo_event_loop_lag_seconds", "How late the node's event loop woke a task that "
+                                  "asked to wake (sampled every 0.1 s): while it is held, the API, gRPC and health "
+                                  "checks wait", buckets=LATENCY_BUCKETS, registry=r)
         self.rpc_errors = Counter("exo_peer_rpc_errors", "Failed calls to a peer, by peer (node id, or address when "
                                   "unknown) and call", ["peer", "call"], registry=r)
         r.register(_NodeCollector(status))

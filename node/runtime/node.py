@@ -22,6 +22,7 @@ from shards.formats.config import ModelConfig
 from shards.partition import PartitionError
 from shards.sampling import SamplingParams
 from shards.shard import Shard
+from shards.grammar import grammar_tokenizer
 from shards.tokenizer import Tokenizer
 
 from node.core.node_core import NodeCore
@@ -30,6 +31,7 @@ from node.core.plan import Busy, PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.topology import Availability, Capabilities, NodeInfo, PeerLink, Topology
 from node.runtime.entry import Entry
+from node.runtime.loop_monitor import LoopMonitor
 from node.runtime.metrics import NodeMetrics, NodeStatus
 from node.runtime.peers import PeerView
 from node.runtime.pipeline import Pipeline
@@ -56,7 +58,8 @@ class Node:
                              members=self.view.known, serves=lambda shard: availability().can_serve(shard))
         self.shards = ShardManager(model.path, model.config, engines)
         self.batcher = SamplingBatcher(settings.sample_batch_max, settings.sample_batch_window_ms,
-                                       executor=self.shards.executor)
+                                       executor=self.shards.executor,
+                                       grammar=lambda: grammar_tokenizer(model.tokenizer))
         self.transport = _Loopback(self, transport)
         self.metrics = NodeMetrics(status=self.status, kv_cache_bytes=self.shards.cache_bytes,
                                    name_of=self.view.name_of)
@@ -148,6 +151,7 @@ class Node:
     def start(self) -> None:
         self._spawn(self.pipeline.work())
         self._spawn(self._expire_loop())
+        self._spawn(LoopMonitor(self.metrics.loop_lag.observe).run())
 
     async def load_pinned(self) -> None:
         """A pinned node knows its shard: load it now rather than at the first request (when it holds it)."""
