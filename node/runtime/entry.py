@@ -33,6 +33,14 @@ from node.runtime.transport import Transport, TransportError
 log = logging.getLogger(__name__)
 
 
+def _resumed(sampling: SamplingParams, history: list[int]) -> SamplingParams:
+    """A replay's sampling: a grammar constraint carries the tokens generated so far, which the new sampling
+    node's fresh matcher consumes before sampling (shards/grammar.py), so the grammar continues exactly."""
+    if sampling.constraint is None or not history:
+        return sampling
+    return dataclasses.replace(sampling, constraint=dataclasses.replace(sampling.constraint, prefix=tuple(history)))
+
+
 class _Busy(Exception):
     """A node of the plan had no room for the request: try again a little later."""
 
@@ -77,7 +85,8 @@ class Entry:
         excluded: set[str] = set()
         replays, busy_since, backoff = 0, None, 0.05
         while True:
-            attempt = self._start(prompt + history, sampling, max_tokens - len(history), len(history), excluded)
+            attempt = self._start(prompt + history, _resumed(sampling, history), max_tokens - len(history),
+                                  len(history), excluded)
             reason = "cancelled"
             try:
                 async for message in self._run(attempt):

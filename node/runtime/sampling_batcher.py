@@ -5,19 +5,27 @@ engine's batched sampler in one call. The result is validated before anyone is r
 batched (an engine without a batched sampler) or the batched call raises or returns something malformed, each
 affected request is sampled on its own instead (the fallback), which is counted and logged. Sampler RNG states are
 rewound before a fallback, so a seeded request gets the same token on every path.
+
+Constrained rows (a grammar in their SamplingParams) share the call: their rows of the stacked logits are masked
+first (a masked copy; the mask was computed on the grammar thread while the forward pass ran), and each sampled
+token is then fed to the request's matcher, which starts computing the next mask at once. A request whose
+grammar fails (it can't be built, or rejects a token) fails alone.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from shards.engines.base import Engine
+from shards.grammar import GrammarTokenizer, Matcher
 from shards.sampling import SampleResult, SamplerState, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,7 +63,10 @@ class SamplingBatcher:
     """Batches rows and samples them on `executor`: the node passes its engine thread, where every engine call runs.
     Counters are only touched on the event loop."""
 
-    def __init__(self, max_batch: int = 8, window_ms: float = 5.0, executor: Executor | None = None):
+    def __init__(self, max_batch: int = 8, window_ms: float = 5.0, executor: Executor | None = None,
+                 grammar: Callable[[], GrammarTokenizer] | None = None):
+        """`grammar`: the model's vocabulary for llguidance (built on first use); without it constrained requests
+        fail with a reason."""
         if max_batch < 1 or window_ms < 0:
             raise ValueError("max_batch must be >= 1 and window_ms >= 0")
         self.max_batch, self.window = max_batch, window_ms / 1000.0
@@ -68,6 +79,8 @@ class SamplingBatcher:
         # Sampling runs off the event loop, so the loop keeps serving RPCs meanwhile.
         self._own_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
+        self._grammar = grammar
+        self._grammar_pool: ThreadPoolExecutor | None = None  # computes masks; started by the first constraint
 
     # -- producer side ----------------------------------------------------------------------------------------
     def submit(self, item: SampleItem) -> asyncio.Future:
@@ -111,6 +124,8 @@ class SamplingBatcher:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the sampling ----------------------------------------------------------------------------------------
     async def _run(self, batch: list[_Pending]) -> None:
@@ -137,6 +152,44 @@ class SamplingBatcher:
     def _sample_group(self, items: list[SampleItem]) -> tuple[list[SampleResult | BaseException], "_Counts"]:
         """On the executor's thread: sample one group, counting what happened (the loop adds the counts)."""
         counts = _Counts()
+        results: list[SampleResult | BaseException | None] = [None] * len(items)
+        rows: list[SampleItem] = []
+        for k, item in enumerate(items):
+            try:
+                rows.append(self._masked(item))
+            except Exception as e:  # the grammar can't be built or allows nothing: only this request fails
+                counts["sample_grammar_errors"] += 1
+                results[k] = e
+        sampled = iter(self._sample_rows(rows, counts))
+        for k, item in enumerate(items):
+            if results[k] is not None:
+                continue
+            result = results[k] = next(sampled)
+            if item.params.constraint is not None and isinstance(result, SampleResult):
+                counts["sample_constrained"] += 1
+                try:
+                    item.state.matcher.advance(result.token)
+                except Exception as e:
+                    counts["sample_grammar_errors"] += 1
+                    results[k] = e
+        return results, counts
+
+    def _masked(self, item: SampleItem) -> SampleItem:
+        """The item itself, or for a constrained request a copy whose logits only allow what its grammar allows."""
+        constraint = item.params.constraint
+        if constraint is None:
+            return item
+        if item.state.matcher is None:
+            if self._grammar is None:
+                raise ValueError("this node cannot sample constrained requests (no grammar tokenizer)")
+            if self._grammar_pool is None:
+                self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+            item.state.matcher = Matcher(self._grammar(), constraint, self._grammar_pool)
+        return dataclasses.replace(item, logits=item.state.matcher.apply(item.logits))
+
+    def _sample_rows(self, items: list[SampleItem], counts: "_Counts") -> list[SampleResult | BaseException]:
+        if not items:
+            return []
         engine = items[0].engine
         if self.batching and len(items) > 1 and engine.batched_sampling:
             snapshots = [i.state.snapshot() for i in items]
@@ -145,14 +198,14 @@ class SamplingBatcher:
                                         [i.state for i in items])
                 _validate(results, items)
                 counts["sample_calls"] += 1
-                return results, counts
+                return results
             except Exception as e:
                 for item, snap in zip(items, snapshots):
                     item.state.restore(snap)
                 counts.fallback(items, f"batched sampler failed: {type(e).__name__}")
         elif len(items) > 1:
             counts.fallback(items, "engine has no batched sampler" if self.batching else "batching disabled")
-        return [_sample_alone(item, counts) for item in items], counts
+        return [_sample_alone(item, counts) for item in items]
 
 
 class _Counts(Counter):
