@@ -1,8 +1,9 @@
 """The ggml engine: the shared Llama block computed by llama.cpp's ggml on weights kept in their GGUF block types.
 
-A shard holds its weights as the file stores them (Q4_K, Q8_0, ...; a Hugging Face checkpoint quantized on load
-with `quantize`), so its memory is that of its tensors in the file, not 4 bytes per parameter. Matmuls are ggml's
-quantized CPU kernels on `threads` threads.
+A shard holds its weights as the file stores them (Q4_K, Q8_0, ...; a Hugging Face checkpoint, or a GGUF, (re)quantized
+on load with `quantize`), so its memory is that of its tensors in the file, not 4 bytes per parameter. Matmuls are ggml's
+quantized CPU kernels on up to `threads` threads: fewer while other processes keep cores busy
+(shards/engines/ggml/threads.py), since ggml's threads wait for each other after every op.
 
 Matmul weights of the types ggml's CPU_REPACK buffer has kernels for on this CPU (per llama.cpp's own probe: Q4_0,
 Q4_K here) are placed there; everything else, and always the embedding table, in plain CPU memory.
@@ -25,6 +26,7 @@ from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cache import RequestKV, span_for
 from shards.engines.ggml.graph import Graph, GraphCache, Layout
 from shards.engines.ggml.lib import default_threads, g
+from shards.engines.ggml.threads import ThreadGovernor
 from shards.engines.masks import CausalMasks
 from shards.engines.runner import Runner
 from shards.engines.ggml.weights import QUANTIZE_CHOICES, load_ggml_shard_weights
@@ -43,7 +45,8 @@ class GgmlEngine(BlockEngine):
     kv_value_bytes = 2  # F16 cache
 
     def __init__(self, model_dir: str | Path, shard: Shard, config: ModelConfig | None = None,
-                 threads: int | None = None, quantize: str | None = None, repack: bool = True):
+                 threads: int | None = None, quantize: str | None = None, repack: bool = True,
+                 adapt_threads: bool = True):
         self.check_options(model_dir, threads, quantize)
         self.config = cfg = config or open_model(model_dir).config
         self.shard = shard
@@ -66,6 +69,8 @@ class GgmlEngine(BlockEngine):
             self.ops.free()
             raise MemoryError("ggml could not start its CPU backend")
         g.ggml_backend_cpu_set_n_threads(self.backend, threads)
+        self.step_threads = threads  # what the backend is set to; the governor lowers it while others load the CPUs
+        self.governor = ThreadGovernor(threads, adapt=adapt_threads)
         self.caches: dict[str, RequestKV] = {}
         self.runner = GraphRunner(self)
 
@@ -83,9 +88,6 @@ class GgmlEngine(BlockEngine):
             raise ValueError(f"--threads must be a positive integer, got {threads!r}")
         if quantize is not None and quantize not in QUANTIZE_CHOICES:
             raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
-        if quantize not in (None, "none") and open_model(model_dir).format == "gguf":
-            raise ValueError(f"--quantize {quantize} applies to Hugging Face safetensors models; a GGUF file is "
-                             "served in its own weight types")
 
     def nbytes(self) -> int:
         return sum(self.ops.nbytes(w) for w in self._weights.values())
@@ -142,6 +144,10 @@ class GraphRunner(Runner):
         if not e.shard.is_first:
             x = np.ascontiguousarray(x, dtype=np.float32)
         masks = [self.masks(s, n, span) for s, n, span in zip(starts, lengths, spans)]
+        threads = e.governor.threads()
+        if threads != e.step_threads:
+            g.ggml_backend_cpu_set_n_threads(e.backend, threads)
+            e.step_threads = threads
         return graph.run(e.backend, x, p.positions, masks)
 
     def drop(self, request_id: str) -> None:

@@ -1,0 +1,79 @@
+"""The ggml engine's thread count follows the cores other processes leave free (shards/engines/ggml/threads.py)."""
+from __future__ import annotations
+
+import pytest
+
+from shards.engines.ggml.threads import CpuSample, ThreadGovernor, choose_threads, others_busy, read_cpu_sample
+
+
+@pytest.mark.parametrize("others,expected", [(0.0, 2), (0.6, 2), (0.8, 1), (1.0, 1), (2.0, 1), (5.0, 1)])
+def test_two_threads_drop_to_one_once_another_process_clearly_takes_a_core(others, expected):
+    assert choose_threads(2, 2, others) == expected
+
+
+@pytest.mark.parametrize("others,expected", [(1.0, 1), (0.3, 1), (0.2, 2), (0.0, 2)])
+def test_one_thread_comes_back_only_once_the_core_is_clearly_free(others, expected):
+    assert choose_threads(2, 1, others) == expected
+
+
+def test_never_more_than_configured_nor_fewer_than_one():
+    assert choose_threads(8, 8, 0.0) == 8
+    assert choose_threads(8, 8, 3.0) == 5
+    assert choose_threads(8, 5, 100.0) == 1
+    with pytest.raises(ValueError):
+        choose_threads(0, 1, 0.0)
+
+
+def test_others_busy_is_the_cpus_busy_time_less_our_own_per_second():
+    before, after = CpuSample(10.0, 3.0, at=100.0), CpuSample(13.5, 4.5, at=102.0)
+    assert others_busy(before, after) == pytest.approx((3.5 - 1.5) / 2)
+    assert others_busy(after, CpuSample(14.0, 5.0, at=103.0)) == 0.0  # all of it ours
+    with pytest.raises(ValueError):
+        others_busy(after, before)
+
+
+class Recorded:
+    """CPU samples as /proc would give them, with a clock the test advances."""
+
+    def __init__(self):
+        self.now, self.busy, self.own, self.reads = 0.0, 0.0, 0.0, 0
+
+    def run(self, seconds: float, others: float, ours: float) -> None:
+        self.now += seconds
+        self.busy += (others + ours) * seconds
+        self.own += ours * seconds
+
+    def __call__(self) -> CpuSample:
+        self.reads += 1
+        return CpuSample(self.busy, self.own, self.now)
+
+
+def test_the_governor_follows_a_neighbour_that_comes_and_goes_reading_proc_at_most_every_interval():
+    cpu = Recorded()
+    gov = ThreadGovernor(2, interval=0.5, reader=cpu, clock=lambda: cpu.now)
+    cpu.run(1.0, others=0.0, ours=2.0)
+    assert gov.threads() == 2
+    cpu.run(1.0, others=1.0, ours=1.0)  # a neighbour spins on one core
+    assert gov.threads() == 1
+    reads = cpu.reads
+    cpu.run(0.1, others=0.0, ours=1.0)
+    assert gov.threads() == 1 and cpu.reads == reads  # inside the interval: no read
+    cpu.run(1.0, others=0.0, ours=1.0)  # the neighbour is gone
+    assert gov.threads() == 2 and gov.changes == 2
+
+
+def test_a_fixed_governor_or_one_thread_never_reads_proc():
+    cpu = Recorded()
+    for gov in (ThreadGovernor(2, reader=cpu, clock=lambda: cpu.now, adapt=False),
+                ThreadGovernor(1, reader=cpu, clock=lambda: cpu.now)):
+        cpu.run(1.0, others=2.0, ours=0.0)
+        assert gov.threads() == gov.configured
+    assert cpu.reads == 0
+
+
+def test_this_machine_has_proc_or_the_governor_keeps_the_configured_count():
+    sample = read_cpu_sample()
+    if sample is None:  # no /proc (macOS)
+        assert ThreadGovernor(2).threads() == 2
+    else:
+        assert sample.cpus_busy > 0 and sample.own > 0  # this process has run, on these CPUs
