@@ -93,12 +93,15 @@ class Tokenizer:
         return None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation through the model's chat template; `tools` (OpenAI tool objects) are passed to
+        templates that render them (Qwen, Hermes), as transformers' apply_chat_template does."""
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template; use the completions endpoint instead")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -113,13 +116,15 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **({"tools": tools} if tools else {}),
             )
         except TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template already writes bos and the role markers, so no extra special tokens are added.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def stream(self, skip_special_tokens: bool = True) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)
