@@ -89,6 +89,13 @@ class RequestCache:
             raise ValueError(f"a step commits at least one position, not {positions}")
         self._length += positions
 
+    def truncate(self, positions: int) -> None:
+        """Keep only the first `positions` positions (a later request reuses this prefix: see
+        shards/engines/retained.py); the cells past them are rewritten before they are read."""
+        if not 0 <= positions <= self._length:
+            raise ValueError(f"cannot truncate a cache of {self._length} positions to {positions}")
+        self._length = positions
+
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)

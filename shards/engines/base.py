@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from shards.engines.backend import Backend, RequestCache
+from shards.engines.retained import RetainedCaches
 from shards.engines.runner import EagerRunner, Runner
 from shards.formats.config import ModelConfig
 from shards.transformer import ShardModel
@@ -214,6 +215,33 @@ class BlockEngine(Engine):
     def cache_length(self, request_id: str) -> int:
         cache = self.caches.get(request_id)
         return cache.length if cache else 0
+
+    @property
+    def retained(self) -> RetainedCaches:
+        """Finished requests' caches kept for reuse (shards/engines/retained.py); keeps nothing until given a limit."""
+        if (store := self.__dict__.get("_retained")) is None:
+            store = self.__dict__["_retained"] = RetainedCaches()
+        return store
+
+    def retain(self, request_id: str) -> list[str]:
+        """End a request but keep its cache, under its id, for a later request with the same first tokens. Returns
+        the ids whose caches were freed to stay within the retained limit (maybe this one)."""
+        cache = self.caches.pop(request_id, None)
+        if cache is None:
+            return []
+        self.runner.drop(request_id)  # graphs name the request: a later one builds its own
+        return self.retained.keep(request_id, cache)
+
+    def resume(self, request_id: str, entry_id: str, positions: int) -> bool:
+        """Start `request_id` from the first `positions` positions of the cache retained as `entry_id` (its next step
+        starts at position `positions`). False when that cache is gone: the request computes every position."""
+        if request_id in self.caches:
+            raise EngineInputError(f"request {request_id!r} already has a cache")
+        cache = self.retained.take(entry_id, positions)
+        if cache is None:
+            return False
+        self.caches[request_id] = cache
+        return True
 
     def nbytes(self) -> int:
         return sum(self.ops.nbytes(a) for a in self.model.parameters())

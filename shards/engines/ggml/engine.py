@@ -98,6 +98,7 @@ class GgmlEngine(BlockEngine):
             self.runner.graphs.clear()
             for rid in list(self.caches):
                 self.caches.pop(rid).free()
+            self.retained.clear()
             g.ggml_backend_free(self.backend)
             self.backend = None
             self.ops.free()

@@ -1,0 +1,70 @@
+"""The entry's index of retained prefixes (node/core/prefix_cache.py): the longest shared prefix wins, a hit always
+leaves a token to compute, entries leave least recently used first and within their capacity, and a hit takes its
+entry out."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from node.core.prefix_cache import PrefixHit, PrefixIndex, common_prefix
+
+
+def test_common_prefix_counts_the_leading_tokens_two_sequences_share():
+    assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
+    assert common_prefix(np.array([1, 2]), np.array([1, 2, 3])) == 2
+    assert common_prefix(np.array([9]), np.array([1])) == 0
+    assert common_prefix(np.array([], dtype=np.int64), np.array([1])) == 0
+
+
+def test_the_longest_shared_prefix_wins_and_always_leaves_one_token_to_compute():
+    index = PrefixIndex(capacity=100)
+    index.add("short", [1, 2, 3])
+    index.add("long", [1, 2, 3, 4, 5, 6])
+    index.add("other", [7, 8, 9, 10])
+    assert index.longest([1, 2, 3, 4, 5, 6, 7]) == PrefixHit("long", 6)
+    assert index.longest([1, 2, 3, 4, 5, 6]) == PrefixHit("long", 5)  # the whole prompt: its last is computed
+    assert index.longest([1, 2, 9]) in (PrefixHit("short", 2), PrefixHit("long", 2))
+    assert index.longest([5, 5]) is None and index.misses == 1
+
+
+def test_a_minimum_keeps_tiny_matches_from_counting():
+    index = PrefixIndex(capacity=100, min_tokens=4)
+    index.add("a", [1, 2, 3, 4, 5])
+    assert index.longest([1, 2, 3, 9]) is None
+    assert index.longest([1, 2, 3, 4, 9]) == PrefixHit("a", 4)
+    assert index.add("tiny", [1, 2]) == ["tiny"]  # shorter than any useful hit: not kept
+
+
+def test_a_hit_takes_its_entry_and_is_counted():
+    index = PrefixIndex(capacity=100)
+    index.add("a", [1, 2, 3, 4])
+    hit = index.longest([1, 2, 3, 4, 5])
+    index.take(hit)
+    assert "a" not in index and index.positions == 0
+    assert (index.hits, index.hit_tokens) == (1, 4)
+    assert index.longest([1, 2, 3, 4, 5]) is None
+
+
+def test_entries_leave_least_recently_used_first_to_stay_within_capacity():
+    index = PrefixIndex(capacity=10, max_entries=3)
+    assert index.add("a", range(4)) == [] and index.add("b", range(4)) == []
+    assert index.add("c", range(4)) == ["a"]  # 12 positions > 10
+    assert index.positions == 8 and index.evictions == 1
+    assert index.add("d", [1]) == [] and index.add("e", [2]) == ["b"]  # 4 entries > 3
+    assert list(index.entries) == ["c", "d", "e"]
+    assert index.add("huge", range(11)) == ["huge"] and "huge" not in index  # could never fit
+    assert index.evict() == "c" and index.remove("d") and not index.remove("d")
+    assert index.positions == 1 and len(index) == 1
+
+
+def test_bad_input_is_refused():
+    index = PrefixIndex(capacity=10)
+    index.add("a", [1, 2])
+    with pytest.raises(ValueError):
+        index.add("a", [1, 2])
+    with pytest.raises(ValueError):
+        index.add("m", [[1, 2]])
+    with pytest.raises(ValueError):
+        PrefixIndex(capacity=-1)
+    with pytest.raises(ValueError):
+        PrefixHit("a", 0)
