@@ -1,0 +1,57 @@
+"""Prompts become token ids off the event loop, and only when they might fit the model's context.
+
+Tokenizing is the one costly thing an API request does before it is admitted: a megabyte of text takes seconds.
+On the event loop, a few such bodies at once would hold up everything else the node does (gRPC handlers, health
+checks: its peers would think it dead). So a text that certainly exceeds the context (more characters than
+context x the longest token's) is refused without being tokenized, and the others are tokenized on a worker thread
+in tokenizers' call that releases the GIL, at most `MAX_CONCURRENT` at a time.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from shards.tokenizer import Tokenizer
+
+from node.http.schema import ApiError
+
+MAX_CONCURRENT = 2  # tokenizations at once; more wait their turn (each keeps a core busy)
+
+
+def max_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters of text one token can stand for (its vocabulary entry's length, byte-level or
+    sentencepiece alike): a text of n characters has at least n / max_token_chars tokens."""
+    return max(map(len, tokenizer.hf.get_vocab(with_added_tokens=True)), default=1)
+
+
+def encode_releasing_the_gil(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """`Tokenizer.encode`, for a worker thread: tokenizers lets other Python threads run (releases the GIL) only
+    in its batch call, so a long text tokenized this way doesn't hold up the event loop's thread meanwhile."""
+    return tokenizer.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Tokenizer, context: int):
+        self.tokenizer, self.context = tokenizer, context
+        self.max_chars = context * max_token_chars(tokenizer)  # beyond this, more tokens than the context holds
+        self._slots: asyncio.Semaphore | None = None  # made on the loop that uses it
+
+    async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        try:
+            text = self.tokenizer.render_chat(messages, **({"tools": tools} if tools else {}))
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        # The template writes bos and the role markers itself: no extra special tokens (Tokenizer.encode_chat).
+        return await self._encode(text, False, "messages")
+
+    async def text(self, text: str) -> list[int]:
+        return await self._encode(text, True, "prompt")
+
+    async def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        if len(text) > self.max_chars:
+            raise ApiError(400, f"the prompt has {len(text)} characters: more tokens than this model's context of "
+                                f"{self.context}", param=param, code="context_length_exceeded")
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(MAX_CONCURRENT)
+        async with self._slots:
+            return await asyncio.to_thread(encode_releasing_the_gil, self.tokenizer, text, add_special_tokens)
