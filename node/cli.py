@@ -20,8 +20,8 @@ from aiohttp import web
 from discovery.manual import ManualDiscovery
 from discovery.static import StaticDiscovery, parse_peers
 from discovery.udp import Announcement, UdpDiscovery
-from shards.engines.registry import engine_factory
-from shards.formats.packaged import list_models
+from shards.engines.registry import engine_factory, resolve as resolve_engine
+from shards.formats.packaged import default_quantize, list_models
 
 from node.core.topology import Availability
 from node.fetch import startup as fetching
@@ -89,7 +89,8 @@ async def run(args: argparse.Namespace) -> int:
     located = fetching.locate_model(args.model)  # (path, id) of a model here, or the id of one to fetch
     model_path, model_id = located if isinstance(located, tuple) else (None, located)
     # Engine options are vetted against a model here now; a fetched one's once it has arrived.
-    engines = engine_factory(settings.node.engine, model_path, threads=args.threads, quantize=args.quantize)
+    quantize = default_quantize(model_id, resolve_engine(settings.node.engine), args.quantize)
+    engines = engine_factory(settings.node.engine, model_path, threads=args.threads, quantize=quantize)
     tls = key.tls(node_id) if key else None  # a ValueError for a node id that cannot go in a certificate
     async with AsyncExitStack() as stack:
         server = GrpcServer(settings.grpc.host, settings.grpc.port, DEFAULT_MAX_MESSAGE_BYTES, tls)  # binds now

@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "macOS, else numpy (default)")
     ap.add_argument("--threads", type=int, help="ggml engine: compute threads (default: all cores)")
     ap.add_argument("--quantize", choices=QUANTIZE_CHOICES,
-                    help="ggml engine: quantize a Hugging Face model's weights as they load (default: none)")
+                    help="ggml engine: quantize a model's weight matrices as they load, a Hugging Face model's or "
+                         "a GGUF's (default: none, except the packaged smollm2: f16)")
     ap.add_argument("--max-tokens", type=int, default=1024, help="cap on tokens generated per request")
     ap.add_argument("--memory-gb", type=float, help="memory to report for partitioning (default: available RAM)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a token before failing")

@@ -21,7 +21,7 @@ ENGINES = {
 }
 CHOICES = [*ENGINES, "auto"]
 # --quantize: the ggml engine's quantize-on-load types (here, so the flag exists without ggml installed)
-QUANTIZE_CHOICES = ("q8_0", "q4_0", "q4_k", "none")
+QUANTIZE_CHOICES = ("q8_0", "q4_0", "q4_k", "f16", "none")
 
 
 class EngineUnavailable(ValueError):

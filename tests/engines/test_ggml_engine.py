@@ -211,9 +211,7 @@ def test_rows_that_are_not_whole_blocks_fall_back_per_tensor(tmp_path, caplog):
     assert "Q8_0->F16 (rows of 48)" in caplog.text
 
 
-def test_quantize_is_refused_for_gguf_models_and_for_other_engines():
-    with pytest.raises(ValueError, match="safetensors"):
-        engine_factory("ggml", fixture("llama"), quantize="q8_0")
+def test_quantize_is_refused_for_other_engines():
     with pytest.raises(ValueError, match="option of the ggml engine"):
         engine_factory("numpy", LLAMA, quantize="q8_0")
     with pytest.raises(ValueError, match="positive integer"):

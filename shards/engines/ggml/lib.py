@@ -63,7 +63,7 @@ g.ggml_log_set(_forward_log, None)  # the module keeps the callback object alive
 F32, F16, I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), g.GGML_TYPE_I32
 WEIGHT_TYPES = frozenset(int(t) for t in SUPPORTED_TYPES)  # the types the engine's tests run through ggml
 QUANTIZE_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
-                  "q4_k": GGMLQuantizationType.Q4_K}
+                  "q4_k": GGMLQuantizationType.Q4_K, "f16": GGMLQuantizationType.F16}
 MAX_DIMS = 4
 
 

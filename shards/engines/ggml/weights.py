@@ -8,6 +8,8 @@ with rotate-half rope are the same math, but summed in another order; through qu
 differences grow: 97.6% top-1 agreement with llama.cpp over 504 positions of SmolLM2 instead of 100%). Matrices stay
 `QuantizedTensor`s, vectors (norms, biases) become float32.
 
+GGUF with `--quantize`: every matrix requantized to that type as the shard loads (see `_gguf_weights`).
+
 safetensors: layers are read one at a time, each quantized (`--quantize q8_0|q4_0|q4_k`) before the next is read,
 so loading peaks near one layer in float32 plus the quantized shard, not the whole shard in float32. A matrix
 whose rows are not whole blocks of the asked type falls back per tensor (q4_k needs rows of 256 values: to q8_0;
@@ -44,21 +46,74 @@ def load_ggml_shard_weights(model_dir: str | Path, cfg: ModelConfig, shard: Shar
     """`quantize` (checked by the engine): None/"none" keeps a checkpoint's float32; a GGUF keeps its own types."""
     source = open_model(model_dir)
     if source.gguf is not None:
-        return _gguf_weights(source.gguf, cfg, shard)
+        return _gguf_weights(source.gguf, cfg, shard, None if quantize in (None, "none") else quantize, threads)
     return _SafetensorsLoader(source.root, cfg, shard, quantize or "none", threads).weights()
 
 
-def _gguf_weights(path: Path, cfg: ModelConfig, shard: Shard) -> ShardWeights:
+def _gguf_weights(path: Path, cfg: ModelConfig, shard: Shard, quantize: str | None, threads: int) -> ShardWeights:
+    """The file's tensors as stored, or with `quantize` every matrix (embedding and head too) requantized to that
+    type one tensor at a time: dequantized to float32 (gguf.quants), then quantized by ggml, so loading peaks at the
+    quantized shard plus one tensor in float32. A tensor already of that type is kept as it is."""
     t = load_shard_tensors(path, cfg, shard, dequantize=False, unpermute=False)
+    requantize = _Requantizer(quantize, threads) if quantize else None
 
     def vector(q: QuantizedTensor | None) -> np.ndarray | None:
         return None if q is None else q.dequantize()
 
+    def matrix(q: QuantizedTensor | None) -> QuantizedTensor | None:
+        return q if q is None or requantize is None else requantize(q)
+
     layers = []
     for i in range(shard.start_layer, shard.end_layer):
         fields = {k: t[f"{i}.{k}"] for k in layer_tensor_shapes(cfg, i)}
-        layers.append(LayerWeights(**{k: v if k in MATRICES else vector(v) for k, v in fields.items()}))
-    return ShardWeights(shard, layers, t.get("embed_tokens"), vector(t.get("norm")), t.get("lm_head"))
+        layers.append(LayerWeights(**{k: matrix(v) if k in MATRICES else vector(v) for k, v in fields.items()}))
+    out = ShardWeights(shard, layers, matrix(t.get("embed_tokens")), vector(t.get("norm")), matrix(t.get("lm_head")))
+    if requantize:
+        requantize.report(path)
+    return out
+
+
+class _Requantizer:
+    """GGUF tensor -> the asked type, each distinct tensor once (a tied head is the embedding: one object stays
+    one object). Rows that are not whole blocks of the type fall back as a checkpoint's do (to q8_0, else f16)."""
+
+    def __init__(self, quantize: str, threads: int):
+        self.qtype, self.threads = int(QUANTIZE_TYPES[quantize]), threads
+        self.done: dict[int, QuantizedTensor] = {}
+        self.fallbacks: Counter[str] = Counter()
+        self.converted = 0
+
+    def __call__(self, q: QuantizedTensor) -> QuantizedTensor:
+        if id(q) not in self.done:
+            self.done[id(q)] = self._convert(q)
+        return self.done[id(q)]
+
+    def _convert(self, q: QuantizedTensor) -> QuantizedTensor:
+        if int(q.ggml_type) == self.qtype:
+            return q
+        self.converted += 1
+        a = q.dequantize().reshape(q.data.shape[0], -1)  # rows as stored (a llama file's Q/K rows stay permuted)
+        data, qtype = _quantize_rows(a, self.qtype, self.threads, self.fallbacks)
+        return QuantizedTensor(q.name, Q(qtype), q.shape, data)
+
+    def report(self, path: Path) -> None:
+        log.info("%s: %d tensors requantized to %s on load", path.name, self.converted, Q(self.qtype).name)
+        for what, n in sorted(self.fallbacks.items()):
+            log.info("quantize: %d tensors %s: their rows are not whole blocks of the asked type", n, what)
+
+
+def _quantize_rows(a: np.ndarray, qtype: int, threads: int, fallbacks: Counter[str]) -> tuple[np.ndarray, int]:
+    """float32 [rows, n] -> (read-only raw blocks, the type used): `qtype`, or q8_0 / f16 where rows don't fit."""
+    asked = qtype
+    if a.shape[1] % block_size(qtype):
+        qtype = int(Q.Q8_0) if a.shape[1] % block_size(int(Q.Q8_0)) == 0 else int(Q.F16)
+        fallbacks[f"{Q(asked).name}->{Q(qtype).name} (rows of {a.shape[1]})"] += 1
+    if qtype == Q.F16:
+        data = np.ascontiguousarray(a, dtype=np.float16).view(np.uint8).reshape(a.shape[0], -1)
+    else:
+        data = quantize(np.ascontiguousarray(a, dtype=np.float32), qtype, threads)
+    data.flags.writeable = False
+    return data, qtype
 
 
 class _LazyLayers(list):
@@ -125,15 +180,7 @@ class _SafetensorsLoader:
     def _convert(self, name: str, a: np.ndarray) -> np.ndarray | QuantizedTensor:
         if self.qtype is None or a.ndim != 2:
             return a  # vectors (norms, biases) stay float32, as in GGUF files
-        qtype = self.qtype
-        if a.shape[1] % block_size(qtype):
-            qtype = int(Q.Q8_0) if a.shape[1] % block_size(int(Q.Q8_0)) == 0 else int(Q.F16)
-            self.fallbacks[f"{Q(self.qtype).name}->{Q(qtype).name} (rows of {a.shape[1]})"] += 1
-        if qtype == Q.F16:
-            data = np.ascontiguousarray(a, dtype=np.float16).view(np.uint8).reshape(a.shape[0], -1)
-        else:
-            data = quantize(a, qtype, self.threads)
-        data.flags.writeable = False
+        data, qtype = _quantize_rows(a, self.qtype, self.threads, self.fallbacks)
         return QuantizedTensor(name, Q(qtype), a.shape, data)
 
     def _report(self) -> None:

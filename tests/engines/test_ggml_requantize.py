@@ -1,0 +1,84 @@
+"""`--quantize` on a GGUF file: the ggml engine requantizes each matrix as the shard loads (dequantized with
+gguf.quants, quantized by ggml), and the packaged SmolLM2 is served that way (as F16) unless asked otherwise,
+because its own Q4_1 blocks times ggml's 8-bit activations answer a newcomer's first question wrongly."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from shards.engines.ggml.engine import GgmlEngine
+from shards.engines.ggml.weights import MATRICES, load_ggml_shard_weights
+from shards.engines.numpy_engine import NumpyEngine
+from shards.formats.loader import load_config
+from shards.formats.packaged import default_quantize
+from shards.formats.quant import QuantizedTensor
+from shards.generate import chain_forward, generate
+from shards.shard import Shard
+from shards.tokenizer import Tokenizer
+from tests.support.gguf_util import fixture, gguf_golden, smollm2_path
+from tests.support.tolerance import QUANTIZED_RMS, atol, relative_rms
+
+
+def make(cls, path, **options):
+    cfg = load_config(path)
+    return cls(path, Shard("m", 0, cfg.n_layers, cfg.n_layers), cfg, **options)
+
+
+def weights(path, quantize):
+    cfg = load_config(path)
+    return load_ggml_shard_weights(path, cfg, Shard("m", 0, cfg.n_layers, cfg.n_layers), quantize, threads=1)
+
+
+def matrices(w):
+    return [getattr(layer, k) for layer in w.layers for k in MATRICES]
+
+
+def sequence(name: str) -> np.ndarray:
+    g = gguf_golden()["models"][name]
+    return np.array(g["prompt_ids"] + g["greedy_ids"][:-1])
+
+
+def test_every_matrix_of_a_mixed_type_file_is_requantized_and_computes_like_the_file():
+    """llama.gguf holds every supported type across its layers; with q8_0 each of its matrices is Q8_0, and the
+    logits stay within quantized math's bound of float32 math on the file's own weights."""
+    assert {m.ggml_type for m in matrices(weights(fixture("llama"), "q8_0"))} == {Q.Q8_0}
+    assert len({m.ggml_type for m in matrices(weights(fixture("llama"), None))}) > 3  # converted from several types
+    engine = make(GgmlEngine, fixture("llama"), quantize="q8_0", threads=1)
+    tokens = sequence("llama")
+    reference = chain_forward([make(NumpyEngine, fixture("llama"))], "r", tokens, all_logits=True)
+    assert relative_rms(chain_forward([engine], "r", tokens, all_logits=True), reference) < QUANTIZED_RMS
+
+
+def test_f16_keeps_a_tied_head_one_tensor_and_comes_close_to_float32():
+    w = weights(fixture("qwen2"), "f16")
+    assert isinstance(w.embed_tokens, QuantizedTensor) and w.embed_tokens.ggml_type == Q.F16
+    assert w.lm_head is w.embed_tokens  # tied: converted once, held once
+    assert {t.ggml_type for t in matrices(w)} == {Q.F16}
+    engine = make(GgmlEngine, fixture("qwen2"), quantize="f16", threads=1)
+    tokens = sequence("qwen2")
+    reference = chain_forward([make(NumpyEngine, fixture("qwen2"))], "r", tokens, all_logits=True)
+    assert np.abs(chain_forward([engine], "r", tokens, all_logits=True) - reference).max() < atol("ggml")
+
+
+def test_the_packaged_default_is_f16_on_ggml_only_and_an_explicit_choice_wins():
+    assert default_quantize("smollm2-135m-instruct", "ggml", None) == "f16"
+    assert default_quantize("smollm2-135m-instruct", "ggml", "none") == "none"  # the file's own Q4_1
+    assert default_quantize("smollm2-135m-instruct", "numpy", None) is None
+    assert default_quantize("my-model", "ggml", None) is None
+
+
+@pytest.mark.parametrize("quantize,answer", [("f16", "The capital of France is Paris."), (None, None)])
+def test_smollm2_answers_the_first_question_right_only_when_requantized(quantize, answer):
+    path = smollm2_path()
+    tok, cfg = Tokenizer.load(path), load_config(path)
+    engine = make(GgmlEngine, path, quantize=quantize, threads=2)
+    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    out = []
+    for r in generate([engine], ids, 12):
+        if r.token in cfg.eos_token_ids:
+            break
+        out.append(r.token)
+    text = tok.decode(out)
+    if answer is None:
+        assert "Paris" not in text  # the file's Q4_1 as llama.cpp computes it: why the default requantizes
+    else:
+        assert text == answer
