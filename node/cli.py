@@ -10,6 +10,7 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -21,13 +22,14 @@ from discovery.manual import ManualDiscovery
 from discovery.static import StaticDiscovery, parse_peers
 from discovery.udp import Announcement, UdpDiscovery
 from shards.engines.registry import engine_factory, resolve as resolve_engine
+from shards.formats.loader import load_config
 from shards.formats.packaged import default_quantize, list_models
 
 from node.core.topology import Availability
 from node.fetch import startup as fetching
 from node.fetch.fetcher import Fetcher
 from node.fetch.follow import Follower
-from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport
+from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, message_bound
 from node.grpc.server import GrpcServer
 from node.http.api import Api
 from node.runtime.membership import Membership
@@ -92,11 +94,17 @@ async def run(args: argparse.Namespace) -> int:
     quantize = default_quantize(model_id, resolve_engine(settings.node.engine), args.quantize)
     engines = engine_factory(settings.node.engine, model_path, threads=args.threads, quantize=quantize)
     tls = key.tls(node_id) if key else None  # a ValueError for a node id that cannot go in a certificate
+    # The largest message a peer may send is what the model implies (a fetched model's is known only later: the
+    # default then). gRPC reads a message whole before any check, so this is the bound on what a peer makes us hold.
+    bound = DEFAULT_MAX_MESSAGE_BYTES if model_path is None else \
+        message_bound((config := load_config(model_path)).hidden_size, config.max_position_embeddings)
+    settings = dataclasses.replace(settings, node=dataclasses.replace(settings.node,
+                                                                      max_tensor_bytes=bound - (1 << 20)))
     async with AsyncExitStack() as stack:
-        server = GrpcServer(settings.grpc.host, settings.grpc.port, DEFAULT_MAX_MESSAGE_BYTES, tls)  # binds now
+        server = GrpcServer(settings.grpc.host, settings.grpc.port, bound, tls)  # binds now
         stack.push_async_callback(server.stop)
         address = f"{settings.grpc.advertise_host}:{server.port}"
-        transport = GrpcTransport(DEFAULT_MAX_MESSAGE_BYTES, tls=tls)
+        transport = GrpcTransport(bound, tls=tls)
         stack.push_async_callback(transport.close)
         discoveries = make_discoveries(args, Announcement(node_id, server.port, model_id, settings.node.engine,
                                                           memory), key)

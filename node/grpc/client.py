@@ -39,6 +39,15 @@ _KINDS = {
 }
 
 
+def message_bound(hidden_size: int, context: int) -> int:
+    """The largest message a node serving a model needs to take, read whole by gRPC before any handler sees it:
+    one request's whole context of activations (context x hidden x 4 bytes, float32) and 1 MiB for the rest, at
+    least gRPC's default of 4 MiB. Senders cut their calls to fit (node/runtime/outbox.py), so a larger message
+    is a hostile one; a bound from the model keeps what a peer can make a node hold (and parse on its event loop)
+    to what the model implies, not 256 MiB a message."""
+    return max(4 << 20, context * hidden_size * 4 + (1 << 20))
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),

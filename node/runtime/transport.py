@@ -32,6 +32,8 @@ class TransportError(RuntimeError):
 
 
 class Transport(Protocol):
+    max_message_bytes: int  # the largest call a peer takes (node/grpc/client.py's message_bound): sends stay below
+
     async def send_prompt(self, address: str, spec: RequestSpec, tokens: np.ndarray) -> None: ...
 
     async def send(self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) \
