@@ -123,7 +123,7 @@ def tool_call_grammar(tools: list[tuple[str, dict[str, Any]]], *, required: bool
         "TEXT: /(.|\\n)*/",
         f"trig[lazy]: TEXT {json.dumps(TOOL_OPEN)}",
         f"OPEN: {json.dumps(TOOL_OPEN)}",
-        f"SEP: /[ \\n]*{TOOL_OPEN}/",
+        f"SEP: /\\n?{TOOL_OPEN}/",  # bounded: whitespace between calls could run forever
         f"body: \"\\n\" %json {call} {json.dumps(chr(10) + TOOL_CLOSE)}",
         "",
     ])

@@ -11,16 +11,21 @@ import hmac
 import json
 import logging
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
+from shards.grammar import Constraint, GrammarError, grammar_tokenizer
+
 from node.http.schema import (ApiError, ChatRequest, CompletionRequest, Options, parse_chat, parse_completion,
     read_json)
 from node.http.format import ChatFormat, CompletionFormat, Format
 from node.http.completion import Job, TextDelta, run_job
+from node.http.tools import ToolError, prompt_inputs
+from node.http.prompt import PromptEncoder
 from node.runtime.node import Node
 from node.core.requests import GenerationError, Overloaded
 from node.core.plan import PlanError
@@ -44,6 +49,7 @@ class Api:
     def __init__(self, node: Node, settings: ApiSettings = ApiSettings()):
         self.node, self.settings = node, settings
         self.active = 0
+        self.prompts = PromptEncoder(node.tokenizer, node.config.max_position_embeddings)
 
     @property
     def model_id(self) -> str:
@@ -147,24 +153,39 @@ class Api:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         chat = parse_chat(await read_json(request))
         self._check_model(chat.options.model)
-        try:
-            prompt = self.node.tokenizer.encode_chat(chat.messages)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        return await self._generate(request, chat, prompt, "")
+        messages, tools = prompt_inputs(chat.messages, chat.options.structure, self.node.tokenizer.chat_template)
+        prompt = await self.prompts.chat(messages, tools)
+        return await self._generate(request, await self._constrained(chat), prompt, "")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_completion(await read_json(request))
         self._check_model(req.options.model)
         tok = self.node.tokenizer
         if isinstance(req.prompt, str):
-            prompt, echo = tok.encode(req.prompt), req.prompt
+            prompt, echo = await self.prompts.text(req.prompt), req.prompt
         else:
             if max(req.prompt) >= self.node.config.vocab_size:
                 raise ApiError(400, f"token ids must be below the vocabulary size {self.node.config.vocab_size}",
                                param="prompt", code="invalid_value")
             prompt, echo = list(req.prompt), tok.decode(req.prompt)
-        return await self._generate(request, req, prompt, echo if req.echo else "")
+        return await self._generate(request, await self._constrained(req), prompt, echo if req.echo else "")
+
+    async def _constrained(self, req: ChatRequest | CompletionRequest) -> ChatRequest | CompletionRequest:
+        """The request with the grammar its tools or response_format ask for, compiled and checked against the
+        model's vocabulary here, before any node works (a 400 naming the problem); off the event loop."""
+        opts = req.options
+        try:
+            grammar = await asyncio.to_thread(opts.structure.grammar)
+            if grammar is None:
+                return req
+            checker = await asyncio.to_thread(grammar_tokenizer, self.node.tokenizer)
+            await asyncio.to_thread(checker.check, grammar)
+            constraint = Constraint(grammar)
+        except (ToolError, GrammarError) as e:
+            raise ApiError(400, f"{opts.structure.param}: {e}", param=opts.structure.param,
+                           code="invalid_schema") from None
+        sampling = dataclasses.replace(opts.sampling, constraint=constraint)
+        return dataclasses.replace(req, options=dataclasses.replace(opts, sampling=sampling))
 
     def _job(self, opts: Options, prompt: list[int], param: str) -> Job:
         context = self.node.config.max_position_embeddings

@@ -6,6 +6,7 @@ never disagree.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -13,6 +14,7 @@ from typing import Any
 
 from node.http.schema import Options
 from node.http.completion import TextDelta, TokenLogprob
+from node.http.tools import ToolCallParser
 
 
 class Format(ABC):
@@ -71,6 +73,25 @@ class Format(ABC):
 class ChatFormat(Format):
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, options: Options, prompt_tokens: int, model: str):
+        super().__init__(options, prompt_tokens, model)
+        # With tools, the text is split into content and tool calls (node/http/tools.py) as it streams.
+        self.parser = ToolCallParser() if options.structure.calls_tools else None
+        self.called = False
+
+    def piece_chunks(self, piece: TextDelta) -> list[dict[str, Any]]:
+        if self.parser is None:
+            return super().piece_chunks(piece)
+        content, calls = self.parser.feed(piece.text, final=piece.finish_reason is not None)
+        out = [self.delta(dataclasses.replace(piece, text=content))] if content or piece.logprobs else []
+        out += [self._chunk({"delta": {"tool_calls": [call.openai()]}, "logprobs": None, "finish_reason": None})
+                for call in calls]
+        self.called |= bool(calls)
+        if piece.finish_reason is not None:
+            out.append(self.closing("tool_calls" if self.called and piece.finish_reason == "stop"
+                                    else piece.finish_reason))
+        return out
+
     def opening(self, echo: str) -> dict[str, Any]:
         return self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
 
@@ -96,8 +117,12 @@ class ChatFormat(Format):
         logprobs = None
         if self.logprobs_wanted:
             logprobs = {"content": [e for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+        calls = [{k: v for k, v in call.items() if k != "index"}
+                 for c in choices for call in c["delta"].get("tool_calls", ())]
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 class CompletionFormat(Format):

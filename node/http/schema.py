@@ -1,7 +1,7 @@
 """OpenAI request bodies: parsed and validated into typed requests, or an ApiError naming the bad field.
 
-Unknown fields are ignored, as OpenAI does. Known fields we cannot honour (n > 1, penalties, tools, logit_bias,
-non-text response formats, suffix) are refused with a 400 rather than silently ignored.
+Unknown fields are ignored, as OpenAI does. Known fields we cannot honour (n > 1, penalties, logit_bias, suffix)
+are refused with a 400 rather than silently ignored. Tools and response formats: node/http/tools.py.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from typing import Any
 from aiohttp import web
 
 from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
+
+from node.http.tools import Structure, ToolError, check_tool_messages, parse_structure, parse_tool_calls
 
 BODY_TIMEOUT_S = 30
 MAX_STOPS = 4
@@ -55,12 +57,13 @@ class Options:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    structure: Structure = Structure()  # tools / response_format
 
 
 @dataclass(frozen=True)
 class ChatRequest:
     options: Options
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]  # role, content; assistant tool_calls; tool messages' tool_call_id
 
 
 @dataclass(frozen=True)
@@ -152,18 +155,17 @@ def _unsupported(body: dict) -> None:
             raise bad(key, f"'{key}' is not supported (only 0)")
     if body.get("logit_bias"):
         raise bad("logit_bias", "'logit_bias' is not supported")
-    if body.get("tools") or body.get("functions"):
-        raise bad("tools", "tool calling is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
 
 
-def _options(body: dict, top_logprobs: int | None, default_max_tokens: int | None) -> Options:
+def _options(body: dict, top_logprobs: int | None, default_max_tokens: int | None, chat: bool) -> Options:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "'model' must be a non-empty string")
     _unsupported(body)
+    try:
+        structure = parse_structure(body, chat)
+    except ToolError as e:
+        raise bad(e.param, str(e)) from None
     max_tokens = _int(body, "max_completion_tokens", 1, 1 << 30)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, 1 << 30)
@@ -185,12 +187,12 @@ def _options(body: dict, top_logprobs: int | None, default_max_tokens: int | Non
         top_logprobs=top_logprobs,
     )
     return Options(model, max_tokens if max_tokens is not None else default_max_tokens, sampling, _stops(body),
-                   stream, include_usage)
+                   stream, include_usage, structure)
 
 
 def _content(message: dict, i: int) -> str:
     content = message.get("content")
-    if content is None and message.get("role") == "assistant":
+    if content is None and message.get("role") == "assistant":  # e.g. a message holding only tool calls
         return ""
     if isinstance(content, str):
         return content
@@ -213,14 +215,28 @@ def parse_chat(body: dict) -> ChatRequest:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", "each message must be an object")
         role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
+        if role not in ("system", "developer", "user", "assistant", "tool"):
             raise bad(f"messages[{i}].role", f"unsupported role {role!r}")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m, i)})
+        message: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _content(m, i)}
+        try:
+            if role == "assistant" and m.get("tool_calls") is not None:
+                message["tool_calls"] = parse_tool_calls(m["tool_calls"], i)
+        except ToolError as e:
+            raise bad(e.param, str(e)) from None
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise bad(f"messages[{i}].tool_call_id", "a tool message needs the 'tool_call_id' it answers")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
+    try:
+        check_tool_messages(out)
+    except ToolError as e:
+        raise bad(e.param, str(e)) from None
     logprobs = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
-    return ChatRequest(_options(body, (top or 0) if logprobs else None, None), out)
+    return ChatRequest(_options(body, (top or 0) if logprobs else None, None, True), out)
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -237,4 +253,4 @@ def parse_completion(body: dict) -> CompletionRequest:
     if _int(body, "best_of", 1, 1) not in (None, 1):
         raise bad("best_of", "only best_of=1 is supported")
     logprobs = _int(body, "logprobs", 0, COMPLETIONS_MAX_LOGPROBS)
-    return CompletionRequest(_options(body, logprobs, 16), prompt, _bool(body, "echo"))
+    return CompletionRequest(_options(body, logprobs, 16, False), prompt, _bool(body, "echo"))

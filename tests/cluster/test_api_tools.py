@@ -1,0 +1,157 @@
+"""Tools and structured output through the official openai client, unmodified, on the packaged SmolLM2 (its
+default engine), on one node and on three: whatever the model writes, tool arguments and JSON replies validate
+against their schemas, because sampling on the last node is constrained by a grammar."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from shards.grammar import closed_objects
+from tests.support.cluster import Cluster
+from tests.support.gguf_util import smollm2_path
+
+MODEL = "smollm2-135m-instruct"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+             "type": "object", "properties": {"a": {"type": "number", "minimum": -1000, "maximum": 1000},
+                                              "b": {"type": "number", "minimum": -1000, "maximum": 1000}},
+             "required": ["a", "b"]}}}]
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+# Every kind of constraint the issue names; bounded so that any sampled text ends within max_tokens.
+SCHEMAS = {
+    "enum_and_bounds": {"type": "object", "required": ["mood", "score", "ratio"], "properties": {
+        "mood": {"enum": ["happy", "sad", "calm"]}, "score": {"type": "integer", "minimum": 1, "maximum": 10},
+        "ratio": {"type": "number", "minimum": 0, "maximum": 1}}},
+    "nested_and_arrays": {"type": "object", "required": ["person", "tags"], "properties": {
+        "person": {"type": "object", "required": ["name", "age"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
+        "tags": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "string", "maxLength": 8}}}},
+    "any_of_and_patterns": {"type": "object", "required": ["id", "code"], "properties": {
+        "id": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 999}, {"type": "string", "pattern": "^id-[0-9]{3}$"}]},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"}}},
+}
+SEEDS = range(3)
+
+
+@pytest.fixture(scope="module", params=[1, 3], ids=["1-node", "3-nodes"])
+def client(request):
+    shards = ["0:10", "10:20", "20:30"] if request.param == 3 else None
+    with Cluster(smollm2_path(), request.param, shards=shards, model_id=MODEL, engine=None) as c:
+        yield openai.OpenAI(base_url=f"{c.nodes[0].api_url}/v1", api_key="unused", max_retries=0)
+
+
+def schema_of(name: str) -> dict:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def test_required_tool_choice_gives_a_call_whose_arguments_validate(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=80, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), closed_objects(schema_of(call.function.name)))
+
+
+def test_a_named_function_is_the_one_called(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Add 2 and 40."}],
+                                       tools=TOOLS, max_tokens=60, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "add"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), closed_objects(schema_of("add")))
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_same_call(client):
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert calls == {0: {"name": whole.function.name, "arguments": whole.function.arguments}}
+
+
+def test_a_two_step_agent_loop_completes(client):
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           max_tokens=80, temperature=0).choices[0].message
+    call = first.tool_calls[0]
+    conversation = ASK + [first.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius, sunny"}]
+    final = client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60,
+                                           temperature=0).choices[0]
+    assert final.finish_reason in ("stop", "length", "tool_calls")
+    assert final.message.content or final.message.tool_calls
+
+
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+    population_millions: int = Field(ge=0, le=100)
+
+
+def test_parse_with_a_pydantic_model(client):
+    r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Describe Paris."}],
+                                      response_format=City, max_tokens=80, temperature=0)
+    assert isinstance(r.choices[0].message.parsed, City)
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_every_sampled_output_validates_with_concurrent_free_requests(client, name):
+    schema = SCHEMAS[name]
+
+    def constrained(seed: int) -> str:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Give me an example record."}], max_tokens=120,
+            temperature=1.0, seed=seed, response_format={"type": "json_schema", "json_schema": {
+                "name": name, "schema": schema, "strict": True}})
+        assert r.choices[0].finish_reason == "stop"
+        return r.choices[0].message.content
+
+    def free(seed: int) -> str:
+        return client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, seed=seed,
+                                              temperature=1.0).choices[0].message.content
+
+    with ThreadPoolExecutor(6) as pool:
+        frees = [pool.submit(free, s) for s in SEEDS]
+        outputs = list(pool.map(constrained, SEEDS))
+        assert all(isinstance(f.result(), str) for f in frees)
+    for text in outputs:
+        jsonschema.validate(json.loads(text), closed_objects(schema))
+
+
+def test_completions_take_a_json_response_format(client):
+    r = client.completions.create(model=MODEL, prompt="A JSON object describing a cat:", max_tokens=60,
+                                  temperature=0, extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "cat", "schema": SCHEMAS["enum_and_bounds"]}}})
+    jsonschema.validate(json.loads(r.choices[0].text), closed_objects(SCHEMAS["enum_and_bounds"]))
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}),
+     "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "format": "not-a-format"}}}), "response_format"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "launch"}}), "tool_choice"),
+    (dict(messages=ASK + [{"role": "tool", "content": "x"}]), "messages[1].tool_call_id"),
+])
+def test_bad_input_is_a_400_in_openais_shape(client, kw, param):
+    kw = {"messages": ASK} | kw
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=8, **kw)
+    assert e.value.status_code == 400 and e.value.body["param"] == param
