@@ -31,6 +31,7 @@ from node.fetch.fetcher import Fetcher
 from node.fetch.follow import Follower
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, message_bound
 from node.grpc.server import GrpcServer
+from node.http import logs as http_logs
 from node.http.api import Api
 from node.runtime.membership import Membership
 from node.runtime.node import Node
@@ -58,6 +59,7 @@ def make_discoveries(args: argparse.Namespace, announcement: Announcement, key: 
 async def serve_api(stack: AsyncExitStack, http: HttpSettings, node: Node) -> str:
     # keepalive_timeout also bounds how long a client may take to send a request's headers (aiohttp arms it when the
     # connection opens and incoming bytes don't reset it): slow-header clients can't hold connections open.
+    http_logs.install()  # unparseable requests: one line each, no traceback
     runner = web.AppRunner(Api(node, http.api).app(), handler_cancellation=True, access_log=None,
                            keepalive_timeout=http.header_timeout)
     await runner.setup()
