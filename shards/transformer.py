@@ -17,6 +17,7 @@ import numpy as np
 from shards.engines.backend import Array, Backend, KVCache
 from shards.formats.config import ModelConfig
 from shards.formats.weights import LayerWeights, ShardWeights
+from shards.moe import SparseMoE
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class TransformerBlock:
         self.input_layernorm = RMSNorm(ops, ops.array(w.input_norm), cfg.rms_norm_eps)
         self.self_attn = Attention(ops, cfg, w)
         self.post_attention_layernorm = RMSNorm(ops, ops.array(w.post_norm), cfg.rms_norm_eps)
-        self.mlp = MLP(ops, cfg, w)
+        self.mlp = MLP(ops, cfg, w) if w.router is None else SparseMoE(ops, cfg, w)
 
     def __call__(self, x: Array, step: Step, caches: Sequence[KVCache]) -> Array:
         h = x + self.self_attn(self.input_layernorm(x), step, caches)
@@ -145,6 +146,8 @@ class ShardModel:
                     out.extend(a for a in (value.weight, getattr(value, "bias", None)) if a is not None)
                 elif isinstance(value, (TransformerBlock, Attention, MLP)):
                     collect(value)
+                elif isinstance(value, SparseMoE):
+                    out.extend(value.arrays())
 
         for layer in self.layers:
             collect(layer)

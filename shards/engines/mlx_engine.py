@@ -14,8 +14,9 @@ except ImportError as e:  # pragma: no cover - depends on the install
 
 from shards.engines.backend import EagerBackend, KVCache, SlabCache
 from shards.engines.base import BlockEngine
+from shards.engines.moe_backend import EagerMoE
 
-class MlxBackend(EagerBackend):
+class MlxBackend(EagerBackend, EagerMoE):
     name = "mlx"
 
     def weight(self, w: np.ndarray) -> "mx.array":
@@ -44,6 +45,9 @@ class MlxBackend(EagerBackend):
 
     def silu(self, x: "mx.array") -> "mx.array":
         return x * mx.sigmoid(x)
+
+    def sigmoid(self, x: "mx.array") -> "mx.array":
+        return mx.sigmoid(x)
 
     def concat(self, xs: list["mx.array"], axis: int) -> "mx.array":
         return mx.concatenate(xs, axis=axis)

@@ -9,9 +9,10 @@ import numpy as np
 
 from shards.engines.backend import EagerBackend, SlabCache
 from shards.engines.base import BlockEngine
+from shards.engines.moe_backend import NumpyMoE
 
 
-class NumpyBackend(EagerBackend):
+class NumpyBackend(EagerBackend, NumpyMoE):
     name = "numpy"
 
     def weight(self, w: np.ndarray) -> np.ndarray:

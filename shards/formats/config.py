@@ -11,12 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shards.formats.moe_config import MoEConfig, MoEConfigError, hf_moe
+
 # Architectures whose math is the Llama block with optional q/k/v biases (Qwen2) or q/k RMSNorm (Qwen3).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # mixtures of experts (shards/moe.py): the same attention, a routed feed-forward (formats/moe_config.py)
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -85,6 +91,7 @@ class ModelConfig:
     qk_norm: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    moe: MoEConfig | None = None  # a mixture of experts' routing and sizes; None for a dense model
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -122,13 +129,18 @@ class ModelConfig:
         if head_dim % 2:
             raise ConfigError(f"{source}: head_dim {head_dim} must be even for rotary embeddings")
         eos = raw.get("eos_token_id")
+        n_layers = r.pos_int("num_hidden_layers")
+        try:
+            moe = hf_moe(model_type, raw, n_layers, source)
+        except MoEConfigError as e:
+            raise ConfigError(str(e)) from None
         return cls(
             model_type=model_type,
             architecture=arch,
             vocab_size=r.pos_int("vocab_size"),
             hidden_size=hidden,
             intermediate_size=r.pos_int("intermediate_size"),
-            n_layers=r.pos_int("num_hidden_layers"),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=n_kv,
             head_dim=head_dim,
@@ -137,10 +149,11 @@ class ModelConfig:
             max_position_embeddings=r.pos_int("max_position_embeddings", default=4096),
             tie_word_embeddings=r.boolean("tie_word_embeddings", default=False),
             # Qwen2 always carries q/k/v biases; Llama/Mistral only when attention_bias says so.
-            attention_bias=model_type == "qwen2" or r.boolean("attention_bias", default=False),
-            qk_norm=model_type == "qwen3",
+            attention_bias=model_type in ("qwen2", "qwen2moe") or r.boolean("attention_bias", default=False),
+            qk_norm=model_type in ("qwen3", "qwen3moe"),
             bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
             eos_token_ids=token_id_list(eos, f"{source}: eos_token_id"),
+            moe=moe,
         )
 
 

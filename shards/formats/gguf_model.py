@@ -15,6 +15,7 @@ import numpy as np
 
 from shards.formats.config import ModelConfig, RopeConfig
 from shards.formats.gguf_file import GGUFError, GGUFFile, TensorInfo, open_gguf
+from shards.formats.gguf_moe import LAYER_NAMES as MOE_LAYER_NAMES, LLAMA_WITH_EXPERTS, MOE_ARCHITECTURES, gguf_moe
 from shards.formats.quant import SUPPORTED_TYPES, Q, QuantizedTensor, unpermute_order
 from shards.shard import Shard
 from shards.formats.weights import LayerWeights, ShardWeights, layer_tensor_shapes
@@ -24,6 +25,7 @@ ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    **MOE_ARCHITECTURES,
 }
 
 # LayerWeights field -> GGUF tensor name within block i
@@ -42,6 +44,7 @@ LAYER_NAMES = {
     "v_bias": "attn_v.bias",
     "q_norm": "attn_q_norm.weight",
     "k_norm": "attn_k_norm.weight",
+    **MOE_LAYER_NAMES,
 }
 EMBED, NORM, HEAD = "token_embd.weight", "output_norm.weight", "output.weight"
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: one float32 divisor per rotary pair
@@ -76,6 +79,9 @@ def gguf_config(path: str | Path) -> ModelConfig:
     embed = f.tensor(EMBED)
     if len(embed.shape) != 2 or embed.shape[0] != hidden:
         raise GGUFError(f"{f.path}: {EMBED} has shape {list(embed.hf_shape)}, expected [vocab, {hidden}]")
+    moe = gguf_moe(f, arch, pos("block_count"))
+    if moe is not None and arch == "llama":
+        hf_arch = LLAMA_WITH_EXPERTS
     cfg_eos = [f.get_int(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                   "tokenizer.ggml.eom_token_id") if f.has(k)]
     cfg = ModelConfig(
@@ -96,6 +102,7 @@ def gguf_config(path: str | Path) -> ModelConfig:
         qk_norm=f"blk.0.{LAYER_NAMES['q_norm']}" in f.tensors,
         bos_token_id=f.get_int("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(cfg_eos)),
+        moe=moe,
     )
     # Check every tensor of the whole model now (presence, type, shape; no data is read), so that a file we cannot
     # run is refused at start-up, not when some node first loads its shard in the middle of a request. (First that

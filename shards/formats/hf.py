@@ -15,6 +15,7 @@ import numpy as np
 from safetensors import safe_open
 
 from shards.formats.config import ModelConfig
+from shards.formats.moe_layout import expand
 from shards.formats.weights import LayerWeights, ShardWeights, WeightsError, layer_tensor_shapes
 from shards.progress import Progress
 from shards.shard import Shard
@@ -93,6 +94,14 @@ class Checkpoint:
             return self._read(wanted, bar.update)
 
     def _read(self, wanted: dict[str, tuple[int, ...]], advance) -> dict[str, np.ndarray]:
+        """The wanted tensors; a mixture of experts' stacked names are made from the layout the folder has."""
+        read, made = expand(wanted, self.has)
+        out = self._read_stored(read, advance)
+        for name, combine in made.items():
+            out[name] = combine(out)
+        return {name: out[name] for name in wanted}
+
+    def _read_stored(self, wanted: dict[str, tuple[int, ...]], advance) -> dict[str, np.ndarray]:
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name in wanted:
             if name not in self.where:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from shards.formats.config import ModelConfig
+from shards.formats.moe_layout import moe_tensor_shapes
 from shards.shard import Shard
 
 
@@ -28,14 +29,23 @@ class LayerWeights:
     v_proj: np.ndarray
     o_proj: np.ndarray
     post_norm: np.ndarray
-    gate_proj: np.ndarray
-    up_proj: np.ndarray
-    down_proj: np.ndarray
+    gate_proj: np.ndarray | None = None  # a dense MLP (None in a mixture-of-experts layer)
+    up_proj: np.ndarray | None = None
+    down_proj: np.ndarray | None = None
     q_bias: np.ndarray | None = None
     k_bias: np.ndarray | None = None
     v_bias: np.ndarray | None = None
     q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None
+    # a mixture-of-experts layer (shards/moe.py): router [E, h]; experts stacked [E, ff, h] (down: [E, h, ff])
+    router: np.ndarray | None = None
+    experts_gate: np.ndarray | None = None
+    experts_up: np.ndarray | None = None
+    experts_down: np.ndarray | None = None
+    shared_gate_proj: np.ndarray | None = None  # Qwen2-MoE's shared expert, and its sigmoid gate [1, h]
+    shared_up_proj: np.ndarray | None = None
+    shared_down_proj: np.ndarray | None = None
+    shared_expert_gate: np.ndarray | None = None
 
     def qkv_bias(self) -> np.ndarray | None:
         """q/k/v biases fused like their weights (see Backend.fused_weight)."""
@@ -68,10 +78,15 @@ def layer_tensor_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[str, tuple[
         "v_proj": (p + "self_attn.v_proj.weight", (kv_out, h)),
         "o_proj": (p + "self_attn.o_proj.weight", (h, q_out)),
         "post_norm": (p + "post_attention_layernorm.weight", (h,)),
-        "gate_proj": (p + "mlp.gate_proj.weight", (inter, h)),
-        "up_proj": (p + "mlp.up_proj.weight", (inter, h)),
-        "down_proj": (p + "mlp.down_proj.weight", (h, inter)),
     }
+    if cfg.moe is not None and cfg.moe.sparse(i):
+        spec |= moe_tensor_shapes(cfg, i)
+    else:
+        spec |= {
+            "gate_proj": (p + "mlp.gate_proj.weight", (inter, h)),
+            "up_proj": (p + "mlp.up_proj.weight", (inter, h)),
+            "down_proj": (p + "mlp.down_proj.weight", (h, inter)),
+        }
     if cfg.attention_bias:
         spec |= {
             "q_bias": (p + "self_attn.q_proj.bias", (q_out,)),

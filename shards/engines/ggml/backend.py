@@ -22,6 +22,7 @@ import numpy as np
 
 from shards.engines.backend import Backend
 from shards.formats.config import ModelConfig
+from shards.engines.ggml.moe import GExperts, GgmlMoE
 from shards.engines.ggml.lib import (F32, I32, WEIGHT_TYPES, Context, GgmlError, Tensor, WeightArena, g,
     release_file_pages, repack_supported, type_name, validate_rows)
 from shards.formats.quant import QuantizedTensor
@@ -108,7 +109,7 @@ def nocopy_strides(old: tuple[int, ...], strides: tuple[int, ...], new: tuple[in
     return tuple(out)
 
 
-class GgmlBackend(Backend):
+class GgmlBackend(Backend, GgmlMoE):
     """Builds ggml graphs for the shared model. `ctx` is the context of the graph being built (set by the engine);
     weights live in their own context and CPU buffers for the backend's lifetime."""
 
@@ -117,7 +118,7 @@ class GgmlBackend(Backend):
     def __init__(self, cfg: ModelConfig, n_layers: int, repack: bool = True, interleaved_rope: bool = False):
         # At most ~12 tensors per layer (q/k/v and gate/up as parts when their types differ, norms, biases, q/k
         # norms) plus embedding, norm, head and rope factors.
-        self.wctx = Context(16 * n_layers + 8)
+        self.wctx = Context((24 if cfg.moe else 16) * n_layers + 8)  # MoE: router, 3 expert stacks, shared expert
         self.arena = WeightArena()
         self.repack = repack  # matmul weights into CPU_REPACK where the probe allows
         self.repacked: dict[str, int] = {}  # type name -> tensors repacked
@@ -194,7 +195,7 @@ class GgmlBackend(Backend):
         return GWeight([(self._upload(F32, v.shape, [v], "vector"), v.shape[0])], (F32,), v.nbytes)
 
     def nbytes(self, x) -> int:
-        return x.nbytes if isinstance(x, GWeight) else int(g.ggml_nbytes(x.t))
+        return x.nbytes if isinstance(x, (GWeight, GExperts)) else int(g.ggml_nbytes(x.t))
 
     def to_numpy(self, x: GArray) -> np.ndarray:
         """An F32 tensor's values (after the graph holding it has been computed)."""

@@ -39,7 +39,7 @@ class Graph:
         self.layout = layout
         # Room for every tensor the build creates: ~40 per layer plus ~12 per request and layer (measured 38 + 11n
         # for Qwen3 with q/k norms and biases-free fused weights), with margin; overflowing raises before ggml would.
-        self.ctx = Context(64 + layers * (64 + 16 * n) + 8 * n, graph=True)
+        self.ctx = Context(64 + layers * (96 + 16 * n) + 8 * n, graph=True)  # MoE: ~20 + top-k more per layer
         ops.ctx = self.ctx
         try:
             # Few inputs, so a step makes few copies: token ids and positions share one I32 tensor, every

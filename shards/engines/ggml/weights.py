@@ -38,7 +38,10 @@ from shards.formats.weights import LayerWeights, ShardWeights, WeightsError, lay
 
 log = logging.getLogger(__name__)
 assert set(QUANTIZE_CHOICES) == {*QUANTIZE_TYPES, "none"}
-MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router", "experts_gate",
+            "experts_up", "experts_down", "shared_gate_proj", "shared_up_proj", "shared_down_proj",
+            "shared_expert_gate")
+ROUTERS = ("router", "shared_expert_gate")  # kept as stored (F32): quantizing them would change which experts run
 
 
 def load_ggml_shard_weights(model_dir: str | Path, cfg: ModelConfig, shard: Shard, quantize: str | None,
@@ -66,7 +69,8 @@ def _gguf_weights(path: Path, cfg: ModelConfig, shard: Shard, quantize: str | No
     layers = []
     for i in range(shard.start_layer, shard.end_layer):
         fields = {k: t[f"{i}.{k}"] for k in layer_tensor_shapes(cfg, i)}
-        layers.append(LayerWeights(**{k: matrix(v) if k in MATRICES else vector(v) for k, v in fields.items()}))
+        layers.append(LayerWeights(**{k: (v if k in ROUTERS else matrix(v)) if k in MATRICES else vector(v)
+                                      for k, v in fields.items()}))
     out = ShardWeights(shard, layers, matrix(t.get("embed_tokens")), vector(t.get("norm")), matrix(t.get("lm_head")))
     if requantize:
         requantize.report(path)
@@ -178,9 +182,10 @@ class _SafetensorsLoader:
             raise
 
     def _convert(self, name: str, a: np.ndarray) -> np.ndarray | QuantizedTensor:
-        if self.qtype is None or a.ndim != 2:
-            return a  # vectors (norms, biases) stay float32, as in GGUF files
-        data, qtype = _quantize_rows(a, self.qtype, self.threads, self.fallbacks)
+        if self.qtype is None or a.ndim == 1 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            return a  # vectors (norms, biases) and MoE routers stay float32, as in GGUF files
+        # stacked experts [E, out, in] are quantized as their E*out rows
+        data, qtype = _quantize_rows(a.reshape(-1, a.shape[-1]), self.qtype, self.threads, self.fallbacks)
         return QuantizedTensor(name, Q(qtype), a.shape, data)
 
     def _report(self) -> None:
