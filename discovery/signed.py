@@ -10,7 +10,10 @@ Checks, in this order, each with its own counter so an operator can tell what is
 2. tag valid, compared in constant time (else `bad_signature`): only now is anything in the packet trusted;
 3. timestamp within `window` seconds of our clock, either way (else `stale` or `future`): bounds how long a
    captured packet can be replayed, and how long we must remember nonces. Nodes need clocks within ~30 s (NTP);
-4. nonce not seen within the window (else `replayed`).
+4. nonce not seen within the window (else `replayed`);
+5. timestamp not before this node started (else `stale`): the nonces seen are in memory only, so a node that
+   restarts would otherwise take, once, a packet captured in the window before its restart. A peer whose clock
+   runs behind ours is heard once its clock passes our start (at most `window` seconds late, at our start only).
 The tag is checked before the nonce is remembered, so only holders of the key can fill the replay cache; it is
 bounded anyway. Nonces are kept until their packet would be stale, then forgotten.
 
@@ -60,6 +63,7 @@ class PacketAuth:
         if not isinstance(key, bytes) or len(key) < MIN_KEY_BYTES:
             raise ValueError(f"a discovery key is at least {MIN_KEY_BYTES} bytes")
         self._key, self.window, self.clock, self.max_remembered = key, window, clock, max_remembered
+        self.started = clock()  # packets signed before this are refused (check 5): no nonce of theirs is known
         self._seen: OrderedDict[bytes, float] = OrderedDict()  # nonce -> wall time after which it can be dropped
 
     def __repr__(self) -> str:
@@ -89,6 +93,8 @@ class PacketAuth:
             raise Rejected("stale")
         if age < -self.window:
             raise Rejected("future")
+        if stamp_ms < int(self.started * 1000):  # at the stamps' resolution (ms, truncated)
+            raise Rejected("stale")  # signed before we started: we can't know whether we saw its nonce
         nonce = body[len(MAGIC) + 8:HEADER_BYTES]
         self._forget_expired(now)
         if nonce in self._seen:

@@ -68,6 +68,7 @@ def test_changing_any_byte_of_a_signed_packet_breaks_its_signature():
 
 def test_a_packet_just_inside_the_window_either_way_is_accepted():
     d = listener()
+    d.auth.started -= 60  # a listener up for a minute (one just started takes nothing signed before it started)
     d.received(signed(skew=-29), SRC)
     d.received(signed(Announcement("node-c", 50052, "llama", "numpy", 1).encode(), skew=+29), ("10.0.0.8", 5678))
     assert sorted(d.candidates()) == ["10.0.0.7:50051", "10.0.0.8:50052"] and drops(d) == {}
@@ -185,3 +186,20 @@ def test_nodes_with_different_keys_or_no_key_never_see_each_other():
     asyncio.run(find_each_other(keyed, plain, 0.5))
     assert keyed.candidates() == plain.candidates() == []
     assert keyed.stats["udp_unsigned"] > 0 and plain.stats["udp_signed_ignored"] > 0
+
+
+def test_a_restarted_node_takes_no_packet_signed_before_it_started():
+    """Its nonces were in memory: a packet captured just before the restart is refused by age, not by nonce."""
+    now = [1_700_000_000.0]
+    sender = PacketAuth(KEY, clock=lambda: now[0])
+    before = sender.sign(b"announcement")
+    first_life = PacketAuth(KEY, clock=lambda: now[0])
+    first_life.open(before)
+    now[0] += 5
+    restarted = PacketAuth(KEY, clock=lambda: now[0])
+    with pytest.raises(Rejected, match="stale"):
+        restarted.open(before)  # replayed 5 s later, well inside the window
+    after = sender.sign(b"announcement")
+    assert restarted.open(after) == b"announcement"
+    with pytest.raises(Rejected, match="replayed"):
+        restarted.open(after)
