@@ -3,7 +3,7 @@ the ggml engine. It runs in a throwaway venv of its own, never in exo-node's env
 
     python3.11 -m venv /tmp/llamavenv && /tmp/llamavenv/bin/pip install llama-cpp-python numpy   # ~18 min build
     /tmp/llamavenv/bin/python bench/llamacpp_ref.py speed MODEL.gguf --threads 2
-    /tmp/llamavenv/bin/python bench/llamacpp_ref.py logits MODEL.gguf --tokens ids.json --out top.npz
+    /tmp/llamavenv/bin/python bench/llamacpp_ref.py logits MODEL.gguf --tokens ids.json --out top.npz [--all]
     /tmp/llamavenv/bin/python bench/llamacpp_ref.py greedy MODEL.gguf --tokens prompt.json --n 40
     /tmp/llamavenv/bin/python bench/llamacpp_ref.py prefill MODEL.gguf --lengths 1000,7000 --threads 2
 
@@ -133,7 +133,8 @@ def logits(args) -> dict:
     r.decode([(t, i, 0, True) for i, t in enumerate(ids)])
     rows = np.stack([r.logits(i) for i in range(len(ids))])
     top = np.argsort(-rows, axis=-1)[:, :5]
-    np.savez(args.out, ids=top, values=np.take_along_axis(rows, top, axis=-1))
+    full = {"logits": rows.astype(np.float32)} if args.all else {}  # --all: every logit (small vocabularies)
+    np.savez_compressed(args.out, ids=top, values=np.take_along_axis(rows, top, axis=-1), **full)
     return {"positions": len(ids), "out": args.out}
 
 
@@ -158,6 +159,7 @@ def main() -> None:
     ap.add_argument("--no-extra-bufts", action="store_true")
     ap.add_argument("--tokens")
     ap.add_argument("--out")
+    ap.add_argument("--all", action="store_true", help="logits: also save every logit of every position")
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--eos", type=int, nargs="*", default=[])
     ap.add_argument("--lengths", default="1000,2000,4000,7000")

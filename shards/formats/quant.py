@@ -14,6 +14,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# The low-bit types llama.cpp writes for common downloads (Q2_K/Q3_K_* and IQ* files, ternary TQ*, gpt-oss's MXFP4):
+# ggml computes on each natively, and gguf.quants dequantizes each for the float engines.
+LOW_BIT_TYPES = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S,
+                 Q.IQ1_M, Q.TQ1_0, Q.TQ2_0, Q.MXFP4)
+SUPPORTED_TYPES += LOW_BIT_TYPES
 
 
 @dataclass(frozen=True)

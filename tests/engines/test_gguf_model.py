@@ -39,6 +39,7 @@ def test_smollm2_config_is_the_published_one():
 
 def test_the_fixtures_cover_every_supported_type():
     used = {t for g in gguf_golden()["models"].values() for t in g["types"].values()}
+    used |= {info.ggml_type.name for info in open_gguf(GGUF_DIR / "lowbit.gguf").tensors.values()}  # the low-bit types
     assert used == {t.name for t in SUPPORTED_TYPES}
 
 

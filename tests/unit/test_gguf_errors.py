@@ -71,10 +71,12 @@ def test_unknown_and_unsupported_tensor_types(tmp_path):
     unknown = patch_tensor_info(fixture("qwen2"), tmp_path / "u.gguf", "blk.0.attn_q.weight", ggml_type=250)
     with pytest.raises(GGUFError, match=r"tensor 'blk.0.attn_q.weight' has unknown ggml type 250"):
         load_all(unknown)
-    # ffn_down is Q6_K [64, 256]: as Q2_K it is still whole blocks (and smaller), a type we do not run
-    q2k = patch_tensor_info(fixture("qwen2"), tmp_path / "k.gguf", "blk.0.ffn_down.weight", ggml_type=int(Q.Q2_K))
-    with pytest.raises(GGUFError, match=r"'blk.0.ffn_down.weight' has type Q2_K, which exo-node does not support"):
-        load_config(q2k)
+    # ffn_down is Q6_K [64, 256]: as Q1_0 (1-bit blocks of 128, newer than the ggml exo-node runs) it is still whole
+    # blocks (and smaller), a type we do not run
+    q1 = patch_tensor_info(fixture("qwen2"), tmp_path / "k.gguf", "blk.0.ffn_down.weight", ggml_type=int(Q.Q1_0))
+    with pytest.raises(GGUFError, match=r"'blk.0.ffn_down.weight' has type Q1_0, which exo-node does not support "
+                                        r"\(supported: F32, .*, Q2_K, .*MXFP4\)"):
+        load_config(q1)
 
 
 @pytest.mark.parametrize("key", ["qwen2.block_count", "qwen2.embedding_length", "qwen2.attention.head_count",

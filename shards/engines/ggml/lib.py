@@ -307,20 +307,30 @@ def validate_rows(ggml_type: int, data: np.ndarray, what: str) -> None:
         raise ValueError(f"{what}: {type_name(ggml_type)} data holds NaN or infinite values")
 
 
-def quantize(w: np.ndarray, ggml_type: int, threads: int = 1) -> np.ndarray:
+def quantize(w: np.ndarray, ggml_type: int, threads: int = 1, importance: np.ndarray | None = None) -> np.ndarray:
     """float32 [rows, n] -> raw blocks uint8 [rows, row_bytes] with ggml's reference quantizers (llama.cpp's
-    bytes, bit for bit). Rows are split over `threads` Python threads: ctypes releases the GIL during each call."""
+    bytes, bit for bit). Rows are split over `threads` Python threads: ctypes releases the GIL during each call.
+    `importance` (float32 [n], llama-quantize's imatrix for this tensor) is required by the 1-2 bit IQ types."""
     if w.ndim != 2 or w.dtype != np.float32:
         raise ValueError("quantize needs a 2-D float32 matrix")
     rows, n = w.shape
-    if n % block_size(ggml_type) or g.ggml_quantize_requires_imatrix(ggml_type):
+    if n % block_size(ggml_type):
         raise ValueError(f"cannot quantize rows of {n} values to {type_name(ggml_type)}")
+    if importance is None and g.ggml_quantize_requires_imatrix(ggml_type):
+        raise ValueError(f"quantizing to {type_name(ggml_type)} needs importance weights (an imatrix)")
+    imatrix = None
+    if importance is not None:
+        importance = np.ascontiguousarray(importance, dtype=np.float32)
+        if importance.shape != (n,) or not np.all(np.isfinite(importance)) or np.any(importance < 0):
+            raise ValueError(f"importance must be {n} non-negative finite values")
+        imatrix = importance.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
     src = np.ascontiguousarray(w)
     out = np.empty((rows, row_bytes(ggml_type, n)), dtype=np.uint8)
     src_ptr = src.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    g.ggml_quantize_init(ggml_type)  # the IQ types' lookup grids, built once (not thread-safe inside the chunks)
 
     def chunk(r0: int, r1: int) -> None:
-        g.ggml_quantize_chunk(ggml_type, src_ptr, out.ctypes.data, r0 * n, r1 - r0, n, None)
+        g.ggml_quantize_chunk(ggml_type, src_ptr, out.ctypes.data, r0 * n, r1 - r0, n, imatrix)
 
     threads = max(1, min(threads, rows // 64 or 1))
     if threads == 1:
