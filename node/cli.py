@@ -30,6 +30,7 @@ from node.fetch import startup as fetching
 from node.fetch.fetcher import Fetcher
 from node.fetch.follow import Follower
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, message_bound
+from node.grpc.core_log import CoreLogFilter
 from node.grpc.server import GrpcServer
 from node.http import logs as http_logs
 from node.http.api import Api
@@ -87,6 +88,8 @@ async def run(args: argparse.Namespace) -> int:
     """Start the parts, each once what it takes exists, then serve until a signal. Every part started is stopped
     in reverse order on the way out, also when start-up fails halfway."""
     key = load_secret(args.cluster_key_file)
+    if key:  # mutual TLS: every failed handshake is a line from gRPC's core, which anyone can cause
+        CoreLogFilter().install()
     settings = settings_from_args(args, keyed=key is not None, machine=Machine.here())
     say_who_can_connect(settings.grpc, key)
     node_id, memory = settings.node.node_id, settings.node.memory_bytes
