@@ -52,11 +52,17 @@ class Deliver:
     message: TokenMessage
 
 
+KEPT_AFTER = ("finished", "cancelled")  # ends after which a request's caches are valid and kept for prefix reuse
+
+
 @dataclass(frozen=True)
 class Release:
-    """Free the request's KV caches (in every engine of this node)."""
+    """Free the request's KV caches (in every engine of this node); `keep`: a request that finished keeps them for
+    a later request starting with the same tokens (prefix reuse: shards/engines/retained.py), within the memory
+    reservations leave free."""
 
     request_id: str
+    keep: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,8 @@ class NodeCore:
         if spec.request_id in self.requests or spec.request_id in self.ended:
             raise PlanError(f"request {spec.request_id} already exists")
         self.admission.check_input(True, tokens)
-        self._admit(spec)
+        self.admission.check_declared(spec, 0, len(tokens))
+        self._admit(spec).positions_in = len(tokens)
         self._enqueue(Queued(spec.request_id, tokens))
 
     def accept_activations(self, activations: list[Activation], caller: str | None = None) -> list[Refusal]:
@@ -154,10 +161,13 @@ class NodeCore:
                     if a.spec.step_of(self.id) == 0:
                         raise PlanError("a request starts at its first node with a prompt, not an activation")
                     check_caller(caller, {predecessor(a.spec, a.spec.step_of(self.id))}, f"request {a.request_id}")
+                    self.admission.check_declared(a.spec, 0, len(a.data))
                     req = self._admit(a.spec)
                 else:
                     check_caller(caller, {predecessor(req.spec, req.step_index)}, f"request {a.request_id}")
+                    self.admission.check_declared(req.spec, req.positions_in, len(a.data))
                 self.admission.check_input(req.shard.is_first, a.data)
+                req.positions_in += len(a.data)
                 self._enqueue(Queued(a.request_id, a.data, a.partial))
             except PlanError as e:
                 rejected.append(Refusal(a.request_id, str(e), isinstance(e, Busy)))
@@ -181,7 +191,7 @@ class NodeCore:
             # peers refuse past 256 keys)
             self.counters[f"ended_{reason if reason in END_REASONS else 'unknown'}"] += 1
             self.admission.release(req)
-        return [Release(request_id)]
+        return [Release(request_id, keep=req is not None and reason in KEPT_AFTER)]
 
     def _admit(self, spec: RequestSpec) -> RequestState:
         req = self.requests[spec.request_id] = self.admission.admit(spec, self.requests, self.clock())

@@ -58,6 +58,7 @@ class PrefixIndex:
             raise ValueError("a prefix index needs capacity >= 0, max_entries >= 1 and min_tokens >= 1")
         self.capacity, self.max_entries, self.min_tokens = capacity, max_entries, min_tokens
         self.entries: OrderedDict[str, np.ndarray] = OrderedDict()  # least recently used first
+        self.scopes: dict[str, str] = {}  # entry id -> the scope it was added in (a plan: nodes and layers)
         self.positions = 0
         self.hits = self.hit_tokens = self.misses = self.evictions = 0
 
@@ -67,9 +68,10 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(self, entry_id: str, tokens: Sequence[int] | np.ndarray) -> list[str]:
-        """Record that `entry_id`'s cache, holding exactly `tokens`, is retained. Returns the ids evicted to make
-        room (least recently used first), `entry_id` itself when it could never fit: the caller frees those."""
+    def add(self, entry_id: str, tokens: Sequence[int] | np.ndarray, scope: str = "") -> list[str]:
+        """Record that `entry_id`'s cache, holding exactly `tokens`, is retained (by the nodes and layers `scope`
+        names: only a lookup in the same scope finds it). Returns the ids evicted to make room (least recently used
+        first), `entry_id` itself when it could never fit: the caller frees those."""
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.ndim != 1:
             raise ValueError("an entry's tokens are one sequence")
@@ -78,18 +80,21 @@ class PrefixIndex:
         if len(tokens) < self.min_tokens or len(tokens) > self.capacity:
             return [entry_id]
         self.entries[entry_id] = tokens
+        self.scopes[entry_id] = scope
         self.positions += len(tokens)
         evicted = []
         while self.positions > self.capacity or len(self.entries) > self.max_entries:
             evicted.append(self._pop_oldest())
         return evicted
 
-    def longest(self, tokens: Sequence[int] | np.ndarray) -> PrefixHit | None:
+    def longest(self, tokens: Sequence[int] | np.ndarray, scope: str = "") -> PrefixHit | None:
         """The entry sharing the longest prefix with a new prompt (at most len(tokens) - 1 positions, at least
         `min_tokens`), or None. Looking up does not take the entry: `take` does, once the caller has the cache."""
         tokens = np.asarray(tokens, dtype=np.int64)
         best: PrefixHit | None = None
         for entry_id, held in self.entries.items():
+            if self.scopes[entry_id] != scope:
+                continue
             n = min(common_prefix(held, tokens), len(tokens) - 1)
             if n >= self.min_tokens and (best is None or n > best.tokens):
                 best = PrefixHit(entry_id, n)
@@ -99,10 +104,10 @@ class PrefixIndex:
 
     def take(self, hit: PrefixHit) -> None:
         """The new request took the entry's cache over: it leaves the index, and the hit is counted."""
-        tokens = self.entries.pop(hit.entry_id)
+        tokens = self.entries[hit.entry_id]
         if hit.tokens > len(tokens):
             raise ValueError(f"entry {hit.entry_id!r} holds {len(tokens)} positions, not {hit.tokens}")
-        self.positions -= len(tokens)
+        self.remove(hit.entry_id)
         self.hits += 1
         self.hit_tokens += hit.tokens
 
@@ -111,6 +116,7 @@ class PrefixIndex:
         tokens = self.entries.pop(entry_id, None)
         if tokens is None:
             return False
+        del self.scopes[entry_id]
         self.positions -= len(tokens)
         return True
 
@@ -120,6 +126,7 @@ class PrefixIndex:
 
     def _pop_oldest(self) -> str:
         entry_id, tokens = self.entries.popitem(last=False)
+        del self.scopes[entry_id]
         self.positions -= len(tokens)
         self.evictions += 1
         return entry_id

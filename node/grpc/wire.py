@@ -173,6 +173,8 @@ def encode_spec(s: RequestSpec) -> pb.RequestSpec:
         entry_address=s.entry_address,
         resumed_tokens=s.resumed,
         prompt_tokens=s.prompt_tokens,
+        reuse_from=s.reuse_from,
+        reuse_positions=s.reuse_positions,
     )
 
 
@@ -194,7 +196,8 @@ def decode_spec(m: pb.RequestSpec) -> RequestSpec:
     try:
         return RequestSpec(
             m.request_id, plan, sampling, m.max_tokens, frozenset(m.stop_token_ids), entry_node_id, entry_address,
-            m.resumed_tokens, m.prompt_tokens,
+            m.resumed_tokens, m.prompt_tokens, _text(m.reuse_from, "reuse_from") if m.reuse_from else "",
+            m.reuse_positions,
         )
     # PlanError: a spec that is not a valid request (node/core/plan.py)
     except ValueError as e:

@@ -26,7 +26,9 @@ import numpy as np
 
 from shards.sampling import SamplingParams
 
+from node.core.node_core import KEPT_AFTER
 from node.core.plan import PlanStep, RequestSpec
+from node.core.prefix_cache import PrefixIndex
 from node.core.requests import GenerationError, Overloaded, TokenMessage
 from node.runtime.transport import Transport, TransportError
 
@@ -39,6 +41,11 @@ def _resumed(sampling: SamplingParams, history: list[int]) -> SamplingParams:
     if sampling.constraint is None or not history:
         return sampling
     return dataclasses.replace(sampling, constraint=dataclasses.replace(sampling.constraint, prefix=tuple(history)))
+
+
+def _scope(plan: tuple[PlanStep, ...]) -> str:
+    """A plan as a prefix-index scope: a retained prefix serves only a plan of the same nodes and layers."""
+    return ",".join(f"{s.node_id}:{s.shard.start_layer}-{s.shard.end_layer}" for s in plan)
 
 
 class _Busy(Exception):
@@ -64,16 +71,18 @@ class Entry:
     def __init__(self, node_id: str, address: str, transport: Transport, *,
                  plan: Callable[[Collection[str]], tuple[PlanStep, ...]], stop_token_ids: frozenset[int],
                  request_timeout: float, max_replays: int, queue_timeout: float, counters: Counter[str],
-                 spawn: Callable[..., object], vocab_size: int):
+                 spawn: Callable[..., object], vocab_size: int, prefixes: PrefixIndex | None = None):
         """`plan`: a new plan over the nodes alive, leaving out the ones given; `spawn` runs a coroutine as a task
         its owner cancels on stop (ending a request everywhere outlives the caller's stream); `vocab_size`: token
-        ids at or above it are refused (they come from a broken or hostile node, and would crash the decoder)."""
+        ids at or above it are refused (they come from a broken or hostile node, and would crash the decoder);
+        `prefixes`: the finished requests whose caches the nodes of their plan retained (None: no prefix reuse)."""
         self.node_id, self.address, self.transport, self.plan = node_id, address, transport, plan
         self.vocab_size = vocab_size
         self.stop_token_ids, self.request_timeout, self.max_replays = stop_token_ids, request_timeout, max_replays
         self.queue_timeout = queue_timeout
         self.counters, self.spawn = counters, spawn
         self.attempts: dict[str, _Attempt] = {}  # request id -> the attempt we are the entry node of
+        self.prefixes = prefixes
 
     async def generate(self, prompt: list[int], sampling: SamplingParams, max_tokens: int) -> AsyncIterator[TokenMessage]:
         """Run one request through the ring, yielding tokens as the last node samples them, replaying it on a new
@@ -84,9 +93,10 @@ class Entry:
         history: list[int] = []  # tokens the caller has received
         excluded: set[str] = set()
         replays, busy_since, backoff = 0, None, 0.05
+        reuse = self.prefixes is not None
         while True:
             attempt = self._start(prompt + history, _resumed(sampling, history), max_tokens - len(history),
-                                  len(history), excluded)
+                                  len(history), excluded, reuse)
             reason = "cancelled"
             try:
                 async for message in self._run(attempt):
@@ -98,6 +108,10 @@ class Entry:
                         return
             except _Busy as busy:
                 reason = "busy"
+                if attempt.spec.reuse_from:  # maybe a node no longer holds the prefix: prefill it all, at once
+                    self.counters["prefix_fallbacks"] += 1
+                    reuse = False
+                    continue
                 now = time.monotonic()
                 busy_since = busy_since or now
                 if now - busy_since > self.queue_timeout:
@@ -124,13 +138,25 @@ class Entry:
                 raise
             finally:
                 self.attempts.pop(attempt.spec.request_id, None)
+                if reason in KEPT_AFTER and self.prefixes is not None and history:
+                    # every node of the plan has computed prompt + history but the last token (sampled, not fed)
+                    # and keeps it (node/core/node_core.py end_request); a node that can't says so when asked
+                    self.prefixes.add(attempt.spec.request_id, (prompt + history)[:-1], _scope(attempt.spec.plan))
                 self.spawn(self._end_everywhere(attempt.spec, reason))
 
     def _start(self, tokens: list[int], sampling: SamplingParams, max_tokens: int, resumed: int,
-               excluded: Collection[str]) -> _Attempt:
-        spec = RequestSpec(request_id=uuid.uuid4().hex, plan=self.plan(excluded), sampling=sampling,
+               excluded: Collection[str], reuse: bool = False) -> _Attempt:
+        plan = self.plan(excluded)
+        hit = self.prefixes.longest(tokens, _scope(plan)) if reuse and self.prefixes is not None else None
+        if hit is not None:
+            self.prefixes.take(hit)  # the nodes hand that cache to this request (or say it is gone)
+            self.counters["prefix_hits"] += 1
+            self.counters["prefix_hit_tokens"] += hit.tokens
+        spec = RequestSpec(request_id=uuid.uuid4().hex, plan=plan, sampling=sampling,
                            max_tokens=max_tokens, stop_token_ids=self.stop_token_ids, entry_node_id=self.node_id,
-                           entry_address=self.address, resumed=resumed, prompt_tokens=len(tokens))
+                           entry_address=self.address, resumed=resumed, prompt_tokens=len(tokens),
+                           reuse_from=hit.entry_id if hit else "", reuse_positions=hit.tokens if hit else 0)
+        tokens = tokens[spec.reuse_positions:]  # the retained prefix is already in every node's cache
         attempt = self.attempts[spec.request_id] = _Attempt(spec, asyncio.Queue())
 
         async def send_prompt() -> None:

@@ -16,7 +16,7 @@ import re
 import time
 from collections import Counter as Tally
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -26,6 +26,15 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 OUTCOMES = ("stop", "length", "error", "cancelled", "rejected")
 _BATCH_SIZE = re.compile(r"sample_batch_size_(\d+)$")
+
+
+PREFIX_METRICS = {
+    "prefix_hits": "Requests this entry started from a prefix the nodes of their plan retained",
+    "prefix_hit_tokens": "Prompt positions those requests did not compute again",
+    "prefix_fallbacks": "Requests this entry prefilled in full because a node of the plan no longer held the prefix",
+    "prefix_gone": "Requests this node refused because it no longer held the prefix they asked for",
+    "prefix_evictions": "Retained caches this node freed to make room for reservations",
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class NodeStatus:
     weights_bytes: int
     ended: Mapping[str, int]  # requests it took part in that ended, by reason
     sampling: Mapping[str, int]  # the sampling batcher's counts (sample_items, sample_batch_size_N, ...)
+    prefix: Mapping[str, int] = field(default_factory=dict)  # prefix reuse: prefix_hits, prefix_hit_tokens, ...
 
 
 class NodeMetrics:
@@ -192,6 +202,10 @@ class _NodeCollector(Collector):
             ended.add_metric([reason], value)
         yield ended
         yield _batch_sizes(stats)
+        for key, doc in PREFIX_METRICS.items():
+            yield _counter(f"exo_{key}", doc, now.prefix.get(key, 0))
+        yield _gauge("exo_kv_retained_bytes", "Memory held by finished requests' KV caches kept for prefix reuse "
+                     "(freed first when reservations need the room)", now.prefix.get("retained_bytes", 0))
         yield _counter("exo_sampling_rows", "Rows (tokens) sampled on this node", stats["sample_items"])
         yield _counter("exo_sampling_calls", "Sampler calls (one per batch, or per row on a fallback)",
                        stats["sample_calls"])

@@ -13,6 +13,7 @@ API asks (`generate`, `topology`, `make_plan`, `status`, ...), and start/stop/dr
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 
@@ -28,6 +29,7 @@ from shards.tokenizer import Tokenizer
 from node.core.node_core import NodeCore
 from node.core.placement import plan_ring
 from node.core.plan import Busy, PlanError, PlanStep, RequestSpec
+from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.topology import Availability, Capabilities, NodeInfo, PeerLink, Topology
 from node.runtime.entry import Entry
@@ -39,6 +41,8 @@ from node.runtime.sampling_batcher import SamplingBatcher
 from node.runtime.settings import NodeSettings, ServedModel
 from node.runtime.shard_manager import EngineFactory, ShardManager
 from node.runtime.transport import Transport, TransportError
+
+PREFIX_INDEX_POSITIONS = 1 << 16  # token positions of finished requests the entry remembers for prefix reuse
 
 
 class Node:
@@ -69,7 +73,8 @@ class Node:
         self.entry = Entry(self.id, address, self.transport, plan=self.make_plan,
                            stop_token_ids=model.tokenizer.eos_token_ids, request_timeout=settings.request_timeout,
                            max_replays=settings.max_replays, queue_timeout=settings.queue_timeout,
-                           counters=self.counters, spawn=self._spawn, vocab_size=model.config.vocab_size)
+                           counters=self.counters, spawn=self._spawn, vocab_size=model.config.vocab_size,
+                           prefixes=PrefixIndex(PREFIX_INDEX_POSITIONS))
         self._stat_sources = [self.counters, self.view.counters, self.pipeline.counters, self.core.counters,
                               self.batcher.stats, self.metrics.status, *stat_sources]
         self._tasks: set[asyncio.Task] = set()
@@ -119,7 +124,11 @@ class Node:
             peers_joined=self.view.counters["peers_joined"], peers_left=self.view.counters["peers_left"],
             kv_cache_bytes=self.shards.cache_bytes(), weights_bytes=self.shards.weights_bytes(),
             ended={k.removeprefix("ended_"): v for k, v in self.core.counters.items() if k.startswith("ended_")},
-            sampling=Counter(self.batcher.stats))
+            sampling=Counter(self.batcher.stats),
+            prefix={**{k: v for k, v in self.counters.items() if k.startswith("prefix_")},
+                    "prefix_gone": self.pipeline.counters["prefix_gone"],
+                    "prefix_evictions": self.shards.retained_evictions(),
+                    "retained_bytes": self.shards.retained_bytes()})
 
     def _active_requests(self) -> int:
         return self.core.active + self.entry.active + self.shards.active_requests
@@ -152,6 +161,15 @@ class Node:
         self._spawn(self.pipeline.work())
         self._spawn(self._expire_loop())
         self._spawn(LoopMonitor(self.metrics.loop_lag.observe).run())
+        self._spawn(self._warm_grammar())
+
+    async def _warm_grammar(self) -> None:
+        """Build llguidance's view of the vocabulary now, off the loop: built at the first constrained request,
+        its second or two would stall the engine thread (where the sampler runs) for every stream."""
+        try:
+            await asyncio.to_thread(grammar_tokenizer, self.model.tokenizer)
+        except Exception as e:  # constrained requests will fail with the reason; the node serves the others
+            logging.getLogger(__name__).warning("no grammar-constrained sampling on this node: %s", e)
 
     async def load_pinned(self) -> None:
         """A pinned node knows its shard: load it now rather than at the first request (when it holds it)."""

@@ -23,11 +23,14 @@ from node.core.scheduler import Group
 from node.runtime.metrics import NodeMetrics
 from node.runtime.outbox import Outbox
 from node.runtime.sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
-from node.runtime.shard_manager import ShardManager
+from node.runtime.shard_manager import PREFIX_GONE, ShardManager
 from node.runtime.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
+RETAIN_WITHOUT_BUDGET = 1 << 30  # retained caches' bytes on a node without --kv-memory-gb
 LOCAL_WAIT_S = 0.02  # longest the worker holds queued work back for a one-node ring's tokens in flight
+MESSAGE_ROOM = 1 << 20  # of a peer's message bound, what a call leaves for framing
+ITEM_ROOM = 8 << 10  # per item of a call: its spec (plan, sampling) or its results (top logprobs), generously
 
 
 class Pipeline:
@@ -82,9 +85,11 @@ class Pipeline:
                   if i.request_id in requests]  # not ended meanwhile
         if not inputs:
             return
+        reuse = {rid: (spec.reuse_from, spec.reuse_positions) for rid, _, _ in inputs
+                 if (spec := requests[rid].spec).reuse_from}
         started = time.perf_counter()
         try:
-            outputs, refused, computed = await self.shards.forward(engine, inputs)
+            outputs, refused, computed = await self.shards.forward(engine, inputs, reuse, self._retain_limit())
         except Exception as e:
             log.exception("forward failed")
             for rid, _, _ in inputs:
@@ -93,18 +98,29 @@ class Pipeline:
         # forward_us: the engine computing; step_us: the same step as the pipeline saw it (waiting for the engine
         # thread included). Their difference, and the time between steps, is overhead.
         self.core.queue.observe(group, computed)
+        self.counters["prefix_evictions"] = self.shards.retained_evictions()
         self.counters["forward_us_total"] += int(computed * 1e6)
         self.counters["step_us_total"] += int((time.perf_counter() - started) * 1e6)
         self.metrics.step_done(time.perf_counter() - started, len(inputs), sum(len(data) for _, data, _ in inputs))
+        for rid in [rid for rid, why in refused.items() if why.startswith(PREFIX_GONE)]:
+            # the entry prefills the whole prompt instead (it retries a busy request at once when it asked for reuse)
+            self.counters["prefix_gone"] += 1
+            self.do(self.core.fail(rid, f"node {me}: {refused.pop(rid)}", busy=True))
         errors = {rid: f"node {me}: {why}" for rid, why in refused.items()}
         self.do(self.core.step_done(group, outputs, errors), engine)
+
+    def _retain_limit(self) -> int:
+        """Bytes finished requests' retained caches may hold: what the requests' reservations leave of the KV
+        budget (RETAIN_WITHOUT_BUDGET without one), so retained caches give way before admission refuses anyone."""
+        budget = self.core.limits.kv_budget
+        return RETAIN_WITHOUT_BUDGET if budget is None else max(0, budget - self.core.kv_reserved)
 
     # -- carrying out the core's actions ----------------------------------------------------------------------
     def do(self, actions: list[Action], engine: Engine | None = None) -> None:
         samples: dict[str, asyncio.Future] = {}
         for action in actions:
             if isinstance(action, Release):
-                self.shards.release(action.request_id)
+                self.shards.release(action.request_id, keep=action.keep)
             elif isinstance(action, Send):
                 self._outbox(action.address).put(*action.activations)
             elif isinstance(action, Deliver):
@@ -131,7 +147,9 @@ class Pipeline:
         box = self._outboxes.get(address)
         if box is None:
             box = self._outboxes[address] = Outbox(lambda batch: self._send(address, batch), self.spawn,
-                                                   lambda: self._outboxes.pop(address, None))
+                                                   lambda: self._outboxes.pop(address, None),
+                                                   max_bytes=self.transport.max_message_bytes - MESSAGE_ROOM,
+                                                   size=_wire_size)
         return box
 
     async def _send(self, address: str, batch: tuple[Activation | TokenMessage, ...]) -> None:
@@ -148,6 +166,11 @@ class Pipeline:
                 self.do(self.core.deliver_failed(address, message, str(e)))
             return
         self.do(self.core.refused(address, refused))
+
+
+def _wire_size(item: Activation | TokenMessage) -> int:
+    """About what an item takes in a message: its tensor's bytes, and room for its spec or its results."""
+    return ITEM_ROOM + (item.data.nbytes if isinstance(item, Activation) else 0)
 
 
 def _positions(spec: RequestSpec) -> int | None:

@@ -59,17 +59,32 @@ class ShardManager:
         self.engines[shard] = engine
         return engine
 
-    async def forward(self, engine: Engine, inputs: list[tuple[str, np.ndarray, int]]) \
+    async def forward(self, engine: Engine, inputs: list[tuple[str, np.ndarray, int]],
+                      reuse: dict[str, tuple[str, int]] | None = None, retain_limit: int = 0) \
             -> tuple[dict[str, np.ndarray], dict[str, str], float]:
         """One forward pass over (request id, input, most positions it will reach): outputs per request, the
         requests whose input the engine refused (with why), which are left out of the pass instead of failing it,
-        and the seconds the engine computed (on its thread: no queueing or event-loop time in it)."""
-        return await self.run(_forward, engine, inputs)
+        and the seconds the engine computed (on its thread: no queueing or event-loop time in it).
 
-    def release(self, request_id: str) -> None:
-        """Queue the release of a request's caches in every engine (after any forward already queued)."""
+        `reuse`: requests that start from a retained prefix, (finished request, positions); one whose prefix this
+        engine no longer holds is refused with a reason that starts with PREFIX_GONE. `retain_limit`: bytes the
+        engine's retained caches may hold now (what reservations leave free); it frees the least recently used first."""
+        return await self.run(_forward, engine, inputs, reuse or {}, retain_limit)
+
+    def release(self, request_id: str, keep: bool = False) -> None:
+        """Queue the release of a request's caches in every engine (after any forward already queued); `keep`: a
+        finished request's caches are retained for prefix reuse by engines that can (BlockEngine.retain)."""
         for engine in list(self.engines.values()):
-            self.executor.submit(engine.release, request_id)
+            retain = getattr(engine, "retain", None) if keep else None
+            self.executor.submit(retain or engine.release, request_id)
+
+    def retained_evictions(self) -> int:
+        """Retained caches freed for room so far, over every engine."""
+        return sum(e.retained.evictions for e in list(self.engines.values()) if hasattr(e, "retained"))
+
+    def retained_bytes(self) -> int:
+        """Memory held by finished requests' retained caches (a snapshot: the engine thread changes them)."""
+        return sum(e.retained.nbytes for e in list(self.engines.values()) if hasattr(e, "retained"))
 
     @property
     def active_requests(self) -> int:
@@ -101,11 +116,23 @@ class ShardManager:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _forward(engine: Engine, inputs: list[tuple[str, np.ndarray, int]]) \
-        -> tuple[dict[str, np.ndarray], dict[str, str], float]:
+PREFIX_GONE = "prefix gone"  # how a refusal for an evicted retained prefix starts (the entry then prefills it all)
+
+
+def _forward(engine: Engine, inputs: list[tuple[str, np.ndarray, int]], reuse: dict[str, tuple[str, int]],
+             retain_limit: int) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
     started = time.perf_counter()
     items, refused = [], {}
+    retained = getattr(engine, "retained", None)
+    if retained is not None:
+        retained.limit = retain_limit
+        retained.shrink(retain_limit)
     for rid, data, positions in inputs:
+        if rid in reuse and engine.cache_length(rid) == 0:  # its first step here: start from the retained prefix
+            entry_id, count = reuse[rid]
+            if retained is None or not engine.resume(rid, entry_id, count):
+                refused[rid] = f"{PREFIX_GONE}: {engine.shard} no longer holds the first {count} positions of {entry_id}"
+                continue
         item = StepInput(rid, tokens=data, max_positions=positions) if engine.shard.is_first else \
             StepInput(rid, hidden=data, max_positions=positions)
         try:

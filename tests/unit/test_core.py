@@ -81,7 +81,7 @@ def test_activations_of_the_wrong_shape_or_for_other_nodes_are_refused():
 def test_late_activations_of_an_ended_request_are_dropped_silently():
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec())])
-    assert b.end_request("r1", "cancelled") == [Release("r1")]
+    assert b.end_request("r1", "cancelled") == [Release("r1", keep=True)]  # valid caches: kept for prefix reuse
     assert b.accept_activations([Activation("r1", hidden(), spec())]) == []
     assert not b.requests and b.counters["ended_cancelled"] == 1
 
@@ -128,7 +128,7 @@ def test_a_batch_skips_ended_requests_and_groups_by_shard():
 
 def test_a_long_prompt_is_prefilled_in_chunks_marked_partial_until_the_last():
     a = core("a", SchedulerLimits(step_tokens=64, prefill_chunk=32))
-    a.accept_prompt(spec(), tokens(*range(70)))
+    a.accept_prompt(sized("r1", 70, 3), tokens(*range(70)))
     chunks = []
     while a.queue:
         (group,) = a.take_batch()
@@ -141,7 +141,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_marked_partial_until_the_last():
 
 def test_the_last_node_samples_only_after_the_prompts_last_chunk():
     c = core("c")
-    c.accept_activations([Activation("r1", hidden(32), spec(), partial=True)])
+    c.accept_activations([Activation("r1", hidden(32), sized("r1", 38, 3), partial=True)])
     (group,) = c.take_batch()
     assert group.items[0].partial and c.step_done(group, {"r1": logits()}, {}) == []
     c.accept_activations([Activation("r1", hidden(6))])
@@ -152,10 +152,10 @@ def test_the_last_node_samples_only_after_the_prompts_last_chunk():
 # -- routing outputs ------------------------------------------------------------------------------------------
 def test_hidden_states_go_to_the_next_node_with_the_spec_only_the_first_time():
     b = core("b")
-    b.accept_activations([Activation("r1", hidden(4), spec())])
+    b.accept_activations([Activation("r1", hidden(4), sized("r1", 4, 3))])
     (group,) = b.take_batch()
     (send,) = b.step_done(group, {"r1": hidden(4)}, {})
-    assert send.address == ADDR["c"] and send.activations[0].spec == spec()
+    assert send.address == ADDR["c"] and send.activations[0].spec == sized("r1", 4, 3)
     b.accept_activations([Activation("r1", hidden())])
     (send,) = b.step_done(b.take_batch()[0], {"r1": hidden()}, {})
     assert send.activations[0].spec is None
@@ -185,7 +185,7 @@ def test_a_stop_token_or_max_tokens_finishes_the_request_on_the_last_node(result
     for r in results:
         actions = c.sampled({"r1": r})
     assert of(Deliver, actions)[0].message == TokenMessage("r1", (results[-1],), True, reason)
-    assert of(Release, actions) == [Release("r1")] and not of(Send, actions) and "r1" not in c.requests
+    assert of(Release, actions) == [Release("r1", keep=True)] and not of(Send, actions) and "r1" not in c.requests
 
 
 def test_outputs_of_a_request_that_ended_during_the_pass_are_released_not_routed():
@@ -297,7 +297,7 @@ def sized(rid, prompt_tokens, max_tokens):
 
 def test_each_request_reserves_its_kv_cache_and_one_that_does_not_fit_is_refused_as_busy():
     per_position = 2 * 2 * CFG.n_kv_heads * CFG.head_dim * 4  # node b holds 2 layers; key + value, float32
-    b = core("b", kv_budget=300 * per_position)
+    b = core("b", kv_budget=300 * per_position, kv_entry_share=1.0)  # one entry's share: test_memory_bounds.py
     assert b.kv_bytes(Shard("llama", 2, 4, 6), 1) == per_position
     assert b.accept_activations([Activation("r1", hidden(), sized("r1", 100, 100))]) == []
     assert b.kv_reserved == 200 * per_position

@@ -68,3 +68,12 @@ def test_bad_input_is_refused():
         PrefixIndex(capacity=-1)
     with pytest.raises(ValueError):
         PrefixHit("a", 0)
+
+
+def test_a_prefix_retained_by_one_plan_is_not_offered_to_another():
+    index = PrefixIndex(capacity=100)
+    index.add("a", [1, 2, 3, 4], scope="n1:0-30")
+    assert index.longest([1, 2, 3, 4, 5], scope="n1:0-15,n2:15-30") is None
+    assert index.longest([1, 2, 3, 4, 5], scope="n1:0-30") == PrefixHit("a", 4)
+    index.take(PrefixHit("a", 4))
+    assert not index.scopes and index.positions == 0

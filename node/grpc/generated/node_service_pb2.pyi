@@ -57,7 +57,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_prefix: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
-    __slots__ = ("request_id", "plan", "sampling", "max_tokens", "stop_token_ids", "entry_node_id", "entry_address", "resumed_tokens", "prompt_tokens")
+    __slots__ = ("request_id", "plan", "sampling", "max_tokens", "stop_token_ids", "entry_node_id", "entry_address", "resumed_tokens", "prompt_tokens", "reuse_from", "reuse_positions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class RequestSpec(_message.Message):
     ENTRY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_FROM_FIELD_NUMBER: _ClassVar[int]
+    REUSE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     plan: _containers.RepeatedCompositeFieldContainer[PlanStep]
     sampling: Sampling
@@ -76,7 +78,9 @@ class RequestSpec(_message.Message):
     entry_address: str
     resumed_tokens: int
     prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanStep, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., entry_node_id: _Optional[str] = ..., entry_address: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    reuse_from: str
+    reuse_positions: int
+    def __init__(self, request_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanStep, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., entry_node_id: _Optional[str] = ..., entry_address: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., reuse_from: _Optional[str] = ..., reuse_positions: _Optional[int] = ...) -> None: ...
 
 class SendPromptRequest(_message.Message):
     __slots__ = ("spec", "tokens")

@@ -1,0 +1,184 @@
+"""exo-node against llama-server, the same asyncio client on both, the same GGUF file and threads (issue #25).
+
+    uv run python -m bench.bench_serve [--llama-server /tmp/ref/llama.cpp/build/bin/llama-server]
+        [--streams 1,4,8,16] [--tokens 128] [--turns 6] [--answer 200] [--threads 2] [--skip-ring]
+        [--exo-args "--quantize none"] [--out bench-serve.json]
+
+Servers, one at a time: llama-server (`-np 8 -t THREADS`, when the binary is there), one exo node (default engine)
+and, unless --skip-ring, a 3-node exo ring on loopback (bench/local_cluster.py). The model is the packaged SmolLM2
+GGUF (what `--model smollm2` serves; exo's ggml engine may requantize it on load, see --exo-args).
+
+Two measurements per server:
+- streams: N concurrent streaming chat requests (greedy, --tokens each, different prompts), started together;
+  aggregate tok/s = all tokens / wall time from the first request to the last token; per-stream tok/s = each
+  stream's tokens after its first / the time between its first and last token, averaged.
+- multi-turn: one conversation (a ~120-token system prompt, --turns user turns, answers of up to --answer tokens),
+  each turn resending the whole conversation; the time to first token of every turn. With prefix reuse (llama-
+  server's slot cache, exo's retained prefixes) turn 6 should cost about what turn 1 does.
+
+The load average is recorded with every figure (the machine may be shared: compare within a run).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+from bench.local_cluster import Cluster, free_port
+from shards.formats.loader import load_config
+from shards.formats.packaged import resolve_model
+
+SYSTEM = ("You are a careful assistant for a small team of engineers. Answer in plain English, keep answers "
+          "short and concrete, prefer lists when steps are involved, say so when you are unsure, never invent "
+          "version numbers or command-line flags, and when code is asked for give a complete, runnable snippet "
+          "with a one-line explanation of what it does. The team works on a distributed inference system written "
+          "in Python that runs language models across several machines on a home network.")
+QUESTIONS = ["What is a KV cache?", "Why does it grow with the conversation?", "How can a server reuse it?",
+             "What happens when memory runs out?", "Give me a short example in Python.", "Summarise all of that."]
+TOPICS = ["the sea", "a mountain", "a city at night", "a forest", "the desert", "a river", "snow", "the moon"]
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
+                      max_tokens: int) -> dict:
+    """One streaming chat completion: when it was sent, each content chunk's arrival, and the text."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    sent, stamps, text = time.perf_counter(), [], []
+    async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:300]}")
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            piece = (choices[0].get("delta") or {}).get("content")
+            if piece:
+                stamps.append(time.perf_counter())
+                text.append(piece)
+    return {"sent": sent, "stamps": stamps, "text": "".join(text)}
+
+
+async def concurrent(url: str, model: str, streams: int, tokens: int) -> dict:
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        start = time.perf_counter()
+        runs = await asyncio.gather(*(stream_chat(session, url, model, [
+            {"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]} ({i})."}], tokens)
+            for i in range(streams)))
+    end = max(r["stamps"][-1] for r in runs if r["stamps"])
+    chunks = sum(len(r["stamps"]) for r in runs)
+    per_stream = [(len(r["stamps"]) - 1) / (r["stamps"][-1] - r["stamps"][0]) for r in runs if len(r["stamps"]) > 2]
+    return {"streams": streams, "aggregate": chunks / (end - start), "per_stream": sum(per_stream) / len(per_stream),
+            "ttft": sum(r["stamps"][0] - r["sent"] for r in runs) / len(runs), "chunks": chunks,
+            "load": os.getloadavg()[0]}
+
+
+async def multi_turn(url: str, model: str, turns: int, answer: int) -> dict:
+    messages = [{"role": "system", "content": SYSTEM}]
+    ttft = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        for t in range(turns):
+            messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+            run = await stream_chat(session, url, model, messages, answer)
+            ttft.append(run["stamps"][0] - run["sent"] if run["stamps"] else float("nan"))
+            messages.append({"role": "assistant", "content": run["text"]})
+    return {"ttft": ttft, "load": os.getloadavg()[0]}
+
+
+def wait_http(url: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not become healthy in {timeout:g}s")
+
+
+def measure(name: str, url: str, model: str, args) -> dict:
+    asyncio.run(concurrent(url, model, 1, 4))  # warm up
+    out = {"server": name, "streams": [], "multi_turn": None}
+    for n in args.streams:
+        row = asyncio.run(concurrent(url, model, n, args.tokens))
+        out["streams"].append(row)
+        print(f"{name}: {n:2d} streams: {row['aggregate']:6.1f} tok/s aggregate, {row['per_stream']:6.1f} per "
+              f"stream, TTFT {row['ttft']:.2f}s (load {row['load']:.1f})", flush=True)
+    out["multi_turn"] = asyncio.run(multi_turn(url, model, args.turns, args.answer))
+    print(f"{name}: multi-turn TTFT per turn: "
+          f"{', '.join(f'{t:.2f}' for t in out['multi_turn']['ttft'])} s (load {out['multi_turn']['load']:.1f})",
+          flush=True)
+    return out
+
+
+def run_llama_server(binary: Path, gguf: Path, args) -> dict | None:
+    if not binary.exists():
+        print(f"llama-server: {binary} is not there (build it: see docs/benchmarks.md); skipped")
+        return None
+    port = free_port()
+    proc = subprocess.Popen([str(binary), "-m", str(gguf), "-np", "8", "-t", str(args.threads), "--host",
+                             "127.0.0.1", "--port", str(port), "-c", str(8 * 2048)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url)
+        return measure("llama-server", url, "smollm2", args)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def run_exo(nodes: int, model: Path, model_id: str, args) -> dict:
+    layers = load_config(model).n_layers
+    cuts = [round(i * layers / nodes) for i in range(nodes + 1)]
+    shards = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:])] if nodes > 1 else None
+    extra = shlex.split(args.exo_args) + (["--threads", str(max(1, args.threads // nodes))] if nodes > 1 else
+                                          ["--threads", str(args.threads)])
+    with Cluster(model, nodes, shards=shards, api_nodes=1, model_id=model_id, engine=None, extra=extra) as c:
+        return measure(f"exo {nodes} node{'s' if nodes > 1 else ''}", c.nodes[0].api_url, model_id, args)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llama-server", type=Path, default=Path("/tmp/ref/llama.cpp/build/bin/llama-server"))
+    ap.add_argument("--streams", default="1,4,8,16")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--answer", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--exo-args", default="")
+    ap.add_argument("--skip-ring", action="store_true")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    args.streams = [int(s) for s in args.streams.split(",")]
+    model, model_id = resolve_model("smollm2")
+    print(f"model {model.name}; load {os.getloadavg()[0]:.1f}", flush=True)
+    results = [r for r in (run_llama_server(args.llama_server, model, args),) if r]
+    results.append(run_exo(1, model, model_id, args))
+    if not args.skip_ring:
+        results.append(run_exo(3, model, model_id, args))
+    print("\n| server | " + " | ".join(f"{n} streams agg (per stream)" for n in args.streams) + " |")
+    print("|---|" + "---|" * len(args.streams))
+    for r in results:
+        print(f"| {r['server']} | " + " | ".join(f"{s['aggregate']:.0f} ({s['per_stream']:.0f})" for s in r["streams"])
+              + " |")
+    print("\n| server | TTFT per turn (s) |\n|---|---|")
+    for r in results:
+        print(f"| {r['server']} | {', '.join(f'{t:.2f}' for t in r['multi_turn']['ttft'])} |")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

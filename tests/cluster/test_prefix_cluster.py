@@ -1,0 +1,59 @@
+"""Prefix reuse through live nodes: every turn of a chat resends the conversation, the entry finds the prefix
+every node of the plan retained and sends only the rest, and each answer is the one-process reference's; a node
+that had to evict the prefix says so and the entry prefills everything, with the same answer."""
+from __future__ import annotations
+
+import pytest
+
+from shards.engines.numpy_engine import NumpyEngine
+from shards.formats.config import ModelConfig
+from shards.generate import generate
+from shards.shard import Shard
+from shards.tokenizer import Tokenizer
+from tests.support.cluster import Cluster
+from tests.support.metrics import scrape, value
+from tests.support.models import FIXTURES
+
+MODEL = FIXTURES / "llama"
+TURNS = ["Hello there, how are you?", "Tell me more about it.", "Why?"]
+
+
+def reference(messages: list[dict], max_tokens: int) -> str:
+    cfg, tok = ModelConfig.from_dir(MODEL), Tokenizer(MODEL)
+    engine = NumpyEngine(MODEL, Shard.whole("llama", cfg.n_layers), cfg)
+    return tok.decode([r.token for r in generate([engine], tok.encode_chat(messages), max_tokens,
+                                                 eos_ids=tok.eos_token_ids)])
+
+
+def chat(c: Cluster, turns: int = len(TURNS)) -> list[str]:
+    messages, answers = [], []
+    for text in TURNS[:turns]:
+        messages.append({"role": "user", "content": text})
+        status, body = c.chat(messages, max_tokens=10, temperature=0)
+        assert status == 200, body
+        answer = body["choices"][0]["message"]["content"]
+        assert answer == reference(messages, 10)
+        answers.append(answer)
+        messages.append({"role": "assistant", "content": answer})
+    return answers
+
+
+@pytest.mark.parametrize("shards", [None, ["0:2", "2:4", "4:6"]], ids=["1 node", "3 nodes"])
+def test_each_turn_of_a_chat_reuses_the_conversation_so_far_and_answers_as_one_process(shards):
+    with Cluster(MODEL, 1 if shards is None else 3, shards=shards) as c:
+        chat(c)
+        status = c.self_info()["node0"]["status"]
+        assert status["prefix_hits"] == len(TURNS) - 1 and status["prefix_hit_tokens"] > 20
+        assert status.get("prefix_fallbacks", 0) == 0
+        assert value(scrape(c.nodes[0].api_url), "exo_prefix_hit_tokens_total") == status["prefix_hit_tokens"]
+
+
+def test_a_node_that_evicted_the_prefix_makes_the_entry_prefill_everything():
+    # KV memory for the second turn's reservation but not also the first turn's retained cache (1536 bytes a
+    # position here): admitting the second turn leaves the retained cache no room, and it is evicted
+    with Cluster(MODEL, 1, extra=["--kv-memory-gb", "0.00012"]) as c:
+        chat(c, turns=2)
+        status = c.self_info()["node0"]["status"]
+        assert status["prefix_hits"] == 1 and status["prefix_gone"] == 1 and status["prefix_fallbacks"] == 1
+        metrics = scrape(c.nodes[0].api_url)
+        assert value(metrics, "exo_prefix_evictions_total") == 1 and value(metrics, "exo_prefix_fallbacks_total") == 1
