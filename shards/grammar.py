@@ -187,15 +187,16 @@ class Matcher:
         self._prefetch()
 
     def _fill(self) -> np.ndarray:
+        """The next token's mask as one bool per token id (unpacked here, on the grammar thread, too)."""
         mask = np.zeros(self._words, dtype=np.int32)
         self._m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)  # releases the GIL
-        return mask
+        return np.unpackbits(mask.view(np.uint8), bitorder="little").astype(bool)[:self.tokenizer.vocab_size]
 
     def _prefetch(self) -> None:
         self._next = self.executor.submit(self._fill) if self.executor is not None else None
 
     def mask(self) -> np.ndarray:
-        """Bit i of word i // 32 set: token i may come next."""
+        """[vocab] bools: which tokens may come next."""
         pending, self._next = self._next, None
         if isinstance(pending, Future):
             pending = pending.result()
@@ -207,7 +208,7 @@ class Matcher:
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
         """A copy of the row `logits` [vocab] with every token the grammar forbids at -inf."""
-        allowed = np.unpackbits(self.mask().view(np.uint8), bitorder="little").astype(bool)
+        allowed = self.mask()
         width = logits.shape[-1]
         if width > allowed.size:
             allowed = np.concatenate([allowed, np.zeros(width - allowed.size, dtype=bool)])
