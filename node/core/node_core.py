@@ -143,8 +143,9 @@ class NodeCore:
         if spec.request_id in self.requests or spec.request_id in self.ended:
             raise PlanError(f"request {spec.request_id} already exists")
         self.admission.check_input(True, tokens)
-        self.admission.check_declared(spec, 0, len(tokens))
-        self._admit(spec).positions_in = len(tokens)
+        # a reused prefix is already in the caches: it counts against what the spec declared
+        self.admission.check_declared(spec, spec.reuse_positions, len(tokens))
+        self._admit(spec).positions_in = spec.reuse_positions + len(tokens)
         self._enqueue(Queued(spec.request_id, tokens))
 
     def accept_activations(self, activations: list[Activation], caller: str | None = None) -> list[Refusal]:
@@ -161,8 +162,9 @@ class NodeCore:
                     if a.spec.step_of(self.id) == 0:
                         raise PlanError("a request starts at its first node with a prompt, not an activation")
                     check_caller(caller, {predecessor(a.spec, a.spec.step_of(self.id))}, f"request {a.request_id}")
-                    self.admission.check_declared(a.spec, 0, len(a.data))
+                    self.admission.check_declared(a.spec, a.spec.reuse_positions, len(a.data))
                     req = self._admit(a.spec)
+                    req.positions_in = a.spec.reuse_positions
                 else:
                     check_caller(caller, {predecessor(req.spec, req.step_index)}, f"request {a.request_id}")
                     self.admission.check_declared(req.spec, req.positions_in, len(a.data))

@@ -3,10 +3,16 @@ leaves a token to compute, entries leave least recently used first and within th
 entry out."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from node.core.plan import PlanError
 from node.core.prefix_cache import PrefixHit, PrefixIndex, common_prefix
+from node.core.requests import Activation
+from tests.support.factories import hidden, spec
+from tests.unit.test_core import core
 
 
 def test_common_prefix_counts_the_leading_tokens_two_sequences_share():
@@ -77,3 +83,14 @@ def test_a_prefix_retained_by_one_plan_is_not_offered_to_another():
     assert index.longest([1, 2, 3, 4, 5], scope="n1:0-30") == PrefixHit("a", 4)
     index.take(PrefixHit("a", 4))
     assert not index.scopes and index.positions == 0
+
+
+def test_a_reused_prefix_counts_against_the_positions_a_request_declared():
+    reusing = dataclasses.replace(spec("r1", max_tokens=2), prompt_tokens=4, reuse_from="done", reuse_positions=3)
+    b = core("b")
+    assert b.accept_activations([Activation("r1", hidden(1), reusing)]) == []  # 3 reused + 1 sent: the prompt
+    assert b.requests["r1"].positions_in == 4
+    (refused,) = b.accept_activations([Activation("r1", hidden(3))])  # 4 + 3 > 4 prompt + 2 new
+    assert "more than the 6 it declared" in refused.reason
+    with pytest.raises(PlanError):
+        dataclasses.replace(reusing, reuse_positions=4)  # nothing left to compute
