@@ -20,8 +20,10 @@ class PartitionError(ValueError):
     """The nodes cannot be turned into a ring that covers every layer exactly once."""
 
 
-def partition(nodes: Sequence[NodeCapacity], model_id: str, n_layers: int) -> list[tuple[str, Shard]]:
-    """Ordered ring: (node_id, Shard) covering [0, n_layers) exactly, first shard first."""
+def partition(nodes: Sequence[NodeCapacity], model_id: str, n_layers: int,
+              costs: Sequence[int] | None = None) -> list[tuple[str, Shard]]:
+    """Ordered ring: (node_id, Shard) covering [0, n_layers) exactly, first shard first. With `costs` (each layer's
+    size, shards/layer_costs.py) the split follows the nodes' memory in bytes, else in layer counts."""
     if not nodes:
         raise PartitionError("no nodes to place the model on")
     if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
@@ -30,22 +32,42 @@ def partition(nodes: Sequence[NodeCapacity], model_id: str, n_layers: int) -> li
     if dupes:
         raise PartitionError(f"duplicate node ids: {', '.join(dupes)}")
     pinned = [n for n in nodes if n.pinned is not None]
-    ranges = _pinned_ranges(pinned, n_layers) if pinned else _weighted_ranges(nodes, n_layers)
+    if costs is not None and (len(costs) != n_layers or any(c <= 0 for c in costs)):
+        raise PartitionError(f"layer costs must be {n_layers} positive sizes, got {len(costs)}")
+    ranges = _pinned_ranges(pinned, n_layers) if pinned else _weighted_ranges(nodes, n_layers, costs)
     return [(node_id, Shard(model_id, s, e, n_layers)) for node_id, s, e in ranges]
 
 
-def _weighted_ranges(nodes: Sequence[NodeCapacity], n_layers: int) -> list[tuple[str, int, int]]:
+def _weighted_ranges(nodes: Sequence[NodeCapacity], n_layers: int,
+                     costs: Sequence[int] | None = None) -> list[tuple[str, int, int]]:
     # Biggest node first so the ring order (and who gets the extra layer) does not depend on input order.
     order = sorted(nodes, key=lambda n: (-max(n.memory_bytes, 0), n.node_id))[:n_layers]
     weights = [max(n.memory_bytes, 0) for n in order]
     if not any(weights):
         weights = [1] * len(order)
-    counts = _apportion(weights, n_layers)
+    counts = _apportion(weights, n_layers) if costs is None else _by_cost(weights, costs)
     out, start = [], 0
     for node, count in zip(order, counts):
         out.append((node.node_id, start, start + count))
         start += count
     return out
+
+
+def _by_cost(weights: list[int], costs: Sequence[int]) -> list[int]:
+    """Layer counts of consecutive shards whose sizes follow `weights`: each cut is where the running size comes
+    closest to the running share (exact fractions; ties: the earlier cut), every shard keeping >= 1 layer."""
+    cum = [0]
+    for c in costs:
+        cum.append(cum[-1] + c)
+    total, weight, share = cum[-1], sum(weights), 0
+    cuts = [0]
+    for j, w in enumerate(weights[:-1]):
+        share += w
+        target = Fraction(total * share, weight)
+        lo, hi = cuts[-1] + 1, len(costs) - (len(weights) - 1 - j)
+        cuts.append(min(range(lo, hi + 1), key=lambda c: (abs(cum[c] - target), c)))
+    cuts.append(len(costs))
+    return [b - a for a, b in zip(cuts, cuts[1:])]
 
 
 def _apportion(weights: list[int], total: int) -> list[int]:

@@ -16,19 +16,22 @@ from shards.shard import Shard
 from node.core.topology import NodeInfo
 
 
-def target_ring(nodes: Sequence[NodeInfo], model_id: str, n_layers: int) -> list[tuple[str, Shard]]:
-    """The ring the cluster is meant to have: every member holds its part. Raises PartitionError."""
+def target_ring(nodes: Sequence[NodeInfo], model_id: str, n_layers: int,
+                costs: Sequence[int] | None = None) -> list[tuple[str, Shard]]:
+    """The ring the cluster is meant to have: every member holds its part (split by `costs`, each layer's size,
+    where given: shards/layer_costs.py). Raises PartitionError."""
     return partition([NodeCapacity(n.node_id, n.capabilities.memory_bytes, n.pinned) for n in nodes],
-                     model_id, n_layers)
+                     model_id, n_layers, costs)
 
 
-def plan_ring(nodes: Sequence[NodeInfo], model_id: str, n_layers: int) -> list[tuple[str, Shard]]:
+def plan_ring(nodes: Sequence[NodeInfo], model_id: str, n_layers: int,
+              costs: Sequence[int] | None = None) -> list[tuple[str, Shard]]:
     """The ring a request starting now gets: the target ring if every node is ready for its part, else one over
     the nodes that are. Raises PartitionError when the nodes can't cover every layer."""
     by_id = {n.node_id: n for n in nodes}
     ring, target_error = None, None
     try:
-        ring = target_ring(nodes, model_id, n_layers)
+        ring = target_ring(nodes, model_id, n_layers, costs)
     except PartitionError as e:
         target_error = e
     if ring is not None and all(by_id[node_id].availability.can_serve(shard) for node_id, shard in ring):
@@ -38,7 +41,7 @@ def plan_ring(nodes: Sequence[NodeInfo], model_id: str, n_layers: int) -> list[t
     complete = [n for n in nodes if n.availability.complete]
     if complete:
         try:
-            return target_ring(complete, model_id, n_layers)
+            return target_ring(complete, model_id, n_layers, costs)
         except PartitionError:
             pass  # e.g. the complete nodes are pinned to ranges with gaps: try with the others' layers
     chain = _chain(nodes, model_id, n_layers)

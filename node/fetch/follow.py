@@ -42,6 +42,11 @@ class RingView(Protocol):
         """The node itself (unless it drains) and the peers serving the same model."""
         ...
 
+    @property
+    def layer_costs(self) -> tuple[int, ...] | None:
+        """Each layer's size for placement by bytes (None: by layer count), as the node plans with."""
+        ...
+
 
 class Follower:
     """Made before its node, whose `availability` it is (the node's constructor takes it); run with the node once
@@ -66,7 +71,8 @@ class Follower:
         if node.draining:
             return None
         try:  # the copy's layer count is the model's (checked at start-up, node/cli.py)
-            return dict(target_ring(node.ring_members(), node.model_id, self.copy.manifest.n_layers)).get(node.id)
+            ring = target_ring(node.ring_members(), node.model_id, self.copy.manifest.n_layers, node.layer_costs)
+            return dict(ring).get(node.id)
         except PartitionError:
             return None
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mappi
 import numpy as np
 
 from shards.formats.config import ModelConfig
+from shards.layer_costs import layer_costs
 from shards.partition import PartitionError
 from shards.sampling import SamplingParams
 from shards.shard import Shard
@@ -142,12 +143,17 @@ class Node:
         me = [] if self.draining else [self.info()]
         return [*me, *self.view.serving(self.model_id, self.config.n_layers)]
 
+    @property
+    def layer_costs(self) -> tuple[int, ...] | None:
+        """Each layer's size where layers differ (a mixture of experts), for placement by bytes."""
+        return layer_costs(self.config)
+
     def make_plan(self, excluded: Collection[str] = ()) -> tuple[PlanStep, ...]:
         """Partition the layers over this node and the peers serving the same model, leaving out `excluded` nodes
         (and this node while it drains), and nodes for layers they don't hold yet (node/core/placement.py)."""
         nodes = {n.node_id: n for n in self.ring_members() if n.node_id not in excluded}
         try:
-            ring = plan_ring(list(nodes.values()), self.model_id, self.config.n_layers)
+            ring = plan_ring(list(nodes.values()), self.model_id, self.config.n_layers, self.layer_costs)
         except PartitionError as e:
             raise PlanError(str(e)) from None
         return tuple(PlanStep(node_id, nodes[node_id].address, shard) for node_id, shard in ring)

@@ -350,6 +350,7 @@ class StandIn:
     def __init__(self, node_id: str, peers: dict, availability):
         self.id, self.peers, self.availability = node_id, peers, availability
         self.model_id, self.draining = "llama", False
+        self.layer_costs = None  # a dense model: split by layer count
 
     def ring_members(self):
         from node.core.topology import Capabilities, NodeInfo
