@@ -116,3 +116,48 @@ def test_the_chat_format_folds_calls_into_the_message_with_finish_reason_tool_ca
     (call,) = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+
+# A template in the Hermes/Qwen manner (written for this test): it lists `tools` and renders calls and results.
+TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
+<tools>
+{%- for tool in tools %}
+{{ tool.function | tojson }}
+{%- endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% elif m.tool_calls %}<|im_start|>assistant
+{%- for c in m.tool_calls %}
+<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_that_knows_tools_renders_them_and_the_calls_itself():
+    from node.http.tools import prompt_inputs
+    from shards.tokenizer import Tokenizer
+
+    tok = Tokenizer.__new__(Tokenizer)  # only the template matters here
+    tok.chat_template, tok.bos_token, tok.eos_token = TOOL_TEMPLATE, None, "<|im_end|>"
+    req = chat(tools=[WEATHER], messages=USER + [
+        {"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12C"}])
+    messages, tools = prompt_inputs(req.messages, req.options.structure, tok.chat_template)
+    assert tools == [WEATHER] and messages is req.messages  # no system prompt of ours
+    text = tok.render_chat(messages, tools=tools)
+    assert '{"description": "Weather in a city", "name": "get_weather"' in text.split("</tools>")[0]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<tool_response>\n12C\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
