@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shards.formats.moe_config import MoEConfig, MoEConfigError, hf_moe
+from shards.formats.refusals import missing_feature
 
 # Architectures whose math is the Llama block with optional q/k/v biases (Qwen2) or q/k RMSNorm (Qwen3).
 SUPPORTED_ARCHITECTURES = {
@@ -114,6 +115,7 @@ class ModelConfig:
         if arch is None:
             raise ConfigError(
                 f"{source}: unsupported architectures {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                + missing_feature(*(archs if isinstance(archs, list) else []))
             )
         model_type = SUPPORTED_ARCHITECTURES[arch]
         hidden = r.pos_int("hidden_size")

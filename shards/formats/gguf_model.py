@@ -15,6 +15,7 @@ import numpy as np
 
 from shards.formats.config import ModelConfig, RopeConfig
 from shards.formats.gguf_file import GGUFError, GGUFFile, TensorInfo, open_gguf
+from shards.formats.refusals import missing_feature
 from shards.formats.gguf_moe import LAYER_NAMES as MOE_LAYER_NAMES, LLAMA_WITH_EXPERTS, MOE_ARCHITECTURES, gguf_moe
 from shards.formats.quant import SUPPORTED_TYPES, Q, QuantizedTensor, unpermute_order
 from shards.shard import Shard
@@ -55,7 +56,8 @@ def gguf_config(path: str | Path) -> ModelConfig:
     f = open_gguf(path)
     arch = f.get_str("general.architecture")
     if arch not in ARCHITECTURES:
-        raise GGUFError(f"{f.path}: unsupported architecture {arch!r}; supported: {sorted(ARCHITECTURES)}")
+        raise GGUFError(f"{f.path}: unsupported architecture {arch!r}; supported: {sorted(ARCHITECTURES)}"
+                        + missing_feature(arch))
     model_type, hf_arch = ARCHITECTURES[arch]
 
     def pos(key: str, default: object = None) -> int:
