@@ -42,7 +42,7 @@ def build_manifest(path: str | Path, model_id: str, n_layers: int, max_piece: in
     try:
         source = open_model(path)
         if source.gguf is not None:
-            return _manifest(model_id, source.format, n_layers, [(source.gguf, _gguf_tensors(source.gguf))], max_piece)
+            return _manifest(model_id, source.format, n_layers, _gguf_files(source.gguf), max_piece)
         return _manifest(model_id, source.format, n_layers, _hf_files(source.root), max_piece)
     except (GGUFError, ModelFormatError, ManifestError) as e:
         raise LayoutError(str(e)) from None
@@ -84,9 +84,11 @@ def _label(name: str, fmt: str, n_layers: int) -> tuple[str, int]:
     return (_GGUF_PARTS if fmt == "gguf" else _HF_PARTS).get(name, "other"), -1
 
 
-def _gguf_tensors(path: Path) -> list[tuple[str, int, int]]:
-    f = open_gguf(path)  # validates the tensor table: inside the file, no overlaps
-    return [(t.name, t.offset, t.nbytes) for t in f.tensors.values()]
+def _gguf_files(path: Path) -> list[tuple[Path, list[tuple[str, int, int]]]]:
+    """Each file of the GGUF model (a split model: every part, so a fetching node takes every part's header and the
+    bytes of its own tensors only, from whichever parts hold them) with its tensors."""
+    parts = open_gguf(path).parts()  # validates each tensor table: inside its file, no overlaps
+    return [(f.path, [(t.name, t.offset, t.nbytes) for t in f.tensors.values()]) for f in parts]
 
 
 def _hf_files(folder: Path) -> list[tuple[Path, list[tuple[str, int, int]] | None]]:

@@ -158,8 +158,8 @@ def _check(m: Manifest) -> None:
         names.add(f.name.lower())
         if not _int(f.size) or not 0 <= f.size <= MAX_FILE_BYTES:
             fail(f"file {f.name!r} has an impossible size")
-    if m.format == "gguf" and (len(m.files) != 1 or not m.files[0].name.lower().endswith(".gguf")):
-        fail("a GGUF model is one .gguf file")
+    if m.format == "gguf" and not _gguf_files(m.files):
+        fail("a GGUF model is one .gguf file, or the NAME-0000k-of-0000N.gguf parts of one split model, in order")
     if m.format == "safetensors" and "config.json" not in names:
         fail("a safetensors model needs a config.json")
     previous: Piece | None = None
@@ -194,6 +194,18 @@ def _check(m: Manifest) -> None:
         fail(f"layers {sorted(set(range(m.n_layers)) - layers)[:8]} have no pieces")
     if not any(p.part == "embed" for p in m.pieces) or not any(p.part == "norm" for p in m.pieces):
         fail("no embedding or final norm")
+
+
+_SPLIT_PART = re.compile(r"^(?P<prefix>.+)-00001-of-(?P<count>\d{5})\.gguf$")  # shards.formats.gguf_file.SPLIT_NAME
+
+
+def _gguf_files(files: tuple[ModelFile, ...]) -> bool:
+    """One .gguf file, or every part of one split model in order (llama.cpp's `%s-%05d-of-%05d.gguf` names)."""
+    if len(files) == 1:
+        return files[0].name.lower().endswith(".gguf")
+    m = _SPLIT_PART.match(files[0].name)
+    return bool(m) and int(m.group("count")) == len(files) and all(
+        f.name == f"{m.group('prefix')}-{i:05d}-of-{len(files):05d}.gguf" for i, f in enumerate(files, 1))
 
 
 def _int(v: object) -> bool:

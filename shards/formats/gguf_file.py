@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     offset: int  # absolute byte offset in the file
     nbytes: int
+    part: int = 0  # which file of a split model holds it (0 for a single file)
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -93,10 +95,14 @@ class GGUFFile:
             except Exception as e:  # e.g. a string that is not UTF-8
                 value = _Unreadable(f"{type(e).__name__}: {e}")
             self.meta[key] = (tuple(field.types), value)
-        if (splits := self.get_int("split.count", 1)) > 1:
-            raise GGUFError(f"{path}: split GGUF files (split.count={splits}) are not supported; "
-                            "merge them first (llama.cpp's gguf-split --merge)")
+        self.split_count, self.split_no = self.get_int("split.count", 1), self.get_int("split.no", 0)
+        if not 0 <= self.split_no < max(self.split_count, 1):
+            raise GGUFError(f"{path}: split.no {self.split_no} is not a part of split.count {self.split_count}")
         self.tensors = self._tensor_table(reader)
+
+    def parts(self) -> "list[GGUFFile]":
+        """The files the model's tensors lie in: this one (a split model: every part, in order)."""
+        return [self]
 
     def _why(self, e: Exception) -> str:
         text = str(e)
@@ -205,16 +211,78 @@ FLOATS = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
 STRINGS = {GGUFValueType.STRING}
 
 
-@functools.lru_cache(maxsize=4)
+class SplitGGUF(GGUFFile):
+    """A model split by llama.cpp's gguf-split (or gguf-py's writer) into `NAME-00001-of-0000N.gguf` ... parts: the
+    metadata of the first part, and one tensor table over all parts, each tensor knowing its part.
+
+    Every part's header is parsed (a few KB to MB: a node fetching from a peer holds every header and only its own
+    tensors' bytes), and each part is memory-mapped, so only the pages of the tensors a shard reads are ever read.
+    Checked: the parts are all there, each says the same split.count and its own split.no, no tensor lies in two
+    parts, and the tensors add up to the first part's split.tensors.count."""
+
+    def __init__(self, parts: list[GGUFFile]):
+        first = parts[0]
+        self.path, self.meta, self.parts_ = first.path, first.meta, parts
+        self.split_count, self.split_no = first.split_count, 0
+        self.size = sum(p.size for p in parts)
+        self.data = first.data
+        self.tensors: dict[str, TensorInfo] = {}
+        for i, part in enumerate(parts):
+            if (part.split_count, part.split_no) != (len(parts), i):
+                raise GGUFError(f"{part.path}: says it is part {part.split_no + 1} of {part.split_count}, but it is "
+                                f"named as part {i + 1} of {len(parts)}")
+            for name, info in part.tensors.items():
+                if name in self.tensors:
+                    raise GGUFError(f"{part.path}: tensor {name!r} is also in part {self.tensors[name].part + 1}")
+                self.tensors[name] = TensorInfo(info.name, info.ggml_type, info.shape, info.offset, info.nbytes, i)
+        expected = first.get_int("split.tensors.count")
+        if expected != len(self.tensors):
+            raise GGUFError(f"{first.path}: split.tensors.count says {expected} tensors, the parts hold "
+                            f"{len(self.tensors)}")
+
+    def parts(self) -> list[GGUFFile]:
+        return list(self.parts_)
+
+    def raw(self, info: TensorInfo) -> np.ndarray:
+        return self.parts_[info.part].raw(info)
+
+
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+
+
+def split_part_paths(path: Path, count: int) -> list[Path]:
+    """The paths of a split model's parts, from one part's name (llama.cpp's `%s-%05d-of-%05d.gguf`)."""
+    m = SPLIT_NAME.match(path.name)
+    if not m or int(m.group("count")) != count:
+        raise GGUFError(f"{path}: says it is one of {count} split parts, but its name is not "
+                        f"NAME-0000k-of-{count:05d}.gguf, so its other parts can't be found")
+    return [path.with_name(f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+@functools.lru_cache(maxsize=64)  # the parts of a split model each count
 def _open(path: str, size: int, mtime_ns: int) -> GGUFFile:
     return GGUFFile(Path(path))
 
 
-def open_gguf(path: str | Path) -> GGUFFile:
-    """Parse a GGUF header once per process (config, tokenizer and engines all read the same file)."""
-    path = Path(path)
+def _open_file(path: Path) -> GGUFFile:
     try:
         st = os.stat(path)
     except OSError as e:
         raise GGUFError(f"{path}: cannot open ({e.strerror})") from None
     return _open(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Parse a GGUF header once per process (config, tokenizer and engines all read the same file). A split model is
+    named by its first part and opened whole (`SplitGGUF`); naming another part is refused with the first's name."""
+    path = Path(path)
+    f = _open_file(path)
+    if f.split_count <= 1:
+        return f
+    paths = split_part_paths(path, f.split_count)
+    if f.split_no != 0:
+        raise GGUFError(f"{path}: is part {f.split_no + 1} of a split model; name its first part, {paths[0].name}")
+    for p in paths:
+        if not p.is_file():
+            raise GGUFError(f"{path}: part {p.name} of this split model is missing")
+    return SplitGGUF([f] + [_open_file(p) for p in paths[1:]])

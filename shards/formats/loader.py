@@ -2,7 +2,8 @@
 layout, model ids, engines) asks `open_model` instead of looking for `.gguf` or `config.json` itself.
 
 A model is one of:
-- a GGUF file (`*.gguf`), or a folder holding exactly one (and no config.json): format "gguf";
+- a GGUF file (`*.gguf`), or a folder holding exactly one (and no config.json): format "gguf"; a split GGUF
+  (`NAME-00001-of-0000N.gguf`, ...) is named by its first part, or by a folder holding only its parts;
 - a Hugging Face folder: config.json beside model.safetensors or a model.safetensors.index.json: format
   "safetensors". A folder with a config.json is a Hugging Face folder even if a .gguf lies beside it.
 Anything else is refused here, with what to pass instead.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shards.formats.config import ModelConfig
-from shards.formats.gguf_file import GGUFError
+from shards.formats.gguf_file import SPLIT_NAME, GGUFError
 from shards.formats.gguf_model import gguf_config, load_gguf_shard_weights
 from shards.formats.hf import HF_CONFIG, load_hf_shard_weights
 from shards.formats.weights import ShardWeights
@@ -60,7 +61,10 @@ class ModelSource:
     def default_id(self) -> str:
         """What the API calls the model unless it is packaged: a GGUF file's stem, lowercased, when the file itself
         was asked for; else the folder's name."""
-        return self.gguf.stem.lower() if self.gguf == self.path else self.path.name
+        if self.gguf != self.path:
+            return self.path.name
+        m = SPLIT_NAME.match(self.gguf.name)  # a split model's id is its name without -00001-of-0000N
+        return (m.group("prefix") if m else self.gguf.stem).lower()
 
     def shard_weights(self, cfg: ModelConfig, shard: Shard) -> ShardWeights:
         """A shard's weights as float32 in Hugging Face layout (a GGUF's are dequantized at load)."""
@@ -76,6 +80,9 @@ def open_model(path: str | Path) -> ModelSource:
         if (path / HF_CONFIG).exists():
             return ModelSource("safetensors", path, path)
         found = sorted(p for p in path.iterdir() if p.suffix.lower() == GGUF_SUFFIX and p.is_file())
+        firsts = [p for p in found if (m := SPLIT_NAME.match(p.name)) and int(m.group("no")) == 1]
+        if len(firsts) == 1 and all(SPLIT_NAME.match(p.name) for p in found):  # one split model: name its first part
+            found = firsts
         if len(found) > 1:
             raise GGUFError(f"{path}: holds several .gguf files ({', '.join(p.name for p in found)}); pass one of them")
         if not found:

@@ -70,3 +70,31 @@ def patch_tensor_info(src: Path, dst: Path, name: str, dims: tuple[int, ...] | N
         struct.pack_into("<I", blob, at + 4 + 8 * n_dims, ggml_type)
     dst.write_bytes(bytes(blob))
     return dst
+
+
+def split_gguf(src: Path, folder: Path, max_tensors: int) -> Path:
+    """Write `src` as a split model into `folder` the way llama.cpp's gguf-split does (gguf-py's writer, which follows
+    it: every metadata key in the first part, split.no/split.count/split.tensors.count in each, at most
+    `max_tensors` tensors a part, `NAME-0000k-of-0000N.gguf`); returns the first part's path."""
+    reader = gguf.GGUFReader(src)
+    folder.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(folder / src.name), reader.fields["general.architecture"].contents(),
+                             split_max_tensors=max_tensors)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            writer.add_tensor(t.name, data)
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parts = sorted(folder.glob(f"{src.stem}-*-of-*.gguf"))
+    assert len(parts) > 1, "max_tensors too large to split"
+    return parts[0]
