@@ -130,3 +130,18 @@ def test_a_node_without_the_model_waits_for_a_peer_and_says_so_but_a_missing_pat
         proc.wait(timeout=10)
     done = subprocess.run([*base, "--model", "./no/such/model"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "no such file or folder" in done.stderr
+
+
+def test_three_nodes_serve_a_split_gguf_fetching_only_their_parts_bytes(tmp_path):
+    """A Llama 3.1-style GGUF in three gguf-split parts: node0 has them, the others fetch their layers' bytes (and
+    every part's header) and the cluster answers as one process holding the unsplit file."""
+    from tests.support.gguf_util import split_gguf
+
+    whole = FIXTURES / "gguf" / "llama31.gguf"
+    model = split_gguf(whole, tmp_path / "split", max_tensors=20)
+    expected = reference(whole, "llama31", PROMPT, 16)
+    with fetching_cluster(model, "llama31", tmp_path) as c:
+        plan = wait_for_full_plan(c, 3)
+        status, body = c.chat(PROMPT, node=c.nodes[2], max_tokens=16, temperature=0)
+        assert status == 200 and body["choices"][0]["message"]["content"] == expected
+        check_bytes(c, model, "llama31", plan)
