@@ -28,6 +28,13 @@ class CoreLimits:
     kv_budget: int | None = None  # bytes of KV cache this node may hold for all its requests (None: no limit)
     kv_value_bytes: int = 4  # bytes of one cached key or value element (float32)
     idle_timeout: float = 60.0  # a request whose next input doesn't come for this long is forgotten
+    # of kv_budget, the most the requests of one other entry node may reserve (this node's own are not limited): a
+    # key holder can't take all of a peer's memory and leave the other entries' requests a 503
+    kv_entry_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.kv_entry_share <= 1:
+            raise ValueError(f"kv_entry_share must be in (0, 1], got {self.kv_entry_share!r}")
 
 
 class Admission:
@@ -45,6 +52,15 @@ class Admission:
             check_input(self.config, first, data, "input")
         except EngineInputError as e:
             raise PlanError(str(e)) from None
+
+    @staticmethod
+    def check_declared(spec: RequestSpec, arrived: int, more: int) -> None:
+        """A request's inputs may bring at most the positions its spec declared (prompt + max_tokens), which is
+        what its KV cache reservation was made for: a sender that declares a short prompt and sends a long one
+        would otherwise grow caches past what was reserved (PlanError)."""
+        if arrived + more > spec.positions:
+            raise PlanError(f"request {spec.request_id} sent {arrived + more} positions, more than the "
+                            f"{spec.positions} it declared ({spec.prompt_tokens} prompt + {spec.max_tokens} new)")
 
     def admit(self, spec: RequestSpec, held: Mapping[str, RequestState], now: float) -> RequestState:
         """The state of a request this node takes part in from now on, its KV cache reserved; `held`: the requests
@@ -77,11 +93,26 @@ class Admission:
         if budget is not None and self.kv_reserved + kv_bytes > budget:
             raise Busy(f"node {self.id}: KV cache memory is full ({self.kv_reserved / 2**20:.1f} of "
                        f"{budget / 2**20:.1f} MiB reserved)")
+        if budget is not None and spec.entry_node_id != self.id:
+            self._check_entry_share(spec, kv_bytes, held, budget)
         req = RequestState(spec, index, last_active=now, kv_bytes=kv_bytes)
         self.kv_reserved += kv_bytes
         if shard.is_last:
             req.sampler = SamplerState.from_seed(spec.sampling.seed, 0 if spec.sampling.greedy else spec.resumed)
         return req
+
+    def _check_entry_share(self, spec: RequestSpec, kv_bytes: int, held: Mapping[str, RequestState],
+                           budget: int) -> None:
+        """The requests of another entry node may reserve at most `kv_entry_share` of the budget together."""
+        share = int(budget * self.limits.kv_entry_share)
+        if kv_bytes > share:
+            raise PlanError(f"{spec.positions} positions need {kv_bytes / 2**20:.1f} MiB of KV cache on node "
+                            f"{self.id}, more than one entry's share of {share / 2**20:.1f} MiB")
+        entry = spec.entry_node_id
+        taken = sum(r.kv_bytes for r in held.values() if r.spec.entry_node_id == entry)
+        if taken + kv_bytes > share:
+            raise Busy(f"node {self.id}: the requests of entry {entry} hold {taken / 2**20:.1f} MiB of KV cache, "
+                       f"and may hold at most {share / 2**20:.1f} MiB (kv_entry_share {self.limits.kv_entry_share:g})")
 
     def release(self, req: RequestState) -> None:
         """The request ended: its KV cache reservation is free again."""

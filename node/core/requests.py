@@ -64,6 +64,7 @@ class RequestState:
     spec_sent: bool = False  # has our successor received the spec?
     last_active: float = 0.0  # when its last input arrived or its last step ran (the core's clock)
     kv_bytes: int = 0  # KV cache memory reserved for it on this node
+    positions_in: int = 0  # positions its inputs brought so far: never more than the spec declared (`positions`)
 
     @property
     def id(self) -> str:

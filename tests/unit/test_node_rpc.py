@@ -76,12 +76,13 @@ async def shutdown(node, server, client):
     await node.transport.close()
 
 
-def spec_for(node, plan_nodes=(("n0", 0, 3), ("other", 3, 6)), rid="r1"):
+def spec_for(node, plan_nodes=(("n0", 0, 3), ("other", 3, 6)), rid="r1", prompt_tokens=0):
     plan = tuple(PlanStep(n, node.address if n == node.id else "127.0.0.1:9", Shard("llama", a, b, 6))
                  for n, a, b in plan_nodes)
     # the other nodes of the plan are members as far as this node knows (as membership would have found them)
     node.update_peers({}, alive={n: "127.0.0.1:9" for n, _, _ in plan_nodes if n != node.id})
-    return RequestSpec(rid, plan, SamplingParams(temperature=0), 4, frozenset({509}), "n0", node.address)
+    return RequestSpec(rid, plan, SamplingParams(temperature=0), 4, frozenset({509}), "n0", node.address,
+                       prompt_tokens=prompt_tokens)
 
 
 def test_health_check_describes_the_node():
@@ -133,11 +134,13 @@ def test_messages_larger_than_grpcs_default_4mib_get_through():
     async def go():
         node, server, client = await serving()
         try:
-            spec = spec_for(node, (("a", 0, 3), ("n0", 3, 6)))
-            hidden = np.zeros(((5 << 20) // 4 // 64, 64), dtype=np.float32)  # 5 MiB of activations
-            entry = pb.TensorEntry(request_id="r1", tensor=wire.encode_tensor(hidden), spec=wire.encode_spec(spec))
-            response = await client.send(pb.SendRequest(entries=[entry]))
-            assert list(response.rejected) == []
+            # 5 MiB of activations in one message: whole prompts (as much as the context takes) of 84 requests
+            hidden = np.zeros((252, 64), dtype=np.float32)
+            entries = [pb.TensorEntry(request_id=f"r{i}", tensor=wire.encode_tensor(hidden), spec=wire.encode_spec(
+                spec_for(node, (("a", 0, 3), ("n0", 3, 6)), rid=f"r{i}", prompt_tokens=len(hidden))))
+                for i in range(84)]
+            response = await client.send(pb.SendRequest(entries=entries))
+            assert pb.SendRequest(entries=entries).ByteSize() > 5 << 20 and list(response.rejected) == []
         finally:
             await shutdown(node, server, client)
     run(go())
