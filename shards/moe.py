@@ -22,6 +22,13 @@ class UnsupportedMoE(ValueError):
     """The engine has no mixture-of-experts operations."""
 
 
+def check_engine(engine: str, cfg: ModelConfig) -> None:
+    """At start-up: refuse a mixture of experts on an engine that cannot run it (rather than at the first load)."""
+    if cfg.moe is not None and engine not in MOE_ENGINES:
+        raise UnsupportedMoE(f"{cfg.architecture} is a mixture of experts, which the {engine} engine does not run; "
+                             f"use --engine {', '.join(MOE_ENGINES)}")
+
+
 class SparseMoE:
     def __init__(self, ops: Backend, cfg: ModelConfig, w: LayerWeights):
         if not isinstance(ops, MoEBackend):

@@ -10,6 +10,8 @@ from typing import Any
 
 from shards.formats.config import ModelConfig
 from shards.engines.base import Engine
+from shards.formats.loader import load_config
+from shards.moe import check_engine
 from shards.shard import Shard
 
 # name -> (module, class, extra that installs it)
@@ -64,6 +66,8 @@ def engine_factory(name: str, model_dir: Path | None = None, **options: Any) \
         raise ValueError(f"--{refused[0]} is an option of the ggml engine; this node's engine is {resolve(name)}")
     if model_dir is not None and hasattr(cls, "check_options"):
         cls.check_options(model_dir, **given)
+    if model_dir is not None:
+        check_engine(resolve(name), load_config(model_dir))
 
     def make(model_dir: Path, shard: Shard, config: ModelConfig) -> Engine:
         return cls(model_dir, shard, config, **given)

@@ -10,7 +10,7 @@ import pytest
 
 from shards.engines.moe_backend import top_experts
 from shards.engines.numpy_engine import NumpyBackend
-from shards.engines.registry import engine_class, installed
+from shards.engines.registry import engine_class, engine_factory, installed
 from shards.formats.loader import load_config
 from shards.formats.moe_layout import stacked_sources
 from shards.generate import chain_forward, generate
@@ -123,6 +123,8 @@ def test_ggml_keeps_the_experts_in_their_file_types():
 def test_engines_without_moe_refuse_naming_the_engines_that_can(engine):
     with pytest.raises(UnsupportedMoE, match="mixture of experts.*--engine ggml, numpy, mlx"):
         make(engine, "qwen3moe")
+    with pytest.raises(UnsupportedMoE, match=f"the {engine} engine does not run"):  # at start-up, before any load
+        engine_factory(engine, MOE / "qwen3moe.gguf")
 
 
 def test_the_three_checkpoint_layouts_give_the_same_stacked_experts():
