@@ -1,11 +1,11 @@
 """exo-node against llama-server, the same asyncio client on both, the same GGUF file and threads (issue #25).
 
     uv run python -m bench.bench_serve [--llama-server /tmp/ref/llama.cpp/build/bin/llama-server]
-        [--streams 1,4,8,16] [--tokens 128] [--turns 6] [--answer 200] [--threads 2] [--skip-ring]
+        [--streams 1,4,8,16] [--tokens 128] [--turns 6] [--answer 200] [--threads 2] [--servers exo1,exo3]
         [--exo-args "--quantize none"] [--out bench-serve.json]
 
 Servers, one at a time: llama-server (`-np 8 -t THREADS`, when the binary is there), one exo node (default engine)
-and, unless --skip-ring, a 3-node exo ring on loopback (bench/local_cluster.py). The model is the packaged SmolLM2
+and a 3-node exo ring on loopback (bench/local_cluster.py). The model is the packaged SmolLM2
 GGUF (what `--model smollm2` serves; exo's ggml engine may requantize it on load, see --exo-args).
 
 Two measurements per server:
@@ -158,16 +158,16 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--exo-args", default="")
-    ap.add_argument("--skip-ring", action="store_true")
+    ap.add_argument("--servers", default="llama-server,exo1,exo3", help="which of llama-server, exo1, exo3 to run")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
     model, model_id = resolve_model("smollm2")
     print(f"model {model.name}; load {os.getloadavg()[0]:.1f}", flush=True)
-    results = [r for r in (run_llama_server(args.llama_server, model, args),) if r]
-    results.append(run_exo(1, model, model_id, args))
-    if not args.skip_ring:
-        results.append(run_exo(3, model, model_id, args))
+    servers = args.servers.split(",")
+    results = [r for r in (run_llama_server(args.llama_server, model, args),) if r] if "llama-server" in servers \
+        else []
+    results += [run_exo(n, model, model_id, args) for n in (1, 3) if f"exo{n}" in servers]
     print("\n| server | " + " | ".join(f"{n} streams agg (per stream)" for n in args.streams) + " |")
     print("|---|" + "---|" * len(args.streams))
     for r in results:

@@ -1,7 +1,7 @@
 """Prefix reuse is exact: a request that takes over a finished request's cache (node/core/prefix_cache.py finds it,
 shards/engines/retained.py holds it) and computes only its new tokens gets the outputs of a request that computes
-them all; on the numpy and ggml engines, one shard and a chain of three. A cache evicted on any shard means a full
-prefill, never a wrong answer."""
+them all; on every engine (numpy and ggml as one shard and a chain of three). A cache evicted on any shard means a
+full prefill, never a wrong answer."""
 from __future__ import annotations
 
 import numpy as np
@@ -82,8 +82,8 @@ def converse(engines, index: PrefixIndex | None, turns: int = 3, seed: int = 0):
     return outs
 
 
-@pytest.mark.parametrize("nodes", [1, 3])
-@pytest.mark.parametrize("engine", ["numpy", "ggml"])
+@pytest.mark.parametrize("engine,nodes", [("numpy", 1), ("numpy", 3), ("ggml", 1), ("ggml", 3), ("tinygrad", 1),
+                                          ("mlx", 1)])  # tinygrad compiles per shape: one chain keeps it short
 def test_each_turn_prefills_only_its_new_tokens_and_answers_as_a_full_prefill_does(engine, nodes):
     index = PrefixIndex(capacity=10_000)
     cached, full = converse(chain(engine, nodes), index), converse(chain(engine, nodes), None)
