@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from shards.grammar import closed_objects
 from tests.support.cluster import Cluster
 from tests.support.gguf_util import smollm2_path
+from tests.support.http import stream_completion
 
 MODEL = "smollm2-135m-instruct"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
@@ -155,3 +156,26 @@ def test_bad_input_is_a_400_in_openais_shape(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, max_tokens=8, **kw)
     assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+def test_the_sampling_node_killed_mid_stream_the_replay_continues_the_grammar_exactly():
+    """The last node (holding the request's matcher) dies; the entry replays on the two left, whose new last
+    node feeds the generated tokens to a fresh matcher: the JSON is the undisturbed run's, and valid. (The numpy
+    engine: a replay prefills the generated tokens, and only float32 makes prefill and decode agree bit for bit.)"""
+    schema = {"type": "object", "required": ["values"], "properties": {"values": {
+        "type": "array", "minItems": 16, "maxItems": 16, "items": {"type": "integer", "minimum": 0, "maximum": 999}}}}
+    body = {"model": MODEL, "prompt": "Sixteen numbers as JSON:", "max_tokens": 100, "temperature": 0.8, "seed": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    with Cluster(smollm2_path(), 3, memory_gb=[2, 2, 2], model_id=MODEL, engine="numpy") as c:
+        url = f"{c.nodes[0].api_url}/v1/completions"
+        reference = "".join(e.text for e in stream_completion(url, body))
+        events = []
+        for event in stream_completion(url, body):
+            events.append(event)
+            if len(events) == 8:
+                c.nodes[2].proc.kill()
+        assert [e.error for e in events if e.error] == []
+        assert c.self_info()["node0"]["status"]["replays"] == 1
+    text = "".join(e.text for e in events)
+    assert text == reference
+    jsonschema.validate(json.loads(text), schema)
