@@ -61,3 +61,9 @@ def test_the_first_run_answer_is_the_one_the_readme_shows(default_node):
     shown = json.loads('"' + re.search(r'"content": "((?:[^"\\]|\\.)*)"', answer).group(1) + '"')
     out = subprocess.run(["sh", "-c", textwrap.dedent(command)], capture_output=True, text=True, timeout=60)
     assert json.loads(out.stdout)["choices"][0]["message"]["content"] == shown, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("name", ["tools", "structured"])
+def test_tools_and_structured_output_examples(default_node, name):
+    out = subprocess.run([sys.executable, "-c", block(name)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
