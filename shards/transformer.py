@@ -66,7 +66,8 @@ class Attention:
         self.o_proj = Linear(ops, ops.weight(w.o_proj))
         self.q_norm = None if w.q_norm is None else RMSNorm(ops, ops.array(w.q_norm), cfg.rms_norm_eps)
         self.k_norm = None if w.k_norm is None else RMSNorm(ops, ops.array(w.k_norm), cfg.rms_norm_eps)
-        self.scale = 1.0 / float(np.sqrt(cfg.head_dim))
+        # YaRN multiplies rotated q and k by the rope's attention factor: the same as scaling q.k by its square
+        self.scale = cfg.rope.attention_factor ** 2 / float(np.sqrt(cfg.head_dim))
 
     def __call__(self, x: Array, step: Step, caches: Sequence[KVCache]) -> Array:
         ops, nh, nkv, hd = self.ops, self.n_heads, self.n_kv_heads, self.head_dim

@@ -34,13 +34,18 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    kind: str = "default"  # default | linear | llama3 | factors
+    kind: str = "default"  # default | linear | llama3 | factors | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     # kind "factors": one divisor per rotary pair, as a GGUF's rope_freqs.weight stores Llama 3.1+'s llama3 scaling
     freq_factors: tuple[float, ...] = ()
+    # kind "yarn" (Qwen2.5/Qwen3 long context): the ramp between extrapolated and interpolated pairs, and the factor
+    # cos/sin are multiplied by (None: 0.1 ln(factor) + 1, what transformers and llama.cpp infer)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    yarn_attention_factor: float | None = None
 
     def __post_init__(self) -> None:
         if (self.kind == "factors") != bool(self.freq_factors):
@@ -58,6 +63,8 @@ class RopeConfig:
             if len(self.freq_factors) != len(inv):
                 raise ConfigError(f"{len(self.freq_factors)} rope frequency factors for {len(inv)} rotary pairs")
             return inv / np.asarray(self.freq_factors, dtype=np.float64)
+        if self.kind == "yarn":
+            return self._yarn(inv, head_dim)
         if self.kind == "linear":
             return inv / self.factor
         if self.kind == "llama3":
@@ -71,6 +78,33 @@ class RopeConfig:
             medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             return np.where(medium, smoothed, scaled)
         return inv
+
+
+    def _yarn(self, inv: "np.ndarray", head_dim: int) -> "np.ndarray":
+        """Pairs rotating fewer than beta_slow times over the original context are interpolated (divided by
+        factor), more than beta_fast times kept, a linear ramp between (transformers' _compute_yarn_parameters with
+        truncate, llama.cpp's rope_yarn)."""
+        import numpy as np
+
+        def dim(rotations: float) -> float:
+            return head_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(self.theta))
+
+        low = max(math.floor(dim(self.beta_fast)), 0)
+        high = min(math.ceil(dim(self.beta_slow)), head_dim - 1)
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / max(high - low, 0.001), 0, 1)
+        keep = 1 - ramp  # 1: extrapolate (the pair as trained), 0: interpolate
+        return inv / self.factor * (1 - keep) + inv * keep
+
+    @property
+    def attention_factor(self) -> float:
+        """What rotated queries and keys are multiplied by (YaRN's magnitude correction; 1 otherwise). Engines fold
+        its square into the attention scale: q.k is all it touches."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.yarn_attention_factor is not None:
+            return self.yarn_attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -178,11 +212,13 @@ def _rope(raw: dict[str, Any], r: "_Reader", source: str) -> RopeConfig:
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", "linear", "llama3"):
-        raise ConfigError(f"{source}: unsupported rope type {kind!r} (supported: default, linear, llama3)")
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        raise ConfigError(f"{source}: unsupported rope type {kind!r} (supported: default, linear, llama3, yarn)")
     p = _Reader(params, f"{source}: rope parameters")
     if kind == "default":
         return RopeConfig(theta=float(theta))
+    if kind == "yarn":
+        return _yarn(raw, params, p, float(theta), source)
     if kind == "linear":
         return RopeConfig(theta=float(theta), kind=kind, factor=p.pos_float("factor"))
     cfg = RopeConfig(
@@ -196,6 +232,27 @@ def _rope(raw: dict[str, Any], r: "_Reader", source: str) -> RopeConfig:
     if cfg.high_freq_factor <= cfg.low_freq_factor:
         raise ConfigError(f"{source}: llama3 rope needs high_freq_factor > low_freq_factor")
     return cfg
+
+
+def _yarn(raw: dict[str, Any], params: dict[str, Any], p: "_Reader", theta: float, source: str) -> RopeConfig:
+    """transformers' YaRN parameters: factor, original_max_position_embeddings (default: max_position_embeddings),
+    beta_fast/beta_slow, attention_factor or mscale/mscale_all_dim; `truncate: false` is refused."""
+    if params.get("truncate", True) is not True:
+        raise ConfigError(f"{source}: YaRN with truncate=false is not supported")
+    if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError(f"{source}: partial rotary embeddings (partial_rotary_factor) are not supported")
+    factor = p.pos_float("factor")
+    attention = p.pos_float("attention_factor", default=None) if params.get("attention_factor") is not None else None
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all:
+        def m(scale: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+        attention = m(p.pos_float("mscale")) / m(p.pos_float("mscale_all_dim"))
+    original = p.pos_int("original_max_position_embeddings",
+                         default=_Reader(raw, source).pos_int("max_position_embeddings", default=4096))
+    return RopeConfig(theta=theta, kind="yarn", factor=factor, original_max_position_embeddings=original,
+                      beta_fast=p.pos_float("beta_fast", default=32.0), beta_slow=p.pos_float("beta_slow", default=1.0),
+                      yarn_attention_factor=attention)
 
 
 class _Reader:

@@ -139,7 +139,28 @@ def _rope(f: GGUFFile, arch: str) -> RopeConfig:
         if not factor > 0:
             raise GGUFError(f"{f.path}: {arch}.rope.scaling.factor must be positive, got {factor}")
         return RopeConfig(theta=theta, kind="linear", factor=factor)
-    raise GGUFError(f"{f.path}: unsupported rope scaling {kind!r} (supported: none, linear)")
+    if kind == "yarn":
+        return _yarn(f, arch, theta)
+    raise GGUFError(f"{f.path}: unsupported rope scaling {kind!r} (supported: none, linear, yarn)")
+
+
+def _yarn(f: GGUFFile, arch: str, theta: float) -> RopeConfig:
+    """YaRN as llama.cpp reads it: factor, original context, beta_fast/beta_slow; cos/sin scaled by
+    0.1 ln(factor) + 1 times rope.scaling.attn_factor. The rarer knobs (an explicit yarn_attn_factor, a log
+    multiplier, an extrapolation factor other than 1) are refused rather than guessed."""
+    key = f"{arch}.rope.scaling."
+    for rare in ("yarn_attn_factor", "yarn_log_multiplier"):
+        if f.has(key + rare):
+            raise GGUFError(f"{f.path}: YaRN with {key + rare} is not supported")
+    if f.get_float(key + "yarn_ext_factor", 1.0) != 1.0:
+        raise GGUFError(f"{f.path}: YaRN with {key}yarn_ext_factor other than 1 is not supported")
+    factor, original = f.get_float(key + "factor"), f.get_int(key + "original_context_length")
+    beta_fast, beta_slow = f.get_float(key + "yarn_beta_fast", 32.0), f.get_float(key + "yarn_beta_slow", 1.0)
+    if not (factor > 0 and original > 0 and beta_fast > 0 and beta_slow > 0):
+        raise GGUFError(f"{f.path}: YaRN factor, original_context_length and betas must be positive")
+    attention = (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0) * f.get_float(key + "attn_factor", 1.0)
+    return RopeConfig(theta=theta, kind="yarn", factor=factor, original_max_position_embeddings=original,
+                      beta_fast=beta_fast, beta_slow=beta_slow, yarn_attention_factor=attention)
 
 
 def rope_freq_factors(f: GGUFFile) -> tuple[float, ...]:

@@ -29,9 +29,10 @@ def smollm2_path() -> Path:
     return resolve_model("smollm2")[0]
 
 
-def rewrite(src: Path, dst: Path, drop: tuple[str, ...] = (), replace: dict | None = None) -> Path:
-    """Copy a GGUF through gguf's reader and writer, leaving out metadata keys `drop` and overriding `replace`
-    ({key: (value, GGUFValueType[, item type])})."""
+def rewrite(src: Path, dst: Path, drop: tuple[str, ...] = (), replace: dict | None = None,
+            drop_tensors: tuple[str, ...] = ()) -> Path:
+    """Copy a GGUF through gguf's reader and writer, leaving out metadata keys `drop` and tensors `drop_tensors`, and
+    overriding `replace` ({key: (value, GGUFValueType[, item type])})."""
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(dst), arch)
@@ -44,6 +45,8 @@ def rewrite(src: Path, dst: Path, drop: tuple[str, ...] = (), replace: dict | No
     for key, (value, vtype, *sub) in replace.items():
         writer.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
     for t in reader.tensors:
+        if t.name in drop_tensors:
+            continue
         data = np.asarray(t.data)
         if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             writer.add_tensor(t.name, data)
