@@ -99,10 +99,11 @@ def live_figures(engine: str | None, streams: int) -> dict[str, float]:
             out[f"{kind}_tok_s_alone"] = statistics.median(a[1] for a in alone)
             out[f"{kind}_tokens"] = statistics.median(a[2] for a in alone)
             with ThreadPoolExecutor(streams) as pool:
-                runs = list(pool.map(lambda s: stream(api, constrained, s), range(streams)))
+                runs = list(pool.map(stream, [api] * streams, [constrained] * streams, range(streams)))
             out[f"{kind}_tok_s_per_stream_x{streams}"] = statistics.median(r[1] for r in runs)
     out["ratio_alone"] = out["constrained_tok_s_alone"] / out["free_tok_s_alone"]
-    out[f"ratio_x{streams}"] = out[f"constrained_tok_s_per_stream_x{streams}"] / out[f"free_tok_s_per_stream_x{streams}"]
+    many = f"tok_s_per_stream_x{streams}"
+    out[f"ratio_x{streams}"] = out[f"constrained_{many}"] / out[f"free_{many}"]
     return out
 
 

@@ -115,7 +115,7 @@ def tool_call_grammar(tools: list[tuple[str, dict[str, Any]]], *, required: bool
     if not tools:
         raise GrammarError("a tool call grammar needs at least one tool")
     call = json.dumps({"x-guidance": _COMPACT, **tool_call_schema(tools)})
-    more = f" (SEP body)*" if parallel else ""
+    more = " (SEP body)*" if parallel else ""
     start = f"start: OPEN body{more}" if required else f"start: TEXT | trig body{more}"
     lark = "\n".join([
         "%llguidance {}",

@@ -16,8 +16,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from shards.grammar import TOOL_CLOSE, TOOL_OPEN, GrammarError, json_object_grammar, json_schema_grammar, \
-    tool_call_grammar
+from shards.grammar import (
+    TOOL_CLOSE,
+    TOOL_OPEN,
+    GrammarError,
+    json_object_grammar,
+    json_schema_grammar,
+    tool_call_grammar,
+)
 
 MAX_TOOLS = 128
 MAX_SCHEMA_BYTES = 64 * 1024

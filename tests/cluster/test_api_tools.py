@@ -37,7 +37,8 @@ SCHEMAS = {
             "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
         "tags": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "string", "maxLength": 8}}}},
     "any_of_and_patterns": {"type": "object", "required": ["id", "code"], "properties": {
-        "id": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 999}, {"type": "string", "pattern": "^id-[0-9]{3}$"}]},
+        "id": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 999},
+                         {"type": "string", "pattern": "^id-[0-9]{3}$"}]},
         "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"}}},
 }
 SEEDS = range(3)

@@ -10,8 +10,16 @@ import numpy as np
 import pytest
 
 from shards.formats.packaged import resolve_model
-from shards.grammar import (MAX_GRAMMAR_BYTES, Constraint, GrammarError, Matcher, closed_objects, grammar_tokenizer,
-                            json_object_grammar, json_schema_grammar, tool_call_grammar)
+from shards.grammar import (
+    Constraint,
+    GrammarError,
+    Matcher,
+    closed_objects,
+    grammar_tokenizer,
+    json_object_grammar,
+    json_schema_grammar,
+    tool_call_grammar,
+)
 from shards.tokenizer import Tokenizer
 
 SCHEMA = {

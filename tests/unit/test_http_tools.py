@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from node.http.format import ChatFormat
 from node.http.completion import TextDelta
+from node.http.format import ChatFormat
 from node.http.schema import ApiError, parse_chat, parse_completion
 from node.http.tools import ToolCallParser, generic_messages, knows_tools
 
@@ -110,7 +110,8 @@ def test_text_without_calls_and_unfinished_calls_stay_content():
 
 def test_the_chat_format_folds_calls_into_the_message_with_finish_reason_tool_calls():
     fmt = ChatFormat(chat(tools=[WEATHER]).options, 10, "m")
-    pieces = [TextDelta(CALL[:20], completion_tokens=5), TextDelta(CALL[20:], finish_reason="stop", completion_tokens=9)]
+    pieces = [TextDelta(CALL[:20], completion_tokens=5),
+              TextDelta(CALL[20:], finish_reason="stop", completion_tokens=9)]
     choice = fmt.whole(pieces, "")["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
