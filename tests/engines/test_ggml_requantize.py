@@ -29,7 +29,7 @@ def weights(path, quantize):
 
 
 def matrices(w):
-    return [getattr(layer, k) for layer in w.layers for k in MATRICES]
+    return [m for layer in w.layers for k in MATRICES if (m := getattr(layer, k)) is not None]  # dense: no experts
 
 
 def sequence(name: str) -> np.ndarray:

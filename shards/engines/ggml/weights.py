@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as Q
 
 from shards.formats.config import ModelConfig
 from shards.engines.registry import QUANTIZE_CHOICES
-from shards.engines.ggml.lib import QUANTIZE_TYPES, block_size, quantize
+from shards.engines.ggml.lib import QUANTIZE_TYPES, block_size, dequantize, quantize
 from shards.formats.gguf_model import load_shard_tensors
 from shards.formats.hf import Checkpoint
 from shards.formats.loader import open_model
@@ -55,8 +55,8 @@ def load_ggml_shard_weights(model_dir: str | Path, cfg: ModelConfig, shard: Shar
 
 def _gguf_weights(path: Path, cfg: ModelConfig, shard: Shard, quantize: str | None, threads: int) -> ShardWeights:
     """The file's tensors as stored, or with `quantize` every matrix (embedding and head too) requantized to that
-    type one tensor at a time: dequantized to float32 (gguf.quants), then quantized by ggml, so loading peaks at the
-    quantized shard plus one tensor in float32. A tensor already of that type is kept as it is."""
+    type one tensor at a time: dequantized to float32 and quantized by ggml, so loading peaks at the quantized shard
+    plus one tensor in float32. A tensor already of that type is kept as it is."""
     t = load_shard_tensors(path, cfg, shard, dequantize=False, unpermute=False)
     requantize = _Requantizer(quantize, threads) if quantize else None
 
@@ -96,7 +96,11 @@ class _Requantizer:
         if int(q.ggml_type) == self.qtype:
             return q
         self.converted += 1
-        a = q.dequantize().reshape(q.data.shape[0], -1)  # rows as stored (a llama file's Q/K rows stay permuted)
+        rows = q.data.shape[0]  # rows as stored (a llama file's Q/K rows stay permuted)
+        if q.ggml_type in (Q.F32, Q.F16, Q.BF16):  # a plain widening (ggml has no to_float for F32)
+            a = q.dequantize().reshape(rows, -1)
+        else:
+            a = dequantize(q.data, int(q.ggml_type), (rows, math.prod(q.shape) // rows))
         data, qtype = _quantize_rows(a, self.qtype, self.threads, self.fallbacks)
         return QuantizedTensor(q.name, Q(qtype), q.shape, data)
 
