@@ -28,6 +28,9 @@ from shards.engines.ggml.lib import (F32, I32, WEIGHT_TYPES, Context, GgmlError,
 from shards.formats.quant import QuantizedTensor
 
 
+ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
+
+
 class GArray:
     """A node of the graph being built, with numpy-style `+`, `*`, `.shape`, `.reshape` and basic slicing (views)."""
 
@@ -332,11 +335,19 @@ class GgmlBackend(Backend, GgmlMoE):
 
     def attention(self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float) -> GArray:
         """Flash attention of one request: q [T, heads, hd] against keys/values [kv_heads, cells, hd] (F16 cache
-        views), `mask` F16 [T, cells] (0 visible, -inf not). -> [T, heads*hd]"""
+        views), `mask` F16 [T, cells] (0 visible, -inf not). -> [T, heads*hd]
+
+        In blocks of at most ATTENTION_ROWS query rows: ggml's CPU flash attention computes a larger block (64 rows
+        and up) with another kernel, in another order, so a row prefilled among many would differ from the same
+        row decoded alone (by up to 1.4 in SmolLM2's logits). In blocks, a row's result is the same however its
+        prompt was chunked, whatever runs beside it, and after a replay that prefills generated tokens."""
         t, nh, hd = q.shape
         nkv, cells, khd = keys.shape
         expect(khd == hd and values.shape == keys.shape and nh % nkv == 0, f"attention: {q.shape}, {keys.shape}")
         expect(mask is None or mask.shape == (t, cells), f"attention: mask {None if mask is None else mask.shape}")
+        if t > ATTENTION_ROWS and mask is not None:
+            return self.concat([self.attention(q[s:s + ATTENTION_ROWS], keys, values, mask[s:s + ATTENTION_ROWS],
+                                               scale) for s in range(0, t, ATTENTION_ROWS)], axis=0)
         qp = self.node(g.ggml_permute, q.t, 0, 2, 1, 3)  # ne [hd, T, heads], what flash attention reads
         out = self.node(g.ggml_flash_attn_ext, qp, keys.t, values.t, None if mask is None else mask.t, scale,
                         0.0, 0.0)  # ne [hd, heads, T], contiguous

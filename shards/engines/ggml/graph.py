@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shards.engines.ggml.backend import GArray, GgmlBackend
+from shards.engines.ggml.backend import ATTENTION_ROWS, GArray, GgmlBackend
 from shards.engines.ggml.cache import GraphKV, RequestKV
 from shards.engines.ggml.lib import F16, F32, I32, Context, GgmlError, cpu_buffer_type, g
 from shards.transformer import ShardModel, Step
@@ -39,7 +39,9 @@ class Graph:
         self.layout = layout
         # Room for every tensor the build creates: ~40 per layer plus ~12 per request and layer (measured 38 + 11n
         # for Qwen3 with q/k norms and biases-free fused weights), with margin; overflowing raises before ggml would.
-        self.ctx = Context(64 + layers * (96 + 16 * n) + 8 * n, graph=True)  # MoE: ~20 + top-k more per layer
+        # Attention in blocks of ATTENTION_ROWS query rows (backend.py): ~6 more tensors per block and layer.
+        blocks = sum(-(-t // ATTENTION_ROWS) for t in layout.lengths)
+        self.ctx = Context(64 + layers * (96 + 16 * n + 6 * blocks) + 8 * n, graph=True)  # MoE: ~20 + top-k more
         ops.ctx = self.ctx
         try:
             # Few inputs, so a step makes few copies: token ids and positions share one I32 tensor, every
