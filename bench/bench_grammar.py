@@ -12,6 +12,7 @@ Decode tok/s = (completion tokens - 1) / (last chunk - first chunk), from the st
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import time
@@ -20,7 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from bench.local_cluster import Cluster
+from bench.local_cluster import ROOT, Cluster
+from node.runtime.sampling_batcher import SampleItem, SamplingBatcher
+from shards.engines.numpy_engine import NumpyEngine
+from shards.sampling import SamplerState, SamplingParams
+from shards.shard import Shard
 from shards.formats.packaged import resolve_model
 from shards.grammar import Constraint, Matcher, grammar_tokenizer, json_schema_grammar
 from shards.tokenizer import Tokenizer
@@ -63,6 +68,37 @@ def compile_figures(tok: Tokenizer) -> dict[str, float]:
     return {"llguidance_tokenizer_ms": tokenizer_ms, "compile_check_20_fields_ms": statistics.median(runs),
             "matcher_ms": matcher_ms, "mask_us_median": statistics.median(mask_us),
             "apply_us_median": statistics.median(apply_us)}
+
+
+def batcher_figures(tok: Tokenizer, rows: int = 8, steps: int = 60) -> dict[str, float]:
+    """ms per sampling step of `rows` rows at SmolLM2's vocabulary through the batcher, all constrained vs all free.
+    No forward pass runs between steps here, so the next masks can't overlap one: the constrained figure is the
+    worst case (in a node they are computed while the forward pass runs)."""
+    engine = NumpyEngine(ROOT / "tests" / "fixtures" / "llama", Shard("llama", 5, 6, 6))  # only its sampler is used
+    gt = grammar_tokenizer(tok)
+    grammar = Constraint(json_schema_grammar(SCHEMA))
+    logits = np.random.default_rng(0).normal(0, 2, (steps, rows, tok.vocab_size)).astype(np.float32)
+
+    async def run(constrained: bool) -> float:
+        batcher = SamplingBatcher(rows, 5.0, grammar=lambda: gt)
+        params = SamplingParams(temperature=0.8, seed=1, constraint=grammar if constrained else None)
+        states = [SamplerState.from_seed(i) for i in range(rows)]
+        took = []
+        for step in range(steps):
+            for st in states:
+                if st.matcher is not None and st.matcher.stopped:
+                    st.matcher = None  # the record is complete: start another
+            t = time.perf_counter()
+            futures = [batcher.submit(SampleItem(f"r{i}", logits[step, i], params, states[i], engine, "m"))
+                       for i in range(rows)]
+            batcher.flush()
+            await asyncio.gather(*futures)
+            took.append(time.perf_counter() - t)
+        await batcher.close()
+        return statistics.median(took[5:]) * 1e3
+
+    return {f"batcher_step_ms_{rows}_free": asyncio.run(run(False)),
+            f"batcher_step_ms_{rows}_constrained": asyncio.run(run(True))}
 
 
 def stream(api: str, constrained: bool, seed: int) -> tuple[float, float, int]:
@@ -113,7 +149,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--no-live", action="store_true", help="only the entry-side figures")
     args = ap.parse_args()
-    figures = compile_figures(Tokenizer.load(resolve_model("smollm2")[0]))
+    tok = Tokenizer.load(resolve_model("smollm2")[0])
+    figures = compile_figures(tok) | batcher_figures(tok)
     if not args.no_live:
         figures |= live_figures(args.engine, args.streams)
     for key, value in figures.items():

@@ -229,4 +229,6 @@ class Matcher:
     @property
     def stopped(self) -> bool:
         """The grammar is complete and allows nothing more but the end of sequence."""
+        if isinstance(self._next, Future):
+            self._next = self._next.result()  # the matcher is busy computing the next mask: wait for it
         return self._m.is_stopped()
