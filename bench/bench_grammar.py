@@ -24,10 +24,10 @@ import numpy as np
 from bench.local_cluster import ROOT, Cluster
 from node.runtime.sampling_batcher import SampleItem, SamplingBatcher
 from shards.engines.numpy_engine import NumpyEngine
-from shards.sampling import SamplerState, SamplingParams
-from shards.shard import Shard
 from shards.formats.packaged import resolve_model
 from shards.grammar import Constraint, Matcher, grammar_tokenizer, json_schema_grammar
+from shards.sampling import SamplerState, SamplingParams
+from shards.shard import Shard
 from shards.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
