@@ -130,8 +130,13 @@ def logits(args) -> dict:
     """Teacher-forced over the token ids, in one batch: each position's top 5 ids and logits."""
     ids = json.loads(open(args.tokens).read())
     r = Runner(load(args.model, args.threads, not args.no_extra_bufts, n_ctx=max(2048, len(ids))))
-    r.decode([(t, i, 0, True) for i, t in enumerate(ids)])
-    rows = np.stack([r.logits(i) for i in range(len(ids))])
+    chunk = args.chunk or len(ids)  # --chunk: batches of at most this many rows (ggml's flash attention kernel
+    rows = []                       # changes at 64 rows, and with it the summation order)
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        r.decode([(t, start + i, 0, True) for i, t in enumerate(part)])
+        rows += [r.logits(i).copy() for i in range(len(part))]  # a view of llama.cpp's buffer otherwise
+    rows = np.stack(rows)
     top = np.argsort(-rows, axis=-1)[:, :5]
     full = {"logits": rows.astype(np.float32)} if args.all else {}  # --all: every logit (small vocabularies)
     np.savez_compressed(args.out, ids=top, values=np.take_along_axis(rows, top, axis=-1), **full)
@@ -160,6 +165,7 @@ def main() -> None:
     ap.add_argument("--tokens")
     ap.add_argument("--out")
     ap.add_argument("--all", action="store_true", help="logits: also save every logit of every position")
+    ap.add_argument("--chunk", type=int, default=0, help="logits: decode in batches of at most this many tokens")
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--eos", type=int, nargs="*", default=[])
     ap.add_argument("--lengths", default="1000,2000,4000,7000")
