@@ -24,6 +24,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3moe",
     "Qwen2MoeForCausalLM": "qwen2moe",
     "MixtralForCausalLM": "mixtral",
+    # the Llama block with q/k/v and gate/up stored fused (read apart: formats/fused_layout.py)
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -166,6 +168,12 @@ class ModelConfig:
             raise ConfigError(f"{source}: head_dim {head_dim} must be even for rotary embeddings")
         eos = raw.get("eos_token_id")
         n_layers = r.pos_int("num_hidden_layers")
+        max_positions = r.pos_int("max_position_embeddings", default=4096)
+        if model_type == "phi3":
+            _check_phi3(raw, source)
+            # Phi-3 attends within a sliding window: up to its width that is plain causal attention, which is what
+            # the engines compute, so the context stops there.
+            max_positions = min(max_positions, r.pos_int("sliding_window", default=max_positions))
         try:
             moe = hf_moe(model_type, raw, n_layers, source)
         except MoEConfigError as e:
@@ -182,7 +190,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=r.pos_float("rms_norm_eps", default=1e-6),
             rope=_rope(raw, r, source),
-            max_position_embeddings=r.pos_int("max_position_embeddings", default=4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=r.boolean("tie_word_embeddings", default=False),
             # Qwen2 always carries q/k/v biases; Llama/Mistral only when attention_bias says so.
             attention_bias=model_type in ("qwen2", "qwen2moe") or r.boolean("attention_bias", default=False),
@@ -191,6 +199,15 @@ class ModelConfig:
             eos_token_ids=token_id_list(eos, f"{source}: eos_token_id"),
             moe=moe,
         )
+
+
+def _check_phi3(raw: dict[str, Any], source: str) -> None:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) if isinstance(params, dict) \
+        else 1.0
+    if factor != 1.0:
+        raise ConfigError(f"{source}: partial rotary embeddings (partial_rotary_factor {factor}, Phi-4-mini style) "
+                          "are not supported")
 
 
 def token_id_list(value: Any, where: str) -> tuple[int, ...]:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from shards.formats.fused_layout import row_slice_source
+
 Shape = tuple[int, ...]
 Combine = Callable[[dict[str, np.ndarray]], np.ndarray]
 
@@ -72,11 +74,12 @@ def stacked_sources(name: str, shape: Shape, has: Callable[[str], bool]) -> tupl
 
 
 def expand(wanted: dict[str, Shape], has: Callable[[str], bool]) -> tuple[dict[str, Shape], dict[str, Combine]]:
-    """The tensors to read for `wanted`, and how to make each wanted name the checkpoint lacks from them."""
+    """The tensors to read for `wanted`, and how to make each wanted name the checkpoint lacks from them (stacked
+    experts, or row ranges of a fused tensor: formats.fused_layout)."""
     read: dict[str, Shape] = {}
     made: dict[str, Combine] = {}
     for name, shape in wanted.items():
-        found = None if has(name) else stacked_sources(name, shape, has)
+        found = None if has(name) else (row_slice_source(name, shape) or stacked_sources(name, shape, has))
         if found is None:
             read[name] = shape  # present, or reported missing by the reader
         else:

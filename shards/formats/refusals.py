@@ -4,7 +4,7 @@ from __future__ import annotations
 
 MLA = "multi-head latent attention (compressed, decoupled-rope KV)"
 GEMMA = "Gemma's GeGLU feed-forward, extra pre/post norms, +1 norm weights, logit soft-capping and alternating sliding-window attention"
-PHI3 = "Phi-3's fused qkv and gate_up projections and LongRoPE scaling"
+PHI3_GGUF = "Phi-3's fused attn_qkv and ffn_up tensors in GGUF form (its Hugging Face folders are supported)"
 GPT_OSS = "attention sinks, alternating sliding windows, biased clamped-SwiGLU experts and MXFP4 weights"
 
 # Hugging Face architecture or GGUF general.architecture -> what it needs that exo-node does not implement
@@ -12,7 +12,7 @@ MISSING_FEATURES = {
     "DeepseekV2ForCausalLM": MLA, "DeepseekV3ForCausalLM": MLA, "KimiK2ForCausalLM": MLA, "deepseek2": MLA,
     "Gemma2ForCausalLM": GEMMA, "Gemma3ForCausalLM": GEMMA, "Gemma3ForConditionalGeneration": GEMMA,
     "gemma2": GEMMA, "gemma3": GEMMA,
-    "Phi3ForCausalLM": PHI3, "phi3": PHI3,
+    "phi3": PHI3_GGUF,
     "GptOssForCausalLM": GPT_OSS, "gpt-oss": GPT_OSS,
     "OlmoeForCausalLM": "OLMoE's q/k norms over all heads at once", "olmoe": "OLMoE's q/k norms over all heads at once",
     "Glm4MoeForCausalLM": "GLM-4.5's sigmoid expert routing with grouped top-k and partial rotary embeddings",

@@ -1,0 +1,47 @@
+"""Phi-3: the Llama block with q/k/v and gate/up stored fused, read apart (shards/formats/fused_layout.py) so every
+engine runs it unchanged; a tiny random checkpoint by transformers (tests/fixtures/make_moe_reference.py)."""
+import json
+
+import numpy as np
+import pytest
+
+from shards.engines.registry import engine_class, installed
+from shards.formats.config import ConfigError, ModelConfig
+from shards.generate import chain_forward, generate
+from shards.shard import Shard
+from tests.support.models import FIXTURES
+from tests.support.tolerance import atol, exact, regrouped_atol
+
+PHI3 = FIXTURES / "moe" / "phi3"
+GOLDEN = json.loads((FIXTURES / "moe" / "golden.json").read_text())["phi3"]
+RAW = json.loads((PHI3 / "config.json").read_text())
+
+
+def make(engine: str, start: int = 0, end: int = 3):
+    cfg = ModelConfig.from_dir(PHI3)
+    return engine_class(engine)(PHI3, Shard("phi3", start, end, cfg.n_layers), cfg)
+
+
+# numpy and ggml: what is Phi-3's own is in the loader, engine-agnostic (tinygrad's captures cost a minute here)
+@pytest.mark.parametrize("engine", [e for e in ("numpy", "ggml") if e in installed()])
+def test_logits_equal_transformers_and_three_shards_equal_one(engine):
+    prompt = np.array(GOLDEN["prompt_ids"])
+    logits = chain_forward([make(engine)], "r", prompt, all_logits=True)
+    assert np.abs(logits - np.asarray(GOLDEN["logits"], np.float32)).max() < atol(engine)  # observed 3e-6 / 8e-3
+    split = chain_forward([make(engine, i, i + 1) for i in range(3)], "r", prompt, all_logits=True)
+    assert np.abs(split - logits).max() <= regrouped_atol(engine)
+    if exact(engine):
+        assert [r.token for r in generate([make(engine)], GOLDEN["prompt_ids"], 16)] == GOLDEN["greedy_ids"]
+
+
+def test_the_context_stops_at_the_sliding_window():
+    """Within its window Phi-3's attention is plain causal attention, which the engines compute; beyond, not."""
+    assert ModelConfig.from_dict(RAW).max_position_embeddings == 128
+    assert ModelConfig.from_dict(RAW | {"sliding_window": None}).max_position_embeddings == 256
+
+
+def test_partial_rotary_and_longrope_are_refused_naming_them():
+    with pytest.raises(ConfigError, match="partial rotary embeddings"):
+        ModelConfig.from_dict(RAW | {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}})
+    with pytest.raises(ConfigError, match="longrope"):
+        ModelConfig.from_dict(RAW | {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}})
