@@ -5,8 +5,8 @@
         [--exo-args "--quantize none"] [--out bench-serve.json]
 
 Servers, one at a time: llama-server (`-np 8 -t THREADS`, when the binary is there), one exo node (default engine)
-and a 3-node exo ring on loopback (bench/local_cluster.py). The model is the packaged SmolLM2
-GGUF (what `--model smollm2` serves; exo's ggml engine may requantize it on load, see --exo-args).
+and a 3-node exo ring on loopback (bench/local_cluster.py). The model is the packaged SmolLM2 GGUF, its Q4_1
+blocks on both (exo serves this file as F16 unless told otherwise, so --exo-args defaults to "--quantize none").
 
 Two measurements per server:
 - streams: N concurrent streaming chat requests (greedy, --tokens each, different prompts), started together;
@@ -157,7 +157,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--answer", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--exo-args", default="")
+    ap.add_argument("--exo-args", default="--quantize none",
+                    help="exo node flags (default: the file's own Q4_1 blocks, as llama-server reads them)")
     ap.add_argument("--servers", default="llama-server,exo1,exo3", help="which of llama-server, exo1, exo3 to run")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
