@@ -118,8 +118,26 @@ def gguf_config(path: str | Path) -> ModelConfig:
     if not (cfg.rms_norm_eps > 0 and math.isfinite(cfg.rms_norm_eps)):
         raise GGUFError(f"{f.path}: layer_norm_rms_epsilon must be a positive number, not {cfg.rms_norm_eps}")
     for name, _, shape in _hf_shapes(cfg, Shard.whole("check", cfg.n_layers)):
+        if name not in f.tensors:
+            raise GGUFError(_missing(f, arch, name))
         quantized(f, f.tensor(name), shape)
     return cfg
+
+
+# tensors of layouts that reuse a supported general.architecture but compute differently -> the feature they mean
+_LAYOUT_FEATURES = {"attn_qkv.weight": "a fused Q/K/V projection (attn_qkv)",
+                    "ffn_up_gate.weight": "a fused gate/up projection", "attn_sinks.weight": "attention sinks",
+                    "attn_post_norm.weight": "post-attention norms", "ffn_post_norm.weight": "post-feed-forward norms"}
+
+
+def _missing(f: GGUFFile, arch: str, name: str) -> str:
+    """Why a tensor the model needs is absent, by the feature the file's own tensors show, not only by the name."""
+    block = name.split(".")[1] if name.startswith("blk.") else "0"
+    found = [what for suffix, what in _LAYOUT_FEATURES.items() if f"blk.{block}.{suffix}" in f.tensors]
+    if found:
+        return f"{f.path}: this {arch!r} file uses {', '.join(found)}, which exo-node does not implement"
+    return (f"{f.path}: a {arch!r} model needs tensor {name!r}, which this file lacks: its layout is a variant of "
+            f"{arch!r} exo-node does not run (or the file is incomplete)")
 
 
 def _rope(f: GGUFFile, arch: str) -> RopeConfig:

@@ -136,3 +136,10 @@ def test_a_node_refuses_a_corrupt_gguf_at_start_up(tmp_path):
     # one clear line (after the log lines of start-up, such as the keyless-gRPC warning), no traceback
     assert out.stderr.splitlines()[-1].startswith(f"exo-node: error: {bad}: truncated: tensor")
     assert "Traceback" not in out.stderr
+
+
+def test_a_missing_layer_tensor_is_refused_as_a_layout_not_a_lookup(tmp_path):
+    bad = rewrite(fixture("llama"), tmp_path / "v.gguf", drop_tensors=("blk.1.ffn_gate.weight",))
+    with pytest.raises(GGUFError, match=r"a 'llama' model needs tensor 'blk.1.ffn_gate.weight', which this file "
+                                        r"lacks: its layout is a variant of 'llama' exo-node does not run"):
+        load_config(bad)
