@@ -38,7 +38,7 @@ class Membership:
 
     def __init__(self, self_id: str, self_address: str, transport: Transport, discoveries: list[Discovery],
                  on_change: Callable[[dict[str, NodeInfo], dict[str, str]], None], interval: float = 1.0,
-                 check_timeout: float = 1.0, misses: int = 3):
+                 check_timeout: float = 1.0, misses: int = 2):
         if misses < 1:
             raise ValueError(f"misses must be >= 1, got {misses}")
         self.self_id, self.self_address, self.transport = self_id, self_address, transport
