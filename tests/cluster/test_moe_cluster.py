@@ -1,5 +1,6 @@
-"""A mixture of experts served by three real nodes on loopback answers exactly as one process holding the whole
-model: each node holds whole layers, every expert of them, so nothing is lost by the split."""
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral) and Phi-3 served by three real nodes on loopback answer
+exactly as one process holding the whole model: each node holds whole layers, every expert of them, so nothing is
+lost by the split."""
 import pytest
 
 from shards.engines.registry import engine_class, installed
@@ -42,3 +43,16 @@ def test_three_automatic_numpy_nodes_on_a_qwen2_moe_folder_equal_one_process():
     with Cluster(model, 3, memory_gb=[2, 2, 2]) as c:
         assert answer(c, 12) == reference(model, "numpy", 12)
         assert sorted(len(info["loaded"]) for info in c.self_info().values()) == [1, 1, 1]
+
+
+@pytest.mark.skipif("ggml" not in installed(), reason="the ggml extra is not installed")
+def test_three_automatic_ggml_nodes_on_a_mixtral_gguf_equal_one_process():
+    model = MOE / "mixtral.gguf"  # a `llama` GGUF with experts: Q/K rows in llama.cpp's order, rotated its way
+    with Cluster(model, 3, memory_gb=[2, 2, 2], engine="ggml", model_id="mixtral") as c:
+        assert answer(c, 12) == reference(model, "ggml", 12)
+
+
+def test_three_pinned_numpy_nodes_on_a_phi3_folder_equal_one_process():
+    model = MOE / "phi3"
+    with Cluster(model, 3, shards=["0:1", "1:2", "2:3"]) as c:
+        assert answer(c, 12) == reference(model, "numpy", 12)
