@@ -2,7 +2,7 @@
 
     uv run python -m bench.bench_serve [--llama-server /tmp/ref/llama.cpp/build/bin/llama-server]
         [--streams 1,4,8,16] [--tokens 128] [--turns 6] [--answer 200] [--threads 2] [--servers exo1,exo3]
-        [--exo-args "--quantize none"] [--out bench-serve.json]
+        [--exo-args "--quantize none"] [--cold] [--out bench-serve.json]
 
 Servers, one at a time: llama-server (`-np 8 -t THREADS`, when the binary is there), one exo node (default engine)
 and a 3-node exo ring on loopback (bench/local_cluster.py). The model is the packaged SmolLM2 GGUF, its Q4_1
@@ -14,7 +14,8 @@ Two measurements per server:
   stream's tokens after its first / the time between its first and last token, averaged.
 - multi-turn: one conversation (a ~120-token system prompt, --turns user turns, answers of up to --answer tokens),
   each turn resending the whole conversation; the time to first token of every turn. With prefix reuse (llama-
-  server's slot cache, exo's retained prefixes) turn 6 should cost about what turn 1 does.
+  server's slot cache, exo's retained prefixes) turn 6 should cost about what turn 1 does; --cold also runs it with
+  a new session number at the start of every turn, so nothing can be reused (the cost without prefix caching).
 
 The load average is recorded with every figure (the machine may be shared: compare within a run).
 """
@@ -82,13 +83,17 @@ async def concurrent(url: str, model: str, streams: int, tokens: int) -> dict:
             "load": os.getloadavg()[0]}
 
 
-async def multi_turn(url: str, model: str, turns: int, answer: int) -> dict:
+async def multi_turn(url: str, model: str, turns: int, answer: int, cold: bool = False) -> dict:
+    """`cold`: every turn's conversation starts with a new session number, so no server can reuse a prefix: the
+    same work without prefix caching, for comparison."""
     messages = [{"role": "system", "content": SYSTEM}]
     ttft = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
         for t in range(turns):
             messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
-            run = await stream_chat(session, url, model, messages, answer)
+            sent = [{"role": "system", "content": f"Session {t + 1}{t * 7919 % 1000}. {SYSTEM}"}, *messages[1:]] \
+                if cold else messages
+            run = await stream_chat(session, url, model, sent, answer)
             ttft.append(run["stamps"][0] - run["sent"] if run["stamps"] else float("nan"))
             messages.append({"role": "assistant", "content": run["text"]})
     return {"ttft": ttft, "load": os.getloadavg()[0]}
@@ -115,10 +120,12 @@ def measure(name: str, url: str, model: str, args) -> dict:
         out["streams"].append(row)
         print(f"{name}: {n:2d} streams: {row['aggregate']:6.1f} tok/s aggregate, {row['per_stream']:6.1f} per "
               f"stream, TTFT {row['ttft']:.2f}s (load {row['load']:.1f})", flush=True)
-    out["multi_turn"] = asyncio.run(multi_turn(url, model, args.turns, args.answer))
-    print(f"{name}: multi-turn TTFT per turn: "
-          f"{', '.join(f'{t:.2f}' for t in out['multi_turn']['ttft'])} s (load {out['multi_turn']['load']:.1f})",
-          flush=True)
+    for key, cold in (("multi_turn", False), ("multi_turn_cold", True)):
+        if cold and not args.cold:
+            continue
+        out[key] = asyncio.run(multi_turn(url, model, args.turns, args.answer, cold))
+        print(f"{name}: multi-turn TTFT per turn{' (no prefix can be reused)' if cold else ''}: "
+              f"{', '.join(f'{t:.2f}' for t in out[key]['ttft'])} s (load {out[key]['load']:.1f})", flush=True)
     return out
 
 
@@ -152,7 +159,8 @@ def run_exo(nodes: int, model: Path, model_id: str, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-server", type=Path, default=Path("/tmp/ref/llama.cpp/build/bin/llama-server"))
-    ap.add_argument("--streams", default="1,4,8,16")
+    ap.add_argument("--streams", default="1,4,8,16", help="stream counts to sweep ('' for none)")
+    ap.add_argument("--cold", action="store_true", help="also the multi-turn chat with nothing reusable")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--answer", type=int, default=200)
@@ -162,7 +170,7 @@ def main() -> None:
     ap.add_argument("--servers", default="llama-server,exo1,exo3", help="which of llama-server, exo1, exo3 to run")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    args.streams = [int(s) for s in args.streams.split(",")]
+    args.streams = [int(s) for s in args.streams.split(",") if s]
     model, model_id = resolve_model("smollm2")
     print(f"model {model.name}; load {os.getloadavg()[0]:.1f}", flush=True)
     servers = args.servers.split(",")
@@ -174,9 +182,11 @@ def main() -> None:
     for r in results:
         print(f"| {r['server']} | " + " | ".join(f"{s['aggregate']:.0f} ({s['per_stream']:.0f})" for s in r["streams"])
               + " |")
-    print("\n| server | TTFT per turn (s) |\n|---|---|")
+    print("\n| server | TTFT per turn (s) | without a reusable prefix |\n|---|---|---|")
     for r in results:
-        print(f"| {r['server']} | {', '.join(f'{t:.2f}' for t in r['multi_turn']['ttft'])} |")
+        cold = r.get("multi_turn_cold")
+        print(f"| {r['server']} | {', '.join(f'{t:.2f}' for t in r['multi_turn']['ttft'])} | "
+              f"{', '.join(f'{t:.2f}' for t in cold['ttft']) if cold else '-'} |")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 
