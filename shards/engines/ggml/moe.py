@@ -51,6 +51,7 @@ class GgmlMoE(MoEBackend):
         n, h = x.shape
         n_experts = router_logits.shape[1]
         probs = self.node(g.ggml_soft_max, router_logits.t)  # ne [E, n]
+        self.ctx.room()  # ggml_argsort_top_k makes two tensors (the argsort and its view): claim both
         chosen = self.node(g.ggml_argsort_top_k, probs, n_used)  # ne [k, n], I32, most probable first
         weights = self.node(g.ggml_get_rows, self.node(g.ggml_reshape_3d, probs, 1, n_experts, n), chosen)
         if normalize:  # ne [1, k, n] -> per row, divided by its sum
