@@ -20,7 +20,12 @@ from gguf import GGMLQuantizationType as Q
 from bench.random_model import MID, random_llama_tensors
 
 CACHE = Path(os.environ.get("EXO_BENCH_CACHE", Path.home() / ".cache" / "exo-node-bench"))
-TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "f32": Q.F32}
+TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "f32": Q.F32, "q2_k": Q.Q2_K, "q3_k_m": Q.Q3_K, "iq4_xs": Q.IQ4_XS}
+# Per-tensor exceptions, in outline of llama-quantize's recipes (which also vary by layer: these files are not
+# byte-identical to its output, but hold the same types in the same hot matmuls): Q3_K_M keeps attn_v and ffn_down in
+# Q4_K, Q2_K attn_v in Q4_K; the output head is Q6_K in all three.
+OVERRIDES = {"q3_k_m": {"attn_v": Q.Q4_K, "ffn_down": Q.Q4_K, "output": Q.Q6_K},
+             "q2_k": {"attn_v": Q.Q4_K, "output": Q.Q6_K}, "iq4_xs": {"output": Q.Q6_K}}
 NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -77,10 +82,12 @@ def random_gguf(kind: str, seed: int = 0) -> Path:
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = s["num_attention_heads"] if "q_proj" in name else s["num_key_value_heads"]
             t = llama_permute(t, heads)
-        if t.ndim == 1 or qtype == Q.F32:
+        role = gguf_name(name).split(".")[-2]  # attn_v, ffn_down, output, token_embd, ...
+        ttype = OVERRIDES.get(kind, {}).get(role, qtype)
+        if t.ndim == 1 or ttype == Q.F32:
             w.add_tensor(gguf_name(name), t)
         else:
-            w.add_tensor(gguf_name(name), quantize(t, int(qtype), os.cpu_count() or 1), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name), quantize(t, int(ttype), os.cpu_count() or 1), raw_dtype=ttype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
