@@ -95,6 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-memory-gb", type=float,
                     help="KV cache memory this node may reserve for requests (default: 40%% of the available memory); "
                          "a request that doesn't fit waits for room, then gets a 503")
+    ap.add_argument("--kv-entry-share", type=float, default=0.5,
+                    help="of that memory, the most the requests of one other entry node may reserve together "
+                         "(default 0.5): a peer can't take it all; this node's own requests are not limited")
     ap.add_argument("--queue-timeout", type=float, default=30.0,
                     help="how long a request waits for room in the cluster before a 503 (default 30 s)")
     ap.add_argument("--sample-batch-max", type=int, default=8,
@@ -177,6 +180,8 @@ def settings_from_args(args: argparse.Namespace, *, keyed: bool, machine: Machin
     engine = resolve(args.engine)
     kind = engine_class(engine)
     kv_budget = int(args.kv_memory_gb * 2**30) if args.kv_memory_gb is not None else int(0.4 * machine.available_memory)
+    if not 0 < args.kv_entry_share <= 1:
+        raise ValueError(f"--kv-entry-share must be in (0, 1], got {args.kv_entry_share}")
     node = NodeSettings(
         node_id=node_id,
         memory_bytes=int(args.memory_gb * 2**30) if args.memory_gb is not None else machine.available_memory,
@@ -189,7 +194,7 @@ def settings_from_args(args: argparse.Namespace, *, keyed: bool, machine: Machin
         sample_batch_max=args.sample_batch_max,
         sample_batch_window_ms=args.sample_batch_window_ms,
         core=CoreLimits(kv_budget=kv_budget, kv_value_bytes=kind.kv_value_bytes,
-                        idle_timeout=args.request_idle_timeout),
+                        idle_timeout=args.request_idle_timeout, kv_entry_share=args.kv_entry_share),
         scheduling=SchedulerLimits(args.step_tokens, args.max_batch_rows, args.prefill_chunk, kind.prefill_buckets,
                                    args.max_stall),
     )

@@ -36,8 +36,11 @@ def test_a_cluster_key_opens_grpc_to_the_lan_and_peers_reach_it_at_the_lan_addre
 
 
 def test_the_cores_limits_come_from_the_flags_once():
-    s = settings("--kv-memory-gb", "2", "--request-idle-timeout", "9", "--step-tokens", "64", "--max-stall", "3")
-    assert s.node.core == CoreLimits(kv_budget=2 * 2**30, kv_value_bytes=s.node.core.kv_value_bytes, idle_timeout=9.0)
+    s = settings("--kv-memory-gb", "2", "--request-idle-timeout", "9", "--step-tokens", "64", "--max-stall", "3",
+                 "--kv-entry-share", "0.25")
+    assert s.node.core == CoreLimits(kv_budget=2 * 2**30, kv_value_bytes=s.node.core.kv_value_bytes, idle_timeout=9.0,
+                                     kv_entry_share=0.25)
+    assert settings().node.core.kv_entry_share == 0.5
     assert (s.node.scheduling.step_tokens, s.node.scheduling.max_stall) == (64, 3.0)
     assert not any(hasattr(s.node, name) for name in ("kv_budget", "max_requests", "request_idle_timeout"))
 
@@ -62,5 +65,7 @@ def test_nonsense_settings_are_refused_with_the_flag_to_fix():
         settings("--request-timeout", "0")
     with pytest.raises(ValueError, match="--memory-gb"):
         settings("--memory-gb", "0")
+    with pytest.raises(ValueError, match="--kv-entry-share"):
+        settings("--kv-entry-share", "1.5")
     with pytest.raises(ValueError, match="--sample-batch-max"):
         NodeSettings(node_id="n", memory_bytes=1, sample_batch_max=0)
