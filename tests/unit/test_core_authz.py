@@ -59,7 +59,7 @@ def test_only_the_entry_or_a_plan_member_may_end_a_request_and_strangers_none():
     b = guarded("b")
     b.accept_activations([Activation("r1", hidden(), spec())])
     assert b.end_request("r1", "cancelled", caller="mallory") == [] and "r1" in b.requests
-    assert b.end_request("r1", "cancelled", caller="entry") == [Release("r1")] and "r1" not in b.requests
+    assert b.end_request("r1", "cancelled", caller="entry") == [Release("r1", keep=True)] and "r1" not in b.requests
     assert b.end_request("unknown", "cancelled", caller="mallory") == [] and "unknown" not in b.ended
     assert b.counters["end_refused"] == 2
 
