@@ -9,16 +9,26 @@ Masks come from shards/engines/masks.py in every runner, in its backend's form.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from shards.engines.backend import RequestCache
+from shards.engines.backend import EagerBackend, RequestCache
 from shards.engines.masks import CausalMasks, allowed
-from shards.transformer import Step
+from shards.engines.step import Packing, StepInput
+from shards.formats.config import ModelConfig
+from shards.shard import Shard
+from shards.transformer import ShardModel, Step
 
-if TYPE_CHECKING:
-    from shards.engines.base import BlockEngine, Packing, StepInput
+
+class EngineParts(Protocol):
+    """What a runner reads of its engine (a `BlockEngine`), named here so that runners never import the engine
+    module that imports them."""
+
+    ops: EagerBackend
+    model: ShardModel
+    config: ModelConfig
+    shard: Shard
 
 
 class Runner(ABC):
@@ -42,7 +52,7 @@ class EagerRunner(Runner):
     """The shared model called op by op on the engine's `EagerBackend`, with boolean masks over each request's
     positions so far and layer caches that grow as they are written."""
 
-    def __init__(self, engine: BlockEngine):
+    def __init__(self, engine: EngineParts):
         self.engine, self.ops, self.model = engine, engine.ops, engine.model
         cfg = engine.config
         self.group = cfg.n_heads // cfg.n_kv_heads
