@@ -88,7 +88,9 @@ async def multi_turn(url: str, model: str, turns: int, answer: int, cold: bool =
     same work without prefix caching, for comparison."""
     messages = [{"role": "system", "content": SYSTEM}]
     ttft = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+    # a fresh connection per request: a server may close an idle keep-alive connection between turns
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as session:
         for t in range(turns):
             messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
             sent = [{"role": "system", "content": f"Session {t + 1}{t * 7919 % 1000}. {SYSTEM}"}, *messages[1:]] \
