@@ -11,6 +11,7 @@ tokens, and the long request's time to first token, with whole-prompt prefill ("
 whole prompt), with 256-position chunks in a fixed budget, and with the defaults ("after": chunks sized to keep a
 step within --max-stall decode steps).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,24 +26,29 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.formats.loader import load_config
+from bench.local_cluster import Cluster
 from shards.engines.base import StepInput
 from shards.engines.registry import engine_class
+from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
 from shards.shard import Shard
-from bench.local_cluster import Cluster
 
 MODEL_ID = "smollm2-135m-instruct"
-STORY = ("The old lighthouse keeper climbed the spiral stairs every evening, counting the steps as his father had "
-         "taught him, and watched the ships slide past the rocks on their way to the harbour. ")
+STORY = (
+    "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps as his father had "
+    "taught him, and watched the ships slide past the rocks on their way to the harbour. "
+)
 # llama.cpp on the same file, 2 threads, as the issue measured it: prompt tokens -> seconds to first token (used
 # when no --llama-python measures it in the same run)
 LLAMA_CPP_TTFT = {1000: 5.9, 2000: 12.1, 4000: 25.8, 7000: 58.7}
 
 
 def stream(url: str, body: dict, stamps: list[float], started: threading.Event | None = None) -> None:
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=900) as r:
         for line in r:
             if line.startswith(b"data: {") and b'"content"' in line and b'"role"' not in line:
@@ -57,10 +63,24 @@ def mixed(engine: str, extra: list[str]) -> dict:
         stream(url, {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}, [])
         runs = [[] for _ in range(4)]
         started = threading.Event()
-        threads = [threading.Thread(target=stream, args=(url, {
-            "model": MODEL_ID, "messages": [{"role": "user", "content": f"Write a long story about ship {i}."}],
-            "max_tokens": 200, "temperature": 0, "ignore_eos": True}, runs[i], started if i == 0 else None))
-            for i in range(4)]
+        threads = [
+            threading.Thread(
+                target=stream,
+                args=(
+                    url,
+                    {
+                        "model": MODEL_ID,
+                        "messages": [{"role": "user", "content": f"Write a long story about ship {i}."}],
+                        "max_tokens": 200,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                    runs[i],
+                    started if i == 0 else None,
+                ),
+            )
+            for i in range(4)
+        ]
         for t in threads:
             t.start()
         started.wait(300)
@@ -70,16 +90,32 @@ def mixed(engine: str, extra: list[str]) -> dict:
         for t in threads:
             t.join()
     gaps = [b - a for run in runs for a, b in zip(run, run[1:])]
-    return {"median_gap_ms": 1000 * statistics.median(gaps), "longest_gap_ms": 1000 * max(gaps),
-            "ttft_s": first[0] - sent, "stream_tokens": [len(r) for r in runs]}
+    return {
+        "median_gap_ms": 1000 * statistics.median(gaps),
+        "longest_gap_ms": 1000 * max(gaps),
+        "ttft_s": first[0] - sent,
+        "stream_tokens": [len(r) for r in runs],
+    }
 
 
 def llama_cpp_prefill(python: str, lengths: list[int]) -> dict[int, float]:
     """llama.cpp (bench/llamacpp_ref.py in its own venv) on the same file and lengths, all cores."""
     path, _ = resolve_model("smollm2")
-    out = subprocess.run([python, str(Path(__file__).with_name("llamacpp_ref.py")), "prefill", str(path),
-                          "--lengths", ",".join(map(str, lengths)), "--threads", str(os.cpu_count())],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            python,
+            str(Path(__file__).with_name("llamacpp_ref.py")),
+            "prefill",
+            str(path),
+            "--lengths",
+            ",".join(map(str, lengths)),
+            "--threads",
+            str(os.cpu_count()),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return {int(n): s for n, s in json.loads(out.splitlines()[-1])["prefill_s"].items()}
 
 
@@ -120,8 +156,12 @@ def tinygrad_first_requests(lengths: list[int]) -> None:
             engine.forward([StepInput(f"r{i}", tokens=np.arange(n) % 1000)])
             times.append(time.perf_counter() - t)
             engine.release(f"r{i}")
-        print(f"{label:>26}: " + "  ".join(f"{n} tok {s:.1f}s" for n, s in zip(lengths, times)) +
-              f"  | total {sum(times):.1f}s", flush=True)
+        print(
+            f"{label:>26}: "
+            + "  ".join(f"{n} tok {s:.1f}s" for n, s in zip(lengths, times))
+            + f"  | total {sum(times):.1f}s",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -133,14 +173,21 @@ def main() -> None:
     ap.add_argument("--llama-python", help="python of a venv with llama-cpp-python: measure llama.cpp in this run")
     args = ap.parse_args()
     if args.what == "mixed":
-        for label, extra in (("before: whole-prompt prefill",
-                              ["--prefill-chunk", "8192", "--step-tokens", "8192", "--max-stall", "1e9"]),
-                             ("chunks of 256, no stall limit", ["--max-stall", "1e9"]),
-                             ("after: defaults (chunks, stall limit 2)", [])):
+        for label, extra in (
+            (
+                "before: whole-prompt prefill",
+                ["--prefill-chunk", "8192", "--step-tokens", "8192", "--max-stall", "1e9"],
+            ),
+            ("chunks of 256, no stall limit", ["--max-stall", "1e9"]),
+            ("after: defaults (chunks, stall limit 2)", []),
+        ):
             r = mixed(args.engine, extra)
-            print(f"{label}: streams' median gap {r['median_gap_ms']:.0f} ms, longest {r['longest_gap_ms']:.0f} ms "
-                  f"({r['longest_gap_ms'] / r['median_gap_ms']:.1f}x); long prompt's first token after "
-                  f"{r['ttft_s']:.2f} s", flush=True)
+            print(
+                f"{label}: streams' median gap {r['median_gap_ms']:.0f} ms, longest {r['longest_gap_ms']:.0f} ms "
+                f"({r['longest_gap_ms'] / r['median_gap_ms']:.1f}x); long prompt's first token after "
+                f"{r['ttft_s']:.2f} s",
+                flush=True,
+            )
     elif args.what == "prefill":
         lengths = [int(n) for n in args.lengths.split(",")]
         reference = llama_cpp_prefill(args.llama_python, lengths) if args.llama_python else LLAMA_CPP_TTFT

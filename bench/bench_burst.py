@@ -9,6 +9,7 @@ time, tokens received, and the node's steps: count, mean and worst forward time 
 time (as the pipeline saw it), read from its status counters and its exo_forward_step_seconds histogram. The load
 average is printed with the figures (the machine may be shared).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,14 +23,35 @@ import aiohttp
 from bench.local_cluster import Cluster
 from shards.formats.packaged import DEFAULT_MODEL, resolve_model
 
-TOPICS = ["rivers", "bridges", "tea", "volcanoes", "owls", "clocks", "maps", "glass", "salt", "kites", "bees",
-          "ships", "paper", "lamps", "wool", "snow"]
+TOPICS = [
+    "rivers",
+    "bridges",
+    "tea",
+    "volcanoes",
+    "owls",
+    "clocks",
+    "maps",
+    "glass",
+    "salt",
+    "kites",
+    "bees",
+    "ships",
+    "paper",
+    "lamps",
+    "wool",
+    "snow",
+]
 
 
 async def one(session: aiohttp.ClientSession, url: str, model: str, i: int, tokens: int) -> tuple[int, float]:
     """(tokens received, seconds to the first) of one streaming request."""
-    body = {"model": model, "stream": True, "max_tokens": tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": f"Tell me one fact about {TOPICS[i % len(TOPICS)]} (#{i})."}]}
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": f"Tell me one fact about {TOPICS[i % len(TOPICS)]} (#{i})."}],
+    }
     started, first, n = time.perf_counter(), None, 0
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
         async for line in response.content:
@@ -62,11 +84,17 @@ async def burst(url: str, model: str, n: int, tokens: int) -> dict:
     buckets = {k: v for k, v in steps.items() if "_bucket" in k}
     count = steps.get("exo_forward_step_seconds_count", 0)
     over_1s = count - next((v for k, v in buckets.items() if 'le="1.0"' in k), count)
-    return {"requests": n, "wall_s": round(wall, 2), "tokens": sum(t for t, _ in results),
-            "ttft_max_s": round(max(f for _, f in results), 2), "steps": status.get("steps"),
-            "forward_mean_ms": round(status.get("forward_us_total", 0) / max(1, status.get("steps", 1)) / 1000, 1),
-            "step_mean_ms": round(status.get("step_us_total", 0) / max(1, status.get("steps", 1)) / 1000, 1),
-            "steps_over_1s": over_1s, "load": os.getloadavg()}
+    return {
+        "requests": n,
+        "wall_s": round(wall, 2),
+        "tokens": sum(t for t, _ in results),
+        "ttft_max_s": round(max(f for _, f in results), 2),
+        "steps": status.get("steps"),
+        "forward_mean_ms": round(status.get("forward_us_total", 0) / max(1, status.get("steps", 1)) / 1000, 1),
+        "step_mean_ms": round(status.get("step_us_total", 0) / max(1, status.get("steps", 1)) / 1000, 1),
+        "steps_over_1s": over_1s,
+        "load": os.getloadavg(),
+    }
 
 
 def main() -> None:
@@ -80,8 +108,10 @@ def main() -> None:
     path, model_id = resolve_model(DEFAULT_MODEL)
     for run in range(args.runs):
         with Cluster(path, 1, model_id=model_id, engine=args.engine, extra=["--threads", str(args.threads)]) as c:
-            print(json.dumps({"run": run} | asyncio.run(burst(c.nodes[0].api_url, model_id, args.requests,
-                                                               args.tokens))), flush=True)
+            print(
+                json.dumps({"run": run} | asyncio.run(burst(c.nodes[0].api_url, model_id, args.requests, args.tokens))),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

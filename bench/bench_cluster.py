@@ -8,6 +8,7 @@ By default writes the mid-size random Llama (357.6M params, f32) to a temp folde
 timing every token as it arrives. Plots: concurrency.png (aggregate tok/s and p50/p99 inter-token latency vs streams) and
 nodes.png (tok/s vs nodes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench import plots
+from bench.local_cluster import Cluster
 from bench.random_model import write_random_llama
 from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
 from shards.progress import Progress, track
-from bench.local_cluster import Cluster
 
 NODES = (1, 2, 3, 4)
 STREAMS = (1, 2, 4, 8, 16)
@@ -42,10 +43,18 @@ STREAMS = (1, 2, 4, 8, 16)
 
 def stream_stamps(api_url: str, model: str, prompt: str, tokens: int) -> list[float]:
     """Arrival time of each content chunk of one greedy stream (chunks are tokens here: every id is a word)."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
-                       "temperature": 0, "stream": True}).encode()
-    req = urllib.request.Request(f"{api_url}/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{api_url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     stamps = []
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
@@ -65,8 +74,12 @@ def concurrent(api_url: str, model: str, streams: int, tokens: int) -> dict:
         runs = list(pool.map(lambda i: stream_stamps(api_url, model, f"p{i}", tokens), range(streams)))
         elapsed = time.perf_counter() - t
     gaps = sorted(b - a for stamps in runs for a, b in zip(stamps, stamps[1:]))
-    return {"streams": streams, "tok_s": sum(map(len, runs)) / elapsed,
-            "p50_ms": 1000 * gaps[len(gaps) // 2], "p99_ms": 1000 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))]}
+    return {
+        "streams": streams,
+        "tok_s": sum(map(len, runs)) / elapsed,
+        "p50_ms": 1000 * gaps[len(gaps) // 2],
+        "p99_ms": 1000 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))],
+    }
 
 
 def one_stream(api_url: str, model: str, tokens: int) -> float:
@@ -76,6 +89,7 @@ def one_stream(api_url: str, model: str, tokens: int) -> float:
 @dataclass(frozen=True)
 class Setup:
     """What every cluster of a run serves and how its nodes are started."""
+
     model: Path
     model_id: str
     engine: str = "numpy"
@@ -90,8 +104,15 @@ class Setup:
 @contextmanager
 def cluster(setup: Setup, n: int, extra: list[str] | None = None) -> Iterator[str]:
     """n nodes with the layers split evenly, warmed up: yields the entry node's API URL."""
-    with Cluster(setup.model, n, shards=setup.splits(n), api_nodes=1, model_id=setup.model_id, engine=setup.engine,
-                 extra=[*setup.node_args, *(extra or [])]) as c:
+    with Cluster(
+        setup.model,
+        n,
+        shards=setup.splits(n),
+        api_nodes=1,
+        model_id=setup.model_id,
+        engine=setup.engine,
+        extra=[*setup.node_args, *(extra or [])],
+    ) as c:
         stream_stamps(c.nodes[0].api_url, setup.model_id, "warm up", 4)
         yield c.nodes[0].api_url
 
@@ -104,8 +125,10 @@ def sweep(setup: Setup, tokens: int) -> dict[int, list[dict]]:
                 for streams in STREAMS:
                     rows.append(row := concurrent(url, setup.model_id, streams, tokens))
                     progress.update(streams * tokens)
-                    tqdm.write(f"{n} node(s), {streams:2} streams: {row['tok_s']:6.1f} tok/s aggregate (incl. "
-                               f"prefill), inter-token p50 {row['p50_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms")
+                    tqdm.write(
+                        f"{n} node(s), {streams:2} streams: {row['tok_s']:6.1f} tok/s aggregate (incl. "
+                        f"prefill), inter-token p50 {row['p50_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms"
+                    )
     return results
 
 
@@ -113,11 +136,15 @@ def by_nodes(setup: Setup, tokens: int) -> list[dict]:
     results = []
     for n in track([(n, 1) for n in NODES], "nodes sweep", unit="clusters"):
         with cluster(setup, n) as url:
-            row = {"nodes": n, "one": one_stream(url, setup.model_id, tokens),
-                   "eight": concurrent(url, setup.model_id, 8, tokens)["tok_s"]}
+            row = {
+                "nodes": n,
+                "one": one_stream(url, setup.model_id, tokens),
+                "eight": concurrent(url, setup.model_id, 8, tokens)["tok_s"],
+            }
         results.append(row)
-        tqdm.write(f"{n} node(s): {row['one']:.1f} tok/s decode (one stream), {row['eight']:.1f} tok/s aggregate "
-                   f"(8 streams)")
+        tqdm.write(
+            f"{n} node(s): {row['one']:.1f} tok/s decode (one stream), {row['eight']:.1f} tok/s aggregate (8 streams)"
+        )
     return results
 
 
@@ -133,12 +160,18 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--plot-dir", type=Path, default=plots.PLOTS)
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--model", default="random357m",
-                    help="random357m (written to a temp folder), a packaged model's name, or a model path")
+    ap.add_argument(
+        "--model",
+        default="random357m",
+        help="random357m (written to a temp folder), a packaged model's name, or a model path",
+    )
     ap.add_argument("--engine", default="numpy")
     ap.add_argument("--node-args", default="", help='more arguments for every node, e.g. "--threads 1"')
-    ap.add_argument("--sampling-ab", action="store_true",
-                    help="only compare 8 concurrent streams on 3 nodes with the sampling batcher on vs off")
+    ap.add_argument(
+        "--sampling-ab",
+        action="store_true",
+        help="only compare 8 concurrent streams on 3 nodes with the sampling batcher on vs off",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # progress lines when not on a terminal
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the clusters' nodes are stopped too
@@ -159,10 +192,17 @@ def main() -> None:
     if not args.no_plot:
         where = f"all nodes on {plots.machine_note()}"
         what = f"{label}, {args.engine} engine {args.node_args}".rstrip()
-        suffix = "" if (args.model, args.engine, args.node_args) == ("random357m", "numpy", "") else \
-            "-".join(["", model_id, args.engine, *(re.sub(r"\W+", "", a) for a in shlex.split(args.node_args))])
-        print("wrote", plots.concurrency(sweeps, args.plot_dir / f"concurrency{suffix}.png",
-                                         f"{what}, {args.tokens} tokens per stream\n{where}"))
+        suffix = (
+            ""
+            if (args.model, args.engine, args.node_args) == ("random357m", "numpy", "")
+            else "-".join(["", model_id, args.engine, *(re.sub(r"\W+", "", a) for a in shlex.split(args.node_args))])
+        )
+        print(
+            "wrote",
+            plots.concurrency(
+                sweeps, args.plot_dir / f"concurrency{suffix}.png", f"{what}, {args.tokens} tokens per stream\n{where}"
+            ),
+        )
         print("wrote", plots.nodes(nodes, args.plot_dir / f"nodes{suffix}.png", f"{what}\n{where}"))
 
 

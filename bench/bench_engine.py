@@ -6,6 +6,7 @@
 Without --model it writes the random 357.6M-parameter checkpoint to a temp folder first (~1.4 GB). With more than
 one engine it draws them side by side in bench/plots/engines.png (--plot-dir to put it elsewhere).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,9 @@ import numpy as np
 
 from bench import plots
 from bench.random_model import write_random_llama
-from shards.formats.loader import load_config
 from shards.engines.base import StepInput
 from shards.engines.registry import engine_class
+from shards.formats.loader import load_config
 from shards.progress import Progress
 from shards.shard import Shard
 
@@ -69,8 +70,10 @@ def measure(spec: str, model: Path, steps: int) -> dict[str, float]:
     print(f"{name}: prefill 256 tokens: {results['prefill (256 tokens)']:.0f} tok/s")
     for batch in (1, 8):
         rate = results[f"decode, batch {batch}"]
-        print(f"{name}: decode batch {batch}: {rate:.1f} tok/s aggregate ({rate / batch:.1f} steps/s, "
-              f"{rate / batch * read_per_token / 1e9:.1f} GB/s of weights)")
+        print(
+            f"{name}: decode batch {batch}: {rate:.1f} tok/s aggregate ({rate / batch:.1f} steps/s, "
+            f"{rate / batch * read_per_token / 1e9:.1f} GB/s of weights)"
+        )
     return results
 
 
@@ -92,8 +95,10 @@ def main() -> None:
             results[name] = measure(name, model, args.steps)
             gc.collect()  # one engine's weights at a time
     if len(results) > 1 and not args.no_plot:
-        print("wrote", plots.engines(results, args.plot_dir / "engines.png",
-                                     f"random 357.6M Llama (f32), {plots.machine_note()}"))
+        print(
+            "wrote",
+            plots.engines(results, args.plot_dir / "engines.png", f"random 357.6M Llama (f32), {plots.machine_note()}"),
+        )
 
 
 if __name__ == "__main__":

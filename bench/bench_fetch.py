@@ -13,6 +13,7 @@ SmolLM2 is the packaged GGUF, served under the id `smollm2-135m-q4_1` from a cop
 packaged model's own id would resolve to the installed file on the fetching nodes too, as they share this machine).
 The 357.6M model is bench/random_model.py's float32 Llama (1.43 GB safetensors), written to a temporary folder.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,12 +23,12 @@ import threading
 import time
 from pathlib import Path
 
+from bench.local_cluster import Cluster
 from bench.random_model import write_random_llama
 from node.fetch.layout import build_manifest
 from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
 from shards.shard import Shard
-from bench.local_cluster import Cluster
 
 PROMPT = "Write a haiku about the sea."
 
@@ -66,12 +67,22 @@ def run(path: Path, model_id: str, work: Path, fetching: bool = True, timeout: f
         for step in c.topology()["plan"]:
             shard = Shard(model_id, step["start"], step["end"], n_layers)
             s = info[step["node_id"]]["status"]
-            nodes[step["node_id"]] = {"layers": f"{step['start']}-{step['end'] - 1}",
-                                      "received": s.get("fetch_bytes_received", 0),
-                                      "shard_bytes": manifest.nbytes(manifest.needed(shard)),
-                                      "fetch_s": s.get("fetch_ms", 0) / 1000}
-    return {"model": model_id, "fetching": fetching, "model_bytes": manifest.nbytes(), "up_s": up,
-            "first_answer_s": first, "all_ready_s": ready[0], "full_answer_s": full, "nodes": nodes}
+            nodes[step["node_id"]] = {
+                "layers": f"{step['start']}-{step['end'] - 1}",
+                "received": s.get("fetch_bytes_received", 0),
+                "shard_bytes": manifest.nbytes(manifest.needed(shard)),
+                "fetch_s": s.get("fetch_ms", 0) / 1000,
+            }
+    return {
+        "model": model_id,
+        "fetching": fetching,
+        "model_bytes": manifest.nbytes(),
+        "up_s": up,
+        "first_answer_s": first,
+        "all_ready_s": ready[0],
+        "full_answer_s": full,
+        "nodes": nodes,
+    }
 
 
 def wait_for_full_plan(c: Cluster, started: float, timeout: float) -> float:
@@ -86,20 +97,29 @@ def wait_for_full_plan(c: Cluster, started: float, timeout: float) -> float:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model | node | layers | bytes received | its shard (+ metadata) | model | fetch time |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | node | layers | bytes received | its shard (+ metadata) | model | fetch time |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if not r["fetching"]:
             continue
         for node_id, n in r["nodes"].items():
-            lines.append(f"| {r['model']} | {node_id} | {n['layers']} | {n['received'] / 1e6:.1f} MB | "
-                         f"{n['shard_bytes'] / 1e6:.1f} MB | {r['model_bytes'] / 1e6:.1f} MB | "
-                         + (f"{n['fetch_s']:.1f} s |" if n["received"] else "(has the files) |"))
-    lines += ["", "| model | files on | nodes up (APIs ready) | first answer | all 3 in the plan | "
-                  "first answer through all 3 |", "|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {r['model']} | {node_id} | {n['layers']} | {n['received'] / 1e6:.1f} MB | "
+                f"{n['shard_bytes'] / 1e6:.1f} MB | {r['model_bytes'] / 1e6:.1f} MB | "
+                + (f"{n['fetch_s']:.1f} s |" if n["received"] else "(has the files) |")
+            )
+    lines += [
+        "",
+        "| model | files on | nodes up (APIs ready) | first answer | all 3 in the plan | first answer through all 3 |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['model']} | {'node0 only' if r['fetching'] else 'all 3 nodes'} | {r['up_s']:.1f} s | "
-                     f"{r['first_answer_s']:.1f} s | {r['all_ready_s']:.1f} s | {r['full_answer_s']:.1f} s |")
+        lines.append(
+            f"| {r['model']} | {'node0 only' if r['fetching'] else 'all 3 nodes'} | {r['up_s']:.1f} s | "
+            f"{r['first_answer_s']:.1f} s | {r['all_ready_s']:.1f} s | {r['full_answer_s']:.1f} s |"
+        )
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ comes from a fresh process; ours and llama.cpp's alternate round by round (the m
 rounds, not absolute numbers), and the load average is recorded with each. Figures go to --out as JSON and to
 stdout as markdown tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.formats.loader import load_config
 from shards.engines.base import StepInput
+from shards.formats.loader import load_config
 from shards.shard import Shard
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,8 +37,8 @@ TEXTS = [  # varied text for teacher-forced agreement: prose, dialogue, code, nu
     "spread across Europe, books became cheaper, and ideas travelled faster than ever before. Scholars argue about "
     "how much of the Reformation and the scientific revolution the press made possible, but few doubt that it "
     "changed who could read, and what they could read about.",
-    "\"Are you coming to the market tomorrow?\" asked Maria. \"Only if it stops raining,\" her brother replied, "
-    "looking at the grey sky. \"Last week the tomatoes were half the price, and the baker gave us an extra loaf.\"",
+    '"Are you coming to the market tomorrow?" asked Maria. "Only if it stops raining," her brother replied, '
+    'looking at the grey sky. "Last week the tomatoes were half the price, and the baker gave us an extra loaf."',
     "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    out, i, j = [], 0, 0\n    while i < len(a) and "
     "j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n        else:\n            "
     "out.append(b[j]); j += 1\n    return out + a[i:] + b[j:]\n\nprint(merge_sorted([1, 4, 9], [2, 3, 10]))\n",
@@ -51,16 +52,23 @@ TEXTS = [  # varied text for teacher-forced agreement: prose, dialogue, code, nu
     "until soft, then add crushed tomatoes, salt and a pinch of sugar. Simmer for twenty minutes and finish with "
     "fresh basil.",
 ]
-CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
-         "Give me two tips for learning a new language."]
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Name three primary colors.",
+    "Give me two tips for learning a new language.",
+]
 
 
 def model_paths() -> dict[str, Path]:
     from bench.ggml_models import random_gguf
     from shards.formats.packaged import resolve_model
 
-    return {"smollm2-q4_1": resolve_model("smollm2")[0], "random357m-q8_0": random_gguf("q8_0"),
-            "random357m-q4_0": random_gguf("q4_0")}
+    return {
+        "smollm2-q4_1": resolve_model("smollm2")[0],
+        "random357m-q8_0": random_gguf("q8_0"),
+        "random357m-q4_0": random_gguf("q4_0"),
+    }
 
 
 def engine(path: Path, threads: int, start: int = 0, end: int | None = None, name: str = "ggml"):
@@ -144,7 +152,7 @@ def ours_memory(path: Path, start: int, end: int | None) -> dict:
         fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
         return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
 
-    import shards.engines.ggml.engine
+    import shards.engines.ggml.engine  # noqa: F401  (the library's own memory is not the shard's)
 
     load_config(path)  # nor is the file's parsed metadata (cached): the vocabulary alone is ~30 MB of objects
     before = status()
@@ -154,8 +162,13 @@ def ours_memory(path: Path, start: int, end: int | None) -> dict:
     after = status()
     f = open_gguf(path)
     file_bytes = sum(f.tensor(n).nbytes for n in {name for name, _, _ in _hf_shapes(e.config, e.shard)})
-    return {"layers": e.shard.layer_count, "file_bytes": file_bytes, "nbytes": e.nbytes(),
-            **{f"{k}_delta": after[k] - before[k] for k in after}, "rss": after["VmRSS"]}
+    return {
+        "layers": e.shard.layer_count,
+        "file_bytes": file_bytes,
+        "nbytes": e.nbytes(),
+        **{f"{k}_delta": after[k] - before[k] for k in after},
+        "rss": after["VmRSS"],
+    }
 
 
 def ours_top(path: Path, tokens: list[int], name: str, out: str) -> dict:
@@ -171,14 +184,18 @@ def ours_top(path: Path, tokens: list[int], name: str, out: str) -> dict:
 def ours_greedy(path: Path, tokens: list[int], n: int, name: str, eos: list[int]) -> dict:
     from shards.generate import generate
 
-    return {"tokens": [r.token for r in generate([engine(path, os.cpu_count() or 1, name=name)], tokens, n,
-                                                 eos_ids=frozenset(eos))]}
+    return {
+        "tokens": [
+            r.token for r in generate([engine(path, os.cpu_count() or 1, name=name)], tokens, n, eos_ids=frozenset(eos))
+        ]
+    }
 
 
 # -- the driver -------------------------------------------------------------------------------------------------------
 def run_json(cmd: list[str]) -> dict:
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -232,11 +249,17 @@ def agreement(models: dict[str, Path], llama: str, work: Path) -> dict:
         def agree(a: str, b: str) -> dict:
             same = top[a]["ids"][:, 0] == top[b]["ids"][:, 0]
             margin = top[b]["values"][:, 0] - top[b]["values"][:, 1]  # b's lead of its top token
-            return {"positions": len(same), "agree": float(same.mean()),
-                    "disagreements_margins": sorted(np.round(margin[~same], 4).tolist())}
+            return {
+                "positions": len(same),
+                "agree": float(same.mean()),
+                "disagreements_margins": sorted(np.round(margin[~same], 4).tolist()),
+            }
 
-        out[name] = {"ggml_vs_llama": agree("ggml", "llama"), "ggml_vs_numpy": agree("ggml", "numpy"),
-                     "llama_vs_numpy": agree("llama", "numpy")}
+        out[name] = {
+            "ggml_vs_llama": agree("ggml", "llama"),
+            "ggml_vs_numpy": agree("ggml", "numpy"),
+            "llama_vs_numpy": agree("llama", "numpy"),
+        }
         print(name, json.dumps(out[name]), flush=True)
     return out
 
@@ -253,7 +276,9 @@ def chats(path: Path, llama: str, work: Path) -> list[dict]:
         answers = {"llama.cpp": theirs(llama, "greedy", path, "--tokens", ids, "--n", 40, "--eos", *eos)["tokens"]}
         for name in ("ggml", "numpy"):
             answers[name] = ours("greedy", path, ids, 40, name, *eos)["tokens"]
-        rows.append({"question": question, **{k: tok.decode([t for t in v if t not in eos]) for k, v in answers.items()}})
+        rows.append(
+            {"question": question, **{k: tok.decode([t for t in v if t not in eos]) for k, v in answers.items()}}
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -270,12 +295,22 @@ def memory(models: dict[str, Path]) -> list[dict]:
             rows.append({"model": name, "shard": f"{start}:{end}", **ours("memory", path, start, end)})
             print(json.dumps(rows[-1]), flush=True)
             for engine_name in ("ggml", "numpy"):
-                with Cluster(path, 1, shards=[f"{start}:{end}"], api_nodes=0, engine=engine_name, static_peers=False,
-                             extra=["--threads", "1"] if engine_name == "ggml" else []) as c:
-                    fields = dict(line.split(":", 1) for line in
-                                  Path(f"/proc/{c.nodes[0].proc.pid}/status").read_text().splitlines())
-                    rows[-1][f"node_{engine_name}"] = {k: int(fields[k].split()[0]) * 1024
-                                                       for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
+                with Cluster(
+                    path,
+                    1,
+                    shards=[f"{start}:{end}"],
+                    api_nodes=0,
+                    engine=engine_name,
+                    static_peers=False,
+                    extra=["--threads", "1"] if engine_name == "ggml" else [],
+                ) as c:
+                    fields = dict(
+                        line.split(":", 1)
+                        for line in Path(f"/proc/{c.nodes[0].proc.pid}/status").read_text().splitlines()
+                    )
+                    rows[-1][f"node_{engine_name}"] = {
+                        k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+                    }
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -292,14 +327,15 @@ def pipeline(models: dict[str, Path], tokens: int = 128) -> list[dict]:
         model_id = "smollm2-135m-instruct" if name.startswith("smollm2") else path.stem.lower()
         for shards in (None, splits):
             n = 1 if shards is None else 3
-            with Cluster(path, n, shards=shards, api_nodes=1, model_id=model_id, engine="ggml",
-                         extra=["--threads", "1"]) as c:
+            with Cluster(
+                path, n, shards=shards, api_nodes=1, model_id=model_id, engine="ggml", extra=["--threads", "1"]
+            ) as c:
                 url = c.nodes[0].api_url
                 stream_stamps(url, model_id, "warm up", 4)
-                rates = [decode_rate(stream_stamps(url, model_id, f"Tell me a long story {i}.", tokens))
-                         for i in range(3)]
-            rows.append({"model": name, "nodes": n, "tok_s": statistics.median(rates), "rounds": rates,
-                         "load": load()})
+                rates = [
+                    decode_rate(stream_stamps(url, model_id, f"Tell me a long story {i}.", tokens)) for i in range(3)
+                ]
+            rows.append({"model": name, "nodes": n, "tok_s": statistics.median(rates), "rounds": rates, "load": load()})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -310,8 +346,10 @@ GOALS = {"decode1": {"smollm2-q4_1": 0.6, "random357m-q8_0": 0.9, "random357m-q4
 def report(results: dict) -> str:
     """Markdown: per model and thread count, best-of-rounds figures, the ratio of bests and the median of the
     per-round ratios (each round ran ours and llama.cpp back to back), against the issue's goals."""
-    lines = ["| model | threads | metric | ours (best) | llama.cpp (best) | ratio of bests | median round ratio "
-             "| goal |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | threads | metric | ours (best) | llama.cpp (best) | ratio of bests | median round ratio | goal |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     rows = results.get("speed", [])
     for model in dict.fromkeys(r["model"] for r in rows):
         for t in sorted({r["threads"] for r in rows}):
@@ -330,8 +368,10 @@ def report(results: dict) -> str:
                         goal_text = f"8 streams >= 4x one: {ours_best / max(r['ours']['decode1'] for r in mine):.2f}x"
                     else:
                         goal_text = f">= {goal}x" if goal and ref == "llama" else ""
-                    lines.append(f"| {model} | {t} | {metric} ({label}) | {ours_best:.1f} | {ref_best:.1f} | "
-                                 f"{ours_best / ref_best:.2f} | {ratio:.2f} | {goal_text} |")
+                    lines.append(
+                        f"| {model} | {t} | {metric} ({label}) | {ours_best:.1f} | {ref_best:.1f} | "
+                        f"{ours_best / ref_best:.2f} | {ratio:.2f} | {goal_text} |"
+                    )
     loads = [r["load"] for r in rows]
     if loads:
         lines.append(f"\nLoad average during the rounds: {min(loads):.1f}-{max(loads):.1f} (2 cores).")
@@ -352,8 +392,9 @@ def main() -> None:
         elif what == "top":
             result = ours_top(path, json.loads(Path(rest[0]).read_text()), rest[1], rest[2])
         else:
-            result = ours_greedy(path, json.loads(Path(rest[0]).read_text()), int(rest[1]), rest[2],
-                                 [int(t) for t in rest[3:]])
+            result = ours_greedy(
+                path, json.loads(Path(rest[0]).read_text()), int(rest[1]), rest[2], [int(t) for t in rest[3:]]
+            )
         print(json.dumps(result))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -368,8 +409,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if "speed" in only:
-            results["speed"] = speed_rounds(models, [int(t) for t in args.threads.split(",")], args.rounds,
-                                            args.llama_python)
+            results["speed"] = speed_rounds(
+                models, [int(t) for t in args.threads.split(",")], args.rounds, args.llama_python
+            )
         if "agreement" in only:
             results["agreement"] = agreement(models, args.llama_python, work)
         if "chats" in only:

@@ -9,6 +9,7 @@
    carrying the 20-field schema (its grammar compiled at the entry) vs one without.
 Decode tok/s = (completion tokens - 1) / (last chunk - first chunk), from the stream's usage chunk.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,19 @@ from shards.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
 FIELDS = 20
-SCHEMA = {"type": "object", "required": [f"field_{i}" for i in range(FIELDS)], "properties": {
-    f"field_{i}": [{"type": "string", "maxLength": 12}, {"type": "integer", "minimum": 0, "maximum": 9999},
-                   {"enum": ["red", "green", "blue"]}, {"type": "boolean"}][i % 4] for i in range(FIELDS)}}
+SCHEMA = {
+    "type": "object",
+    "required": [f"field_{i}" for i in range(FIELDS)],
+    "properties": {
+        f"field_{i}": [
+            {"type": "string", "maxLength": 12},
+            {"type": "integer", "minimum": 0, "maximum": 9999},
+            {"enum": ["red", "green", "blue"]},
+            {"type": "boolean"},
+        ][i % 4]
+        for i in range(FIELDS)
+    },
+}
 PROMPT = "Fill in a record with twenty fields."
 FREE_PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
@@ -65,9 +76,13 @@ def compile_figures(tok: Tokenizer) -> dict[str, float]:
         matcher.advance(token)
         if matcher.stopped:
             matcher = Matcher(gt, Constraint(grammar))
-    return {"llguidance_tokenizer_ms": tokenizer_ms, "compile_check_20_fields_ms": statistics.median(runs),
-            "matcher_ms": matcher_ms, "mask_us_median": statistics.median(mask_us),
-            "apply_us_median": statistics.median(apply_us)}
+    return {
+        "llguidance_tokenizer_ms": tokenizer_ms,
+        "compile_check_20_fields_ms": statistics.median(runs),
+        "matcher_ms": matcher_ms,
+        "mask_us_median": statistics.median(mask_us),
+        "apply_us_median": statistics.median(apply_us),
+    }
 
 
 def batcher_figures(tok: Tokenizer, rows: int = 8, steps: int = 60) -> dict[str, float]:
@@ -89,27 +104,38 @@ def batcher_figures(tok: Tokenizer, rows: int = 8, steps: int = 60) -> dict[str,
                 if st.matcher is not None and st.matcher.stopped:
                     st.matcher = None  # the record is complete: start another
             t = time.perf_counter()
-            futures = [batcher.submit(SampleItem(f"r{i}", logits[step, i], params, states[i], engine, "m"))
-                       for i in range(rows)]
+            futures = [
+                batcher.submit(SampleItem(f"r{i}", logits[step, i], params, states[i], engine, "m"))
+                for i in range(rows)
+            ]
             batcher.flush()
             await asyncio.gather(*futures)
             took.append(time.perf_counter() - t)
         await batcher.close()
         return statistics.median(took[5:]) * 1e3
 
-    return {f"batcher_step_ms_{rows}_free": asyncio.run(run(False)),
-            f"batcher_step_ms_{rows}_constrained": asyncio.run(run(True))}
+    return {
+        f"batcher_step_ms_{rows}_free": asyncio.run(run(False)),
+        f"batcher_step_ms_{rows}_constrained": asyncio.run(run(True)),
+    }
 
 
 def stream(api: str, constrained: bool, seed: int) -> tuple[float, float, int]:
     """(time to first content, decode tok/s, completion tokens) of one greedy chat stream."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT if constrained else FREE_PROMPT}],
-            "max_tokens": 200, "temperature": 0, "seed": seed, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT if constrained else FREE_PROMPT}],
+        "max_tokens": 200,
+        "temperature": 0,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if constrained:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}
-    req = urllib.request.Request(f"{api}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{api}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     start, stamps, tokens = time.perf_counter(), [], 0
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:

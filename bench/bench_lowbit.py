@@ -12,6 +12,7 @@ exo-node's engine does). The packaged default: load seconds, resident memory aft
 decode tok/s and greedy answers to the README's questions, `--quantize f16` vs the file's Q4_1 (`none`).
 Prints one JSON object and writes it to --out. Speed goals live here, never in timed test asserts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,10 @@ def run_json(cmd: list[str], env: dict[str, str]) -> dict:
 
 
 def ours_speed(path: Path, threads: int) -> dict:
-    return run_json([sys.executable, "-m", "bench.bench_ggml", "--ours", "speed", str(path), str(threads)],
-                    {"PYTHONPATH": str(ROOT)})
+    return run_json(
+        [sys.executable, "-m", "bench.bench_ggml", "--ours", "speed", str(path), str(threads)],
+        {"PYTHONPATH": str(ROOT)},
+    )
 
 
 def theirs_speed(python: str, env: dict[str, str], path: Path, threads: int) -> dict:
@@ -64,8 +67,12 @@ def default_model(quantize: str) -> dict:
     rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     answers = []
     for q in QUESTIONS:
-        ids = [r.token for r in generate([e], tok.encode_chat([{"role": "user", "content": q}]), 60,
-                                         eos_ids=frozenset(cfg.eos_token_ids))]
+        ids = [
+            r.token
+            for r in generate(
+                [e], tok.encode_chat([{"role": "user", "content": q}]), 60, eos_ids=frozenset(cfg.eos_token_ids)
+            )
+        ]
         answers.append(tok.decode(ids))
     e.forward([StepInput("d", tokens=np.arange(100, 164), max_positions=512)])
     steps, t = [], 100
@@ -74,9 +81,15 @@ def default_model(quantize: str) -> dict:
         t = int(e.forward([StepInput("d", tokens=np.array([t]))])[0][-1].argmax())
         steps.append(time.perf_counter() - t1)
     steps.sort()
-    return {"quantize": quantize, "load_s": load_s, "rss_after_load_mb": rss / 2**20,
-            "weights_mb": e.nbytes() / 2**20, "decode_tok_s": 1 / steps[len(steps) // 2], "answers": answers,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "quantize": quantize,
+        "load_s": load_s,
+        "rss_after_load_mb": rss / 2**20,
+        "weights_mb": e.nbytes() / 2**20,
+        "decode_tok_s": 1 / steps[len(steps) // 2],
+        "answers": answers,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def main() -> None:
@@ -94,8 +107,13 @@ def main() -> None:
         print(json.dumps(default_model(args.default_model)))
         return
     env = dict(kv.split("=", 1) for kv in args.llama_env.split(",") if kv)
-    result: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": args.threads,
-                    "load_before": os.getloadavg()[0], "types": {}, "default": []}
+    result: dict = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "threads": args.threads,
+        "load_before": os.getloadavg()[0],
+        "types": {},
+        "default": [],
+    }
     if "types" in args.only:
         from bench.ggml_models import random_gguf
 
@@ -103,17 +121,29 @@ def main() -> None:
             path = random_gguf(kind)
             rows = []
             for _ in range(args.rounds):
-                rows.append({"ours": ours_speed(path, args.threads),
-                             "llama_cpp": theirs_speed(args.llama_python, env, path, args.threads),
-                             "load": os.getloadavg()[0]})
-            best = {who: {k: max(r[who][k] for r in rows) for k in ("decode1", "prefill256")}
-                    for who in ("ours", "llama_cpp")}
-            result["types"][kind] = {"rounds": rows, "best": best, "ratio": {
-                k: best["ours"][k] / best["llama_cpp"][k] for k in ("decode1", "prefill256")}}
+                rows.append(
+                    {
+                        "ours": ours_speed(path, args.threads),
+                        "llama_cpp": theirs_speed(args.llama_python, env, path, args.threads),
+                        "load": os.getloadavg()[0],
+                    }
+                )
+            best = {
+                who: {k: max(r[who][k] for r in rows) for k in ("decode1", "prefill256")}
+                for who in ("ours", "llama_cpp")
+            }
+            result["types"][kind] = {
+                "rounds": rows,
+                "best": best,
+                "ratio": {k: best["ours"][k] / best["llama_cpp"][k] for k in ("decode1", "prefill256")},
+            }
     if "default" in args.only:
         for quantize in ("f16", "none"):
-            result["default"].append(run_json([sys.executable, "-m", "bench.bench_lowbit", "--default-model",
-                                               quantize], {"PYTHONPATH": str(ROOT)}))
+            result["default"].append(
+                run_json(
+                    [sys.executable, "-m", "bench.bench_lowbit", "--default-model", quantize], {"PYTHONPATH": str(ROOT)}
+                )
+            )
     result["load_after"] = os.getloadavg()[0]
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

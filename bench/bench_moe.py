@@ -8,6 +8,7 @@ memory of a node holding a third of the layers against those tensors' bytes in t
 llama.cpp runs through bench/llamacpp_ref.py in its own venv; our side in fresh processes (bench/bench_ggml.py's
 --ours commands). Prints one JSON object per measurement, with the 1-minute load average.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,14 +29,31 @@ def agreement(path: Path, llama: str, work: Path, threads: int) -> dict:
     ids = work / "ids.json"
     ids.write_text(json.dumps(np.random.default_rng(7).integers(3, cfg.vocab_size, 600).tolist()))
     theirs(llama, "logits", path, "--threads", threads, "--tokens", ids, "--out", work / "llama.npz")
-    theirs(llama, "logits", path, "--threads", threads, "--no-extra-bufts", "--tokens", ids,
-           "--out", work / "llama_plain.npz")
+    theirs(
+        llama,
+        "logits",
+        path,
+        "--threads",
+        threads,
+        "--no-extra-bufts",
+        "--tokens",
+        ids,
+        "--out",
+        work / "llama_plain.npz",
+    )
     for engine in ("ggml", "numpy"):
         ours("top", path, ids, engine, work / f"{engine}.npz")
     top = {k: np.load(work / f"{k}.npz")["ids"][:, 0] for k in ("llama", "llama_plain", "ggml", "numpy")}
-    return {f"{a}_vs_{b}": float((top[a] == top[b]).mean()) for a, b in
-            [("ggml", "llama"), ("ggml", "llama_plain"), ("llama", "llama_plain"), ("ggml", "numpy"),
-             ("llama", "numpy")]} | {"positions": len(top["ggml"])}
+    return {
+        f"{a}_vs_{b}": float((top[a] == top[b]).mean())
+        for a, b in [
+            ("ggml", "llama"),
+            ("ggml", "llama_plain"),
+            ("llama", "llama_plain"),
+            ("ggml", "numpy"),
+            ("llama", "numpy"),
+        ]
+    } | {"positions": len(top["ggml"])}
 
 
 def main() -> None:
@@ -50,8 +68,14 @@ def main() -> None:
         print(json.dumps({"agreement": agreement(path, args.llama_python, Path(tmp), args.threads), "load": load()}))
     print(json.dumps({"ours": ours("speed", path, args.threads), "load": load()}))
     print(json.dumps({"llama": theirs(args.llama_python, "speed", path, "--threads", args.threads), "load": load()}))
-    print(json.dumps({"llama_plain": theirs(args.llama_python, "speed", path, "--threads", args.threads,
-                                            "--no-extra-bufts"), "load": load()}))
+    print(
+        json.dumps(
+            {
+                "llama_plain": theirs(args.llama_python, "speed", path, "--threads", args.threads, "--no-extra-bufts"),
+                "load": load(),
+            }
+        )
+    )
     print(json.dumps({"memory_middle_third": ours("memory", path, third, 2 * third), "load": load()}))
 
 

@@ -8,6 +8,7 @@ its affinity; the neighbour is `while True: pass` pinned to the last of those co
 (the machine may be shared: compare within a round) and record the load average. Goal (issue #25): beside the
 neighbour, at least 0.4x the undisturbed speed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,12 +52,25 @@ def measure(seconds: float, adapt: bool, neighbour: bool) -> dict:
     spinner = None
     if neighbour:
         core = max(os.sched_getaffinity(0))
-        spinner = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\n"
-                                    "while True: pass"])
+        spinner = subprocess.Popen(
+            [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"]
+        )
     try:
-        out = subprocess.run([sys.executable, "-m", "bench.bench_neighbour", "--worker", str(seconds),
-                              *(["--fixed"] if not adapt else [])], cwd=ROOT, capture_output=True, text=True,
-                             check=True, timeout=seconds + 120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.bench_neighbour",
+                "--worker",
+                str(seconds),
+                *(["--fixed"] if not adapt else []),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=seconds + 120,
+        )
     finally:
         if spinner is not None:
             spinner.kill()
@@ -84,17 +98,24 @@ def main() -> None:
                 row = measure(args.seconds, adapt, neighbour)
                 row["round"] = r
                 rows.append(row)
-                print(f"round {r} {'adaptive' if adapt else 'fixed   '} threads, "
-                      f"{'beside a spinning process' if neighbour else 'alone                    '}: "
-                      f"{row['tok_s']:6.1f} tok/s (mean threads {row['mean_step_threads']:.2f}, "
-                      f"load {row['load']:.2f})", flush=True)
+                print(
+                    f"round {r} {'adaptive' if adapt else 'fixed   '} threads, "
+                    f"{'beside a spinning process' if neighbour else 'alone                    '}: "
+                    f"{row['tok_s']:6.1f} tok/s (mean threads {row['mean_step_threads']:.2f}, "
+                    f"load {row['load']:.2f})",
+                    flush=True,
+                )
     print("\n| threads | alone tok/s | beside a spinner tok/s | ratio | load |\n|---|---|---|---|---|")
     for r in range(args.rounds):
         for adapt in (False, True):
-            alone, busy = (next(x for x in rows if x["round"] == r and x["adapt"] == adapt and x["neighbour"] == n)
-                           for n in (False, True))
-            print(f"| {'adaptive' if adapt else 'fixed'} ({alone['threads']}) | {alone['tok_s']:.1f} | "
-                  f"{busy['tok_s']:.1f} | {busy['tok_s'] / alone['tok_s']:.2f}x | {busy['load']:.1f} |")
+            alone, busy = (
+                next(x for x in rows if x["round"] == r and x["adapt"] == adapt and x["neighbour"] == n)
+                for n in (False, True)
+            )
+            print(
+                f"| {'adaptive' if adapt else 'fixed'} ({alone['threads']}) | {alone['tok_s']:.1f} | "
+                f"{busy['tok_s']:.1f} | {busy['tok_s'] / alone['tok_s']:.2f}x | {busy['load']:.1f} |"
+            )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

@@ -5,6 +5,7 @@
 Measures the numpy sampler directly (sample_rows on [8, vocab] vs 8 x sample_one) and through the
 SamplingBatcher (batching on vs --sample-batch-max 1), for vocab sizes 32k and 152k.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,8 @@ import numpy as np
 
 from node.runtime.sampling_batcher import SampleItem, SamplingBatcher
 from shards.engines.numpy_engine import NumpyEngine
-from shards.shard import Shard
 from shards.sampling import SamplerState, SamplingParams, sample_one, sample_rows
+from shards.shard import Shard
 
 N = 8
 KINDS = {
@@ -58,7 +59,9 @@ async def through_batcher(logits, params, max_batch: int, reps: int) -> float:
 
 
 def main() -> None:
-    print(f"{'vocab':>7} {'params':>18} | {'batched':>9} {'per-req':>9} | {'batcher on':>10} {'batcher off':>11}  (us/token)")
+    print(
+        f"{'vocab':>7} {'params':>18} | {'batched':>9} {'per-req':>9} | {'batcher on':>10} {'batcher off':>11}  (us/token)"
+    )
     for vocab in (32_000, 152_064):
         logits = np.random.default_rng(0).normal(0, 3, size=(N, vocab)).astype(np.float32)
         for kind, make in KINDS.items():

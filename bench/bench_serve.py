@@ -19,6 +19,7 @@ Two measurements per server:
 
 The load average is recorded with every figure (the machine may be shared: compare within a run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,18 +39,27 @@ from bench.local_cluster import Cluster, free_port
 from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
 
-SYSTEM = ("You are a careful assistant for a small team of engineers. Answer in plain English, keep answers "
-          "short and concrete, prefer lists when steps are involved, say so when you are unsure, never invent "
-          "version numbers or command-line flags, and when code is asked for give a complete, runnable snippet "
-          "with a one-line explanation of what it does. The team works on a distributed inference system written "
-          "in Python that runs language models across several machines on a home network.")
-QUESTIONS = ["What is a KV cache?", "Why does it grow with the conversation?", "How can a server reuse it?",
-             "What happens when memory runs out?", "Give me a short example in Python.", "Summarise all of that."]
+SYSTEM = (
+    "You are a careful assistant for a small team of engineers. Answer in plain English, keep answers "
+    "short and concrete, prefer lists when steps are involved, say so when you are unsure, never invent "
+    "version numbers or command-line flags, and when code is asked for give a complete, runnable snippet "
+    "with a one-line explanation of what it does. The team works on a distributed inference system written "
+    "in Python that runs language models across several machines on a home network."
+)
+QUESTIONS = [
+    "What is a KV cache?",
+    "Why does it grow with the conversation?",
+    "How can a server reuse it?",
+    "What happens when memory runs out?",
+    "Give me a short example in Python.",
+    "Summarise all of that.",
+]
 TOPICS = ["the sea", "a mountain", "a city at night", "a forest", "the desert", "a river", "snow", "the moon"]
 
 
-async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
-                      max_tokens: int) -> dict:
+async def stream_chat(
+    session: aiohttp.ClientSession, url: str, model: str, messages: list[dict], max_tokens: int
+) -> dict:
     """One streaming chat completion: when it was sent, each content chunk's arrival, and the text."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     sent, stamps, text = time.perf_counter(), [], []
@@ -72,15 +82,29 @@ async def concurrent(url: str, model: str, streams: int, tokens: int) -> dict:
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         start = time.perf_counter()
-        runs = await asyncio.gather(*(stream_chat(session, url, model, [
-            {"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]} ({i})."}], tokens)
-            for i in range(streams)))
+        runs = await asyncio.gather(
+            *(
+                stream_chat(
+                    session,
+                    url,
+                    model,
+                    [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]} ({i})."}],
+                    tokens,
+                )
+                for i in range(streams)
+            )
+        )
     end = max(r["stamps"][-1] for r in runs if r["stamps"])
     chunks = sum(len(r["stamps"]) for r in runs)
     per_stream = [(len(r["stamps"]) - 1) / (r["stamps"][-1] - r["stamps"][0]) for r in runs if len(r["stamps"]) > 2]
-    return {"streams": streams, "aggregate": chunks / (end - start), "per_stream": sum(per_stream) / len(per_stream),
-            "ttft": sum(r["stamps"][0] - r["sent"] for r in runs) / len(runs), "chunks": chunks,
-            "load": os.getloadavg()[0]}
+    return {
+        "streams": streams,
+        "aggregate": chunks / (end - start),
+        "per_stream": sum(per_stream) / len(per_stream),
+        "ttft": sum(r["stamps"][0] - r["sent"] for r in runs) / len(runs),
+        "chunks": chunks,
+        "load": os.getloadavg()[0],
+    }
 
 
 async def multi_turn(url: str, model: str, turns: int, answer: int, cold: bool = False) -> dict:
@@ -89,12 +113,16 @@ async def multi_turn(url: str, model: str, turns: int, answer: int, cold: bool =
     messages = [{"role": "system", "content": SYSTEM}]
     ttft = []
     # a fresh connection per request: a server may close an idle keep-alive connection between turns
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800),
-                                     connector=aiohttp.TCPConnector(force_close=True)) as session:
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=1800), connector=aiohttp.TCPConnector(force_close=True)
+    ) as session:
         for t in range(turns):
             messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
-            sent = [{"role": "system", "content": f"Session {t + 1}{t * 7919 % 1000}. {SYSTEM}"}, *messages[1:]] \
-                if cold else messages
+            sent = (
+                [{"role": "system", "content": f"Session {t + 1}{t * 7919 % 1000}. {SYSTEM}"}, *messages[1:]]
+                if cold
+                else messages
+            )
             run = await stream_chat(session, url, model, sent, answer)
             ttft.append(run["stamps"][0] - run["sent"] if run["stamps"] else float("nan"))
             messages.append({"role": "assistant", "content": run["text"]})
@@ -120,14 +148,20 @@ def measure(name: str, url: str, model: str, args) -> dict:
     for n in args.streams:
         row = asyncio.run(concurrent(url, model, n, args.tokens))
         out["streams"].append(row)
-        print(f"{name}: {n:2d} streams: {row['aggregate']:6.1f} tok/s aggregate, {row['per_stream']:6.1f} per "
-              f"stream, TTFT {row['ttft']:.2f}s (load {row['load']:.1f})", flush=True)
+        print(
+            f"{name}: {n:2d} streams: {row['aggregate']:6.1f} tok/s aggregate, {row['per_stream']:6.1f} per "
+            f"stream, TTFT {row['ttft']:.2f}s (load {row['load']:.1f})",
+            flush=True,
+        )
     for key, cold in (("multi_turn", False), ("multi_turn_cold", True)):
         if cold and not args.cold:
             continue
         out[key] = asyncio.run(multi_turn(url, model, args.turns, args.answer, cold))
-        print(f"{name}: multi-turn TTFT per turn{' (no prefix can be reused)' if cold else ''}: "
-              f"{', '.join(f'{t:.2f}' for t in out[key]['ttft'])} s (load {out[key]['load']:.1f})", flush=True)
+        print(
+            f"{name}: multi-turn TTFT per turn{' (no prefix can be reused)' if cold else ''}: "
+            f"{', '.join(f'{t:.2f}' for t in out[key]['ttft'])} s (load {out[key]['load']:.1f})",
+            flush=True,
+        )
     return out
 
 
@@ -136,9 +170,25 @@ def run_llama_server(binary: Path, gguf: Path, args) -> dict | None:
         print(f"llama-server: {binary} is not there (build it: see docs/benchmarks.md); skipped")
         return None
     port = free_port()
-    proc = subprocess.Popen([str(binary), "-m", str(gguf), "-np", "8", "-t", str(args.threads), "--host",
-                             "127.0.0.1", "--port", str(port), "-c", str(8 * 2048)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "-m",
+            str(gguf),
+            "-np",
+            "8",
+            "-t",
+            str(args.threads),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-c",
+            str(8 * 2048),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(url)
@@ -152,8 +202,9 @@ def run_exo(nodes: int, model: Path, model_id: str, args) -> dict:
     layers = load_config(model).n_layers
     cuts = [round(i * layers / nodes) for i in range(nodes + 1)]
     shards = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:])] if nodes > 1 else None
-    extra = shlex.split(args.exo_args) + (["--threads", str(max(1, args.threads // nodes))] if nodes > 1 else
-                                          ["--threads", str(args.threads)])
+    extra = shlex.split(args.exo_args) + (
+        ["--threads", str(max(1, args.threads // nodes))] if nodes > 1 else ["--threads", str(args.threads)]
+    )
     with Cluster(model, nodes, shards=shards, api_nodes=1, model_id=model_id, engine=None, extra=extra) as c:
         return measure(f"exo {nodes} node{'s' if nodes > 1 else ''}", c.nodes[0].api_url, model_id, args)
 
@@ -167,8 +218,11 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--answer", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--exo-args", default="--quantize none",
-                    help="exo node flags (default: the file's own Q4_1 blocks, as llama-server reads them)")
+    ap.add_argument(
+        "--exo-args",
+        default="--quantize none",
+        help="exo node flags (default: the file's own Q4_1 blocks, as llama-server reads them)",
+    )
     ap.add_argument("--servers", default="llama-server,exo1,exo3", help="which of llama-server, exo1, exo3 to run")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -176,19 +230,23 @@ def main() -> None:
     model, model_id = resolve_model("smollm2")
     print(f"model {model.name}; load {os.getloadavg()[0]:.1f}", flush=True)
     servers = args.servers.split(",")
-    results = [r for r in (run_llama_server(args.llama_server, model, args),) if r] if "llama-server" in servers \
-        else []
+    results = [r for r in (run_llama_server(args.llama_server, model, args),) if r] if "llama-server" in servers else []
     results += [run_exo(n, model, model_id, args) for n in (1, 3) if f"exo{n}" in servers]
     print("\n| server | " + " | ".join(f"{n} streams agg (per stream)" for n in args.streams) + " |")
     print("|---|" + "---|" * len(args.streams))
     for r in results:
-        print(f"| {r['server']} | " + " | ".join(f"{s['aggregate']:.0f} ({s['per_stream']:.0f})" for s in r["streams"])
-              + " |")
+        print(
+            f"| {r['server']} | "
+            + " | ".join(f"{s['aggregate']:.0f} ({s['per_stream']:.0f})" for s in r["streams"])
+            + " |"
+        )
     print("\n| server | TTFT per turn (s) | without a reusable prefix |\n|---|---|---|")
     for r in results:
         cold = r.get("multi_turn_cold")
-        print(f"| {r['server']} | {', '.join(f'{t:.2f}' for t in r['multi_turn']['ttft'])} | "
-              f"{', '.join(f'{t:.2f}' for t in cold['ttft']) if cold else '-'} |")
+        print(
+            f"| {r['server']} | {', '.join(f'{t:.2f}' for t in r['multi_turn']['ttft'])} | "
+            f"{', '.join(f'{t:.2f}' for t in cold['ttft']) if cold else '-'} |"
+        )
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

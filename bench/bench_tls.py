@@ -5,6 +5,7 @@
 Each figure is plaintext vs mTLS (the cluster-key credentials), median of the interleaved repeats, one client and one server
 in this process (as two nodes on one host would run, minus the second interpreter).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,9 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, channel_options
-from node.security import ClusterKey, generate_secret
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
+from node.security import ClusterKey, generate_secret
 
 
 class Sink(pb_grpc.NodeServiceServicer):
@@ -32,14 +33,24 @@ class Sink(pb_grpc.NodeServiceServicer):
 
 def result_message() -> pb.SendRequest:
     """The size of a streamed token: one id, a logprob, a 32-hex request id."""
-    return pb.SendRequest(results=[pb.SendResultRequest(request_id="0123456789abcdef0123456789abcdef",
-                                                              tokens=[pb.TokenResult(token=31337, logprob=-0.25)])])
+    return pb.SendRequest(
+        results=[
+            pb.SendResultRequest(
+                request_id="0123456789abcdef0123456789abcdef", tokens=[pb.TokenResult(token=31337, logprob=-0.25)]
+            )
+        ]
+    )
 
 
 def tensor_message(mib: int) -> pb.SendRequest:
     data = bytes(mib << 20)  # float32 activations, e.g. 256 tokens x 4096 hidden = 4 MiB
-    return pb.SendRequest(entries=[pb.TensorEntry(request_id="r", tensor=pb.Tensor(
-        data=data, shape=[len(data) // 16384, 4096], dtype="float32"))])
+    return pb.SendRequest(
+        entries=[
+            pb.TensorEntry(
+                request_id="r", tensor=pb.Tensor(data=data, shape=[len(data) // 16384, 4096], dtype="float32")
+            )
+        ]
+    )
 
 
 class Pair:
@@ -49,12 +60,15 @@ class Pair:
         self.key = key
         self.options = channel_options(DEFAULT_MAX_MESSAGE_BYTES)
 
-    async def __aenter__(self) -> "Pair":
+    async def __aenter__(self) -> Pair:
         self.server = grpc.aio.server(options=self.options)
         pb_grpc.add_NodeServiceServicer_to_server(Sink(), self.server)
         address = "127.0.0.1:0"
-        port = (self.server.add_secure_port(address, self.key.server_credentials("server")) if self.key
-                else self.server.add_insecure_port(address))
+        port = (
+            self.server.add_secure_port(address, self.key.server_credentials("server"))
+            if self.key
+            else self.server.add_insecure_port(address)
+        )
         self.address = f"127.0.0.1:{port}"
         await self.server.start()
         return self
@@ -65,8 +79,9 @@ class Pair:
     def channel(self) -> grpc.aio.Channel:
         if self.key is None:
             return grpc.aio.insecure_channel(self.address, options=self.options)
-        return grpc.aio.secure_channel(self.address, self.key.channel_credentials("client"),
-                                       options=self.options + self.key.channel_options())
+        return grpc.aio.secure_channel(
+            self.address, self.key.channel_credentials("client"), options=self.options + self.key.channel_options()
+        )
 
 
 async def timed(n: int, call: Callable[[], Awaitable]) -> tuple[float, float]:
@@ -88,6 +103,7 @@ async def on_a_stream(pair: Pair, n: int, msg: pb.SendRequest) -> tuple[float, f
     async def one():
         await call.write(msg)
         return await call.read()
+
     try:
         return await timed(n, one)
     finally:
@@ -106,6 +122,7 @@ async def new_connections(pair: Pair, n: int) -> tuple[float, float]:
             await pb_grpc.NodeServiceStub(channel).HealthCheck(pb.HealthCheckRequest(), timeout=10)
         finally:
             await channel.close()
+
     return await timed(n, connect_and_call)
 
 
@@ -115,9 +132,11 @@ async def bulk(pair: Pair, n: int, mib: int) -> tuple[float, float]:
 
 async def measure(calls: int, repeats: int) -> None:
     key = ClusterKey(generate_secret())
-    rows = [("SendResult-sized message", lambda p: small_calls(p, calls), f"{calls} sequential calls"),
-            ("new connection + HealthCheck", lambda p: new_connections(p, 100), "100 fresh channels"),
-            ("4 MiB activations", lambda p: bulk(p, 20, 4), "20 sequential calls")]
+    rows = [
+        ("SendResult-sized message", lambda p: small_calls(p, calls), f"{calls} sequential calls"),
+        ("new connection + HealthCheck", lambda p: new_connections(p, 100), "100 fresh channels"),
+        ("4 MiB activations", lambda p: bulk(p, 20, 4), "20 sequential calls"),
+    ]
     print(f"{'':30} {'plaintext wall / CPU':>22} {'mTLS wall / CPU':>22} {'extra CPU':>10}")
     for name, run, what in rows:
         samples: dict[str, list[tuple[float, float]]] = {"plain": [], "tls": []}
@@ -137,8 +156,8 @@ def cluster_decode(rounds: int, tokens: int, engine: str) -> None:
     from pathlib import Path
 
     from bench.bench_cluster import decode_rate, stream_stamps
-    from node.security import write_key_file
     from bench.local_cluster import Cluster
+    from node.security import write_key_file
 
     with tempfile.TemporaryDirectory() as tmp:
         key_file = Path(tmp) / "k"
@@ -146,24 +165,36 @@ def cluster_decode(rounds: int, tokens: int, engine: str) -> None:
         rates: dict[str, list[float]] = {"plaintext": [], "mutual TLS": []}
         for _ in range(rounds):
             for label, extra in (("plaintext", []), ("mutual TLS", ["--cluster-key-file", str(key_file)])):
-                with Cluster(Path("smollm2"), 3, shards=["0:10", "10:20", "20:30"], api_nodes=1,
-                             model_id="smollm2-135m-instruct", engine=engine,
-                             extra=[*(["--threads", "1"] if engine == "ggml" else []), *extra]) as c:
+                with Cluster(
+                    Path("smollm2"),
+                    3,
+                    shards=["0:10", "10:20", "20:30"],
+                    api_nodes=1,
+                    model_id="smollm2-135m-instruct",
+                    engine=engine,
+                    extra=[*(["--threads", "1"] if engine == "ggml" else []), *extra],
+                ) as c:
                     url = c.nodes[0].api_url
                     stream_stamps(url, "smollm2-135m-instruct", "warm up", 4)
-                    rates[label].append(decode_rate(stream_stamps(url, "smollm2-135m-instruct",
-                                                                  "Tell me about the sea.", tokens)))
+                    rates[label].append(
+                        decode_rate(stream_stamps(url, "smollm2-135m-instruct", "Tell me about the sea.", tokens))
+                    )
     plain, tls = (statistics.median(rates[k]) for k in ("plaintext", "mutual TLS"))
-    print(f"{engine}, 3 nodes, one stream: plaintext {plain:.1f} tok/s, mutual TLS {tls:.1f} tok/s "
-          f"({100 * (plain - tls) / plain:+.1f}% slower); rounds: {rates}")
+    print(
+        f"{engine}, 3 nodes, one stream: plaintext {plain:.1f} tok/s, mutual TLS {tls:.1f} tok/s "
+        f"({100 * (plain - tls) / plain:+.1f}% slower); rounds: {rates}"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--cluster", action="store_true",
-                    help="instead: decode speed of one stream through 3 nodes, with and without a key")
+    ap.add_argument(
+        "--cluster",
+        action="store_true",
+        help="instead: decode speed of one stream through 3 nodes, with and without a key",
+    )
     ap.add_argument("--engine", default="numpy", help="with --cluster (ggml: one thread per node)")
     args = ap.parse_args()
     if args.cluster:

@@ -7,6 +7,7 @@ vocabulary (<unk> <s> </s>, 256 byte tokens, then one piece per remaining id) so
 
     uv run python -m bench.ggml_models q8_0 q4_0      # -> ~/.cache/exo-node-bench/random357m-q8_0.gguf, ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,22 @@ TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "f32": Q.F32, "q2_k": Q.Q2_K, "q3_k_m":
 # Per-tensor exceptions, in outline of llama-quantize's recipes (which also vary by layer: these files are not
 # byte-identical to its output, but hold the same types in the same hot matmuls): Q3_K_M keeps attn_v and ffn_down in
 # Q4_K, Q2_K attn_v in Q4_K; the output head is Q6_K in all three.
-OVERRIDES = {"q3_k_m": {"attn_v": Q.Q4_K, "ffn_down": Q.Q4_K, "output": Q.Q6_K},
-             "q2_k": {"attn_v": Q.Q4_K, "output": Q.Q6_K}, "iq4_xs": {"output": Q.Q6_K}}
-NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+OVERRIDES = {
+    "q3_k_m": {"attn_v": Q.Q4_K, "ffn_down": Q.Q4_K, "output": Q.Q6_K},
+    "q2_k": {"attn_v": Q.Q4_K, "output": Q.Q6_K},
+    "iq4_xs": {"output": Q.Q6_K},
+}
+NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -10,6 +10,7 @@ the ggml engine. It runs in a throwaway venv of its own, never in exo-node's env
 Prints one JSON object. Flash attention on, unified KV for the 8-stream test, logits of the last row only in
 prefill. `--no-extra-bufts` keeps the weights out of llama.cpp's repacked (CPU_REPACK/AMX) buffers, as exo-node does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,15 +19,14 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 import llama_cpp
 import llama_cpp.llama_cpp as C
+import numpy as np
 
 N_SEQ = 8
 
 
-def load(path: str, threads: int, extra_bufts: bool, n_ctx: int = 2048) -> "llama_cpp.Llama":
+def load(path: str, threads: int, extra_bufts: bool, n_ctx: int = 2048) -> llama_cpp.Llama:
     original_mp, original_cp = C.llama_model_default_params, C.llama_context_default_params
 
     def model_params():
@@ -41,8 +41,17 @@ def load(path: str, threads: int, extra_bufts: bool, n_ctx: int = 2048) -> "llam
 
     C.llama_model_default_params, C.llama_context_default_params = model_params, context_params
     try:
-        return llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=1024, n_ubatch=1024, n_threads=threads,
-                               n_threads_batch=threads, flash_attn=True, logits_all=False, verbose=False)
+        return llama_cpp.Llama(
+            path,
+            n_ctx=n_ctx,
+            n_batch=1024,
+            n_ubatch=1024,
+            n_threads=threads,
+            n_threads_batch=threads,
+            flash_attn=True,
+            logits_all=False,
+            verbose=False,
+        )
     finally:
         C.llama_model_default_params, C.llama_context_default_params = original_mp, original_cp
 
@@ -131,9 +140,9 @@ def logits(args) -> dict:
     ids = json.loads(open(args.tokens).read())
     r = Runner(load(args.model, args.threads, not args.no_extra_bufts, n_ctx=max(2048, len(ids))))
     chunk = args.chunk or len(ids)  # --chunk: batches of at most this many rows (ggml's flash attention kernel
-    rows = []                       # changes at 64 rows, and with it the summation order)
+    rows = []  # changes at 64 rows, and with it the summation order)
     for start in range(0, len(ids), chunk):
-        part = ids[start:start + chunk]
+        part = ids[start : start + chunk]
         r.decode([(t, start + i, 0, True) for i, t in enumerate(part)])
         rows += [r.logits(i).copy() for i in range(len(part))]  # a view of llama.cpp's buffer otherwise
     rows = np.stack(rows)

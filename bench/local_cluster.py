@@ -3,6 +3,7 @@
 The one launcher for the benchmarks here and the tests (tests/support/cluster.py re-uses it): bench/ never imports
 tests/, so what both need lives on this side.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,9 @@ class NodeProc:
         return "".join(self.lines)
 
 
-def http(method: str, url: str, body: dict | None = None, timeout: float = 60, key: str | None = None) -> tuple[int, dict]:
+def http(
+    method: str, url: str, body: dict | None = None, timeout: float = 60, key: str | None = None
+) -> tuple[int, dict]:
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
@@ -55,11 +58,22 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 60, k
 class Cluster:
     """`with Cluster(model_dir, n=3, shards=[...]) as c:` -> n nodes, each peered with all others."""
 
-    def __init__(self, model_dir: Path, n: int, shards: list[str] | None = None, memory_gb: list[float] | None = None,
-                 extra: list[str] | None = None, api_nodes: int | None = None, api_key: str | None = None,
-                 static_peers: bool = True, ports: list[int] | None = None,
-                 per_node: list[list[str]] | None = None, model_id: str | None = None, entry_late_by: float = 0,
-                 engine: str | None = "numpy"):
+    def __init__(
+        self,
+        model_dir: Path,
+        n: int,
+        shards: list[str] | None = None,
+        memory_gb: list[float] | None = None,
+        extra: list[str] | None = None,
+        api_nodes: int | None = None,
+        api_key: str | None = None,
+        static_peers: bool = True,
+        ports: list[int] | None = None,
+        per_node: list[list[str]] | None = None,
+        model_id: str | None = None,
+        entry_late_by: float = 0,
+        engine: str | None = "numpy",
+    ):
         self.model_dir, self.n, self.api_key, self.static_peers = model_dir, n, api_key, static_peers
         self.model_id = model_id or Path(model_dir).name  # the API's model id (a packaged model's differs)
         self.shards, self.memory_gb, self.extra = shards, memory_gb, extra or []
@@ -72,7 +86,7 @@ class Cluster:
         # cluster tests compare against float32 references token for token.
         self.engine = engine
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         try:
             ports = self.ports = self.ports or [free_port() for _ in range(self.n)]
             order = [*range(1, self.n), 0] if self.entry_late_by else range(self.n)
@@ -91,9 +105,23 @@ class Cluster:
         return self
 
     def _start(self, i: int, port: int, peer_ports: list[int]) -> NodeProc:
-        args = [sys.executable, "-m", "node.cli", "--model", str(self.model_dir), "--host", "127.0.0.1",
-                "--grpc-port", str(port), "--node-id", f"node{i}", "--log-level", "warning",
-                "--discovery", "none"]  # tests never broadcast on the machine's real network
+        args = [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "--model",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(port),
+            "--node-id",
+            f"node{i}",
+            "--log-level",
+            "warning",
+            "--discovery",
+            "none",
+        ]  # tests never broadcast on the machine's real network
         if self.static_peers:
             args += ["--peers", ",".join(f"127.0.0.1:{p}" for p in peer_ports)]
         args += ["--api-port", "0"] if i < self.api_nodes else ["--no-api"]
@@ -107,8 +135,14 @@ class Cluster:
             args += self.per_node[i]
         if self.engine and "--engine" not in args + self.extra:
             args += ["--engine", self.engine]
-        proc = subprocess.Popen(args + self.extra, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            args + self.extra,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         node = NodeProc(proc, port)
         threading.Thread(target=self._pump, args=(node,), daemon=True).start()
         return node

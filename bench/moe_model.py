@@ -8,6 +8,7 @@ runtimes load it. Default shape (383M parameters, 36M active per token): hidden 
 
     uv run python -m bench.moe_model       # -> ~/.cache/exo-node-bench/random-qwen3moe-6x32x512-q4_k.gguf
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,7 @@ from gguf import GGMLQuantizationType as Q
 
 from bench.ggml_models import CACHE
 
-SHAPE = dict(hidden=1024, layers=6, heads=16, kv_heads=4, head_dim=64, experts=32, used=4, expert_ff=512,
-             vocab=32000)
+SHAPE = dict(hidden=1024, layers=6, heads=16, kv_heads=4, head_dim=64, experts=32, used=4, expert_ff=512, vocab=32000)
 
 
 def random_qwen3moe(seed: int = 0, **shape) -> Path:

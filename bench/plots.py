@@ -1,8 +1,9 @@
 """PNG plots of the benchmarks' results (matplotlib: the `bench` dependency group, never a runtime dependency).
 
-    uv run --group bench python -m bench.bench_cluster     # writes bench/plots/concurrency.png and nodes.png
-    uv run --group bench python -m bench.bench_engine --engine numpy,tinygrad,mlx   # bench/plots/engines.png
+uv run --group bench python -m bench.bench_cluster     # writes bench/plots/concurrency.png and nodes.png
+uv run --group bench python -m bench.bench_engine --engine numpy,tinygrad,mlx   # bench/plots/engines.png
 """
+
 from __future__ import annotations
 
 import json

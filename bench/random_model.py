@@ -3,6 +3,7 @@
 Default shape: hidden 2048, 8 layers, 32 heads / 4 kv heads, intermediate 3072, vocab 32000 -> 357.6M params,
 the model the project's speed bar was measured on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,14 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-MID = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
-           intermediate_size=3072, vocab_size=32000)
+MID = dict(
+    hidden_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    intermediate_size=3072,
+    vocab_size=32000,
+)
 
 
 def write_random_llama(out: Path, seed: int = 0, **shape) -> Path:
@@ -21,9 +28,17 @@ def write_random_llama(out: Path, seed: int = 0, **shape) -> Path:
     tensors = random_llama_tensors(seed, **s)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "model.safetensors")
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
-              "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-              "bos_token_id": 1, "eos_token_id": 2, **s}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **s,
+    }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     write_word_tokenizer(out, s["vocab_size"])
     return out
@@ -40,8 +55,11 @@ def random_llama_tensors(seed: int = 0, **shape) -> dict[str, np.ndarray]:
     def mat(*shape):
         return (rng.standard_normal(shape, dtype=np.float32) * (1 / np.sqrt(shape[-1]))).astype(np.float32)
 
-    tensors = {"model.embed_tokens.weight": mat(vocab, h), "lm_head.weight": mat(vocab, h),
-               "model.norm.weight": np.ones(h, np.float32)}
+    tensors = {
+        "model.embed_tokens.weight": mat(vocab, h),
+        "lm_head.weight": mat(vocab, h),
+        "model.norm.weight": np.ones(h, np.float32),
+    }
     for i in range(n_layers):
         p = f"model.layers.{i}."
         tensors |= {

@@ -4,6 +4,7 @@
 
 Needs Debian's chromium and chromium-driver (as the browser tests do).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,9 +14,9 @@ from pathlib import Path
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.wait import WebDriverWait
 
-from node.cli import DEMO_MODEL
 from bench.browser import chromium
 from bench.local_cluster import ROOT, Cluster
+from node.cli import DEMO_MODEL
 
 PROMPT = "And God said, Let there be"
 
@@ -34,8 +35,9 @@ def main() -> None:
             element.clear()
             element.send_keys(value)
         driver.find_element(By.ID, "send").click()
-        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".message.assistant").get_attribute("data-state")
-                   == "done")
+        wait.until(
+            lambda d: d.find_element(By.CSS_SELECTOR, ".message.assistant").get_attribute("data-state") == "done"
+        )
         time.sleep(3)  # peers' counters reach the page through a health check: a poll or two later they're current
         args.out.parent.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(args.out))

@@ -1,4 +1,5 @@
 """`host:port` endpoints: the one parser every part of exo-node uses for them."""
+
 from __future__ import annotations
 
 

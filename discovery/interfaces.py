@@ -1,4 +1,5 @@
 """This host's IPv4 interfaces (address and broadcast), without sending any traffic."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -22,7 +23,9 @@ def ipv4_interfaces(include_loopback: bool = False) -> list[Interface]:
             addr = socket.gethostbyname(socket.gethostname())
         except OSError:
             return []
-        return [] if addr.startswith("127.") and not include_loopback else [Interface("default", addr, "255.255.255.255")]
+        return (
+            [] if addr.startswith("127.") and not include_loopback else [Interface("default", addr, "255.255.255.255")]
+        )
     import fcntl
 
     out = []

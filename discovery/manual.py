@@ -6,6 +6,7 @@
 `capabilities` is optional and informational: a peer's own HealthCheck answer is what the node uses.
 A broken file is reported and the last good list kept (at start-up, with no good list yet, it is an error).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,7 @@ def parse_config(text: str, source: str) -> list[ManualPeer]:
         raise ManualConfigError(f"{source}: not valid JSON: {e}") from None
     peers = obj.get("peers") if isinstance(obj, dict) else None
     if not isinstance(peers, list) or len(peers) > MAX_PEERS:
-        raise ManualConfigError(f"{source}: expected {{\"peers\": [...]}} with at most {MAX_PEERS} entries")
+        raise ManualConfigError(f'{source}: expected {{"peers": [...]}} with at most {MAX_PEERS} entries')
     out = []
     for i, p in enumerate(peers):
         where = f"{source}: peers[{i}]"

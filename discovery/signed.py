@@ -22,6 +22,7 @@ packet's source, so someone on the LAN who replays a member's fresh packet befor
 make us health-check the wrong address; that HealthCheck runs over mutual TLS and fails, so the worst case is a
 peer missing until its next announcement, which such an on-path attacker could cause by dropping packets anyway.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -58,8 +59,13 @@ def is_signed(packet: bytes) -> bool:
 class PacketAuth:
     """Signs outgoing payloads and opens incoming packets for one discovery key."""
 
-    def __init__(self, key: bytes, window: float = WINDOW_S, clock: Callable[[], float] = time.time,
-                 max_remembered: int = MAX_REMEMBERED):
+    def __init__(
+        self,
+        key: bytes,
+        window: float = WINDOW_S,
+        clock: Callable[[], float] = time.time,
+        max_remembered: int = MAX_REMEMBERED,
+    ):
         if not isinstance(key, bytes) or len(key) < MIN_KEY_BYTES:
             raise ValueError(f"a discovery key is at least {MIN_KEY_BYTES} bytes")
         self._key, self.window, self.clock, self.max_remembered = key, window, clock, max_remembered
@@ -86,7 +92,7 @@ class PacketAuth:
         body, tag = packet[:-TAG_BYTES], packet[-TAG_BYTES:]
         if not hmac.compare_digest(self._tag(body), tag):
             raise Rejected("bad_signature")
-        (stamp_ms,) = struct.unpack(">Q", body[len(MAGIC):len(MAGIC) + 8])
+        (stamp_ms,) = struct.unpack(">Q", body[len(MAGIC) : len(MAGIC) + 8])
         now = self.clock()
         age = now - stamp_ms / 1000
         if age > self.window:
@@ -95,7 +101,7 @@ class PacketAuth:
             raise Rejected("future")
         if stamp_ms < int(self.started * 1000):  # at the stamps' resolution (ms, truncated)
             raise Rejected("stale")  # signed before we started: we can't know whether we saw its nonce
-        nonce = body[len(MAGIC) + 8:HEADER_BYTES]
+        nonce = body[len(MAGIC) + 8 : HEADER_BYTES]
         self._forget_expired(now)
         if nonce in self._seen:
             raise Rejected("replayed")

@@ -1,4 +1,5 @@
 """Static peers: a fixed list of gRPC endpoints given on the command line (`--peers HOST:PORT,...`)."""
+
 from __future__ import annotations
 
 from discovery.address import parse_address

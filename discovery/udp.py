@@ -11,6 +11,7 @@ before, and *signed* packets are dropped and counted (`udp_signed_ignored`) with
 cannot check them, and their senders only accept TLS peers holding the key, so taking them would only make us
 health-check nodes we can never join. The warning tells the operator this node is missing the cluster key.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,9 +44,17 @@ class Announcement:
     memory_bytes: int
 
     def encode(self) -> bytes:
-        return json.dumps({"app": APP, "v": VERSION, "node_id": self.node_id, "grpc_port": self.grpc_port,
-                           "model_id": self.model_id, "engine": self.engine,
-                           "memory_bytes": self.memory_bytes}).encode()
+        return json.dumps(
+            {
+                "app": APP,
+                "v": VERSION,
+                "node_id": self.node_id,
+                "grpc_port": self.grpc_port,
+                "model_id": self.model_id,
+                "engine": self.engine,
+                "memory_bytes": self.memory_bytes,
+            }
+        ).encode()
 
 
 class BadPacket(ValueError):
@@ -63,8 +72,9 @@ def parse_announcement(data: bytes) -> Announcement:
         raise BadPacket("not an exo-node announcement")
     if obj.get("v") != VERSION:
         raise BadPacket(f"unsupported version {obj.get('v')!r}")
-    node_id, port, model, engine, memory = (obj.get(k) for k in
-                                            ("node_id", "grpc_port", "model_id", "engine", "memory_bytes"))
+    node_id, port, model, engine, memory = (
+        obj.get(k) for k in ("node_id", "grpc_port", "model_id", "engine", "memory_bytes")
+    )
     if not isinstance(node_id, str) or not _ID.match(node_id):
         raise BadPacket("bad node_id")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
@@ -77,8 +87,15 @@ def parse_announcement(data: bytes) -> Announcement:
 
 
 class UdpDiscovery:
-    def __init__(self, announcement: Callable[[], Announcement], port: int = 5678, interval: float = 1.0,
-                 timeout: float = 5.0, interfaces: list[str] | None = None, key: bytes | None = None):
+    def __init__(
+        self,
+        announcement: Callable[[], Announcement],
+        port: int = 5678,
+        interval: float = 1.0,
+        timeout: float = 5.0,
+        interfaces: list[str] | None = None,
+        key: bytes | None = None,
+    ):
         self.announcement, self.port, self.interval, self.timeout = announcement, port, interval, timeout
         self.allowed = interfaces  # None: every non-loopback IPv4 interface
         self.auth = PacketAuth(key) if key is not None else None
@@ -149,8 +166,11 @@ class UdpDiscovery:
             self.stats["udp_signed_ignored"] += 1
             if not self._warned_signed:
                 self._warned_signed = True
-                log.warning("heard signed discovery announcements (from %s) but this node has no cluster key: "
-                            "they are ignored; start it with --cluster-key-file to join that cluster", addr[0])
+                log.warning(
+                    "heard signed discovery announcements (from %s) but this node has no cluster key: "
+                    "they are ignored; start it with --cluster-key-file to join that cluster",
+                    addr[0],
+                )
             return
         try:
             a = parse_announcement(data)

@@ -9,6 +9,7 @@ activations go from shard to shard over gRPC; the last shard samples the next to
 30 layers split evenly over three nodes. matplotlib is only in the `bench` dependency group, like the plots in
 bench/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,16 +49,38 @@ def centre(i: int) -> tuple[float, float]:
 
 def draw_box(ax, xy: tuple[float, float], title: str, detail: str, *, colour: str, width: float = BOX_W) -> None:
     x, y = xy
-    ax.add_patch(FancyBboxPatch((x - width / 2, y - BOX_H / 2), width, BOX_H,
-                                boxstyle="round,pad=0.05,rounding_size=0.15",
-                                facecolor=colour, edgecolor="#333333", linewidth=1.4, zorder=3))
+    ax.add_patch(
+        FancyBboxPatch(
+            (x - width / 2, y - BOX_H / 2),
+            width,
+            BOX_H,
+            boxstyle="round,pad=0.05,rounding_size=0.15",
+            facecolor=colour,
+            edgecolor="#333333",
+            linewidth=1.4,
+            zorder=3,
+        )
+    )
     ax.text(x, y + BOX_H / 2 - 0.28, title, ha="center", va="center", fontsize=13, fontweight="bold", zorder=4)
     ax.text(x, y - 0.22, detail, ha="center", va="center", fontsize=10, linespacing=1.25, zorder=4)
 
 
 def arrow(ax, start, end, *, rad: float, style: str = "-", colour: str = "#1f4e79", width: float = 2.0) -> None:
-    ax.add_patch(FancyArrowPatch(start, end, connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>", mutation_scale=22,
-                                 linewidth=width, linestyle=style, color=colour, shrinkA=4, shrinkB=4, zorder=2))
+    ax.add_patch(
+        FancyArrowPatch(
+            start,
+            end,
+            connectionstyle=f"arc3,rad={rad}",
+            arrowstyle="-|>",
+            mutation_scale=22,
+            linewidth=width,
+            linestyle=style,
+            color=colour,
+            shrinkA=4,
+            shrinkB=4,
+            zorder=2,
+        )
+    )
 
 
 def edge_point(i: int, towards: tuple[float, float]) -> tuple[float, float]:
@@ -82,31 +105,74 @@ def draw(out: Path) -> None:
         ca, cb = centre(a), centre(b)
         arrow(ax, edge_point(a, cb), edge_point(b, ca), rad=-0.32)
         mx, my = (ca[0] + cb[0]) / 2, (ca[1] + cb[1]) / 2
-        ax.text(mx + lx, my + ly, label, ha="center", va="center", fontsize=10.5, color="#1f4e79",
-                bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none"), zorder=5)
+        ax.text(
+            mx + lx,
+            my + ly,
+            label,
+            ha="center",
+            va="center",
+            fontsize=10.5,
+            color="#1f4e79",
+            bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none"),
+            zorder=5,
+        )
 
     # the last shard also hands the token to the first shard: the next decode step's input
     last, first = centre(3), centre(1)
-    arrow(ax, (last[0] + BOX_W / 2 + 0.1, last[1] - 0.3), (first[0] - BOX_W / 2 - 0.1, first[1] - 0.3), rad=0.0,
-          style="--", colour="#b05a00", width=1.6)
-    ax.text(0, -0.95, "the same token to the first\nshard: the next step's input", ha="center", va="center",
-            fontsize=9.5, color="#b05a00", zorder=5)
+    arrow(
+        ax,
+        (last[0] + BOX_W / 2 + 0.1, last[1] - 0.3),
+        (first[0] - BOX_W / 2 - 0.1, first[1] - 0.3),
+        rad=0.0,
+        style="--",
+        colour="#b05a00",
+        width=1.6,
+    )
+    ax.text(
+        0,
+        -0.95,
+        "the same token to the first\nshard: the next step's input",
+        ha="center",
+        va="center",
+        fontsize=9.5,
+        color="#b05a00",
+        zorder=5,
+    )
 
     # the client, outside the ring
     client = (-7.0, 3.4)
     draw_box(ax, client, "client", "curl, the openai client,\nthe web page", colour="#eeeeee", width=2.9)
     entry = centre(0)
-    arrow(ax, (client[0] + 1.5, client[1] + 0.35), (entry[0] - BOX_W / 2 - 0.1, entry[1] + 0.35), rad=0.0,
-          colour="#444444", width=1.8)
-    arrow(ax, (entry[0] - BOX_W / 2 - 0.1, entry[1] - 0.35), (client[0] + 1.5, client[1] - 0.35), rad=0.0,
-          colour="#444444", width=1.8)
+    arrow(
+        ax,
+        (client[0] + 1.5, client[1] + 0.35),
+        (entry[0] - BOX_W / 2 - 0.1, entry[1] + 0.35),
+        rad=0.0,
+        colour="#444444",
+        width=1.8,
+    )
+    arrow(
+        ax,
+        (entry[0] - BOX_W / 2 - 0.1, entry[1] - 0.35),
+        (client[0] + 1.5, client[1] - 0.35),
+        rad=0.0,
+        colour="#444444",
+        width=1.8,
+    )
     ax.text((client[0] + entry[0]) / 2 - 0.2, entry[1] + 0.6, "POST /v1/chat/completions", ha="center", fontsize=10)
     ax.text((client[0] + entry[0]) / 2 - 0.2, entry[1] - 0.75, "tokens streamed back (SSE)", ha="center", fontsize=10)
 
     ax.text(-1.8, 5.3, "One request around the ring", ha="center", fontsize=16, fontweight="bold")
-    ax.text(-8.6, -4.75, "Every node batches the rows of all requests it serves into one forward pass.\n"
-            "A lost node: the entry replays the request on a new plan over the nodes still alive.",
-            ha="left", va="center", fontsize=9.5, color="#444444")
+    ax.text(
+        -8.6,
+        -4.75,
+        "Every node batches the rows of all requests it serves into one forward pass.\n"
+        "A lost node: the entry replays the request on a new plan over the nodes still alive.",
+        ha="left",
+        va="center",
+        fontsize=9.5,
+        color="#444444",
+    )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, bbox_inches="tight", facecolor="white")

@@ -1,4 +1,5 @@
 """`exo-node`: start a node that serves a model, alone or together with its peers."""
+
 from __future__ import annotations
 
 import os
@@ -21,10 +22,6 @@ from aiohttp import web
 from discovery.manual import ManualDiscovery
 from discovery.static import StaticDiscovery, parse_peers
 from discovery.udp import Announcement, UdpDiscovery
-from shards.engines.registry import engine_factory, resolve as resolve_engine
-from shards.formats.loader import load_config
-from shards.formats.packaged import default_quantize, list_models
-
 from node.core.topology import Availability
 from node.fetch import startup as fetching
 from node.fetch.fetcher import Fetcher
@@ -39,6 +36,10 @@ from node.runtime.node import Node
 from node.runtime.settings import ServedModel
 from node.security import ClusterKey, keygen_main, load_secret
 from node.settings import DEMO_MODEL, GrpcSettings, HttpSettings, Machine, parse_args, settings_from_args
+from shards.engines.registry import engine_factory
+from shards.engines.registry import resolve as resolve_engine
+from shards.formats.loader import load_config
+from shards.formats.packaged import default_quantize, list_models
 
 __all__ = ["DEMO_MODEL", "main", "parse_args", "run"]
 log = logging.getLogger("exo-node")
@@ -52,8 +53,16 @@ def make_discoveries(args: argparse.Namespace, announcement: Announcement, key: 
         found.append(ManualDiscovery(args.discovery_config))
     elif args.discovery == "udp":
         interfaces = [i.strip() for i in args.discovery_interfaces.split(",")] if args.discovery_interfaces else None
-        found.append(UdpDiscovery(lambda: announcement, args.discovery_port, args.discovery_interval,
-                                  args.discovery_timeout, interfaces, key=key.discovery_key() if key else None))
+        found.append(
+            UdpDiscovery(
+                lambda: announcement,
+                args.discovery_port,
+                args.discovery_interval,
+                args.discovery_timeout,
+                interfaces,
+                key=key.discovery_key() if key else None,
+            )
+        )
     return found
 
 
@@ -61,8 +70,9 @@ async def serve_api(stack: AsyncExitStack, http: HttpSettings, node: Node) -> st
     # keepalive_timeout also bounds how long a client may take to send a request's headers (aiohttp arms it when the
     # connection opens and incoming bytes don't reset it): slow-header clients can't hold connections open.
     http_logs.install()  # unparseable requests: one line each, no traceback
-    runner = web.AppRunner(Api(node, http.api).app(), handler_cancellation=True, access_log=None,
-                           keepalive_timeout=http.header_timeout)
+    runner = web.AppRunner(
+        Api(node, http.api).app(), handler_cancellation=True, access_log=None, keepalive_timeout=http.header_timeout
+    )
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     await web.TCPSite(runner, http.host, http.port).start()
@@ -73,15 +83,22 @@ async def serve_api(stack: AsyncExitStack, http: HttpSettings, node: Node) -> st
 def say_who_can_connect(grpc: GrpcSettings, key: ClusterKey | None) -> None:
     """Without a cluster key anyone who reaches the gRPC port can use the node: say so, and how to fix it."""
     if key:
-        log.info("cluster key %s: only nodes holding it can talk to this one (mutual TLS, signed discovery)",
-                 key.fingerprint)
+        log.info(
+            "cluster key %s: only nodes holding it can talk to this one (mutual TLS, signed discovery)", key.fingerprint
+        )
     elif grpc.host in ("127.0.0.1", "::1", "localhost"):
-        log.warning("no cluster key: gRPC listens on %s only, so peers on other machines can't reach this node. "
-                    "For a cluster: `exo-node keygen` once, then --cluster-key-file on every node", grpc.host)
+        log.warning(
+            "no cluster key: gRPC listens on %s only, so peers on other machines can't reach this node. "
+            "For a cluster: `exo-node keygen` once, then --cluster-key-file on every node",
+            grpc.host,
+        )
     else:
-        log.warning("no cluster key: ANYONE who can reach gRPC port %s:%s can use this node and read the prompts "
-                    "and activations passing through it. Use `exo-node keygen` and --cluster-key-file",
-                    grpc.host, grpc.port)
+        log.warning(
+            "no cluster key: ANYONE who can reach gRPC port %s:%s can use this node and read the prompts "
+            "and activations passing through it. Use `exo-node keygen` and --cluster-key-file",
+            grpc.host,
+            grpc.port,
+        )
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -101,25 +118,32 @@ async def run(args: argparse.Namespace) -> int:
     tls = key.tls(node_id) if key else None  # a ValueError for a node id that cannot go in a certificate
     # The largest message a peer may send is what the model implies (a fetched model's is known only later: the
     # default then). gRPC reads a message whole before any check, so this is the bound on what a peer makes us hold.
-    bound = DEFAULT_MAX_MESSAGE_BYTES if model_path is None else \
-        message_bound((config := load_config(model_path)).hidden_size, config.max_position_embeddings)
-    settings = dataclasses.replace(settings, node=dataclasses.replace(settings.node,
-                                                                      max_tensor_bytes=bound - (1 << 20)))
+    bound = (
+        DEFAULT_MAX_MESSAGE_BYTES
+        if model_path is None
+        else message_bound((config := load_config(model_path)).hidden_size, config.max_position_embeddings)
+    )
+    settings = dataclasses.replace(
+        settings, node=dataclasses.replace(settings.node, max_tensor_bytes=bound - (1 << 20))
+    )
     async with AsyncExitStack() as stack:
         server = GrpcServer(settings.grpc.host, settings.grpc.port, bound, tls)  # binds now
         stack.push_async_callback(server.stop)
         address = f"{settings.grpc.advertise_host}:{server.port}"
         transport = GrpcTransport(bound, tls=tls)
         stack.push_async_callback(transport.close)
-        discoveries = make_discoveries(args, Announcement(node_id, server.port, model_id, settings.node.engine,
-                                                          memory), key)
+        discoveries = make_discoveries(
+            args, Announcement(node_id, server.port, model_id, settings.node.engine, memory), key
+        )
         board = fetching.PeerBoard()  # membership's view until the node exists
-        membership = Membership(node_id, address, transport, discoveries, board.update,
-                                interval=args.discovery_interval)
+        membership = Membership(
+            node_id, address, transport, discoveries, board.update, interval=args.discovery_interval
+        )
         stack.push_async_callback(membership.stop)
         fetch_counters = fetching.fetch_counters()
-        fetcher = Fetcher(model_id, transport, fetching.sources_from(lambda: board.peers, model_id),
-                          counters=fetch_counters)
+        fetcher = Fetcher(
+            model_id, transport, fetching.sources_from(lambda: board.peers, model_id), counters=fetch_counters
+        )
         copy = None
         if model_path is None:  # a model this node doesn't have: find a peer that has it, fetch its metadata first
             await membership.start()
@@ -127,15 +151,26 @@ async def run(args: argparse.Namespace) -> int:
             model_path = copy.root
         model = ServedModel.load(model_id, model_path)
         if copy is not None and model.config.n_layers != copy.manifest.n_layers:
-            raise ValueError(f"{model_path}: the config has {model.config.n_layers} layers, the peers' manifest "
-                             f"{copy.manifest.n_layers}")
+            raise ValueError(
+                f"{model_path}: the config has {model.config.n_layers} layers, the peers' manifest "
+                f"{copy.manifest.n_layers}"
+            )
         source = fetching.weight_source(args, model_path, model_id, model.config.n_layers, copy=copy)
         stack.callback(source.close)
         follower = Follower(copy, fetcher, fetch_counters) if copy is not None else None
-        node = Node(settings.node, model, address=address, engines=engines, transport=transport,
-                    availability=follower.availability if follower is not None else Availability,
-                    stat_sources=[*(d.stats for d in discoveries if isinstance(d, UdpDiscovery)), fetch_counters,
-                                  source.counters])
+        node = Node(
+            settings.node,
+            model,
+            address=address,
+            engines=engines,
+            transport=transport,
+            availability=follower.availability if follower is not None else Availability,
+            stat_sources=[
+                *(d.stats for d in discoveries if isinstance(d, UdpDiscovery)),
+                fetch_counters,
+                source.counters,
+            ],
+        )
         stack.push_async_callback(node.stop)
         node.start()
         await server.start(node, source)

@@ -1,4 +1,5 @@
 """Generation over a chain of shard engines held in one process (reference path, tests, one-shot CLI)."""
+
 from __future__ import annotations
 
 import uuid
@@ -10,7 +11,9 @@ from shards.engines.base import Engine, StepInput
 from shards.sampling import SampleResult, SamplerState, SamplingParams
 
 
-def chain_forward(engines: Sequence[Engine], request_id: str, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
+def chain_forward(
+    engines: Sequence[Engine], request_id: str, tokens: np.ndarray, all_logits: bool = False
+) -> np.ndarray:
     """Run `tokens` through every shard in order; returns the last shard's logits."""
     out: np.ndarray | None = None
     for i, engine in enumerate(engines):

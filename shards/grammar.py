@@ -11,6 +11,7 @@ every step, so a hostile schema fails with an error instead of stalling a node. 
 thread (llguidance releases the GIL) right after the previous token is consumed, i.e. while the next forward pass
 runs, never on the event loop.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,15 @@ MAX_PREFIX_TOKENS = 1 << 20
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 # Per-step work bounds: a schema whose lexer or parser needs more fails (stop reason ParserTooComplex or
 # LexerTooComplex) rather than holding the sampling node. Errors never echo the grammar back (verbose_errors).
-LIMITS = LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
-                        step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
-                        verbose_errors=False)
+LIMITS = LLParserLimits(
+    max_items_in_row=2000,
+    initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=200_000,
+    step_max_items=50_000,
+    max_lexer_states=250_000,
+    max_grammar_size=500_000,
+    verbose_errors=False,
+)
 # Compact JSON: free whitespace is unbounded in JSON, and a small model can emit newlines forever.
 _COMPACT = {"whitespace_flexible": False}
 
@@ -99,9 +106,17 @@ def json_object_grammar() -> str:
 
 def tool_call_schema(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """One call: {"name": <a tool's name>, "arguments": <that tool's parameters>}."""
-    return {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": closed_objects(params)},
-                       "required": ["name", "arguments"], "additionalProperties": False}
-                      for name, params in tools]}
+    return {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": closed_objects(params)},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name, params in tools
+        ]
+    }
 
 
 def tool_call_grammar(tools: list[tuple[str, dict[str, Any]]], *, required: bool, parallel: bool) -> str:
@@ -117,16 +132,18 @@ def tool_call_grammar(tools: list[tuple[str, dict[str, Any]]], *, required: bool
     call = json.dumps({"x-guidance": _COMPACT, **tool_call_schema(tools)})
     more = " (SEP body)*" if parallel else ""
     start = f"start: OPEN body{more}" if required else f"start: TEXT | trig body{more}"
-    lark = "\n".join([
-        "%llguidance {}",
-        start,
-        "TEXT: /(.|\\n)*/",
-        f"trig[lazy]: TEXT {json.dumps(TOOL_OPEN)}",
-        f"OPEN: {json.dumps(TOOL_OPEN)}",
-        f"SEP: /\\n?{TOOL_OPEN}/",  # bounded: whitespace between calls could run forever
-        f"body: \"\\n\" %json {call} {json.dumps(chr(10) + TOOL_CLOSE)}",
-        "",
-    ])
+    lark = "\n".join(
+        [
+            "%llguidance {}",
+            start,
+            "TEXT: /(.|\\n)*/",
+            f"trig[lazy]: TEXT {json.dumps(TOOL_OPEN)}",
+            f"OPEN: {json.dumps(TOOL_OPEN)}",
+            f"SEP: /\\n?{TOOL_OPEN}/",  # bounded: whitespace between calls could run forever
+            f'body: "\\n" %json {call} {json.dumps(chr(10) + TOOL_CLOSE)}',
+            "",
+        ]
+    )
     return LLMatcher.grammar_from_lark(lark)
 
 
@@ -190,7 +207,7 @@ class Matcher:
         """The next token's mask as one bool per token id (unpacked here, on the grammar thread, too)."""
         mask = np.zeros(self._words, dtype=np.int32)
         self._m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)  # releases the GIL
-        return np.unpackbits(mask.view(np.uint8), bitorder="little").astype(bool)[:self.tokenizer.vocab_size]
+        return np.unpackbits(mask.view(np.uint8), bitorder="little").astype(bool)[: self.tokenizer.vocab_size]
 
     def _prefetch(self) -> None:
         self._next = self.executor.submit(self._fill) if self.executor is not None else None

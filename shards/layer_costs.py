@@ -6,6 +6,7 @@ several layers of a small model. Costs are parameter counts: within one file the
 uniform, so they are proportional to the bytes. Dense models keep the plain layer-count split (None here): their
 layers are equal, and the cluster's established splits (and the operators' expectations) stay as they were.
 """
+
 from __future__ import annotations
 
 from shards.formats.config import ModelConfig

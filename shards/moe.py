@@ -6,6 +6,7 @@ matmuls are one backend operation (`MoEBackend.moe`): the ggml engine does them 
 ggml_mul_mat_id on the experts' quantized blocks, as llama.cpp does; the numpy engine routes on the host and
 multiplies each used expert once per step. A node that holds a layer holds all its experts.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -25,23 +26,29 @@ class UnsupportedMoE(ValueError):
 def check_engine(engine: str, cfg: ModelConfig) -> None:
     """At start-up: refuse a mixture of experts on an engine that cannot run it (rather than at the first load)."""
     if cfg.moe is not None and engine not in MOE_ENGINES:
-        raise UnsupportedMoE(f"{cfg.architecture} is a mixture of experts, which the {engine} engine does not run; "
-                             f"use --engine {', '.join(MOE_ENGINES)}")
+        raise UnsupportedMoE(
+            f"{cfg.architecture} is a mixture of experts, which the {engine} engine does not run; "
+            f"use --engine {', '.join(MOE_ENGINES)}"
+        )
 
 
 class SparseMoE:
     def __init__(self, ops: Backend, cfg: ModelConfig, w: LayerWeights):
         if not isinstance(ops, MoEBackend):
-            raise UnsupportedMoE(f"{cfg.architecture} is a mixture of experts, which the {ops.name} engine does "
-                                 f"not run; use --engine {', '.join(MOE_ENGINES)}")
+            raise UnsupportedMoE(
+                f"{cfg.architecture} is a mixture of experts, which the {ops.name} engine does "
+                f"not run; use --engine {', '.join(MOE_ENGINES)}"
+            )
         self.ops, self.moe = ops, cfg.moe
         self.gate = ops.weight(w.router)
         self.experts = ops.experts(w.experts_gate, w.experts_up, w.experts_down)
         self.shared_expert = None
         if w.shared_gate_proj is not None:
             self.shared_size = w.shared_gate_proj.shape[0]
-            self.shared_expert = (ops.fused_weight(w.shared_gate_proj, w.shared_up_proj),
-                                  ops.weight(w.shared_down_proj))
+            self.shared_expert = (
+                ops.fused_weight(w.shared_gate_proj, w.shared_up_proj),
+                ops.weight(w.shared_down_proj),
+            )
             self.shared_expert_gate = ops.weight(w.shared_expert_gate)
 
     def __call__(self, x: Array) -> Array:

@@ -1,10 +1,11 @@
 """Decide which contiguous range of layers each node of the ring holds."""
+
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Sequence
 
 from shards.shard import Shard
 
@@ -20,8 +21,9 @@ class PartitionError(ValueError):
     """The nodes cannot be turned into a ring that covers every layer exactly once."""
 
 
-def partition(nodes: Sequence[NodeCapacity], model_id: str, n_layers: int,
-              costs: Sequence[int] | None = None) -> list[tuple[str, Shard]]:
+def partition(
+    nodes: Sequence[NodeCapacity], model_id: str, n_layers: int, costs: Sequence[int] | None = None
+) -> list[tuple[str, Shard]]:
     """Ordered ring: (node_id, Shard) covering [0, n_layers) exactly, first shard first. With `costs` (each layer's
     size, shards/layer_costs.py) the split follows the nodes' memory in bytes, else in layer counts."""
     if not nodes:
@@ -38,8 +40,9 @@ def partition(nodes: Sequence[NodeCapacity], model_id: str, n_layers: int,
     return [(node_id, Shard(model_id, s, e, n_layers)) for node_id, s, e in ranges]
 
 
-def _weighted_ranges(nodes: Sequence[NodeCapacity], n_layers: int,
-                     costs: Sequence[int] | None = None) -> list[tuple[str, int, int]]:
+def _weighted_ranges(
+    nodes: Sequence[NodeCapacity], n_layers: int, costs: Sequence[int] | None = None
+) -> list[tuple[str, int, int]]:
     # Biggest node first so the ring order (and who gets the extra layer) does not depend on input order.
     order = sorted(nodes, key=lambda n: (-max(n.memory_bytes, 0), n.node_id))[:n_layers]
     weights = [max(n.memory_bytes, 0) for n in order]
@@ -109,9 +112,7 @@ def _pinned_ranges(pinned: Sequence[NodeCapacity], n_layers: int) -> list[tuple[
         if all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end)) and 0 <= start < end <= n_layers:
             valid.append((n.node_id, start, end))
         else:
-            problems.append(
-                f"node {n.node_id} pins layers {start}:{end}, outside 0 <= start < end <= {n_layers}"
-            )
+            problems.append(f"node {n.node_id} pins layers {start}:{end}, outside 0 <= start < end <= {n_layers}")
     claims: list[list[str]] = [[] for _ in range(n_layers)]
     valid.sort(key=lambda r: (r[1], r[0]))  # message names nodes in layer order, whatever the input order
     for node_id, start, end in valid:

@@ -3,6 +3,7 @@
 On a terminal: a tqdm bar on stderr. Anywhere else (a service's journal, CI, a log file) a bar would be a mess of
 carriage returns, so a log line every `LOG_EVERY_S` seconds instead, and one closing line saying how long it took.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,15 @@ class Progress:
     """`with Progress("loading llama", total_bytes) as p: ... p.update(n)`. unit "B" counts bytes (shown as
     KB/MB/GB); any other unit is a plain count."""
 
-    def __init__(self, desc: str, total: int, unit: str = "B", stream: IO[str] | None = None,
-                 every: float | None = None, logger: logging.Logger = log):
+    def __init__(
+        self,
+        desc: str,
+        total: int,
+        unit: str = "B",
+        stream: IO[str] | None = None,
+        every: float | None = None,
+        logger: logging.Logger = log,
+    ):
         self.desc, self.total, self.unit, self.log = desc, total, unit, logger
         self.every = LOG_EVERY_S if every is None else every
         stream = stream or sys.stderr
@@ -31,8 +39,15 @@ class Progress:
         self.started = self.logged = time.monotonic()
         self.bar = None
         if _is_terminal(stream):
-            self.bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024,
-                            file=stream, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total,
+                desc=desc,
+                unit=unit,
+                unit_scale=unit == "B",
+                unit_divisor=1024,
+                file=stream,
+                dynamic_ncols=True,
+            )
 
     def update(self, n: int) -> None:
         self.done += n
@@ -44,9 +59,16 @@ class Progress:
             self.logged = now
             percent = 100 * self.done / self.total if self.total else 100
             rate = self.done / max(now - self.started, 1e-9)
-            self.log.info("%s: %.0f%% (%s of %s), %.1f s, %s/s, about %.0f s left", self.desc, percent,
-                          self._amount(self.done), self._amount(self.total), now - self.started, self._amount(rate),
-                          (self.total - self.done) / rate if rate else float("inf"))
+            self.log.info(
+                "%s: %.0f%% (%s of %s), %.1f s, %s/s, about %.0f s left",
+                self.desc,
+                percent,
+                self._amount(self.done),
+                self._amount(self.total),
+                now - self.started,
+                self._amount(rate),
+                (self.total - self.done) / rate if rate else float("inf"),
+            )
 
     def close(self, failed: bool = False) -> None:
         if self.bar is not None:
@@ -55,8 +77,13 @@ class Progress:
             return
         seconds = time.monotonic() - self.started
         if failed:
-            self.log.info("%s: stopped after %s of %s, %.1f s", self.desc, self._amount(self.done),
-                          self._amount(self.total), seconds)
+            self.log.info(
+                "%s: stopped after %s of %s, %.1f s",
+                self.desc,
+                self._amount(self.done),
+                self._amount(self.total),
+                seconds,
+            )
         else:
             self.log.info("%s: %s in %.1f s", self.desc, self._amount(self.done), seconds)
 

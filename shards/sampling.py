@@ -5,6 +5,7 @@ whose RNG draws exactly one uniform per sampled (non-greedy) token, and the cand
 defined canonically (ties broken by lower token id). So a seeded request gets the same tokens whether it is
 sampled alone, in a batch of 8, or through a fallback path.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0
+        ):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -59,7 +62,7 @@ class SamplerState:
     matcher: Matcher | None = None
 
     @classmethod
-    def from_seed(cls, seed: int | None, skip: int = 0) -> "SamplerState":
+    def from_seed(cls, seed: int | None, skip: int = 0) -> SamplerState:
         """A stream from `seed`, `skip` draws in: where a request that already sampled `skip` tokens (not greedily)
         left it, so a replay elsewhere continues with the very numbers the first attempt would have used."""
         state = cls(np.random.default_rng(seed))

@@ -1,4 +1,5 @@
 """Which contiguous range of a model's transformer layers one node holds."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ class Shard:
         return self.end_layer - self.start_layer
 
     @classmethod
-    def whole(cls, model_id: str, n_layers: int) -> "Shard":
+    def whole(cls, model_id: str, n_layers: int) -> Shard:
         return cls(model_id, 0, n_layers, n_layers)
 
     def __str__(self) -> str:

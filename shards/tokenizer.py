@@ -4,6 +4,7 @@
 `chat_template.jinja` file), and eos ids are collected from config.json, generation_config.json and the
 tokenizer's own eos token.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,13 +65,13 @@ class Tokenizer:
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Tokenizer":
+    def load(cls, path: str | Path) -> Tokenizer:
         """From any model path: a Hugging Face folder, or a GGUF file (or a folder holding one); see formats.loader."""
         source = open_model(path)
         return cls.from_gguf(source.gguf) if source.gguf is not None else cls(source.root)
 
     @classmethod
-    def from_gguf(cls, path: Path) -> "Tokenizer":
+    def from_gguf(cls, path: Path) -> Tokenizer:
         """From the vocabulary, merges and chat template a GGUF file's metadata carries."""
         g = gguf_tokenizer(path)
         self = cls.__new__(cls)
@@ -98,8 +99,12 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The conversation through the model's chat template; `tools` (OpenAI tool objects) are passed to
         templates that render them (Qwen, Hermes), as transformers' apply_chat_template does."""
         if self.chat_template is None:
@@ -121,12 +126,16 @@ class Tokenizer:
         except TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         # The template already writes bos and the role markers, so no extra special tokens are added.
         return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
-    def stream(self, skip_special_tokens: bool = True) -> "StreamDecoder":
+    def stream(self, skip_special_tokens: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens)
 
 

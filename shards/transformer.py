@@ -6,6 +6,7 @@ them), the causal masks and the row packing come ready made in a `Step` (once pe
 q/k/v and gate/up are fused into one matmul each, so a step does four weight matmuls per layer for all rows of
 all requests.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -61,13 +62,14 @@ class Attention:
     def __init__(self, ops: Backend, cfg: ModelConfig, w: LayerWeights):
         self.ops, self.n_heads, self.n_kv_heads, self.head_dim = ops, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         bias = w.qkv_bias()
-        self.qkv_proj = Linear(ops, ops.fused_weight(w.q_proj, w.k_proj, w.v_proj),
-                               None if bias is None else ops.array(bias))
+        self.qkv_proj = Linear(
+            ops, ops.fused_weight(w.q_proj, w.k_proj, w.v_proj), None if bias is None else ops.array(bias)
+        )
         self.o_proj = Linear(ops, ops.weight(w.o_proj))
         self.q_norm = None if w.q_norm is None else RMSNorm(ops, ops.array(w.q_norm), cfg.rms_norm_eps)
         self.k_norm = None if w.k_norm is None else RMSNorm(ops, ops.array(w.k_norm), cfg.rms_norm_eps)
         # YaRN multiplies rotated q and k by the rope's attention factor: the same as scaling q.k by its square
-        self.scale = cfg.rope.attention_factor ** 2 / float(np.sqrt(cfg.head_dim))
+        self.scale = cfg.rope.attention_factor**2 / float(np.sqrt(cfg.head_dim))
 
     def __call__(self, x: Array, step: Step, caches: Sequence[KVCache]) -> Array:
         ops, nh, nkv, hd = self.ops, self.n_heads, self.n_kv_heads, self.head_dim
@@ -123,7 +125,9 @@ class ShardModel:
         self.norm = None if w.norm is None else RMSNorm(ops, ops.array(w.norm), cfg.rms_norm_eps)
         self.lm_head = None if w.lm_head is None else Linear(ops, ops.weight(w.lm_head))
 
-    def __call__(self, x: Array, step: Step, caches: Sequence[Sequence[KVCache]], last_rows: np.ndarray | None) -> Array:
+    def __call__(
+        self, x: Array, step: Step, caches: Sequence[Sequence[KVCache]], last_rows: np.ndarray | None
+    ) -> Array:
         """x: token ids (first shard) or hidden rows; caches[r][l] is request r's cache of layer l. On the last shard
         returns logits of `last_rows` (all rows when None), elsewhere the hidden rows."""
         if self.embed_tokens is not None:

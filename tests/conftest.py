@@ -6,6 +6,7 @@ tests/cluster    real node processes on loopback       slow, cluster
 tests/multihost  network namespaces, needs root        slow, root
 tests/web        a headless browser                    slow, browser
 """
+
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,12 @@ from tests.support.models import FIXTURES, MODELS, golden
 
 __all__ = ["API_KEY", "FIXTURES", "MODELS", "golden"]  # (tests written before tests/support/ import them from here)
 
-TIER_MARKERS = {"engines": ("slow", "engines"), "cluster": ("slow", "cluster"), "multihost": ("slow", "root"),
-                "web": ("slow", "browser")}
+TIER_MARKERS = {
+    "engines": ("slow", "engines"),
+    "cluster": ("slow", "cluster"),
+    "multihost": ("slow", "root"),
+    "web": ("slow", "browser"),
+}
 
 
 def pytest_collection_modifyitems(config, items):

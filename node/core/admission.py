@@ -4,6 +4,7 @@ A request is admitted once, at its first message to this node, and holds its res
 never starts what it may not have the memory to finish. Refusals say why: `Busy` for a lack of room now (the entry
 may try again later), `PlanError` for a request this node will never take as asked.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -11,14 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from node.core.authz import check_plan_members
+from node.core.plan import Busy, PlanError, RequestSpec
+from node.core.requests import RequestState
 from shards.engines.base import EngineInputError, check_input
 from shards.formats.config import ModelConfig
 from shards.sampling import SamplerState
 from shards.shard import Shard
-
-from node.core.authz import check_plan_members
-from node.core.plan import Busy, PlanError, RequestSpec
-from node.core.requests import RequestState
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,16 @@ class CoreLimits:
 
 
 class Admission:
-    def __init__(self, node_id: str, model_id: str, config: ModelConfig, limits: CoreLimits, *,
-                 members: Callable[[], Mapping[str, str]] | None, serves: Callable[[Shard], bool]):
+    def __init__(
+        self,
+        node_id: str,
+        model_id: str,
+        config: ModelConfig,
+        limits: CoreLimits,
+        *,
+        members: Callable[[], Mapping[str, str]] | None,
+        serves: Callable[[Shard], bool],
+    ):
         """`members` and `serves` as NodeCore's (node/core/node_core.py)."""
         self.id, self.model_id, self.config, self.limits = node_id, model_id, config, limits
         self.members, self.serves = members, serves
@@ -59,8 +67,10 @@ class Admission:
         what its KV cache reservation was made for: a sender that declares a short prompt and sends a long one
         would otherwise grow caches past what was reserved (PlanError)."""
         if arrived + more > spec.positions:
-            raise PlanError(f"request {spec.request_id} sent {arrived + more} positions, more than the "
-                            f"{spec.positions} it declared ({spec.prompt_tokens} prompt + {spec.max_tokens} new)")
+            raise PlanError(
+                f"request {spec.request_id} sent {arrived + more} positions, more than the "
+                f"{spec.positions} it declared ({spec.prompt_tokens} prompt + {spec.max_tokens} new)"
+            )
 
     def admit(self, spec: RequestSpec, held: Mapping[str, RequestState], now: float) -> RequestState:
         """The state of a request this node takes part in from now on, its KV cache reserved; `held`: the requests
@@ -68,8 +78,9 @@ class Admission:
         index = spec.step_of(self.id)
         shard = spec.plan[index].shard
         if (shard.model_id, shard.n_layers) != (self.model_id, self.config.n_layers):
-            raise PlanError(f"plan asks for {shard}, this node serves {self.model_id} "
-                            f"with {self.config.n_layers} layers")
+            raise PlanError(
+                f"plan asks for {shard}, this node serves {self.model_id} with {self.config.n_layers} layers"
+            )
         if self.draining:
             raise PlanError(f"node {self.id} is shutting down")
         if not self.serves(shard):  # a plan made from a stale view of this node's fetching: refuse, never guess
@@ -78,21 +89,28 @@ class Admission:
             check_plan_members(spec, self.members())
         if len(held) >= self.limits.max_requests:
             raise Busy(f"node {self.id} is at its limit of {self.limits.max_requests} requests")
-        if sum(r.spec.entry_node_id == spec.entry_node_id for r in held.values()) \
-                >= self.limits.max_requests_per_entry:
-            raise Busy(f"node {self.id} holds {self.limits.max_requests_per_entry} requests from entry "
-                       f"{spec.entry_node_id}, its limit for one entry")
+        if sum(r.spec.entry_node_id == spec.entry_node_id for r in held.values()) >= self.limits.max_requests_per_entry:
+            raise Busy(
+                f"node {self.id} holds {self.limits.max_requests_per_entry} requests from entry "
+                f"{spec.entry_node_id}, its limit for one entry"
+            )
         if spec.positions > self.config.max_position_embeddings:
-            raise PlanError(f"{spec.prompt_tokens} prompt + {spec.max_tokens} new tokens exceed the model's context "
-                            f"of {self.config.max_position_embeddings}")
+            raise PlanError(
+                f"{spec.prompt_tokens} prompt + {spec.max_tokens} new tokens exceed the model's context "
+                f"of {self.config.max_position_embeddings}"
+            )
         kv_bytes = self.kv_bytes(shard, spec.positions)
         budget = self.limits.kv_budget
         if budget is not None and kv_bytes > budget:
-            raise PlanError(f"{spec.positions} positions need {kv_bytes / 2**20:.1f} MiB of KV cache on node {self.id}, "
-                            f"more than its budget of {budget / 2**20:.1f} MiB")
+            raise PlanError(
+                f"{spec.positions} positions need {kv_bytes / 2**20:.1f} MiB of KV cache on node {self.id}, "
+                f"more than its budget of {budget / 2**20:.1f} MiB"
+            )
         if budget is not None and self.kv_reserved + kv_bytes > budget:
-            raise Busy(f"node {self.id}: KV cache memory is full ({self.kv_reserved / 2**20:.1f} of "
-                       f"{budget / 2**20:.1f} MiB reserved)")
+            raise Busy(
+                f"node {self.id}: KV cache memory is full ({self.kv_reserved / 2**20:.1f} of "
+                f"{budget / 2**20:.1f} MiB reserved)"
+            )
         if budget is not None and spec.entry_node_id != self.id:
             self._check_entry_share(spec, kv_bytes, held, budget)
         req = RequestState(spec, index, last_active=now, kv_bytes=kv_bytes)
@@ -101,18 +119,23 @@ class Admission:
             req.sampler = SamplerState.from_seed(spec.sampling.seed, 0 if spec.sampling.greedy else spec.resumed)
         return req
 
-    def _check_entry_share(self, spec: RequestSpec, kv_bytes: int, held: Mapping[str, RequestState],
-                           budget: int) -> None:
+    def _check_entry_share(
+        self, spec: RequestSpec, kv_bytes: int, held: Mapping[str, RequestState], budget: int
+    ) -> None:
         """The requests of another entry node may reserve at most `kv_entry_share` of the budget together."""
         share = int(budget * self.limits.kv_entry_share)
         if kv_bytes > share:
-            raise PlanError(f"{spec.positions} positions need {kv_bytes / 2**20:.1f} MiB of KV cache on node "
-                            f"{self.id}, more than one entry's share of {share / 2**20:.1f} MiB")
+            raise PlanError(
+                f"{spec.positions} positions need {kv_bytes / 2**20:.1f} MiB of KV cache on node "
+                f"{self.id}, more than one entry's share of {share / 2**20:.1f} MiB"
+            )
         entry = spec.entry_node_id
         taken = sum(r.kv_bytes for r in held.values() if r.spec.entry_node_id == entry)
         if taken + kv_bytes > share:
-            raise Busy(f"node {self.id}: the requests of entry {entry} hold {taken / 2**20:.1f} MiB of KV cache, "
-                       f"and may hold at most {share / 2**20:.1f} MiB (kv_entry_share {self.limits.kv_entry_share:g})")
+            raise Busy(
+                f"node {self.id}: the requests of entry {entry} hold {taken / 2**20:.1f} MiB of KV cache, "
+                f"and may hold at most {share / 2**20:.1f} MiB (kv_entry_share {self.limits.kv_entry_share:g})"
+            )
 
     def release(self, req: RequestState) -> None:
         """The request ended: its KV cache reservation is free again."""

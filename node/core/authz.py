@@ -9,6 +9,7 @@ cluster key, gRPC tells the node which member is calling (mutual TLS), and each 
 sender: a prompt from the request's entry, activations from the previous node of the plan (the next token from
 the last), an end from the entry or a plan member. Without a key there is no caller to check, only the plan.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping

@@ -9,6 +9,7 @@ Token ring: the entry node sends the prompt to the first-shard node; each node r
 activations on; the last node samples, delivers the token to the entry node (for the client) and sends it to the
 first node (for the next step).
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,15 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shards.formats.config import ModelConfig
-from shards.sampling import SampleResult, SamplerState, SamplingParams
-from shards.shard import Shard
-
 from node.core.admission import Admission, CoreLimits
 from node.core.authz import check_caller, predecessor
 from node.core.plan import Busy, PlanError, RequestSpec
 from node.core.requests import Activation, Refusal, RequestState, TokenMessage, Tombstones
 from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
+from shards.formats.config import ModelConfig
+from shards.sampling import SampleResult, SamplerState, SamplingParams
+from shards.shard import Shard
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +98,17 @@ class NodeCore:
     """Requests held, their queued inputs and what to do with a step's outputs; whether a request is taken, and the
     memory it reserves, is `admission`'s (node/core/admission.py)."""
 
-    def __init__(self, node_id: str, model_id: str, config: ModelConfig, limits: CoreLimits = CoreLimits(),
-                 scheduling: SchedulerLimits = SchedulerLimits(), clock: Callable[[], float] = time.monotonic,
-                 members: Callable[[], Mapping[str, str]] | None = None,
-                 serves: Callable[[Shard], bool] = lambda shard: True):
+    def __init__(
+        self,
+        node_id: str,
+        model_id: str,
+        config: ModelConfig,
+        limits: CoreLimits = CoreLimits(),
+        scheduling: SchedulerLimits = SchedulerLimits(),
+        clock: Callable[[], float] = time.monotonic,
+        members: Callable[[], Mapping[str, str]] | None = None,
+        serves: Callable[[Shard], bool] = lambda shard: True,
+    ):
         """`members`: the nodes this one knows (id -> address, itself included), which plans must stay within;
         None: plans are not checked against membership. `serves`: whether this node holds a shard's weights now
         (always, unless it fetches them from a peer: node/fetch/follow.py)."""
@@ -181,8 +188,11 @@ class NodeCore:
         request we don't hold (so strangers can't fill the bounded tombstones)."""
         if caller is not None:
             req = self.requests.get(request_id)
-            allowed = {req.spec.entry_node_id, *(s.node_id for s in req.spec.plan)} if req else \
-                set(self.members() if self.members else ())
+            allowed = (
+                {req.spec.entry_node_id, *(s.node_id for s in req.spec.plan)}
+                if req
+                else set(self.members() if self.members else ())
+            )
             if caller not in allowed:
                 self.counters["end_refused"] += 1
                 return []
@@ -271,8 +281,13 @@ class NodeCore:
                 continue
             req.generated += 1
             spec = req.spec
-            reason = "stop" if result.token in spec.stop_token_ids else \
-                "length" if req.generated >= spec.max_tokens else None
+            reason = (
+                "stop"
+                if result.token in spec.stop_token_ids
+                else "length"
+                if req.generated >= spec.max_tokens
+                else None
+            )
             message = TokenMessage(rid, (result,), reason is not None, reason)
             actions.append(Deliver(self._entry_address(spec), message))
             if reason is None:
@@ -300,8 +315,9 @@ class NodeCore:
         return Activation(req.id, data, spec, partial)
 
     # -- failures ---------------------------------------------------------------------------------------------
-    def fail(self, request_id: str, message: str, retryable: bool = False, ended_as: str = "failed",
-             busy: bool = False) -> list[Action]:
+    def fail(
+        self, request_id: str, message: str, retryable: bool = False, ended_as: str = "failed", busy: bool = False
+    ) -> list[Action]:
         """Drop our state for a failed request and tell its entry node why, and whether it was a node or link
         failure (`retryable`: the entry may replay the request on another plan) or a lack of room (`busy`: the
         entry may try again later)."""
@@ -309,12 +325,17 @@ class NodeCore:
         actions = self.end_request(request_id, ended_as)
         if req is not None:
             log.warning("request %s failed: %s", request_id, message)
-            actions.append(Deliver(self._entry_address(req.spec), TokenMessage(
-                request_id, finished=True, finish_reason="error", error=message, retryable=retryable, busy=busy)))
+            actions.append(
+                Deliver(
+                    self._entry_address(req.spec),
+                    TokenMessage(
+                        request_id, finished=True, finish_reason="error", error=message, retryable=retryable, busy=busy
+                    ),
+                )
+            )
         return actions
 
-    def send_failed(self, address: str, activations: tuple[Activation, ...], why: str, retryable: bool) \
-            -> list[Action]:
+    def send_failed(self, address: str, activations: tuple[Activation, ...], why: str, retryable: bool) -> list[Action]:
         """The next node could not be reached (`retryable`), or the call failed otherwise."""
         actions: list[Action] = []
         for a in activations:
@@ -338,9 +359,18 @@ class NodeCore:
         log.warning("result for %s could not reach its entry node: %s", rid, why)
         actions = self.end_request(rid, "failed")
         if message.finish_reason != "error":
-            actions.append(Deliver(address, TokenMessage(
-                rid, finished=True, finish_reason="error", retryable=True,
-                error=f"node {self.id}: a result could not reach the entry ({why}); replay")))
+            actions.append(
+                Deliver(
+                    address,
+                    TokenMessage(
+                        rid,
+                        finished=True,
+                        finish_reason="error",
+                        retryable=True,
+                        error=f"node {self.id}: a result could not reach the entry ({why}); replay",
+                    ),
+                )
+            )
         return actions
 
     def expire(self) -> list[Action]:
@@ -350,8 +380,12 @@ class NodeCore:
         queued = {item.request_id for item in self.queue.queue}
         for rid, req in list(self.requests.items()):
             if rid not in queued and now - req.last_active > self.limits.idle_timeout:
-                actions += self.fail(rid, f"node {self.id}: no input for {self.limits.idle_timeout:g}s", retryable=True,
-                                     ended_as="expired")
+                actions += self.fail(
+                    rid,
+                    f"node {self.id}: no input for {self.limits.idle_timeout:g}s",
+                    retryable=True,
+                    ended_as="expired",
+                )
         return actions
 
     @property

@@ -6,26 +6,29 @@ target ring once every node of it can serve its part; until then it gets a ring 
 complete nodes (those with the whole model) partitioned among themselves, else a chain of the runs of layers that
 nodes hold. A request is never planned onto a node for layers it doesn't hold.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from node.core.topology import NodeInfo
 from shards.partition import NodeCapacity, PartitionError, partition
 from shards.shard import Shard
 
-from node.core.topology import NodeInfo
 
-
-def target_ring(nodes: Sequence[NodeInfo], model_id: str, n_layers: int,
-                costs: Sequence[int] | None = None) -> list[tuple[str, Shard]]:
+def target_ring(
+    nodes: Sequence[NodeInfo], model_id: str, n_layers: int, costs: Sequence[int] | None = None
+) -> list[tuple[str, Shard]]:
     """The ring the cluster is meant to have: every member holds its part (split by `costs`, each layer's size,
     where given: shards/layer_costs.py). Raises PartitionError."""
-    return partition([NodeCapacity(n.node_id, n.capabilities.memory_bytes, n.pinned) for n in nodes],
-                     model_id, n_layers, costs)
+    return partition(
+        [NodeCapacity(n.node_id, n.capabilities.memory_bytes, n.pinned) for n in nodes], model_id, n_layers, costs
+    )
 
 
-def plan_ring(nodes: Sequence[NodeInfo], model_id: str, n_layers: int,
-              costs: Sequence[int] | None = None) -> list[tuple[str, Shard]]:
+def plan_ring(
+    nodes: Sequence[NodeInfo], model_id: str, n_layers: int, costs: Sequence[int] | None = None
+) -> list[tuple[str, Shard]]:
     """The ring a request starting now gets: the target ring if every node is ready for its part, else one over
     the nodes that are. Raises PartitionError when the nodes can't cover every layer."""
     by_id = {n.node_id: n for n in nodes}

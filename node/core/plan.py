@@ -2,6 +2,7 @@
 
 The plan travels with the request, so every node agrees on the ring even while the topology changes.
 """
+
 from __future__ import annotations
 
 import re
@@ -65,8 +66,10 @@ class RequestSpec:
         if self.reuse_from and not (len(self.reuse_from) <= MAX_REQUEST_ID and _REQUEST_ID.match(self.reuse_from)):
             raise PlanError(f"reuse_from must be a request id: 1-{MAX_REQUEST_ID} characters of [A-Za-z0-9._:-]")
         if self.reuse_positions < 0 or (self.reuse_from and self.reuse_positions >= self.prompt_tokens):
-            raise PlanError(f"reuse_positions ({self.reuse_positions}) must leave at least one of the "
-                            f"{self.prompt_tokens} prompt positions to compute")
+            raise PlanError(
+                f"reuse_positions ({self.reuse_positions}) must leave at least one of the "
+                f"{self.prompt_tokens} prompt positions to compute"
+            )
         check_plan_shape(self.plan)
         _check_address(self.entry_address)
 

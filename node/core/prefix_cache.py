@@ -20,6 +20,7 @@ Invariants:
 
 Pure: no engine, no clock, no I/O; the runtime keeps the index and the engine's retained caches in step.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

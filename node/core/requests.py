@@ -1,4 +1,5 @@
 """What nodes say to each other about requests, and what a node remembers of each, free of any transport."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -6,10 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from node.core.plan import PlanStep, RequestSpec
 from shards.sampling import SampleResult, SamplerState
 from shards.shard import Shard
-
-from node.core.plan import PlanStep, RequestSpec
 
 
 class GenerationError(RuntimeError):

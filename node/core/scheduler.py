@@ -16,6 +16,7 @@ rows alone, by what this node measured its own steps to cost (`StepCosts`): on a
 When nothing is decoding, prefill gets the whole budget. At least `MIN_PREFILL` positions (or the smallest bucket)
 go in each step, so a prompt always advances.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -47,7 +48,9 @@ class SchedulerLimits:
             if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
                 raise ValueError(f"buckets must be increasing positive lengths, got {self.buckets}")
             if self.prefill_chunk < self.buckets[0]:
-                raise ValueError(f"the prefill chunk {self.prefill_chunk} is below the smallest bucket {self.buckets[0]}")
+                raise ValueError(
+                    f"the prefill chunk {self.prefill_chunk} is below the smallest bucket {self.buckets[0]}"
+                )
             if self.buckets[-1] > self.step_tokens:
                 raise ValueError(f"the largest bucket {self.buckets[-1]} exceeds the step budget {self.step_tokens}")
 
@@ -153,8 +156,13 @@ class StepScheduler:
             rid = item.request_id
             if shard_of(rid) is None:
                 continue
-            if item.decode and rid not in waiting and rid not in taken and rows < lim.max_batch_rows \
-                    and lim.cost(1) <= budget:
+            if (
+                item.decode
+                and rid not in waiting
+                and rid not in taken
+                and rows < lim.max_batch_rows
+                and lim.cost(1) <= budget
+            ):
                 chosen.append(item)
                 taken.add(rid)
                 rows, budget = rows + 1, budget - lim.cost(1)

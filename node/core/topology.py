@@ -1,4 +1,5 @@
 """What a node knows about itself and its peers."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

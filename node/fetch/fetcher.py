@@ -6,6 +6,7 @@ or refusing is skipped for a moment and the piece is asked of another one, so a 
 its peer dies; when no peer is left it waits for one. Peers are only used when their manifest is the one the copy
 was started from (the same files, the same pieces), so pieces from different copies never mix.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,11 +18,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shards.progress import Progress
-
-from node.runtime.transport import Transport, TransportError
 from node.fetch.local_copy import LocalCopy
 from node.fetch.manifest import Manifest
+from node.runtime.transport import Transport, TransportError
+from shards.progress import Progress
 
 log = logging.getLogger(__name__)
 MAX_CORRUPT = 5  # times one piece may fail its check before the fetch is given up (and retried later)
@@ -41,8 +41,16 @@ class Source:
 
 
 class Fetcher:
-    def __init__(self, model_id: str, transport: Transport, sources: Callable[[], list[Source]], *,
-                 counters: Counter[str] | None = None, concurrency: int = 2, idle_timeout: float = 30.0):
+    def __init__(
+        self,
+        model_id: str,
+        transport: Transport,
+        sources: Callable[[], list[Source]],
+        *,
+        counters: Counter[str] | None = None,
+        concurrency: int = 2,
+        idle_timeout: float = 30.0,
+    ):
         """`sources`: the peers that have the whole model right now (asked again whenever one is needed)."""
         self.model_id, self.transport, self.sources = model_id, transport, sources
         self.counters = Counter() if counters is None else counters
@@ -74,8 +82,11 @@ class Fetcher:
     def _waiting(self, since: float) -> float:
         """Say (now and then) that we are waiting for a peer; returns when it was last said."""
         if time.monotonic() - since >= WAIT_LOG_S:
-            log.warning("waiting for a peer that has all of %s (start one with the model, or check --peers / "
-                        "discovery and the cluster key)", self.model_id)
+            log.warning(
+                "waiting for a peer that has all of %s (start one with the model, or check --peers / "
+                "discovery and the cluster key)",
+                self.model_id,
+            )
             return time.monotonic()
         return since
 
@@ -89,8 +100,9 @@ class Fetcher:
         total = copy.manifest.nbytes(todo)
         queue = collections.deque(todo)
         with Progress(desc, total, logger=log) as bar:
-            workers = [asyncio.ensure_future(self._worker(copy, queue, bar))
-                       for _ in range(min(self.concurrency, len(todo)))]
+            workers = [
+                asyncio.ensure_future(self._worker(copy, queue, bar)) for _ in range(min(self.concurrency, len(todo)))
+            ]
             try:
                 await asyncio.gather(*workers)
             finally:
@@ -116,22 +128,29 @@ class Fetcher:
                 continue
             attempt += 1
             try:
-                stated, data = await self.transport.fetch_piece(source.address, self.model_id, index, piece.length,
-                                                                self._received, self.idle_timeout)
+                stated, data = await self.transport.fetch_piece(
+                    source.address, self.model_id, index, piece.length, self._received, self.idle_timeout
+                )
             except TransportError as e:
                 self.counters["fetch_retries"] += 1
                 if e.kind == "busy":  # its upload slots are full: come back shortly, or try another peer
                     await asyncio.sleep(min(0.05 * attempt, 1.0))
                 else:
-                    log.info("piece %d of %s from %s failed (%s): asking again", index, self.model_id,
-                             source.node_id, e)
+                    log.info(
+                        "piece %d of %s from %s failed (%s): asking again", index, self.model_id, source.node_id, e
+                    )
                     self._cool(source)
                 continue
             if await asyncio.to_thread(lambda: hashlib.sha256(data).digest()) != stated:
                 corrupt += 1
                 self.counters["fetch_corrupt_pieces"] += 1
-                log.warning("piece %d of %s (%d bytes) from %s does not match its sha256: refused, fetching it again",
-                            index, self.model_id, piece.length, source.node_id)
+                log.warning(
+                    "piece %d of %s (%d bytes) from %s does not match its sha256: refused, fetching it again",
+                    index,
+                    self.model_id,
+                    piece.length,
+                    source.node_id,
+                )
                 if corrupt >= MAX_CORRUPT:
                     raise FetchError(f"piece {index} of {self.model_id} failed its sha256 check {corrupt} times")
                 continue
@@ -150,8 +169,9 @@ class Fetcher:
             source = candidates[(turn + k) % len(candidates)]
             if source.address not in self._fingerprints:
                 try:
-                    self._fingerprints[source.address] = (await self.transport.manifest(source.address,
-                                                                                        self.model_id)).fingerprint
+                    self._fingerprints[source.address] = (
+                        await self.transport.manifest(source.address, self.model_id)
+                    ).fingerprint
                 except TransportError:
                     self._cool(source)
                     continue
@@ -159,15 +179,17 @@ class Fetcher:
                 return source
             if source.address not in self._mismatch_warned:
                 self._mismatch_warned.add(source.address)
-                log.warning("peer %s serves another version of %s (its files differ from the copy being fetched): "
-                            "not fetching from it; to fetch its version, delete this node's copy in --models-dir",
-                            source.node_id, self.model_id)
+                log.warning(
+                    "peer %s serves another version of %s (its files differ from the copy being fetched): "
+                    "not fetching from it; to fetch its version, delete this node's copy in --models-dir",
+                    source.node_id,
+                    self.model_id,
+                )
         return None
 
     def _usable(self) -> list[Source]:
         now = time.monotonic()
-        return sorted((s for s in self.sources() if self._cool_until.get(s.address, 0) <= now),
-                      key=lambda s: s.node_id)
+        return sorted((s for s in self.sources() if self._cool_until.get(s.address, 0) <= now), key=lambda s: s.node_id)
 
     def _cool(self, source: Source) -> None:
         self._cool_until[source.address] = time.monotonic() + COOL_DOWN_S

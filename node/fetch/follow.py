@@ -6,6 +6,7 @@ leaves) the fetch in progress stops (what it verified stays) and the new target'
 must hold still for `settle` seconds first, so nodes joining one after the other don't start a fetch per join.
 Until a node holds its target layers, plans leave it out (readiness), and its topology entry says how far it got.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,13 +16,12 @@ import time
 from collections import Counter
 from typing import Protocol
 
-from shards.partition import PartitionError
-from shards.shard import Shard
-
 from node.core.placement import target_ring
 from node.core.topology import Availability, NodeInfo
 from node.fetch.fetcher import Fetcher, FetchError
 from node.fetch.local_copy import DiskError, LocalCopy
+from shards.partition import PartitionError
+from shards.shard import Shard
 
 log = logging.getLogger(__name__)
 RETRY_S = (5.0, 60.0)  # after a failed fetch: first wait, longest wait
@@ -29,6 +29,7 @@ RETRY_S = (5.0, 60.0)  # after a failed fetch: first wait, longest wait
 
 class RingView(Protocol):
     """What the follower reads of its node (node/runtime/node.py): who it is, and who a ring may hold."""
+
     @property
     def id(self) -> str: ...
 
@@ -52,8 +53,9 @@ class Follower:
     """Made before its node, whose `availability` it is (the node's constructor takes it); run with the node once
     that exists."""
 
-    def __init__(self, copy: LocalCopy, fetcher: Fetcher, counters: Counter[str], *, settle: float = 2.0,
-                 interval: float = 0.25):
+    def __init__(
+        self, copy: LocalCopy, fetcher: Fetcher, counters: Counter[str], *, settle: float = 2.0, interval: float = 0.25
+    ):
         self.copy, self.fetcher, self.counters = copy, fetcher, counters
         self.settle, self.interval = settle, interval
         self.note = ""

@@ -6,6 +6,7 @@ in memory and in a small JSON file per model file under the cache folder, keyed 
 modification time: a restarted node states the same hashes without reading the file again, and a changed file
 starts a fresh record. The cache file is optional: when it can't be written, hashes are only kept in memory.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +36,8 @@ class HashCache:
         pending_key = (path, offset, length)
         if (pending := self._pending.get(pending_key)) is None:  # two askers at once: hash once
             pending = self._pending[pending_key] = asyncio.ensure_future(
-                asyncio.to_thread(hash_range, path, offset, length))
+                asyncio.to_thread(hash_range, path, offset, length)
+            )
         try:
             digest = await asyncio.shield(pending)
         finally:
@@ -71,19 +73,30 @@ class HashCache:
             raw = json.loads(cache.read_text()) if cache is not None else None
         except (OSError, ValueError):
             return {}  # no cache yet, or a damaged one: hash again
-        if not isinstance(raw, dict) or [raw.get("path"), raw.get("size"), raw.get("mtime_ns")] != \
-                [str(path.resolve()), st.st_size, st.st_mtime_ns] or not isinstance(raw.get("hashes"), dict):
+        if (
+            not isinstance(raw, dict)
+            or [raw.get("path"), raw.get("size"), raw.get("mtime_ns")]
+            != [str(path.resolve()), st.st_size, st.st_mtime_ns]
+            or not isinstance(raw.get("hashes"), dict)
+        ):
             return {}
-        return {k: v for k, v in raw["hashes"].items() if isinstance(k, str) and isinstance(v, str)
-                and len(v) == 64 and all(c in "0123456789abcdef" for c in v)}
+        return {
+            k: v
+            for k, v in raw["hashes"].items()
+            if isinstance(k, str) and isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+        }
 
     def _save(self, record: _FileHashes) -> None:
         record.saved, record.dirty = time.monotonic(), False
         cache = self._cache_file(record.path)
         if cache is None:
             return
-        body = {"path": str(record.path.resolve()), "size": record.size, "mtime_ns": record.mtime_ns,
-                "hashes": record.hashes}
+        body = {
+            "path": str(record.path.resolve()),
+            "size": record.size,
+            "mtime_ns": record.mtime_ns,
+            "hashes": record.hashes,
+        }
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
@@ -92,8 +105,11 @@ class HashCache:
         except OSError as e:
             if not self._warned:
                 self._warned = True
-                log.warning("cannot keep piece hashes in %s (%s): they will be computed again after a restart",
-                            cache.parent, e.strerror or e)
+                log.warning(
+                    "cannot keep piece hashes in %s (%s): they will be computed again after a restart",
+                    cache.parent,
+                    e.strerror or e,
+                )
 
 
 class _FileHashes:

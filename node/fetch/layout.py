@@ -5,6 +5,7 @@ the manifest it was given labels exactly the tensors its loaders will read (a te
 would be read from a hole in the sparse copy, as zeros). Tensor names decide the labels: `blk.N.` (GGUF) and
 `model.layers.N.` (Hugging Face) are layer N; the embedding, final norm and output head have one name each.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,18 +13,27 @@ import re
 import struct
 from pathlib import Path
 
+from node.fetch.manifest import FILE_NAME, Manifest, ManifestError, ModelFile, Piece
 from shards.formats.gguf_file import GGUFError, open_gguf
 from shards.formats.loader import ModelFormatError, open_model
-
-from node.fetch.manifest import FILE_NAME, Manifest, ManifestError, ModelFile, Piece
 
 DEFAULT_PIECE = 8 << 20  # big tensors travel in blocks of this size: what an interruption costs at most
 MAX_HEADER = 100 << 20  # safetensors' own limit for its JSON header
 # The small files of a Hugging Face folder a node reads (config, tokenizer, chat template); nothing else there
 # (READMEs, .bin checkpoints, other formats) is offered.
-SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "tokenizer.model",
-               "vocab.json", "merges.txt", "model.safetensors.index.json")
+SMALL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "model.safetensors.index.json",
+)
 MAX_SMALL_FILE = 64 << 20
 
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.")
@@ -55,8 +65,9 @@ def model_root(path: str | Path) -> Path:
     return open_model(path).root
 
 
-def _manifest(model_id: str, fmt: str, n_layers: int,
-              files: list[tuple[Path, list[tuple[str, int, int]] | None]], max_piece: int) -> Manifest:
+def _manifest(
+    model_id: str, fmt: str, n_layers: int, files: list[tuple[Path, list[tuple[str, int, int]] | None]], max_piece: int
+) -> Manifest:
     """`files`: (path, tensors as (name, offset, length) with the header ending at the first; None: whole file)."""
     entries, pieces = [], []
     for index, (path, tensors) in enumerate(files):
@@ -144,8 +155,10 @@ def safetensors_tensors(path: Path) -> list[tuple[str, int, int]]:
             begin, end = entry["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise LayoutError(f"{path}: tensor {name!r} has no data_offsets") from None
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (begin, end)) or \
-                not 0 <= begin <= end <= size - 8 - n:
+        if (
+            not all(isinstance(v, int) and not isinstance(v, bool) for v in (begin, end))
+            or not 0 <= begin <= end <= size - 8 - n
+        ):
             raise LayoutError(f"{path}: tensor {name!r} lies outside the file")
         if end > begin:
             tensors.append((name, 8 + n + begin, end - begin))

@@ -11,6 +11,7 @@ What is verified is recorded in `.exo-fetch.json` (piece indices, as runs) besid
 replaced (write a temporary file, fsync, rename), so after a crash or a kill the record never claims a piece that
 isn't on disk, and a restart fetches only what is missing.
 """
+
 from __future__ import annotations
 
 import errno
@@ -21,7 +22,6 @@ import threading
 from pathlib import Path
 
 from node.core.topology import Availability
-
 from node.fetch.manifest import METADATA, Manifest, ManifestError
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,10 @@ class DiskError(OSError):
 
 def disk_error(e: OSError, what: str, folder: Path) -> DiskError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskError(f"disk full: cannot write {what} in {folder} ({_free_mb(folder)} MB free); free some space "
-                         "or choose another --models-dir")
+        return DiskError(
+            f"disk full: cannot write {what} in {folder} ({_free_mb(folder)} MB free); free some space "
+            "or choose another --models-dir"
+        )
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return DiskError(f"cannot write {what} in {folder}: {e.strerror}; choose a writable --models-dir")
     return DiskError(f"cannot write {what} in {folder}: {e.strerror or e}")
@@ -92,8 +94,11 @@ class LocalCopy:
             root.mkdir(parents=True, exist_ok=True)
             stale = _old_files(root)
             if stale:
-                log.warning("the copy of %s in %s is damaged or of another layout than the peers' model: starting "
-                            "over", manifest.model_id, root)
+                log.warning(
+                    "the copy of %s in %s is damaged or of another layout than the peers' model: starting over",
+                    manifest.model_id,
+                    root,
+                )
             for name in stale:
                 (root / name).unlink(missing_ok=True)
             copy = cls(root, manifest, bytearray(len(manifest.pieces)))
@@ -166,8 +171,10 @@ class LocalCopy:
         except OSError as e:
             raise disk_error(e, "the model's copy", self.root) from None
         if st.f_bavail * st.f_frsize < need:
-            raise DiskError(f"disk full: {self.root} has {st.f_bavail * st.f_frsize / 1e6:.1f} MB free, the pieces "
-                            f"to fetch need {need / 1e6:.1f} MB; free some space or choose another --models-dir")
+            raise DiskError(
+                f"disk full: {self.root} has {st.f_bavail * st.f_frsize / 1e6:.1f} MB free, the pieces "
+                f"to fetch need {need / 1e6:.1f} MB; free some space or choose another --models-dir"
+            )
 
     # -- adding pieces (called from worker threads) ------------------------------------------------------------
     def write(self, index: int, data: bytes) -> None:
@@ -197,7 +204,7 @@ class LocalCopy:
                 os.ftruncate(fd, size)  # the full size, as a hole: blocks are allocated only where pieces land
             view = memoryview(data)
             while view:
-                view = view[os.pwrite(fd, view, offset + len(data) - len(view)):]
+                view = view[os.pwrite(fd, view, offset + len(data) - len(view)) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -227,7 +234,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)

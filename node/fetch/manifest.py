@@ -10,6 +10,7 @@ A manifest comes from a peer, so it is hostile until checked: `Manifest.__post_i
 (plain file names only, pieces inside their files, in order, without overlap, of bounded size) and raises
 `ManifestError` otherwise. Everything that builds one, from the wire or from disk, goes through it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -92,24 +93,37 @@ class Manifest:
         """The pieces a node must hold to serve `shard` (its layers, the embedding/norm/head it needs, and the
         metadata)."""
         parts = self.parts(shard)
-        return [i for i, p in enumerate(self.pieces) if p.part in METADATA or p.part in parts
-                or (p.part == "layer" and shard.start_layer <= p.layer < shard.end_layer)]
+        return [
+            i
+            for i, p in enumerate(self.pieces)
+            if p.part in METADATA
+            or p.part in parts
+            or (p.part == "layer" and shard.start_layer <= p.layer < shard.end_layer)
+        ]
 
     def nbytes(self, indices: list[int] | None = None) -> int:
         return sum(self.pieces[i].length for i in (range(len(self.pieces)) if indices is None else indices))
 
     # -- identity and storage ---------------------------------------------------------------------------------
     def to_json(self) -> dict:
-        return {"model_id": self.model_id, "format": self.format, "n_layers": self.n_layers,
-                "files": [[f.name, f.size] for f in self.files],
-                "pieces": [[p.file, p.offset, p.length, p.part, p.layer] for p in self.pieces]}
+        return {
+            "model_id": self.model_id,
+            "format": self.format,
+            "n_layers": self.n_layers,
+            "files": [[f.name, f.size] for f in self.files],
+            "pieces": [[p.file, p.offset, p.length, p.part, p.layer] for p in self.pieces],
+        }
 
     @classmethod
     def from_json(cls, raw: object) -> Manifest:
         try:
-            return cls(raw["model_id"], raw["format"], raw["n_layers"],  # type: ignore[index]
-                       tuple(ModelFile(name, size) for name, size in raw["files"]),  # type: ignore[index]
-                       tuple(Piece(*p) for p in raw["pieces"]))  # type: ignore[index]
+            return cls(
+                raw["model_id"],
+                raw["format"],
+                raw["n_layers"],  # type: ignore[index]
+                tuple(ModelFile(name, size) for name, size in raw["files"]),  # type: ignore[index]
+                tuple(Piece(*p) for p in raw["pieces"]),
+            )  # type: ignore[index]
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"not a manifest ({type(e).__name__}: {e})") from None
 
@@ -129,8 +143,13 @@ def _runs(m: Manifest) -> list[tuple[int, int, int, str, int]]:
     """Contiguous pieces with the same label, merged: (file, start, end, part, layer)."""
     runs: list[tuple[int, int, int, str, int]] = []
     for p in m.pieces:
-        if runs and runs[-1][0] == p.file and runs[-1][2] == p.offset and runs[-1][3:] == (p.part, p.layer) \
-                and p.part not in ("file", "header"):
+        if (
+            runs
+            and runs[-1][0] == p.file
+            and runs[-1][2] == p.offset
+            and runs[-1][3:] == (p.part, p.layer)
+            and p.part not in ("file", "header")
+        ):
             runs[-1] = (p.file, runs[-1][1], p.end, p.part, p.layer)
         else:
             runs.append((p.file, p.offset, p.end, p.part, p.layer))
@@ -204,8 +223,11 @@ def _gguf_files(files: tuple[ModelFile, ...]) -> bool:
     if len(files) == 1:
         return files[0].name.lower().endswith(".gguf")
     m = _SPLIT_PART.match(files[0].name)
-    return bool(m) and int(m.group("count")) == len(files) and all(
-        f.name == f"{m.group('prefix')}-{i:05d}-of-{len(files):05d}.gguf" for i, f in enumerate(files, 1))
+    return (
+        bool(m)
+        and int(m.group("count")) == len(files)
+        and all(f.name == f"{m.group('prefix')}-{i:05d}-of-{len(files):05d}.gguf" for i, f in enumerate(files, 1))
+    )
 
 
 def _int(v: object) -> bool:

@@ -8,6 +8,7 @@ A node serving weights also serves requests, so uploads are bounded: at most `ma
 (further asks are refused as busy and retried by the fetching node, possibly elsewhere), and with `rate` set all
 uploads together stay under that many bytes per second (a token bucket, shared).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -70,10 +71,20 @@ class Transfer:
 
 
 class WeightSource:
-    def __init__(self, path: Path, model_id: str, n_layers: int, *, cache_dir: Path | None = None,
-                 rate: float | None = None, max_transfers: int = 4, chunk: int = CHUNK,
-                 max_piece: int = DEFAULT_PIECE, ready: Callable[[], bool] = lambda: True,
-                 manifest: Manifest | None = None):
+    def __init__(
+        self,
+        path: Path,
+        model_id: str,
+        n_layers: int,
+        *,
+        cache_dir: Path | None = None,
+        rate: float | None = None,
+        max_transfers: int = 4,
+        chunk: int = CHUNK,
+        max_piece: int = DEFAULT_PIECE,
+        ready: Callable[[], bool] = lambda: True,
+        manifest: Manifest | None = None,
+    ):
         """`rate`: bytes per second for all uploads together (None: unlimited). `ready`: whether the weights are
         all here (a node that fetched its copy serves it once it is complete); `manifest`: the one to serve
         instead of building it from the files (a fetched copy's)."""
@@ -97,8 +108,9 @@ class WeightSource:
             raise FetchRefused(f"this node does not hold all of {self.model_id!r} yet")
         if self._manifest is None:
             try:  # reads headers only; a GGUF's is parsed once per process and cached
-                self._manifest = await asyncio.to_thread(build_manifest, self.path, self.model_id, self.n_layers,
-                                                         self.max_piece)
+                self._manifest = await asyncio.to_thread(
+                    build_manifest, self.path, self.model_id, self.n_layers, self.max_piece
+                )
             except LayoutError as e:
                 raise FetchRefused(f"cannot describe {self.model_id!r}: {e}") from None
         return self._manifest

@@ -5,6 +5,7 @@ waits for a peer that has all of that model, takes its manifest, fetches the con
 (a few MB) into `--models-dir`/ID, and starts from that copy; its layers follow in the background (follow.py).
 A copy that has its metadata already (an earlier run) starts at once, without a peer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,14 +16,13 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from shards.formats.packaged import PACKAGED, ModelNotFound, resolve_model
-
 from node.core.topology import NodeInfo
 from node.fetch.fetcher import Fetcher, Source
 from node.fetch.layout import build_manifest
 from node.fetch.local_copy import LocalCopy
 from node.fetch.manifest import MODEL_ID, same_layout
 from node.fetch.source import WeightSource
+from shards.formats.packaged import PACKAGED, ModelNotFound, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +33,18 @@ def default_models_dir() -> Path:
 
 
 def add_fetch_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--models-dir", type=Path, default=os.environ.get("EXO_NODE_MODELS_DIR") or default_models_dir(),
-                    help="where models fetched from peers are kept (default: $EXO_NODE_MODELS_DIR, else "
-                         "~/.cache/exo-node/models)")
-    ap.add_argument("--max-upload-mbps", type=_mbps,
-                    help="cap on the bandwidth this node uses to hand weights to peers that fetch them, in megabits "
-                         "per second, all uploads together (default: no cap)")
+    ap.add_argument(
+        "--models-dir",
+        type=Path,
+        default=os.environ.get("EXO_NODE_MODELS_DIR") or default_models_dir(),
+        help="where models fetched from peers are kept (default: $EXO_NODE_MODELS_DIR, else ~/.cache/exo-node/models)",
+    )
+    ap.add_argument(
+        "--max-upload-mbps",
+        type=_mbps,
+        help="cap on the bandwidth this node uses to hand weights to peers that fetch them, in megabits "
+        "per second, all uploads together (default: no cap)",
+    )
 
 
 def _mbps(text: str) -> float:
@@ -71,8 +77,11 @@ def locate_model(arg: str) -> tuple[Path, str] | str:
 
 def sources_from(peers: Callable[[], dict[str, NodeInfo]], model_id: str) -> Callable[[], list[Source]]:
     """The peers that have all of `model_id`, as membership last saw them."""
-    return lambda: [Source(p.node_id, p.address) for p in peers().values()
-                    if p.capabilities.model_id == model_id and p.availability.complete]
+    return lambda: [
+        Source(p.node_id, p.address)
+        for p in peers().values()
+        if p.capabilities.model_id == model_id and p.availability.complete
+    ]
 
 
 async def open_copy(model_id: str, models_dir: Path, fetcher: Fetcher) -> LocalCopy:
@@ -92,20 +101,24 @@ async def open_copy(model_id: str, models_dir: Path, fetcher: Fetcher) -> LocalC
     # layer would be served with a tensor never fetched (read from a hole: zeros). Checked at every start: a copy
     # that failed once stays refused.
     if not same_layout(build_manifest(root, model_id, copy.manifest.n_layers), copy.manifest):
-        raise ValueError(f"{root}: the manifest of {model_id} from the peers does not match the file headers they "
-                         "sent; delete the folder to fetch the model again")
+        raise ValueError(
+            f"{root}: the manifest of {model_id} from the peers does not match the file headers they "
+            "sent; delete the folder to fetch the model again"
+        )
     return copy
 
 
-def weight_source(args: argparse.Namespace, path: Path, model_id: str, n_layers: int, *,
-                  copy: LocalCopy | None) -> WeightSource:
+def weight_source(
+    args: argparse.Namespace, path: Path, model_id: str, n_layers: int, *, copy: LocalCopy | None
+) -> WeightSource:
     """What this node offers peers that fetch: its model once it has all of it."""
     rate = args.max_upload_mbps * 1e6 / 8 if args.max_upload_mbps else None
     cache = Path(args.models_dir) / ".hashes"
     if copy is None:
         return WeightSource(path, model_id, n_layers, cache_dir=cache, rate=rate)
-    return WeightSource(copy.root, model_id, n_layers, cache_dir=cache, rate=rate, ready=lambda: copy.complete,
-                        manifest=copy.manifest)
+    return WeightSource(
+        copy.root, model_id, n_layers, cache_dir=cache, rate=rate, ready=lambda: copy.complete, manifest=copy.manifest
+    )
 
 
 class PeerBoard:

@@ -1,5 +1,6 @@
 """The gRPC client side of the transport: one channel per peer, explicit message size limits, a deadline on every
 call, and gRPC's errors turned into `TransportError`s."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,17 +10,16 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
+from node.core.plan import RequestSpec
+from node.core.requests import Activation, Refusal, TokenMessage
+from node.core.topology import NodeInfo
+from node.fetch.manifest import Manifest, piece_deadline
+from node.grpc import wire
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
-
-from node.grpc import wire
-from node.fetch.manifest import Manifest, piece_deadline
-from node.core.plan import RequestSpec
 from node.grpc.stream import PeerStream, StreamBroken
-from node.core.requests import Activation, Refusal, TokenMessage
-from node.security import NodeIdentity, NodeTls
-from node.core.topology import NodeInfo
 from node.runtime.transport import TransportError
+from node.security import NodeIdentity, NodeTls
 
 # Activations of a long prompt can be large (tokens x hidden x 4 bytes); grpc's default cap is 4 MiB.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -79,7 +79,7 @@ def _translated(call):
     """Turn a gRPC error of the wrapped call into a TransportError naming the peer."""
 
     @functools.wraps(call)
-    async def wrapper(self: "GrpcTransport", address: str, *args, **kwargs):
+    async def wrapper(self: GrpcTransport, address: str, *args, **kwargs):
         try:
             return await call(self, address, *args, **kwargs)
         except grpc.aio.AioRpcError as e:
@@ -100,8 +100,9 @@ class GrpcTransport:
     (`wait_for_ready`: a peer still starting, a reconnect in progress) but never longer than `rpc_timeout`; a peer
     that is down for longer is noticed by membership's health checks, which fail fast."""
 
-    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rpc_timeout: float = 10.0,
-                 tls: NodeTls | None = None):
+    def __init__(
+        self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rpc_timeout: float = 10.0, tls: NodeTls | None = None
+    ):
         """With `tls` (a cluster key), every channel is mutual TLS: both ends prove they hold the key."""
         self.max_message_bytes, self.rpc_timeout, self.tls = max_message_bytes, rpc_timeout, tls
         self.channels: dict[str, grpc.aio.Channel] = {}
@@ -122,8 +123,9 @@ class GrpcTransport:
             if identity is None:
                 channel = grpc.aio.insecure_channel(address, options=options)
             else:
-                channel = grpc.aio.secure_channel(address, self.tls.channel_credentials(identity),
-                                                  options=options + self.tls.channel_options())
+                channel = grpc.aio.secure_channel(
+                    address, self.tls.channel_credentials(identity), options=options + self.tls.channel_options()
+                )
             self.channels[address] = channel
             stub = pb_grpc.NodeServiceStub(channel)
             self._stubs[address] = (stub, identity)
@@ -135,8 +137,9 @@ class GrpcTransport:
         await self.stub(address).SendPrompt(request, timeout=self.rpc_timeout, wait_for_ready=True)
 
     @_translated
-    async def send(self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) \
-            -> list[Refusal]:
+    async def send(
+        self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]
+    ) -> list[Refusal]:
         stub = self.stub(address)  # first: it may replace a channel whose certificate was renewed
         on, stream = self.streams.get(address, (None, None))
         if on is not stub:  # a new channel gets its own stream
@@ -172,19 +175,26 @@ class GrpcTransport:
         return wire.decode_manifest(response)
 
     @_translated
-    async def fetch_piece(self, address: str, model_id: str, index: int, length: int,
-                          on_chunk: Callable[[int], None] = lambda n: None, idle_timeout: float = 30.0
-                          ) -> tuple[bytes, bytes]:
+    async def fetch_piece(
+        self,
+        address: str,
+        model_id: str,
+        index: int,
+        length: int,
+        on_chunk: Callable[[int], None] = lambda n: None,
+        idle_timeout: float = 30.0,
+    ) -> tuple[bytes, bytes]:
         """(stated sha256, bytes) of piece `index`, which has `length` bytes. The call's deadline allows for a slow
         link (`piece_deadline`); a stream that goes quiet for `idle_timeout` seconds is given up sooner."""
-        call = self.stub(address).FetchPiece(pb.PieceRequest(model_id=model_id, piece=index),
-                                             timeout=piece_deadline(length))
+        call = self.stub(address).FetchPiece(
+            pb.PieceRequest(model_id=model_id, piece=index), timeout=piece_deadline(length)
+        )
         try:
             digest, data = None, bytearray()
             while True:
                 try:
                     message = await asyncio.wait_for(call.read(), idle_timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise TransportError("timeout", f"{address}: piece {index} stalled for {idle_timeout:g}s") from None
                 if message is grpc.aio.EOF:
                     break

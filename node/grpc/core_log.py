@@ -7,6 +7,7 @@ It works at the file descriptor: fd 2 becomes a pipe that a thread reads line by
 original stderr. Python's own writes to sys.stderr go the same way, so nothing is reordered. `close` (also run at
 exit) puts fd 2 back and drains the pipe.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -52,8 +53,14 @@ class HandshakeLogLimiter:
     def flush(self) -> bytes:
         """The summary of the lines held back so far (at exit, whatever the period)."""
         n, self.suppressed = self.suppressed, 0
-        return (f"exo-node: {n} more failed TLS handshakes (peers without the cluster key, or probes) in the last "
-                f"{self.period:g}s; one is shown per period\n").encode() if n else b""
+        return (
+            (
+                f"exo-node: {n} more failed TLS handshakes (peers without the cluster key, or probes) in the last "
+                f"{self.period:g}s; one is shown per period\n"
+            ).encode()
+            if n
+            else b""
+        )
 
 
 class CoreLogFilter:

@@ -1,5 +1,6 @@
 """The gRPC service side of the transport: decode and validate what peers send (once, here), hand typed values to
 the node, and map bad input to INVALID_ARGUMENT."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,17 +9,16 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from node.grpc.generated import node_service_pb2 as pb
-from node.grpc.generated import node_service_pb2_grpc as pb_grpc
-
-from node.grpc import wire
-from node.fetch.manifest import piece_deadline
-from node.fetch.source import FetchRefused, UploadBusy, WeightSource
-from node.grpc.client import server_options
 from node.core.plan import MAX_REQUEST_ID, Busy, PlanError, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
-from node.security import NodeTls, peer_node_id
 from node.core.topology import NodeInfo
+from node.fetch.manifest import piece_deadline
+from node.fetch.source import FetchRefused, UploadBusy, WeightSource
+from node.grpc import wire
+from node.grpc.client import server_options
+from node.grpc.generated import node_service_pb2 as pb
+from node.grpc.generated import node_service_pb2_grpc as pb_grpc
+from node.security import NodeTls, peer_node_id
 
 
 class Handler(Protocol):
@@ -42,8 +42,9 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
     async def SendPrompt(self, request: pb.SendPromptRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         try:
             spec = wire.decode_spec(request.spec)
-            self.node.accept_prompt(spec, wire.decode_tensor(request.tokens, self.node.max_tensor_bytes),
-                                    peer_node_id(context))
+            self.node.accept_prompt(
+                spec, wire.decode_tensor(request.tokens, self.node.max_tensor_bytes), peer_node_id(context)
+            )
         except Busy as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (wire.WireError, PlanError) as e:
@@ -67,19 +68,20 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         self.node.end_request(request.request_id[:MAX_REQUEST_ID], request.reason[:32], peer_node_id(context))
         return pb.Ack()
 
-    async def HealthCheck(self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
+    async def HealthCheck(
+        self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthCheckResponse:
         return pb.HealthCheckResponse(ok=True, node=wire.encode_node_info(self.node.info()))
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         self.node.peer_leaving(request.node_id[:256], peer_node_id(context))
         return pb.Ack()
 
-
     async def GetManifest(self, request: pb.ManifestRequest, context: grpc.aio.ServicerContext) -> pb.Manifest:
         if self.source is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "this node serves no weights")
         try:
-            return wire.encode_manifest(await self.source.manifest(request.model_id[:wire.MAX_MODEL_ID]))
+            return wire.encode_manifest(await self.source.manifest(request.model_id[: wire.MAX_MODEL_ID]))
         except FetchRefused as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
 
@@ -87,7 +89,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         if self.source is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "this node serves no weights")
         try:
-            transfer = await self.source.open(request.model_id[:wire.MAX_MODEL_ID], request.piece)
+            transfer = await self.source.open(request.model_id[: wire.MAX_MODEL_ID], request.piece)
         except FetchRefused as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except UploadBusy as e:
@@ -119,8 +121,11 @@ class GrpcServer:
     def __init__(self, host: str, port: int, max_message_bytes: int, tls: NodeTls | None = None):
         self.server = grpc.aio.server(options=server_options(max_message_bytes), maximum_concurrent_rpcs=4096)
         address = f"{host}:{port}"
-        self.port = self.server.add_secure_port(address, tls.server_credentials()) if tls else \
-            self.server.add_insecure_port(address)
+        self.port = (
+            self.server.add_secure_port(address, tls.server_credentials())
+            if tls
+            else self.server.add_insecure_port(address)
+        )
         if self.port == 0:
             raise OSError(f"cannot listen for gRPC on {host}:{port}")
 

@@ -9,6 +9,7 @@ Every message has a deadline: an answer that doesn't come within `timeout` ends 
 ones behind it would wait just as long) and fails everything waiting on it; the next send opens a fresh stream.
 Streams are also replaced after `max_age` seconds, so none outlives its TLS handshake's certificates for long.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,9 +51,13 @@ class PeerStream:
             self.waiting.append(answer)
             try:
                 await asyncio.wait_for(self.call.write(message), self.timeout)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError) as e:
-                self._close(StreamBroken(getattr(e, "code", lambda: grpc.StatusCode.UNAVAILABLE)(),
-                                         f"cannot send on the stream: {type(e).__name__}"))
+            except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+                self._close(
+                    StreamBroken(
+                        getattr(e, "code", lambda: grpc.StatusCode.UNAVAILABLE)(),
+                        f"cannot send on the stream: {type(e).__name__}",
+                    )
+                )
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():
                     raise
@@ -60,7 +65,7 @@ class PeerStream:
                 self._close(StreamBroken(grpc.StatusCode.CANCELLED, "the stream was closed"))
         try:
             return await asyncio.wait_for(asyncio.shield(answer), self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._close(StreamBroken(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout:g}s"))
             return await answer  # now failed with StreamBroken
 

@@ -4,6 +4,7 @@ Everything decoded here came from the network and is hostile until validated: ev
 fully validated value or raises `WireError` (the gRPC server maps it to INVALID_ARGUMENT). Encoders take values
 that were validated when they were built, so they only check what the wire format itself cannot carry.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,8 @@ import numpy as np
 from discovery.address import parse_address
 from node.core.plan import MAX_REQUEST_ID, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
-from node.fetch.manifest import MAX_FILES, MAX_PIECES, Manifest, ManifestError, ModelFile, Piece
 from node.core.topology import Availability, Capabilities, NodeInfo
+from node.fetch.manifest import MAX_FILES, MAX_PIECES, Manifest, ManifestError, ModelFile, Piece
 from node.grpc.generated import node_service_pb2 as pb
 from shards.grammar import Constraint
 from shards.sampling import MAX_TOP_LOGPROBS, SampleResult, SamplingParams
@@ -134,8 +135,13 @@ def encode_sampling(p: SamplingParams) -> pb.Sampling:
         raise WireError(f"seed {p.seed} does not fit in 64 bits")
     c = p.constraint
     return pb.Sampling(
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, top_logprobs=p.top_logprobs,
-        grammar=None if c is None else c.grammar, grammar_prefix=() if c is None else c.prefix,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        seed=p.seed,
+        top_logprobs=p.top_logprobs,
+        grammar=None if c is None else c.grammar,
+        grammar_prefix=() if c is None else c.prefix,
     )
 
 
@@ -195,8 +201,16 @@ def decode_spec(m: pb.RequestSpec) -> RequestSpec:
     entry_address = _text(m.entry_address, "entry_address")
     try:
         return RequestSpec(
-            m.request_id, plan, sampling, m.max_tokens, frozenset(m.stop_token_ids), entry_node_id, entry_address,
-            m.resumed_tokens, m.prompt_tokens, _text(m.reuse_from, "reuse_from") if m.reuse_from else "",
+            m.request_id,
+            plan,
+            sampling,
+            m.max_tokens,
+            frozenset(m.stop_token_ids),
+            entry_node_id,
+            entry_address,
+            m.resumed_tokens,
+            m.prompt_tokens,
+            _text(m.reuse_from, "reuse_from") if m.reuse_from else "",
             m.reuse_positions,
         )
     # PlanError: a spec that is not a valid request (node/core/plan.py)
@@ -222,8 +236,11 @@ def encode_node_info(n: NodeInfo) -> pb.NodeInfo:
     )
     if not n.availability.complete:  # absent means complete: what nodes that never fetch have always sent
         a = n.availability
-        m.availability.CopyFrom(pb.Availability(layers=[pb.LayerRun(start=s, end=e) for s, e in a.layers],
-                                                embed=a.embed, head=a.head, note=a.note))
+        m.availability.CopyFrom(
+            pb.Availability(
+                layers=[pb.LayerRun(start=s, end=e) for s, e in a.layers], embed=a.embed, head=a.head, note=a.note
+            )
+        )
     if n.pinned is not None:  # the proto's ShardRange repeats the model of the capabilities
         start, end = n.pinned
         m.pinned.CopyFrom(pb.ShardRange(model_id=c.model_id, start_layer=start, end_layer=end, n_layers=c.n_layers))
@@ -272,17 +289,21 @@ def decode_availability(m: pb.Availability, n_layers: int) -> Availability:
 
 
 def encode_manifest(m: Manifest) -> pb.Manifest:
-    return pb.Manifest(model_id=m.model_id, format=m.format, n_layers=m.n_layers,
-                       files=[pb.ModelFile(name=f.name, size=f.size) for f in m.files],
-                       pieces=[pb.Piece(file=p.file, offset=p.offset, length=p.length, part=p.part, layer=p.layer)
-                               for p in m.pieces])
+    return pb.Manifest(
+        model_id=m.model_id,
+        format=m.format,
+        n_layers=m.n_layers,
+        files=[pb.ModelFile(name=f.name, size=f.size) for f in m.files],
+        pieces=[pb.Piece(file=p.file, offset=p.offset, length=p.length, part=p.part, layer=p.layer) for p in m.pieces],
+    )
 
 
 def decode_manifest(m: pb.Manifest) -> Manifest:
     try:  # Manifest validates everything (names, bounds, order, overlaps) and bounds the counts first
         files = tuple(ModelFile(f.name, f.size) for f in _count(m.files, "model files", MAX_FILES))
-        pieces = tuple(Piece(p.file, p.offset, p.length, p.part, p.layer)
-                       for p in _count(m.pieces, "pieces", MAX_PIECES))
+        pieces = tuple(
+            Piece(p.file, p.offset, p.length, p.part, p.layer) for p in _count(m.pieces, "pieces", MAX_PIECES)
+        )
         return Manifest(m.model_id, m.format, m.n_layers, files, pieces)
     except ManifestError as e:
         raise WireError(str(e)) from None
@@ -327,9 +348,15 @@ def decode_result(m: pb.TokenResult) -> SampleResult:
 
 
 def encode_tokens(m: TokenMessage) -> pb.SendResultRequest:
-    return pb.SendResultRequest(request_id=m.request_id, tokens=[encode_result(r) for r in m.results],
-                                finished=m.finished, finish_reason=m.finish_reason or "", error=m.error or "",
-                                retryable=m.retryable, busy=m.busy)
+    return pb.SendResultRequest(
+        request_id=m.request_id,
+        tokens=[encode_result(r) for r in m.results],
+        finished=m.finished,
+        finish_reason=m.finish_reason or "",
+        error=m.error or "",
+        retryable=m.retryable,
+        busy=m.busy,
+    )
 
 
 def decode_tokens(m: pb.SendResultRequest) -> TokenMessage:
@@ -341,8 +368,15 @@ def decode_tokens(m: pb.SendResultRequest) -> TokenMessage:
         raise WireError("finish_reason given for an unfinished request")
     if (m.retryable or m.busy) and m.finish_reason != "error":
         raise WireError("only an error can be retryable or busy")
-    return TokenMessage(request_id, results, m.finished, m.finish_reason or None,
-                        _text(m.error, "error", MAX_ERROR, required=False) or None, m.retryable, m.busy)
+    return TokenMessage(
+        request_id,
+        results,
+        m.finished,
+        m.finish_reason or None,
+        _text(m.error, "error", MAX_ERROR, required=False) or None,
+        m.retryable,
+        m.busy,
+    )
 
 
 # --- activations -----------------------------------------------------------------------------------------
@@ -356,8 +390,12 @@ def encode_activation(a: Activation) -> pb.TensorEntry:
 
 
 def decode_activation(m: pb.TensorEntry, max_bytes: int) -> Activation:
-    return Activation(_text(m.request_id, "request_id", MAX_REQUEST_ID), decode_tensor(m.tensor, max_bytes),
-                      decode_spec(m.spec) if m.HasField("spec") else None, m.partial)
+    return Activation(
+        _text(m.request_id, "request_id", MAX_REQUEST_ID),
+        decode_tensor(m.tensor, max_bytes),
+        decode_spec(m.spec) if m.HasField("spec") else None,
+        m.partial,
+    )
 
 
 def encode_refusal(r: Refusal) -> pb.Rejected:
@@ -369,8 +407,9 @@ def decode_refusal(m: pb.Rejected) -> Refusal:
 
 
 def encode_send(activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> pb.SendRequest:
-    return pb.SendRequest(entries=[encode_activation(a) for a in activations],
-                                results=[encode_tokens(m) for m in messages])
+    return pb.SendRequest(
+        entries=[encode_activation(a) for a in activations], results=[encode_tokens(m) for m in messages]
+    )
 
 
 def decode_send(m: pb.SendRequest, max_bytes: int) -> tuple[list[Activation], list[TokenMessage]]:

@@ -4,32 +4,31 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming with serve
 GET /v1/models, GET /v1/models/{id}, GET /v1/topology, GET /healthcheck; GET /metrics (Prometheus text format,
 node/runtime/metrics.py); the web page at GET / (node/http/webui.py).
 """
+
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
 import time
-import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
-from shards.grammar import Constraint, GrammarError, grammar_tokenizer
-
-from node.http.schema import (ApiError, ChatRequest, CompletionRequest, Options, parse_chat, parse_completion,
-    read_json)
-from node.http.format import ChatFormat, CompletionFormat, Format
-from node.http.completion import Job, TextDelta, run_job
-from node.http.tools import ToolError, prompt_inputs
-from node.http.prompt import PromptEncoder
-from node.runtime.node import Node
-from node.core.requests import GenerationError, Overloaded
 from node.core.plan import PlanError
+from node.core.requests import GenerationError, Overloaded
 from node.http import webui
+from node.http.completion import Job, TextDelta, run_job
+from node.http.format import ChatFormat, CompletionFormat, Format
+from node.http.prompt import PromptEncoder
+from node.http.schema import ApiError, ChatRequest, CompletionRequest, Options, parse_chat, parse_completion, read_json
+from node.http.tools import ToolError, prompt_inputs
+from node.runtime.node import Node
+from shards.grammar import Constraint, GrammarError, grammar_tokenizer
 
 log = logging.getLogger(__name__)
 CREATED = int(time.time())
@@ -56,18 +55,22 @@ class Api:
         return self.node.model_id
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._cors, webui.security_headers, self._errors, self._auth],
-                              client_max_size=self.settings.max_body_bytes)
-        app.add_routes([
-            web.post("/v1/chat/completions", self.chat_completions),
-            web.post("/v1/completions", self.completions),
-            web.get("/v1/models", self.models),
-            web.get("/v1/models/{model_id:.+}", self.model),
-            web.get("/v1/topology", self.topology),
-            web.get("/healthcheck", self.healthcheck),
-            web.get("/metrics", self.metrics),
-            *webui.routes(),
-        ])
+        app = web.Application(
+            middlewares=[self._cors, webui.security_headers, self._errors, self._auth],
+            client_max_size=self.settings.max_body_bytes,
+        )
+        app.add_routes(
+            [
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/v1/completions", self.completions),
+                web.get("/v1/models", self.models),
+                web.get("/v1/models/{model_id:.+}", self.model),
+                web.get("/v1/topology", self.topology),
+                web.get("/healthcheck", self.healthcheck),
+                web.get("/metrics", self.metrics),
+                *webui.routes(),
+            ]
+        )
         return app
 
     # -- middlewares ------------------------------------------------------------------------------------------
@@ -81,8 +84,11 @@ class Api:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            message = f"request body exceeds {self.settings.max_body_bytes} bytes" if e.status == 413 else \
-                f"{e.reason}: {request.method} {request.path}"
+            message = (
+                f"request body exceeds {self.settings.max_body_bytes} bytes"
+                if e.status == 413
+                else f"{e.reason}: {request.method} {request.path}"
+            )
             code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(e.status)
             return ApiError(e.status, message, code=code).response()
         except Exception:
@@ -131,13 +137,24 @@ class Api:
         topo = self.node.topology()
         nodes = [asdict(n) | {"loaded": [str(s) for s in n.loaded]} for n in topo.nodes]
         try:  # the layers each node would run for a request arriving now (what the web page draws)
-            plan, plan_error = [{"node_id": step.node_id, "start": step.shard.start_layer, "end": step.shard.end_layer}
-                                for step in self.node.make_plan()], None
+            plan, plan_error = (
+                [
+                    {"node_id": step.node_id, "start": step.shard.start_layer, "end": step.shard.end_layer}
+                    for step in self.node.make_plan()
+                ],
+                None,
+            )
         except PlanError as e:
             plan, plan_error = None, str(e)
-        return web.json_response({"nodes": nodes, "links": [asdict(link) for link in topo.links],
-                                  "model": {"id": self.model_id, "n_layers": self.node.config.n_layers},
-                                  "plan": plan, "plan_error": plan_error})
+        return web.json_response(
+            {
+                "nodes": nodes,
+                "links": [asdict(link) for link in topo.links],
+                "model": {"id": self.model_id, "n_layers": self.node.config.n_layers},
+                "plan": plan,
+                "plan_error": plan_error,
+            }
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         # The classic text format unless the scraper asks for OpenMetrics.
@@ -146,8 +163,12 @@ class Api:
 
     def _check_model(self, model: str) -> None:
         if model != self.model_id:
-            raise ApiError(404, f"The model '{model}' does not exist; this cluster serves '{self.model_id}'",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist; this cluster serves '{self.model_id}'",
+                param="model",
+                code="model_not_found",
+            )
 
     # -- generation endpoints ---------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -165,8 +186,12 @@ class Api:
             prompt, echo = await self.prompts.text(req.prompt), req.prompt
         else:
             if max(req.prompt) >= self.node.config.vocab_size:
-                raise ApiError(400, f"token ids must be below the vocabulary size {self.node.config.vocab_size}",
-                               param="prompt", code="invalid_value")
+                raise ApiError(
+                    400,
+                    f"token ids must be below the vocabulary size {self.node.config.vocab_size}",
+                    param="prompt",
+                    code="invalid_value",
+                )
             prompt, echo = list(req.prompt), tok.decode(req.prompt)
         return await self._generate(request, await self._constrained(req), prompt, echo if req.echo else "")
 
@@ -182,8 +207,9 @@ class Api:
             await asyncio.to_thread(checker.check, grammar)
             constraint = Constraint(grammar)
         except (ToolError, GrammarError) as e:
-            raise ApiError(400, f"{opts.structure.param}: {e}", param=opts.structure.param,
-                           code="invalid_schema") from None
+            raise ApiError(
+                400, f"{opts.structure.param}: {e}", param=opts.structure.param, code="invalid_schema"
+            ) from None
         sampling = dataclasses.replace(opts.sampling, constraint=constraint)
         return dataclasses.replace(req, options=dataclasses.replace(opts, sampling=sampling))
 
@@ -191,29 +217,47 @@ class Api:
         context = self.node.config.max_position_embeddings
         room = context - len(prompt)
         if room < 1:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context is {context}",
-                           param=param, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt has {len(prompt)} tokens; this model's context is {context}",
+                param=param,
+                code="context_length_exceeded",
+            )
         max_tokens = min(self.settings.max_tokens_cap, room) if opts.max_tokens is None else opts.max_tokens
         if max_tokens > room:
-            raise ApiError(400, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                                f"length {context}", param="max_tokens", code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context length {context}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         if max_tokens > self.settings.max_tokens_cap:
-            raise ApiError(400, f"max_tokens may be at most {self.settings.max_tokens_cap} on this node",
-                           param="max_tokens", code="invalid_value")
+            raise ApiError(
+                400,
+                f"max_tokens may be at most {self.settings.max_tokens_cap} on this node",
+                param="max_tokens",
+                code="invalid_value",
+            )
         return Job(prompt, opts.sampling, max_tokens, opts.stop)
 
-    async def _generate(self, request: web.Request, req: ChatRequest | CompletionRequest, prompt: list[int],
-                        echo: str) -> web.StreamResponse:
+    async def _generate(
+        self, request: web.Request, req: ChatRequest | CompletionRequest, prompt: list[int], echo: str
+    ) -> web.StreamResponse:
         chat = isinstance(req, ChatRequest)
         endpoint = "chat" if chat else "completions"
         with self.node.metrics.request(endpoint, refusals=(ApiError,)) as observed:
             job = self._job(req.options, prompt, "messages" if chat else "prompt")
             if self.node.draining:
-                raise ApiError(503, "this node is shutting down; send the request to another node",
-                               code="shutting_down")
+                raise ApiError(
+                    503, "this node is shutting down; send the request to another node", code="shutting_down"
+                )
             if self.active >= self.settings.max_concurrent:
-                raise ApiError(503, f"the node is at its limit of {self.settings.max_concurrent} concurrent requests; "
-                                    "retry shortly", code="server_overloaded", retry_after=1)
+                raise ApiError(
+                    503,
+                    f"the node is at its limit of {self.settings.max_concurrent} concurrent requests; retry shortly",
+                    code="server_overloaded",
+                    retry_after=1,
+                )
             observed.admitted(len(prompt))
             self.active += 1
             pieces = None

@@ -4,14 +4,14 @@ Shared by /v1/chat/completions and /v1/completions, streaming or not. Stop strin
 text (so a stop string spanning several tokens works); text that could still turn out to be the start of a stop
 string is held back, so the client never receives the stop text.
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from shards.sampling import SamplingParams
-
 from node.runtime.node import Node
+from shards.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,18 @@ async def run_job(node: Node, job: Job, on_tokens: Callable[[int], None] | None 
                 is_eos = result.token in tok.eos_token_ids
                 text += decoder.push(result.token)
                 if want_logprobs and not is_eos:
-                    queued.append((offset, TokenLogprob(
-                        tok.decode([result.token], skip_special_tokens=False), result.logprob,
-                        tuple((tok.decode([t], skip_special_tokens=False), lp) for t, lp in result.top_logprobs))))
+                    queued.append(
+                        (
+                            offset,
+                            TokenLogprob(
+                                tok.decode([result.token], skip_special_tokens=False),
+                                result.logprob,
+                                tuple(
+                                    (tok.decode([t], skip_special_tokens=False), lp) for t, lp in result.top_logprobs
+                                ),
+                            ),
+                        )
+                    )
             if event.finished:
                 text += decoder.flush()
             hit = min((i for i in (text.find(s, max(0, sent - len(s) + 1)) for s in job.stop) if i >= 0), default=-1)

@@ -4,6 +4,7 @@ A response is always produced as the stream of chunks: an opening chunk, one chu
 chunk with the finish reason. A non-streamed response is those same chunks folded into one body, so the two can
 never disagree.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,8 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import Any
 
-from node.http.schema import Options
 from node.http.completion import TextDelta, TokenLogprob
+from node.http.schema import Options
 from node.http.tools import ToolCallParser
 
 
@@ -27,8 +28,11 @@ class Format(ABC):
         self.meta = {"id": f"{self.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {**self.meta, "object": self.chunk_object, "choices": [{"index": 0, **choice}]}
@@ -84,20 +88,24 @@ class ChatFormat(Format):
             return super().piece_chunks(piece)
         content, calls = self.parser.feed(piece.text, final=piece.finish_reason is not None)
         out = [self.delta(dataclasses.replace(piece, text=content))] if content or piece.logprobs else []
-        out += [self._chunk({"delta": {"tool_calls": [call.openai()]}, "logprobs": None, "finish_reason": None})
-                for call in calls]
+        out += [
+            self._chunk({"delta": {"tool_calls": [call.openai()]}, "logprobs": None, "finish_reason": None})
+            for call in calls
+        ]
         self.called |= bool(calls)
         if piece.finish_reason is not None:
-            out.append(self.closing("tool_calls" if self.called and piece.finish_reason == "stop"
-                                    else piece.finish_reason))
+            out.append(
+                self.closing("tool_calls" if self.called and piece.finish_reason == "stop" else piece.finish_reason)
+            )
         return out
 
     def opening(self, echo: str) -> dict[str, Any]:
         return self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
 
     def delta(self, piece: TextDelta) -> dict[str, Any]:
-        return self._chunk({"delta": {"content": piece.text}, "logprobs": self._logprobs(piece.logprobs),
-                            "finish_reason": None})
+        return self._chunk(
+            {"delta": {"content": piece.text}, "logprobs": self._logprobs(piece.logprobs), "finish_reason": None}
+        )
 
     def closing(self, finish_reason: str) -> dict[str, Any]:
         return self._chunk({"delta": {}, "logprobs": None, "finish_reason": finish_reason})
@@ -109,16 +117,20 @@ class ChatFormat(Format):
         def one(token: str, lp: float) -> dict:
             return {"token": token, "logprob": lp, "bytes": list(token.encode())}
 
-        return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
-                            for e in entries]}
+        return {
+            "content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+        }
 
     def fold(self, choices: list[dict[str, Any]], finish_reason: str) -> dict[str, Any]:
         text = "".join(c["delta"].get("content", "") for c in choices)
         logprobs = None
         if self.logprobs_wanted:
             logprobs = {"content": [e for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]}
-        calls = [{k: v for k, v in call.items() if k != "index"}
-                 for c in choices for call in c["delta"].get("tool_calls", ())]
+        calls = [
+            {k: v for k, v in call.items() if k != "index"}
+            for c in choices
+            for call in c["delta"].get("tool_calls", ())
+        ]
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             message["tool_calls"] = calls
@@ -150,14 +162,24 @@ class CompletionFormat(Format):
         for e in entries:
             offsets.append(self.offset)
             self.offset += len(e.token)
-        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries],
+            "text_offset": offsets,
+        }
 
     def fold(self, choices: list[dict[str, Any]], finish_reason: str) -> dict[str, Any]:
         logprobs = None
         if self.logprobs_wanted:
             parts = [c["logprobs"] for c in choices if c["logprobs"]]
-            logprobs = {key: [v for p in parts for v in p[key]]
-                        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-        return {"index": 0, "text": "".join(c["text"] for c in choices), "logprobs": logprobs,
-                "finish_reason": finish_reason}
+            logprobs = {
+                key: [v for p in parts for v in p[key]]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+            }
+        return {
+            "index": 0,
+            "text": "".join(c["text"] for c in choices),
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }

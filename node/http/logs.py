@@ -2,6 +2,7 @@
 malformed request line, a bad chunk) is one warning line naming the client and the fault, not a traceback. The
 client got its 400 from aiohttp already; the traceback says nothing about our code, and a client can make
 thousands of them."""
+
 from __future__ import annotations
 
 import logging

@@ -6,14 +6,14 @@ checks: its peers would think it dead). So a text that certainly exceeds the con
 context x the longest token's) is refused without being tokenized, and the others are tokenized on a worker thread
 in tokenizers' call that releases the GIL, at most `MAX_CONCURRENT` at a time.
 """
+
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from shards.tokenizer import Tokenizer
-
 from node.http.schema import ApiError
+from shards.tokenizer import Tokenizer
 
 MAX_CONCURRENT = 2  # tokenizations at once; more wait their turn (each keeps a core busy)
 
@@ -49,8 +49,12 @@ class PromptEncoder:
 
     async def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         if len(text) > self.max_chars:
-            raise ApiError(400, f"the prompt has {len(text)} characters: more tokens than this model's context of "
-                                f"{self.context}", param=param, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt has {len(text)} characters: more tokens than this model's context of {self.context}",
+                param=param,
+                code="context_length_exceeded",
+            )
         if self._slots is None:
             self._slots = asyncio.Semaphore(MAX_CONCURRENT)
         async with self._slots:

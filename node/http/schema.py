@@ -3,6 +3,7 @@
 Unknown fields are ignored, as OpenAI does. Known fields we cannot honour (n > 1, penalties, logit_bias, suffix)
 are refused with a 400 rather than silently ignored. Tools and response formats: node/http/tools.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,9 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
-
 from node.http.tools import Structure, ToolError, check_tool_messages, parse_structure, parse_tool_calls
+from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 BODY_TIMEOUT_S = 30
 MAX_STOPS = 4
@@ -28,8 +28,14 @@ class ApiError(Exception):
 
     TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after = retry_after  # seconds, for a Retry-After header (503 when busy)
@@ -75,8 +81,9 @@ class CompletionRequest:
 
 async def read_json(request: web.Request) -> dict[str, Any]:
     if request.content_type != "application/json":
-        raise ApiError(400, f"Content-Type must be application/json, got {request.content_type!r}",
-                       code="invalid_content_type")
+        raise ApiError(
+            400, f"Content-Type must be application/json, got {request.content_type!r}", code="invalid_content_type"
+        )
     try:
         async with asyncio.timeout(BODY_TIMEOUT_S):  # a client trickling its body can't hold a handler forever
             raw = await request.read()  # too large: aiohttp raises 413, which the error middleware words
@@ -87,8 +94,9 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         # JSON may spell lone UTF-16 surrogates ("\ud800"): valid JSON, but not text any tokenizer can take.
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise ApiError(400, "request body holds a lone surrogate (\\ud800-\\udfff): not valid Unicode text",
-                       code="invalid_json") from None
+        raise ApiError(
+            400, "request body holds a lone surrogate (\\ud800-\\udfff): not valid Unicode text", code="invalid_json"
+        ) from None
     # ValueError covers JSONDecodeError and integers too long to convert (Python refuses > 4300 digits).
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
@@ -186,8 +194,15 @@ def _options(body: dict, top_logprobs: int | None, default_max_tokens: int | Non
         seed=None if seed is None else seed % (1 << 64),  # OpenAI accepts any integer seed
         top_logprobs=top_logprobs,
     )
-    return Options(model, max_tokens if max_tokens is not None else default_max_tokens, sampling, _stops(body),
-                   stream, include_usage, structure)
+    return Options(
+        model,
+        max_tokens if max_tokens is not None else default_max_tokens,
+        sampling,
+        _stops(body),
+        stream,
+        include_usage,
+        structure,
+    )
 
 
 def _content(message: dict, i: int) -> str:

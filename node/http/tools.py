@@ -8,6 +8,7 @@ a system message of ours (`generic_messages`). Either way the reply's calls are 
 free text and the grammar takes over once it starts a call. Everything here is pure: parsing, rendering, and the
 `ToolCallParser` that splits the generated text into content and calls as it streams.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,10 @@ class Tool:
 
     def openai(self) -> dict[str, Any]:
         """The tool as chat templates expect it (the OpenAI request shape)."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,11 @@ class Structure:
         """The llguidance grammar the reply must follow, or None (raises ToolError for a schema it can't use)."""
         try:
             if self.json_schema is not None:
-                return json_object_grammar() if self.json_schema == {"type": "object"} else \
-                    json_schema_grammar(self.json_schema)
+                return (
+                    json_object_grammar()
+                    if self.json_schema == {"type": "object"}
+                    else json_schema_grammar(self.json_schema)
+                )
             if not self.calls_tools:
                 return None
             named = self.tool_choice not in ("auto", "required")
@@ -129,8 +135,10 @@ def parse_structure(body: dict[str, Any], chat: bool) -> Structure:
     elif isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ToolError("tool_choice", '\'tool_choice\' must be "none", "auto", "required" or '
-                                           '{"type": "function", "function": {"name": ...}}')
+            raise ToolError(
+                "tool_choice",
+                '\'tool_choice\' must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            )
         choice = fn["name"]
         if choice not in {t.name for t in tools}:
             raise ToolError("tool_choice", f"tool_choice names {choice!r}, which is not one of the tools")
@@ -160,7 +168,7 @@ def _response_format(fmt: Any) -> dict[str, Any] | None:
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise ToolError("response_format.json_schema", "json_schema needs {\"name\": ..., \"schema\": {...}}")
+            raise ToolError("response_format.json_schema", 'json_schema needs {"name": ..., "schema": {...}}')
         if not isinstance(spec.get("strict", False), bool):
             raise ToolError("response_format.json_schema.strict", "'strict' must be a boolean")
         return _schema(spec["schema"], "response_format.json_schema.schema")
@@ -191,8 +199,10 @@ def check_tool_messages(messages: list[dict[str, Any]]) -> None:
     for i, m in enumerate(messages):
         ids.update(c["id"] for c in m.get("tool_calls", ()))
         if m["role"] == "tool" and m["tool_call_id"] not in ids:
-            raise ToolError(f"messages[{i}].tool_call_id",
-                            f"tool message answers {m['tool_call_id']!r}, which no earlier assistant message called")
+            raise ToolError(
+                f"messages[{i}].tool_call_id",
+                f"tool message answers {m['tool_call_id']!r}, which no earlier assistant message called",
+            )
 
 
 # -- rendering --------------------------------------------------------------------------------------------------
@@ -219,9 +229,15 @@ def generic_messages(messages: list[dict[str, Any]], structure: Structure) -> li
             out.append({"role": m["role"], "content": m["content"]})
     if structure.calls_tools:
         listing = "\n".join(json.dumps(t.openai()["function"], ensure_ascii=False) for t in structure.tools)
-        prompt = ("You can call these tools:\n" + listing + "\nTo call a tool, reply with " + TOOL_OPEN +
-                  '\n{"name": <tool name>, "arguments": <arguments object>}\n' + TOOL_CLOSE +
-                  "\nTool results come back in <tool_response> blocks.")
+        prompt = (
+            "You can call these tools:\n"
+            + listing
+            + "\nTo call a tool, reply with "
+            + TOOL_OPEN
+            + '\n{"name": <tool name>, "arguments": <arguments object>}\n'
+            + TOOL_CLOSE
+            + "\nTool results come back in <tool_response> blocks."
+        )
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
         else:
@@ -238,8 +254,12 @@ class ToolCall:
     arguments: str  # a JSON string, as OpenAI sends it
 
     def openai(self) -> dict[str, Any]:
-        return {"index": self.index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 class ToolCallParser:
@@ -259,13 +279,16 @@ class ToolCallParser:
             at = self.buffer.find(TOOL_OPEN)
             if at < 0:
                 # held back: a possible start of <tool_call>, and the whitespace before it (not the content's)
-                cut = len(self.buffer) if final else \
-                    len(self.buffer[:len(self.buffer) - _partial(self.buffer, TOOL_OPEN)].rstrip("\n "))
+                cut = (
+                    len(self.buffer)
+                    if final
+                    else len(self.buffer[: len(self.buffer) - _partial(self.buffer, TOOL_OPEN)].rstrip("\n "))
+                )
                 content, self.buffer = self.buffer[:cut], self.buffer[cut:]
                 return content, []
             content, self.buffer, self.in_calls = self.buffer[:at].rstrip("\n "), self.buffer[at:], True
         while (end := self.buffer.find(TOOL_CLOSE)) >= 0:
-            block, self.buffer = self.buffer[:end], self.buffer[end + len(TOOL_CLOSE):].lstrip("\n ")
+            block, self.buffer = self.buffer[:end], self.buffer[end + len(TOOL_CLOSE) :].lstrip("\n ")
             call = self._call(block.strip().removeprefix(TOOL_OPEN))
             if call is None:  # not a call after all: the rest is plain text
                 self.broken, rest, self.buffer = True, block + TOOL_CLOSE + self.buffer, ""
@@ -282,8 +305,12 @@ class ToolCallParser:
             return None
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             return None
-        call = ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", body["name"],
-                        json.dumps(body.get("arguments", {}), ensure_ascii=False))
+        call = ToolCall(
+            self.calls,
+            f"call_{uuid.uuid4().hex[:24]}",
+            body["name"],
+            json.dumps(body.get("arguments", {}), ensure_ascii=False),
+        )
         self.calls += 1
         return call
 
@@ -296,8 +323,9 @@ def _partial(text: str, marker: str) -> int:
     return 0
 
 
-def prompt_inputs(messages: list[dict[str, Any]], structure: Structure,
-                  template: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def prompt_inputs(
+    messages: list[dict[str, Any]], structure: Structure, template: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages (and `tools`, for a template that renders them) to give the chat template."""
     if knows_tools(template):
         return messages, [t.openai() for t in structure.tools] if structure.calls_tools else None

@@ -4,6 +4,7 @@ The page itself and its assets are public even with --api-key: they hold no data
 sends it with every API call. Its Content-Security-Policy allows nothing but this node, so the page works on a
 machine without internet and can never pull in a script from elsewhere.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,8 +12,10 @@ from pathlib import Path
 from aiohttp import web
 
 WEB = Path(__file__).resolve().parent / "web"
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
-       "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 
 def is_public(path: str) -> bool:

@@ -11,6 +11,7 @@ across a replay: every request has a seed (the entry picks one when the client d
 skips the random draws the earlier attempts consumed, so greedy and seeded requests give the tokens they would have
 given without the failure.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,13 +25,12 @@ from collections.abc import AsyncIterator, Callable, Collection
 
 import numpy as np
 
-from shards.sampling import SamplingParams
-
 from node.core.node_core import KEPT_AFTER
 from node.core.plan import PlanStep, RequestSpec
 from node.core.prefix_cache import PrefixIndex
 from node.core.requests import GenerationError, Overloaded, TokenMessage
 from node.runtime.transport import Transport, TransportError
+from shards.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,22 @@ class _Attempt:
 
 
 class Entry:
-    def __init__(self, node_id: str, address: str, transport: Transport, *,
-                 plan: Callable[[Collection[str]], tuple[PlanStep, ...]], stop_token_ids: frozenset[int],
-                 request_timeout: float, max_replays: int, queue_timeout: float, counters: Counter[str],
-                 spawn: Callable[..., object], vocab_size: int, prefixes: PrefixIndex | None = None):
+    def __init__(
+        self,
+        node_id: str,
+        address: str,
+        transport: Transport,
+        *,
+        plan: Callable[[Collection[str]], tuple[PlanStep, ...]],
+        stop_token_ids: frozenset[int],
+        request_timeout: float,
+        max_replays: int,
+        queue_timeout: float,
+        counters: Counter[str],
+        spawn: Callable[..., object],
+        vocab_size: int,
+        prefixes: PrefixIndex | None = None,
+    ):
         """`plan`: a new plan over the nodes alive, leaving out the ones given; `spawn` runs a coroutine as a task
         its owner cancels on stop (ending a request everywhere outlives the caller's stream); `vocab_size`: token
         ids at or above it are refused (they come from a broken or hostile node, and would crash the decoder);
@@ -84,7 +96,9 @@ class Entry:
         self.attempts: dict[str, _Attempt] = {}  # request id -> the attempt we are the entry node of
         self.prefixes = prefixes
 
-    async def generate(self, prompt: list[int], sampling: SamplingParams, max_tokens: int) -> AsyncIterator[TokenMessage]:
+    async def generate(
+        self, prompt: list[int], sampling: SamplingParams, max_tokens: int
+    ) -> AsyncIterator[TokenMessage]:
         """Run one request through the ring, yielding tokens as the last node samples them, replaying it on a new
         plan (at most `max_replays` times) when a node of its plan is lost."""
         if sampling.seed is None and not sampling.greedy:
@@ -95,8 +109,9 @@ class Entry:
         replays, busy_since, backoff = 0, None, 0.05
         reuse = self.prefixes is not None
         while True:
-            attempt = self._start(prompt + history, _resumed(sampling, history), max_tokens - len(history),
-                                  len(history), excluded, reuse)
+            attempt = self._start(
+                prompt + history, _resumed(sampling, history), max_tokens - len(history), len(history), excluded, reuse
+            )
             reason = "cancelled"
             try:
                 async for message in self._run(attempt):
@@ -130,8 +145,13 @@ class Entry:
                     self.counters["requests_failed"] += 1
                     raise GenerationError(f"{lost} (gave up after {self.max_replays} replays)") from None
                 excluded |= lost.suspects | await self._unreachable(attempt.spec)
-                log.warning("request %s: %s; replaying %d prompt + %d generated tokens on a new plan",
-                            attempt.spec.request_id, lost, len(prompt), len(history))
+                log.warning(
+                    "request %s: %s; replaying %d prompt + %d generated tokens on a new plan",
+                    attempt.spec.request_id,
+                    lost,
+                    len(prompt),
+                    len(history),
+                )
             except GenerationError:
                 reason = "failed"
                 self.counters["requests_failed"] += 1
@@ -144,19 +164,35 @@ class Entry:
                     self.prefixes.add(attempt.spec.request_id, (prompt + history)[:-1], _scope(attempt.spec.plan))
                 self.spawn(self._end_everywhere(attempt.spec, reason))
 
-    def _start(self, tokens: list[int], sampling: SamplingParams, max_tokens: int, resumed: int,
-               excluded: Collection[str], reuse: bool = False) -> _Attempt:
+    def _start(
+        self,
+        tokens: list[int],
+        sampling: SamplingParams,
+        max_tokens: int,
+        resumed: int,
+        excluded: Collection[str],
+        reuse: bool = False,
+    ) -> _Attempt:
         plan = self.plan(excluded)
         hit = self.prefixes.longest(tokens, _scope(plan)) if reuse and self.prefixes is not None else None
         if hit is not None:
             self.prefixes.take(hit)  # the nodes hand that cache to this request (or say it is gone)
             self.counters["prefix_hits"] += 1
             self.counters["prefix_hit_tokens"] += hit.tokens
-        spec = RequestSpec(request_id=uuid.uuid4().hex, plan=plan, sampling=sampling,
-                           max_tokens=max_tokens, stop_token_ids=self.stop_token_ids, entry_node_id=self.node_id,
-                           entry_address=self.address, resumed=resumed, prompt_tokens=len(tokens),
-                           reuse_from=hit.entry_id if hit else "", reuse_positions=hit.tokens if hit else 0)
-        tokens = tokens[spec.reuse_positions:]  # the retained prefix is already in every node's cache
+        spec = RequestSpec(
+            request_id=uuid.uuid4().hex,
+            plan=plan,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            stop_token_ids=self.stop_token_ids,
+            entry_node_id=self.node_id,
+            entry_address=self.address,
+            resumed=resumed,
+            prompt_tokens=len(tokens),
+            reuse_from=hit.entry_id if hit else "",
+            reuse_positions=hit.tokens if hit else 0,
+        )
+        tokens = tokens[spec.reuse_positions :]  # the retained prefix is already in every node's cache
         attempt = self.attempts[spec.request_id] = _Attempt(spec, asyncio.Queue())
 
         async def send_prompt() -> None:
@@ -164,8 +200,13 @@ class Entry:
                 await self.transport.send_prompt(spec.first.address, spec, np.asarray(tokens, np.int64))
             except TransportError as e:
                 why = f"first node {spec.first.node_id}: {e}"
-                attempt.inbox.put_nowait(_Lost(why, {spec.first.node_id}) if e.retryable else
-                                         _Busy(why) if e.kind == "busy" else GenerationError(why))
+                attempt.inbox.put_nowait(
+                    _Lost(why, {spec.first.node_id})
+                    if e.retryable
+                    else _Busy(why)
+                    if e.kind == "busy"
+                    else GenerationError(why)
+                )
 
         self.spawn(send_prompt())
         return attempt
@@ -174,7 +215,7 @@ class Entry:
         while True:
             try:
                 message = await asyncio.wait_for(attempt.inbox.get(), self.request_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise GenerationError(f"no token within {self.request_timeout:g}s") from None
             if isinstance(message, Exception):
                 raise message
@@ -204,16 +245,23 @@ class Entry:
             return
         if caller is not None and caller != plan[-1].node_id and message.finish_reason != "error":
             self.counters["results_refused"] += 1
-            log.warning("tokens for request %s from %s, which is not the last node of its plan (%s): dropped",
-                        message.request_id, caller, plan[-1].node_id)
+            log.warning(
+                "tokens for request %s from %s, which is not the last node of its plan (%s): dropped",
+                message.request_id,
+                caller,
+                plan[-1].node_id,
+            )
             return
         ids = [t for r in message.results for t in (r.token, *(t for t, _ in r.top_logprobs))]
         if bad := [t for t in ids if not 0 <= t < self.vocab_size]:
             self.counters["results_refused"] += 1
             attempt.lost = True  # nothing more from this attempt is believed
-            attempt.inbox.put_nowait(GenerationError(
-                f"node {caller or plan[-1].node_id} sent token id {bad[0]}, outside the vocabulary "
-                f"[0, {self.vocab_size})"))
+            attempt.inbox.put_nowait(
+                GenerationError(
+                    f"node {caller or plan[-1].node_id} sent token id {bad[0]}, outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+            )
             return
         attempt.inbox.put_nowait(message)
 
@@ -231,6 +279,7 @@ class Entry:
 
     async def _unreachable(self, spec: RequestSpec) -> set[str]:
         """Which of the plan's nodes fail a health check right now (membership may not have noticed yet)."""
+
         async def down(step: PlanStep) -> bool:
             try:
                 await self.transport.health_check(step.address, 1.0)

@@ -5,6 +5,7 @@ A task asks to wake every `interval` seconds and records how much later than ask
 lags go to a Prometheus histogram (`exo_event_loop_lag_seconds`); lags over `warn_after` are logged, at most once
 per `log_every` seconds, with the worst since the last line.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,15 @@ log = logging.getLogger(__name__)
 
 
 class LoopMonitor:
-    def __init__(self, observe: Callable[[float], None], *, interval: float = 0.1, warn_after: float = 0.5,
-                 log_every: float = 10.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        observe: Callable[[float], None],
+        *,
+        interval: float = 0.1,
+        warn_after: float = 0.5,
+        log_every: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         """`observe(lag_seconds)` hears every measurement."""
         if interval <= 0:
             raise ValueError(f"interval must be > 0, got {interval}")
@@ -39,6 +47,9 @@ class LoopMonitor:
         self.worst = max(self.worst, lag)
         now = self.clock()
         if now - self._logged >= self.log_every:
-            log.warning("the event loop was held for %.2fs (the worst lag since the last warning): health checks and "
-                        "the API waited that long", self.worst)
+            log.warning(
+                "the event loop was held for %.2fs (the worst lag since the last warning): health checks and "
+                "the API waited that long",
+                self.worst,
+            )
             self._logged, self.worst = now, 0.0

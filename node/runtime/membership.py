@@ -1,4 +1,5 @@
 """Keeps the node's view of its peers: discovery proposes addresses, a health check over the transport confirms them."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,9 +37,17 @@ class Membership:
     So a peer stalled for less than `misses` x (interval + check_timeout) never flaps membership, and never has
     its requests replayed or its channel closed under calls in flight."""
 
-    def __init__(self, self_id: str, self_address: str, transport: Transport, discoveries: list[Discovery],
-                 on_change: Callable[[dict[str, NodeInfo], dict[str, str]], None], interval: float = 1.0,
-                 check_timeout: float = 1.0, misses: int = 2):
+    def __init__(
+        self,
+        self_id: str,
+        self_address: str,
+        transport: Transport,
+        discoveries: list[Discovery],
+        on_change: Callable[[dict[str, NodeInfo], dict[str, str]], None],
+        interval: float = 1.0,
+        check_timeout: float = 1.0,
+        misses: int = 2,
+    ):
         if misses < 1:
             raise ValueError(f"misses must be >= 1, got {misses}")
         self.self_id, self.self_address, self.transport = self_id, self_address, transport
@@ -76,8 +85,10 @@ class Membership:
     async def refresh(self) -> None:
         candidates = [a for d in self.discoveries for a in d.candidates()]
         addresses = [a for a in dict.fromkeys(candidates) if a != self.self_address]
-        infos = [self._tolerate(a, result) for a, result in
-                 zip(addresses, await asyncio.gather(*(self._check(a) for a in addresses)))]
+        infos = [
+            self._tolerate(a, result)
+            for a, result in zip(addresses, await asyncio.gather(*(self._check(a) for a in addresses)))
+        ]
         for gone in self.answered.keys() - set(addresses):  # no longer proposed: nothing to remember of it
             self.answered.pop(gone)
             self.missed.pop(gone, None)
@@ -106,8 +117,13 @@ class Membership:
         last = self.answered.get(address)
         missed = self.missed[address] = self.missed.get(address, 0) + 1
         if result.kind == "timeout" and last is not None and missed < self.misses:
-            log.info("peer at %s did not answer within %gs (%d of %d misses tolerated)", address,
-                     self.check_timeout, missed, self.misses - 1)
+            log.info(
+                "peer at %s did not answer within %gs (%d of %d misses tolerated)",
+                address,
+                self.check_timeout,
+                missed,
+                self.misses - 1,
+            )
             return last
         self.answered.pop(address, None)
         self.missed.pop(address, None)

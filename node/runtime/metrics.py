@@ -9,6 +9,7 @@ scrapes, by `_NodeCollector` from the node's `NodeStatus` snapshot, so the hot p
 The metrics know the node only through the callables handed to their constructor: the node owns the metrics, never
 the reverse (no import of node.py here), and they know nothing of HTTP (the API says which errors are refusals).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,6 +41,7 @@ PREFIX_METRICS = {
 @dataclass(frozen=True)
 class NodeStatus:
     """A snapshot of what a node counts anyway (`Node.status()`), read when Prometheus scrapes."""
+
     active_requests: int  # requests it holds state for: as entry, in its layers, or in a KV cache
     peers: int  # live peers
     peers_joined: int
@@ -52,31 +54,60 @@ class NodeStatus:
 
 
 class NodeMetrics:
-    def __init__(self, *, status: Callable[[], NodeStatus], kv_cache_bytes: Callable[[], int],
-                 name_of: Callable[[str], str]):
+    def __init__(
+        self, *, status: Callable[[], NodeStatus], kv_cache_bytes: Callable[[], int], name_of: Callable[[str], str]
+    ):
         """`status`: the node's snapshot; `kv_cache_bytes`: the one live number the node's own status carries;
         `name_of`: a peer's node id from its address (the address itself when unknown)."""
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("exo_requests", "Generation requests this node was the entry of, by endpoint and "
-                                "outcome (stop, length, error, cancelled by the client, rejected before generating)",
-                                ["endpoint", "outcome"], registry=r)
-        self.prompt_tokens = Counter("exo_prompt_tokens", "Prompt tokens of requests admitted at this entry node",
-                                     registry=r)
-        self.completion_tokens = Counter("exo_completion_tokens", "Tokens generated for this entry node's requests",
-                                         registry=r)
-        self.ttft = Histogram("exo_time_to_first_token_seconds", "From a request's arrival to its first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("exo_inter_token_latency_seconds", "Gap between successive tokens of a request",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.step_seconds = Histogram("exo_forward_step_seconds", "Duration of one forward pass over this node's "
-                                      "layers", buckets=LATENCY_BUCKETS, registry=r)
-        self.step_rows = Histogram("exo_forward_step_rows", "Requests batched into one forward pass",
-                                   buckets=SIZE_BUCKETS, registry=r)
-        self.loop_lag = Histogram("exo_event_loop_lag_seconds", "How late the node's event loop woke a task that "
-                                  "asked to wake (sampled every 0.1 s): while it is held, the API, gRPC and health "
-                                  "checks wait", buckets=LATENCY_BUCKETS, registry=r)
-        self.rpc_errors = Counter("exo_peer_rpc_errors", "Failed calls to a peer, by peer (node id, or address when "
-                                  "unknown) and call", ["peer", "call"], registry=r)
+        self.requests = Counter(
+            "exo_requests",
+            "Generation requests this node was the entry of, by endpoint and "
+            "outcome (stop, length, error, cancelled by the client, rejected before generating)",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "exo_prompt_tokens", "Prompt tokens of requests admitted at this entry node", registry=r
+        )
+        self.completion_tokens = Counter(
+            "exo_completion_tokens", "Tokens generated for this entry node's requests", registry=r
+        )
+        self.ttft = Histogram(
+            "exo_time_to_first_token_seconds",
+            "From a request's arrival to its first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "exo_inter_token_latency_seconds",
+            "Gap between successive tokens of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "exo_forward_step_seconds",
+            "Duration of one forward pass over this node's layers",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_rows = Histogram(
+            "exo_forward_step_rows", "Requests batched into one forward pass", buckets=SIZE_BUCKETS, registry=r
+        )
+        self.loop_lag = Histogram(
+            "exo_event_loop_lag_seconds",
+            "How late the node's event loop woke a task that "
+            "asked to wake (sampled every 0.1 s): while it is held, the API, gRPC and health "
+            "checks wait",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rpc_errors = Counter(
+            "exo_peer_rpc_errors",
+            "Failed calls to a peer, by peer (node id, or address when unknown) and call",
+            ["peer", "call"],
+            registry=r,
+        )
         r.register(_NodeCollector(status))
         self.name_of = name_of
         # Counters for the node's `status` (in /v1/topology and health checks), which the web page turns into rates.
@@ -189,28 +220,40 @@ class _NodeCollector(Collector):
     def collect(self):
         now = self.status()
         stats = now.sampling
-        yield _gauge("exo_requests_in_flight", "Requests this node holds state for (as entry, in its layers, or "
-                     "in a KV cache)", now.active_requests)
+        yield _gauge(
+            "exo_requests_in_flight",
+            "Requests this node holds state for (as entry, in its layers, or in a KV cache)",
+            now.active_requests,
+        )
         yield _gauge("exo_kv_cache_bytes", "Memory held by KV caches", now.kv_cache_bytes)
         yield _gauge("exo_weights_bytes", "Memory held by loaded weights", now.weights_bytes)
         yield _gauge("exo_peers", "Peers that answer health checks", now.peers)
         yield _counter("exo_peers_joined", "Peers that joined", now.peers_joined)
         yield _counter("exo_peers_left", "Peers that left", now.peers_left)
-        ended = CounterMetricFamily("exo_node_requests_ended", "Requests this node took part in that ended, by "
-                                    "reason", labels=["reason"])
+        ended = CounterMetricFamily(
+            "exo_node_requests_ended", "Requests this node took part in that ended, by reason", labels=["reason"]
+        )
         for reason, value in sorted(now.ended.items()):
             ended.add_metric([reason], value)
         yield ended
         yield _batch_sizes(stats)
         for key, doc in PREFIX_METRICS.items():
             yield _counter(f"exo_{key}", doc, now.prefix.get(key, 0))
-        yield _gauge("exo_kv_retained_bytes", "Memory held by finished requests' KV caches kept for prefix reuse "
-                     "(freed first when reservations need the room)", now.prefix.get("retained_bytes", 0))
+        yield _gauge(
+            "exo_kv_retained_bytes",
+            "Memory held by finished requests' KV caches kept for prefix reuse "
+            "(freed first when reservations need the room)",
+            now.prefix.get("retained_bytes", 0),
+        )
         yield _counter("exo_sampling_rows", "Rows (tokens) sampled on this node", stats["sample_items"])
-        yield _counter("exo_sampling_calls", "Sampler calls (one per batch, or per row on a fallback)",
-                       stats["sample_calls"])
-        yield _counter("exo_sampling_fallbacks", "Rows sampled one by one because their batch could not be sampled "
-                       "in one call", stats["sample_fallbacks"])
+        yield _counter(
+            "exo_sampling_calls", "Sampler calls (one per batch, or per row on a fallback)", stats["sample_calls"]
+        )
+        yield _counter(
+            "exo_sampling_fallbacks",
+            "Rows sampled one by one because their batch could not be sampled in one call",
+            stats["sample_fallbacks"],
+        )
         yield _counter("exo_sampling_errors", "Rows whose sampling failed", stats["sample_errors"])
 
 
@@ -227,5 +270,9 @@ def _batch_sizes(stats: Mapping[str, int]) -> HistogramMetricFamily:
     sizes = {int(m.group(1)): n for key, n in stats.items() if (m := _BATCH_SIZE.match(key))}
     buckets = [(str(le), sum(n for size, n in sizes.items() if size <= le)) for le in SIZE_BUCKETS]
     buckets.append(("+Inf", sum(sizes.values())))
-    return HistogramMetricFamily("exo_sampling_batch_size", "Rows per sampling batch", buckets=buckets,
-                                 sum_value=sum(size * n for size, n in sizes.items()))
+    return HistogramMetricFamily(
+        "exo_sampling_batch_size",
+        "Rows per sampling batch",
+        buckets=buckets,
+        sum_value=sum(size * n for size, n in sizes.items()),
+    )

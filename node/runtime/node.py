@@ -10,6 +10,7 @@ The parts, each with one job:
 Other layers use the small surface below: what peers send (`accept_*`, `end_request`, `peer_leaving`), what the
 API asks (`generate`, `topology`, `make_plan`, `status`, ...), and start/stop/drain; never the parts themselves.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,14 +19,6 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 
 import numpy as np
-
-from shards.formats.config import ModelConfig
-from shards.layer_costs import layer_costs
-from shards.partition import PartitionError
-from shards.sampling import SamplingParams
-from shards.shard import Shard
-from shards.grammar import grammar_tokenizer
-from shards.tokenizer import Tokenizer
 
 from node.core.node_core import NodeCore
 from node.core.placement import plan_ring
@@ -42,42 +35,93 @@ from node.runtime.sampling_batcher import SamplingBatcher
 from node.runtime.settings import NodeSettings, ServedModel
 from node.runtime.shard_manager import EngineFactory, ShardManager
 from node.runtime.transport import Transport, TransportError
+from shards.formats.config import ModelConfig
+from shards.grammar import grammar_tokenizer
+from shards.layer_costs import layer_costs
+from shards.partition import PartitionError
+from shards.sampling import SamplingParams
+from shards.shard import Shard
+from shards.tokenizer import Tokenizer
 
 PREFIX_INDEX_POSITIONS = 1 << 16  # token positions of finished requests the entry remembers for prefix reuse
 
 
 class Node:
-    def __init__(self, settings: NodeSettings, model: ServedModel, *, address: str, engines: EngineFactory,
-                 transport: Transport, availability: Callable[[], Availability] = Availability,
-                 stat_sources: Iterable[Mapping[str, int]] = ()):
+    def __init__(
+        self,
+        settings: NodeSettings,
+        model: ServedModel,
+        *,
+        address: str,
+        engines: EngineFactory,
+        transport: Transport,
+        availability: Callable[[], Availability] = Availability,
+        stat_sources: Iterable[Mapping[str, int]] = (),
+    ):
         """`address`: host:port other nodes reach this node's gRPC server at (known once the server is bound);
         `availability`: the layers this node can serve now (all, unless it fetches its weights from a peer:
         node/fetch/follow.py); `stat_sources`: more counters for the node's status (discovery, fetching)."""
         if settings.pinned is not None and settings.pinned[1] > model.config.n_layers:
-            raise ValueError(f"--shard {settings.pinned[0]}:{settings.pinned[1]}: the model has "
-                             f"{model.config.n_layers} layers; need END <= {model.config.n_layers}")
+            raise ValueError(
+                f"--shard {settings.pinned[0]}:{settings.pinned[1]}: the model has "
+                f"{model.config.n_layers} layers; need END <= {model.config.n_layers}"
+            )
         self.settings, self.model, self.address, self.availability = settings, model, address, availability
         self.id = settings.node_id
         self.view = PeerView(self.id, address)
-        self.core = NodeCore(self.id, model.model_id, model.config, settings.core, settings.scheduling,
-                             members=self.view.known, serves=lambda shard: availability().can_serve(shard))
+        self.core = NodeCore(
+            self.id,
+            model.model_id,
+            model.config,
+            settings.core,
+            settings.scheduling,
+            members=self.view.known,
+            serves=lambda shard: availability().can_serve(shard),
+        )
         self.shards = ShardManager(model.path, model.config, engines)
-        self.batcher = SamplingBatcher(settings.sample_batch_max, settings.sample_batch_window_ms,
-                                       executor=self.shards.executor,
-                                       grammar=lambda: grammar_tokenizer(model.tokenizer))
+        self.batcher = SamplingBatcher(
+            settings.sample_batch_max,
+            settings.sample_batch_window_ms,
+            executor=self.shards.executor,
+            grammar=lambda: grammar_tokenizer(model.tokenizer),
+        )
         self.transport = _Loopback(self, transport)
-        self.metrics = NodeMetrics(status=self.status, kv_cache_bytes=self.shards.cache_bytes,
-                                   name_of=self.view.name_of)
-        self.pipeline = Pipeline(self.core, self.shards, self.batcher, self.transport, model_id=model.model_id,
-                                 metrics=self.metrics, spawn=self._spawn)
+        self.metrics = NodeMetrics(
+            status=self.status, kv_cache_bytes=self.shards.cache_bytes, name_of=self.view.name_of
+        )
+        self.pipeline = Pipeline(
+            self.core,
+            self.shards,
+            self.batcher,
+            self.transport,
+            model_id=model.model_id,
+            metrics=self.metrics,
+            spawn=self._spawn,
+        )
         self.counters: Counter[str] = Counter()  # the entry's
-        self.entry = Entry(self.id, address, self.transport, plan=self.make_plan,
-                           stop_token_ids=model.tokenizer.eos_token_ids, request_timeout=settings.request_timeout,
-                           max_replays=settings.max_replays, queue_timeout=settings.queue_timeout,
-                           counters=self.counters, spawn=self._spawn, vocab_size=model.config.vocab_size,
-                           prefixes=PrefixIndex(PREFIX_INDEX_POSITIONS))
-        self._stat_sources = [self.counters, self.view.counters, self.pipeline.counters, self.core.counters,
-                              self.batcher.stats, self.metrics.status, *stat_sources]
+        self.entry = Entry(
+            self.id,
+            address,
+            self.transport,
+            plan=self.make_plan,
+            stop_token_ids=model.tokenizer.eos_token_ids,
+            request_timeout=settings.request_timeout,
+            max_replays=settings.max_replays,
+            queue_timeout=settings.queue_timeout,
+            counters=self.counters,
+            spawn=self._spawn,
+            vocab_size=model.config.vocab_size,
+            prefixes=PrefixIndex(PREFIX_INDEX_POSITIONS),
+        )
+        self._stat_sources = [
+            self.counters,
+            self.view.counters,
+            self.pipeline.counters,
+            self.core.counters,
+            self.batcher.stats,
+            self.metrics.status,
+            *stat_sources,
+        ]
         self._tasks: set[asyncio.Task] = set()
 
     # -- what the API and the tools read ----------------------------------------------------------------------
@@ -121,15 +165,21 @@ class Node:
 
     def status(self) -> NodeStatus:
         return NodeStatus(
-            active_requests=self._active_requests(), peers=len(self.view.peers()),
-            peers_joined=self.view.counters["peers_joined"], peers_left=self.view.counters["peers_left"],
-            kv_cache_bytes=self.shards.cache_bytes(), weights_bytes=self.shards.weights_bytes(),
+            active_requests=self._active_requests(),
+            peers=len(self.view.peers()),
+            peers_joined=self.view.counters["peers_joined"],
+            peers_left=self.view.counters["peers_left"],
+            kv_cache_bytes=self.shards.cache_bytes(),
+            weights_bytes=self.shards.weights_bytes(),
             ended={k.removeprefix("ended_"): v for k, v in self.core.counters.items() if k.startswith("ended_")},
             sampling=Counter(self.batcher.stats),
-            prefix={**{k: v for k, v in self.counters.items() if k.startswith("prefix_")},
-                    "prefix_gone": self.pipeline.counters["prefix_gone"],
-                    "prefix_evictions": self.shards.retained_evictions(),
-                    "retained_bytes": self.shards.retained_bytes()})
+            prefix={
+                **{k: v for k, v in self.counters.items() if k.startswith("prefix_")},
+                "prefix_gone": self.pipeline.counters["prefix_gone"],
+                "prefix_evictions": self.shards.retained_evictions(),
+                "retained_bytes": self.shards.retained_bytes(),
+            },
+        )
 
     def _active_requests(self) -> int:
         return self.core.active + self.entry.active + self.shards.active_requests
@@ -256,8 +306,9 @@ class _Loopback:
         except PlanError as e:
             raise TransportError("busy" if isinstance(e, Busy) else "refused", str(e)) from None
 
-    async def send(self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) \
-            -> list[Refusal]:
+    async def send(
+        self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]
+    ) -> list[Refusal]:
         if address != self.node.address:
             return await self.inner.send(address, activations, messages)
         for message in messages:

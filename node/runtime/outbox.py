@@ -7,6 +7,7 @@ request. A call carries at most `max_batch` items and `max_bytes` of them (as `s
 peer refuses messages larger than its model implies (node/grpc/client.py's `message_bound`), so a sender keeps
 each call below it whatever queued up.
 """
+
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
@@ -16,9 +17,16 @@ T = TypeVar("T")
 
 
 class Outbox(Generic[T]):
-    def __init__(self, send: Callable[[tuple[T, ...]], Awaitable[None]], spawn: Callable[[Awaitable[None]], object],
-                 on_idle: Callable[[], None], max_batch: int = 4096, *, max_bytes: int | None = None,
-                 size: Callable[[T], int] = lambda item: 0):
+    def __init__(
+        self,
+        send: Callable[[tuple[T, ...]], Awaitable[None]],
+        spawn: Callable[[Awaitable[None]], object],
+        on_idle: Callable[[], None],
+        max_batch: int = 4096,
+        *,
+        max_bytes: int | None = None,
+        size: Callable[[T], int] = lambda item: 0,
+    ):
         """`send` makes one call with a batch and deals with its failure itself; `on_idle` runs when the outbox
         has sent everything (the owner may drop it). An item larger than `max_bytes` on its own goes alone."""
         self.send, self.spawn, self.on_idle, self.max_batch = send, spawn, on_idle, max_batch

@@ -5,6 +5,7 @@ Two views, kept apart on purpose: `known` is every member that answers (draining
 plans a peer sends us must stay within it, and we send to members at the addresses it gives. `peers` are the live
 peers new plans may use (a draining peer is known but no longer a peer).
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,9 @@ class PeerView:
 
     def serving(self, model_id: str, n_layers: int) -> tuple[NodeInfo, ...]:
         """The peers that serve this model (same id, same number of layers): the ones a ring may hold."""
-        return tuple(n for n in self.peers()
-                     if (n.capabilities.model_id, n.capabilities.n_layers) == (model_id, n_layers))
+        return tuple(
+            n for n in self.peers() if (n.capabilities.model_id, n.capabilities.n_layers) == (model_id, n_layers)
+        )
 
     def name_of(self, address: str) -> str:
         """The id of the peer at `address`, or the address itself when no peer is known there."""

@@ -6,6 +6,7 @@ testable without threads, sockets or engines (node/core/node_core.py).
 All work that reaches a node is queued in the core, and the worker runs what the core picks in one forward pass,
 so concurrent requests batch at every stage of the pipeline.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-
-from shards.engines.base import Engine
 
 from node.core.node_core import Action, Deliver, NodeCore, Release, Sample, Send
 from node.core.plan import RequestSpec
@@ -25,6 +24,7 @@ from node.runtime.outbox import Outbox
 from node.runtime.sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
 from node.runtime.shard_manager import PREFIX_GONE, ShardManager
 from node.runtime.transport import Transport, TransportError
+from shards.engines.base import Engine
 
 log = logging.getLogger(__name__)
 RETAIN_WITHOUT_BUDGET = 1 << 30  # retained caches' bytes on a node without --kv-memory-gb
@@ -34,8 +34,17 @@ ITEM_ROOM = 8 << 10  # per item of a call: its spec (plan, sampling) or its resu
 
 
 class Pipeline:
-    def __init__(self, core: NodeCore, shards: ShardManager, batcher: SamplingBatcher, transport: Transport, *,
-                 model_id: str, metrics: NodeMetrics, spawn: Callable[..., object]):
+    def __init__(
+        self,
+        core: NodeCore,
+        shards: ShardManager,
+        batcher: SamplingBatcher,
+        transport: Transport,
+        *,
+        model_id: str,
+        metrics: NodeMetrics,
+        spawn: Callable[..., object],
+    ):
         """`transport`: where `Send`s and `Deliver`s go (this node's own address included: the node hands it a
         transport that loops those back); `spawn` runs a coroutine as a task the node owns (and cancels on stop)."""
         self.core, self.shards, self.batcher, self.transport = core, shards, batcher, transport
@@ -62,7 +71,7 @@ class Pipeline:
                 try:
                     await asyncio.wait_for(self._wake.wait(), LOCAL_WAIT_S if core.queue else None)
                     continue
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     core.stop_waiting()
             for group in core.take_batch():
                 try:
@@ -81,12 +90,18 @@ class Pipeline:
                 self.do(self.core.fail(item.request_id, f"node {me} cannot load {group.shard}: {e}"))
             return
         requests = self.core.requests
-        inputs = [(i.request_id, i.data, _positions(requests[i.request_id].spec)) for i in group.items
-                  if i.request_id in requests]  # not ended meanwhile
+        inputs = [
+            (i.request_id, i.data, _positions(requests[i.request_id].spec))
+            for i in group.items
+            if i.request_id in requests
+        ]  # not ended meanwhile
         if not inputs:
             return
-        reuse = {rid: (spec.reuse_from, spec.reuse_positions) for rid, _, _ in inputs
-                 if (spec := requests[rid].spec).reuse_from}
+        reuse = {
+            rid: (spec.reuse_from, spec.reuse_positions)
+            for rid, _, _ in inputs
+            if (spec := requests[rid].spec).reuse_from
+        }
         started = time.perf_counter()
         try:
             outputs, refused, computed = await self.shards.forward(engine, inputs, reuse, self._retain_limit())
@@ -126,8 +141,7 @@ class Pipeline:
             elif isinstance(action, Deliver):
                 self._outbox(action.address).put(action.message)
             elif isinstance(action, Sample):
-                item = SampleItem(action.request_id, action.logits, action.params, action.state, engine,
-                                  self.model_id)
+                item = SampleItem(action.request_id, action.logits, action.params, action.state, engine, self.model_id)
                 try:
                     samples[action.request_id] = self.batcher.submit(item)
                 except (ValueError, BatcherClosed) as e:
@@ -146,10 +160,13 @@ class Pipeline:
         also the first node sends it the token and its delivery in one call); gone again once it is empty."""
         box = self._outboxes.get(address)
         if box is None:
-            box = self._outboxes[address] = Outbox(lambda batch: self._send(address, batch), self.spawn,
-                                                   lambda: self._outboxes.pop(address, None),
-                                                   max_bytes=self.transport.max_message_bytes - MESSAGE_ROOM,
-                                                   size=_wire_size)
+            box = self._outboxes[address] = Outbox(
+                lambda batch: self._send(address, batch),
+                self.spawn,
+                lambda: self._outboxes.pop(address, None),
+                max_bytes=self.transport.max_message_bytes - MESSAGE_ROOM,
+                size=_wire_size,
+            )
         return box
 
     async def _send(self, address: str, batch: tuple[Activation | TokenMessage, ...]) -> None:

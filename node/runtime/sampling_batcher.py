@@ -11,6 +11,7 @@ first (a masked copy; the mask was computed on the grammar thread while the forw
 token is then fed to the request's matcher, which starts computing the next mask at once. A request whose
 grammar fails (it can't be built, or rejects a token) fails alone.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,8 +64,13 @@ class SamplingBatcher:
     """Batches rows and samples them on `executor`: the node passes its engine thread, where every engine call runs.
     Counters are only touched on the event loop."""
 
-    def __init__(self, max_batch: int = 8, window_ms: float = 5.0, executor: Executor | None = None,
-                 grammar: Callable[[], GrammarTokenizer] | None = None):
+    def __init__(
+        self,
+        max_batch: int = 8,
+        window_ms: float = 5.0,
+        executor: Executor | None = None,
+        grammar: Callable[[], GrammarTokenizer] | None = None,
+    ):
         """`grammar`: the model's vocabulary for llguidance (built on first use); without it constrained requests
         fail with a reason."""
         if max_batch < 1 or window_ms < 0:
@@ -88,8 +94,13 @@ class SamplingBatcher:
         if self._closed:
             raise BatcherClosed("the sampling batcher is shut down")
         logits = item.logits
-        if logits.ndim != 1 or logits.size == 0 or logits.dtype.kind != "f" or np.isnan(logits).any() \
-                or np.isposinf(logits).any():
+        if (
+            logits.ndim != 1
+            or logits.size == 0
+            or logits.dtype.kind != "f"
+            or np.isnan(logits).any()
+            or np.isposinf(logits).any()
+        ):
             raise ValueError(f"request {item.request_id}: logits must be a non-empty finite float vector")
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(item, future))
@@ -139,8 +150,13 @@ class SamplingBatcher:
             results, counts = await loop.run_in_executor(self._executor, self._sample_group, [p.item for p in group])
             self.stats.update(counts)
             for item, reason in counts.fallbacks:
-                log.info("sampling fallback for %d rows (engine %s, vocab %d): %s", len(group), item.engine.name,
-                         item.logits.shape[-1], reason)  # metadata only: never logits or text
+                log.info(
+                    "sampling fallback for %d rows (engine %s, vocab %d): %s",
+                    len(group),
+                    item.engine.name,
+                    item.logits.shape[-1],
+                    reason,
+                )  # metadata only: never logits or text
             for p, result in zip(group, results):
                 if p.future.done():
                     continue  # cancelled while we sampled; nobody waits for it
@@ -149,7 +165,7 @@ class SamplingBatcher:
                 else:
                     p.future.set_result(result)
 
-    def _sample_group(self, items: list[SampleItem]) -> tuple[list[SampleResult | BaseException], "_Counts"]:
+    def _sample_group(self, items: list[SampleItem]) -> tuple[list[SampleResult | BaseException], _Counts]:
         """On the executor's thread: sample one group, counting what happened (the loop adds the counts)."""
         counts = _Counts()
         results: list[SampleResult | BaseException | None] = [None] * len(items)
@@ -187,15 +203,16 @@ class SamplingBatcher:
             item.state.matcher = Matcher(self._grammar(), constraint, self._grammar_pool)
         return dataclasses.replace(item, logits=item.state.matcher.apply(item.logits))
 
-    def _sample_rows(self, items: list[SampleItem], counts: "_Counts") -> list[SampleResult | BaseException]:
+    def _sample_rows(self, items: list[SampleItem], counts: _Counts) -> list[SampleResult | BaseException]:
         if not items:
             return []
         engine = items[0].engine
         if self.batching and len(items) > 1 and engine.batched_sampling:
             snapshots = [i.state.snapshot() for i in items]
             try:
-                results = engine.sample(np.stack([i.logits for i in items]), [i.params for i in items],
-                                        [i.state for i in items])
+                results = engine.sample(
+                    np.stack([i.logits for i in items]), [i.params for i in items], [i.state for i in items]
+                )
                 _validate(results, items)
                 counts["sample_calls"] += 1
                 return results
@@ -240,8 +257,11 @@ def _validate(results: object, items: list[SampleItem]) -> None:
         wanted = item.params.top_logprobs
         if wanted is None:
             continue
-        if not (_ok_logprob(r.logprob) and math.isfinite(r.logprob)) or len(r.top_logprobs) != min(wanted, vocab) \
-                or not all(_ok_logprob(lp) and 0 <= t < vocab for t, lp in r.top_logprobs):
+        if (
+            not (_ok_logprob(r.logprob) and math.isfinite(r.logprob))
+            or len(r.top_logprobs) != min(wanted, vocab)
+            or not all(_ok_logprob(lp) and 0 <= t < vocab for t, lp in r.top_logprobs)
+        ):
             raise MalformedBatch("logprobs missing, out of range or not finite")
 
 

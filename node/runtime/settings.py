@@ -4,17 +4,17 @@
 learnt while starting (the port the gRPC server got, the folder a fetched model lands in) are handed to the `Node`
 constructor next to it. The core's own limits are one `CoreLimits` inside it, never copied field by field.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from node.core.node_core import CoreLimits
+from node.core.scheduler import SchedulerLimits
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
 from shards.tokenizer import Tokenizer
-
-from node.core.node_core import CoreLimits
-from node.core.scheduler import SchedulerLimits
 
 DEFAULT_MAX_TENSOR_BYTES = 255 * 1024 * 1024
 
@@ -54,6 +54,7 @@ class NodeSettings:
 class ServedModel:
     """The model a node serves, as loaded at start-up: its id (what peers and API clients call it), its folder (or
     .gguf file), its config and tokenizer."""
+
     model_id: str
     path: Path
     config: ModelConfig

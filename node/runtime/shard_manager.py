@@ -1,4 +1,5 @@
 """Engines for the shards a node has been assigned, loaded on demand, once, and the one thread that runs them."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from shards.formats.config import ModelConfig
 from shards.engines.base import Engine, EngineInputError, StepInput
+from shards.formats.config import ModelConfig
 from shards.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,13 @@ class ShardManager:
         self.engines[shard] = engine
         return engine
 
-    async def forward(self, engine: Engine, inputs: list[tuple[str, np.ndarray, int]],
-                      reuse: dict[str, tuple[str, int]] | None = None, retain_limit: int = 0) \
-            -> tuple[dict[str, np.ndarray], dict[str, str], float]:
+    async def forward(
+        self,
+        engine: Engine,
+        inputs: list[tuple[str, np.ndarray, int]],
+        reuse: dict[str, tuple[str, int]] | None = None,
+        retain_limit: int = 0,
+    ) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
         """One forward pass over (request id, input, most positions it will reach): outputs per request, the
         requests whose input the engine refused (with why), which are left out of the pass instead of failing it,
         and the seconds the engine computed (on its thread: no queueing or event-loop time in it).
@@ -119,8 +124,9 @@ class ShardManager:
 PREFIX_GONE = "prefix gone"  # how a refusal for an evicted retained prefix starts (the entry then prefills it all)
 
 
-def _forward(engine: Engine, inputs: list[tuple[str, np.ndarray, int]], reuse: dict[str, tuple[str, int]],
-             retain_limit: int) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
+def _forward(
+    engine: Engine, inputs: list[tuple[str, np.ndarray, int]], reuse: dict[str, tuple[str, int]], retain_limit: int
+) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
     started = time.perf_counter()
     items, refused = [], {}
     retained = getattr(engine, "retained", None)
@@ -131,10 +137,15 @@ def _forward(engine: Engine, inputs: list[tuple[str, np.ndarray, int]], reuse: d
         if rid in reuse and engine.cache_length(rid) == 0:  # its first step here: start from the retained prefix
             entry_id, count = reuse[rid]
             if retained is None or not engine.resume(rid, entry_id, count):
-                refused[rid] = f"{PREFIX_GONE}: {engine.shard} no longer holds the first {count} positions of {entry_id}"
+                refused[rid] = (
+                    f"{PREFIX_GONE}: {engine.shard} no longer holds the first {count} positions of {entry_id}"
+                )
                 continue
-        item = StepInput(rid, tokens=data, max_positions=positions) if engine.shard.is_first else \
-            StepInput(rid, hidden=data, max_positions=positions)
+        item = (
+            StepInput(rid, tokens=data, max_positions=positions)
+            if engine.shard.is_first
+            else StepInput(rid, hidden=data, max_positions=positions)
+        )
         try:
             engine.validate([item])
             items.append(item)

@@ -3,6 +3,7 @@
 The gRPC adapter (node/grpc/client.py: client; node/grpc/server.py: service; node/grpc/wire.py: codec) is the only code that knows
 about grpc or protobuf; everything else talks to a `Transport`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,10 +11,10 @@ from typing import Protocol
 
 import numpy as np
 
-from node.fetch.manifest import Manifest
 from node.core.plan import RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.topology import NodeInfo
+from node.fetch.manifest import Manifest
 
 
 class TransportError(RuntimeError):
@@ -36,8 +37,9 @@ class Transport(Protocol):
 
     async def send_prompt(self, address: str, spec: RequestSpec, tokens: np.ndarray) -> None: ...
 
-    async def send(self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) \
-            -> list[Refusal]:
+    async def send(
+        self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]
+    ) -> list[Refusal]:
         """Activations (for requests the peer runs) and token messages (for requests it is the entry node of), in
         one call; returns the activations the peer refused, and why."""
 
@@ -51,8 +53,15 @@ class Transport(Protocol):
     async def manifest(self, address: str, model_id: str, timeout: float = 30.0) -> Manifest:
         """What the peer's copy of the model consists of (node/fetch/)."""
 
-    async def fetch_piece(self, address: str, model_id: str, index: int, length: int,
-                          on_chunk: Callable[[int], None] = ..., idle_timeout: float = 30.0) -> tuple[bytes, bytes]:
+    async def fetch_piece(
+        self,
+        address: str,
+        model_id: str,
+        index: int,
+        length: int,
+        on_chunk: Callable[[int], None] = ...,
+        idle_timeout: float = 30.0,
+    ) -> tuple[bytes, bytes]:
         """(the sha256 the peer states, the bytes) of one piece of the model; not verified here."""
 
     async def forget(self, address: str) -> None:

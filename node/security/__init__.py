@@ -3,10 +3,33 @@
 `keys` loads and stores the secret and derives per-purpose keys; `tls` turns it into grpc credentials and
 identifies calling peers. See each module's docstring for the design.
 """
-from node.security.keys import (ENV_VAR, ClusterKey, ClusterKeyError, add_key_argument, generate_secret,
-    keygen_main, load_secret, read_key_file, write_key_file)
+
+from node.security.keys import (
+    ENV_VAR,
+    ClusterKey,
+    ClusterKeyError,
+    add_key_argument,
+    generate_secret,
+    keygen_main,
+    load_secret,
+    read_key_file,
+    write_key_file,
+)
 from node.security.tls import SERVER_NAME, ClusterCa, NodeIdentity, NodeTls, peer_node_id
 
-__all__ = ["ENV_VAR", "ClusterKey", "ClusterKeyError", "add_key_argument", "generate_secret", "keygen_main",
-           "load_secret", "read_key_file", "write_key_file", "SERVER_NAME", "ClusterCa", "NodeIdentity", "NodeTls",
-           "peer_node_id"]
+__all__ = [
+    "ENV_VAR",
+    "ClusterKey",
+    "ClusterKeyError",
+    "add_key_argument",
+    "generate_secret",
+    "keygen_main",
+    "load_secret",
+    "read_key_file",
+    "write_key_file",
+    "SERVER_NAME",
+    "ClusterCa",
+    "NodeIdentity",
+    "NodeTls",
+    "peer_node_id",
+]

@@ -13,6 +13,7 @@ The secret never appears in a repr, str, log line or error message: `ClusterKey`
 (a public, non-secret id derived under its own label, for checking that two nodes hold the same key), and
 errors about malformed keys never quote what was read, since a near-miss secret is still a secret.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,10 +66,11 @@ def decode_key(text: str, source: str) -> bytes:
     expected = f"expected '{PREFIX}' followed by {2 * SECRET_BYTES} hex digits (make one with `exo-node keygen`)"
     if not text.startswith(PREFIX):
         raise ClusterKeyError(f"{source} is not an exo-node cluster key: {expected}")
-    digits = text[len(PREFIX):]
+    digits = text[len(PREFIX) :]
     if len(digits) != 2 * SECRET_BYTES or not all(c in "0123456789abcdefABCDEF" for c in digits):
-        raise ClusterKeyError(f"{source} holds a malformed cluster key ({len(digits)} characters after the "
-                              f"prefix): {expected}")
+        raise ClusterKeyError(
+            f"{source} holds a malformed cluster key ({len(digits)} characters after the prefix): {expected}"
+        )
     return bytes.fromhex(digits)
 
 
@@ -151,8 +153,10 @@ def write_key_file(path: str | Path, secret: bytes | None = None, overwrite: boo
         # O_EXCL: fail if it exists, and never follow a symlink planted at the path.
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise ClusterKeyError(f"{path} already exists; not overwriting a cluster key (pass overwrite / --force "
-                              f"to replace it: every node of the cluster will need the new one)") from None
+        raise ClusterKeyError(
+            f"{path} already exists; not overwriting a cluster key (pass overwrite / --force "
+            f"to replace it: every node of the cluster will need the new one)"
+        ) from None
     except OSError as e:
         raise ClusterKeyError(f"cannot create key file {path}: {e.strerror}") from None
     try:
@@ -178,8 +182,9 @@ def read_key_file(path: str | Path) -> ClusterKey:
         # platforms mount secrets as symlinks).
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise ClusterKeyError(f"cluster key file {path} does not exist (make one with `exo-node keygen --out "
-                              f"{path}`)") from None
+        raise ClusterKeyError(
+            f"cluster key file {path} does not exist (make one with `exo-node keygen --out {path}`)"
+        ) from None
     except OSError as e:
         raise ClusterKeyError(f"cannot read cluster key file {path}: {e.strerror}") from None
     try:
@@ -192,8 +197,12 @@ def read_key_file(path: str | Path) -> ClusterKey:
     finally:
         os.close(fd)
     if st.st_mode & 0o077:
-        log.warning("cluster key file %s is readable by others (mode %o): run `chmod 600 %s`",
-                    path, stat.S_IMODE(st.st_mode), path)
+        log.warning(
+            "cluster key file %s is readable by others (mode %o): run `chmod 600 %s`",
+            path,
+            stat.S_IMODE(st.st_mode),
+            path,
+        )
     try:
         text = raw.decode("ascii")
     except UnicodeDecodeError:
@@ -215,17 +224,24 @@ def load_secret(path: str | Path | None = None, env: Mapping[str, str] | None = 
     try:
         return ClusterKey(decode_key(text, f"${ENV_VAR}"))
     except ClusterKeyError as e:
-        hint = " ($EXO_NODE_CLUSTER_KEY holds the key itself; pass a file with --cluster-key-file)" \
-            if text.strip().startswith(("/", ".", "~")) else ""
+        hint = (
+            " ($EXO_NODE_CLUSTER_KEY holds the key itself; pass a file with --cluster-key-file)"
+            if text.strip().startswith(("/", ".", "~"))
+            else ""
+        )
         raise ClusterKeyError(f"{e}{hint}") from None
 
 
 def add_key_argument(parser: argparse.ArgumentParser) -> None:
     """The node's `--cluster-key-file` flag; pass its value to `load_secret`."""
-    parser.add_argument("--cluster-key-file", type=Path, metavar="PATH",
-                        help=f"the cluster key (from `exo-node keygen`): encrypt and authenticate all traffic "
-                             f"between nodes, accept only peers holding the same key (default: ${ENV_VAR}, which "
-                             f"holds the key itself; neither: no authentication)")
+    parser.add_argument(
+        "--cluster-key-file",
+        type=Path,
+        metavar="PATH",
+        help=f"the cluster key (from `exo-node keygen`): encrypt and authenticate all traffic "
+        f"between nodes, accept only peers holding the same key (default: ${ENV_VAR}, which "
+        f"holds the key itself; neither: no authentication)",
+    )
 
 
 # --- `exo-node keygen` --------------------------------------------------------------------------------------
@@ -233,11 +249,16 @@ def add_key_argument(parser: argparse.ArgumentParser) -> None:
 
 def keygen_main(argv: list[str] | None = None) -> int:
     """`exo-node keygen [--out PATH] [--force]`: write a new cluster key. Returns the exit status."""
-    ap = argparse.ArgumentParser(prog="exo-node keygen",
-                                 description="Write a new random cluster key. Give the same file to every node of "
-                                             "the cluster (--cluster-key-file), and keep it secret.")
-    ap.add_argument("--out", default=DEFAULT_KEY_FILE,
-                    help=f"where to write it (default ./{DEFAULT_KEY_FILE}); '-' prints it to stdout instead")
+    ap = argparse.ArgumentParser(
+        prog="exo-node keygen",
+        description="Write a new random cluster key. Give the same file to every node of "
+        "the cluster (--cluster-key-file), and keep it secret.",
+    )
+    ap.add_argument(
+        "--out",
+        default=DEFAULT_KEY_FILE,
+        help=f"where to write it (default ./{DEFAULT_KEY_FILE}); '-' prints it to stdout instead",
+    )
     ap.add_argument("--force", action="store_true", help="replace an existing file")
     args = ap.parse_args(argv)
     if args.out == "-":  # for piping into a secret manager; the terminal is the user's choice then
@@ -250,7 +271,8 @@ def keygen_main(argv: list[str] | None = None) -> int:
     except ClusterKeyError as e:
         print(f"exo-node keygen: error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote cluster key {args.out} (mode 0600, fingerprint {key.fingerprint}); copy it to every node and "
-          f"start each with --cluster-key-file {args.out}")
+    print(
+        f"wrote cluster key {args.out} (mode 0600, fingerprint {key.fingerprint}); copy it to every node and "
+        f"start each with --cluster-key-file {args.out}"
+    )
     return 0
-

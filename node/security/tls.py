@@ -36,6 +36,7 @@ Renewal: the server uses grpc's dynamic credentials, so new handshakes get the r
 a channel keeps the client certificate it was built with, so callers compare `NodeTls.generation` and build a
 new channel when it changed (see the integration notes).
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -57,19 +58,20 @@ CLOCK_SKEW = dt.timedelta(hours=1)  # leaf not_before is backdated this much: a 
 NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")  # as discovery's; also fits a URI and the 64-char CN bound
 # Fixed CA validity: it must not depend on when a node starts, or the CA certificates would differ.
 # 9999-12-31 is RFC 5280's "no well-defined expiration".
-_CA_NOT_BEFORE = dt.datetime(2020, 1, 1, tzinfo=dt.timezone.utc)
-_CA_NOT_AFTER = dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.timezone.utc)
+_CA_NOT_BEFORE = dt.datetime(2020, 1, 1, tzinfo=dt.UTC)
+_CA_NOT_AFTER = dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.UTC)
 
 Clock = Callable[[], dt.datetime]
 
 
 def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _pem_cert(cert: x509.Certificate) -> bytes:
@@ -89,29 +91,48 @@ class ClusterCa:
         return _pem_cert(self.cert)
 
     @classmethod
-    def derive(cls, seed: bytes, fingerprint: str) -> "ClusterCa":
+    def derive(cls, seed: bytes, fingerprint: str) -> ClusterCa:
         """`seed`: 32 bytes from the secret's HKDF under the CA label; `fingerprint`: the key's public id."""
         key = ed25519.Ed25519PrivateKey.from_private_bytes(seed)
         # The fingerprint in the name makes a wrong key fail as "unknown issuer" rather than as a bad signature
         # (a clearer message), and makes the certificate of each cluster distinct.
-        name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "exo-node"),
-                          x509.NameAttribute(NameOID.COMMON_NAME, f"exo-node cluster CA {fingerprint}")])
+        name = x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, "exo-node"),
+                x509.NameAttribute(NameOID.COMMON_NAME, f"exo-node cluster CA {fingerprint}"),
+            ]
+        )
         cert = (
             x509.CertificateBuilder()
-            .subject_name(name).issuer_name(name).public_key(key.public_key())
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
             .serial_number(int(fingerprint, 16) or 1)
-            .not_valid_before(_CA_NOT_BEFORE).not_valid_after(_CA_NOT_AFTER)
+            .not_valid_before(_CA_NOT_BEFORE)
+            .not_valid_after(_CA_NOT_AFTER)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, None)  # Ed25519 takes no separate hash
         )
         return cls(fingerprint, key, cert)
 
-    def issue(self, node_id: str, lifetime: dt.timedelta = DEFAULT_LEAF_LIFETIME,
-              now: dt.datetime | None = None) -> "NodeIdentity":
+    def issue(
+        self, node_id: str, lifetime: dt.timedelta = DEFAULT_LEAF_LIFETIME, now: dt.datetime | None = None
+    ) -> NodeIdentity:
         """A fresh key pair and a leaf certificate for `node_id`, signed by this CA."""
         if not isinstance(node_id, str) or not NODE_ID.match(node_id):
             raise ValueError("node id must be 1-64 characters of [A-Za-z0-9._:-] to be put in a certificate")
@@ -119,20 +140,44 @@ class ClusterCa:
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (
             x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "exo-node"),
-                                     x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
-            .issuer_name(self.cert.subject).public_key(key.public_key())
+            .subject_name(
+                x509.Name(
+                    [
+                        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "exo-node"),
+                        x509.NameAttribute(NameOID.COMMON_NAME, node_id),
+                    ]
+                )
+            )
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - CLOCK_SKEW).not_valid_after(now + lifetime)
+            .not_valid_before(now - CLOCK_SKEW)
+            .not_valid_after(now + lifetime)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME),
-                                                        x509.UniformResourceIdentifier(NODE_URI_PREFIX + node_id)]),
-                           critical=False)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName(SERVER_NAME), x509.UniformResourceIdentifier(NODE_URI_PREFIX + node_id)]
+                ),
+                critical=False,
+            )
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()), critical=False)
             .sign(self.key, None)
         )
@@ -159,8 +204,9 @@ class NodeTls:
     Thread-safe: grpc calls the server's certificate fetcher from its own threads.
     """
 
-    def __init__(self, ca: ClusterCa, node_id: str, lifetime: dt.timedelta = DEFAULT_LEAF_LIFETIME,
-                 clock: Clock = utcnow):
+    def __init__(
+        self, ca: ClusterCa, node_id: str, lifetime: dt.timedelta = DEFAULT_LEAF_LIFETIME, clock: Clock = utcnow
+    ):
         self.ca, self.node_id, self.lifetime, self.clock = ca, node_id, lifetime, clock
         self._lock = threading.Lock()
         self._identity = ca.issue(node_id, lifetime, clock())
@@ -189,19 +235,22 @@ class NodeTls:
             served = current
             return self._server_config(current)
 
-        return grpc.dynamic_ssl_server_credentials(self._server_config(served), fetch,
-                                                   require_client_authentication=True)
+        return grpc.dynamic_ssl_server_credentials(
+            self._server_config(served), fetch, require_client_authentication=True
+        )
 
     def _server_config(self, identity: NodeIdentity) -> grpc.ServerCertificateConfiguration:
-        return grpc.ssl_server_certificate_configuration([(identity.key_pem, identity.cert_pem)],
-                                                         root_certificates=self.ca.cert_pem)
+        return grpc.ssl_server_certificate_configuration(
+            [(identity.key_pem, identity.cert_pem)], root_certificates=self.ca.cert_pem
+        )
 
     def channel_credentials(self, identity: NodeIdentity | None = None) -> grpc.ChannelCredentials:
         """For `grpc.aio.secure_channel`: trust only the cluster CA, present our leaf (the current one, or the
         `identity` the caller fetched, so it can later tell whether the channel's leaf is still current)."""
         identity = identity or self.identity()
-        return grpc.ssl_channel_credentials(root_certificates=self.ca.cert_pem, private_key=identity.key_pem,
-                                            certificate_chain=identity.cert_pem)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca.cert_pem, private_key=identity.key_pem, certificate_chain=identity.cert_pem
+        )
 
     @staticmethod
     def channel_options() -> list[tuple[str, str]]:
@@ -220,8 +269,9 @@ def peer_node_id(context: grpc.aio.ServicerContext) -> str | None:
         return None
     # 'peer_uri' lists URI SANs in recent grpc; older releases only have the mixed SAN list.
     sans = auth.get("peer_uri") or auth.get("x509_subject_alternative_name") or []
-    ids = {s[len(NODE_URI_PREFIX):] for s in (b.decode("utf-8", "replace") for b in sans)
-           if s.startswith(NODE_URI_PREFIX)}
+    ids = {
+        s[len(NODE_URI_PREFIX) :] for s in (b.decode("utf-8", "replace") for b in sans) if s.startswith(NODE_URI_PREFIX)
+    }
     if len(ids) != 1:
         return None
     node_id = ids.pop()

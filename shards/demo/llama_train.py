@@ -7,6 +7,7 @@ their Hugging Face tensor names, projection matrices in the HF layout [out_featu
 a cast and a `save_file`. Every function works in the dtype of the parameters: float32 to train, float64 to check
 gradients against finite differences.
 """
+
 from __future__ import annotations
 
 import json
@@ -146,8 +147,21 @@ def forward(params: dict[str, np.ndarray], s: LlamaShape, tokens: np.ndarray, ke
         act = gate * sig * up
         x = x + act @ params[p + "mlp.down_proj.weight"].T
         if keep:
-            a |= dict(h=h, w_qkv=w_qkv, q=q, k=k, v=v, probs=probs, ctx=ctx, h2=h2, w_gu=w_gu, gate=gate, up=up,
-                      sig=sig, act=act)
+            a |= dict(
+                h=h,
+                w_qkv=w_qkv,
+                q=q,
+                k=k,
+                v=v,
+                probs=probs,
+                ctx=ctx,
+                h2=h2,
+                w_gu=w_gu,
+                gate=gate,
+                up=up,
+                sig=sig,
+                act=act,
+            )
             acts.append(a)
     xf, xnf, rf = rms_norm(x, params["model.norm.weight"], s.rms_norm_eps)
     logits = xf @ params["model.embed_tokens.weight"].T
@@ -199,7 +213,8 @@ def loss_and_grads(params, s: LlamaShape, tokens: np.ndarray, targets: np.ndarra
         dw_gu = dgu.T @ a["h2"]
         grads[p + "mlp.gate_proj.weight"], grads[p + "mlp.up_proj.weight"] = dw_gu[:inter], dw_gu[inter:]
         dx_norm, grads[p + "post_attention_layernorm.weight"] = rms_norm_backward(
-            dgu @ a["w_gu"], params[p + "post_attention_layernorm.weight"], a["xn2"], a["r2"])
+            dgu @ a["w_gu"], params[p + "post_attention_layernorm.weight"], a["xn2"], a["r2"]
+        )
         dx = dx + dx_norm
         # attention: x += softmax(q k^T * scale + mask) v @ o.T
         grads[p + "self_attn.o_proj.weight"] = dx.T @ a["ctx"]
@@ -215,7 +230,8 @@ def loss_and_grads(params, s: LlamaShape, tokens: np.ndarray, targets: np.ndarra
         for j, m in enumerate("qkv"):
             grads[p + f"self_attn.{m}_proj.weight"] = dw_qkv[j * nh * hd : (j + 1) * nh * hd]
         dx_norm, grads[p + "input_layernorm.weight"] = rms_norm_backward(
-            dqkv @ a["w_qkv"], params[p + "input_layernorm.weight"], a["xn1"], a["r1"])
+            dqkv @ a["w_qkv"], params[p + "input_layernorm.weight"], a["xn1"], a["r1"]
+        )
         dx = dx + dx_norm
     np.add.at(d_emb, tokens.reshape(n), dx)
     grads["model.embed_tokens.weight"] = d_emb

@@ -23,6 +23,7 @@ The output folder is a Hugging Face Llama folder the project's engine loads like
 model.safetensors (bfloat16, tied embeddings), tokenizer.json, tokenizer_config.json, generation_config.json,
 plus training.json (provenance and results) and words.txt (every distinct lowercase word of the corpus).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,9 @@ from shards.demo import llama_train as lt
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 # The model continues text: a conversation is rendered as its messages' plain text, one per line, after the bos.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
-                 "{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
+)
 CORPUS = {
     "name": "King James Version of the Bible (1611)",
     "source": "Debian package bible-kjv-text (read with `bible -f Gen1:1-Rev22:21` from bible-kjv)",
@@ -52,8 +54,16 @@ CORPUS = {
 }
 VERSE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+) (.*)$")
 HOLDOUT_EVERY = 50
-DEMO_SHAPE = lt.LlamaShape(vocab_size=2048, hidden_size=192, n_layers=6, n_heads=6, intermediate_size=512,
-                           rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256)
+DEMO_SHAPE = lt.LlamaShape(
+    vocab_size=2048,
+    hidden_size=192,
+    n_layers=6,
+    n_heads=6,
+    intermediate_size=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+)
 
 
 # -- corpus and tokenizer -----------------------------------------------------------------------------------------
@@ -61,8 +71,9 @@ def load_chapters() -> list[str]:
     """The whole KJV as one prose string per chapter (verse references stripped, verses joined by spaces)."""
     if shutil.which("bible") is None:
         sys.exit("the `bible` reader is missing: apt-get install -y bible-kjv-text bible-kjv")
-    dump = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True, check=True,
-                          cwd="/tmp").stdout
+    dump = subprocess.run(
+        ["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True, check=True, cwd="/tmp"
+    ).stdout
     chapters: dict[tuple[str, str], list[str]] = {}
     for line in dump.splitlines():
         if not line.strip():
@@ -81,8 +92,13 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     # encode(text) with special tokens gives <|begin_of_text|> + text, like Llama tokenizers
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))])
@@ -138,9 +154,9 @@ def write_folder(out: Path, params, shape, tok: Tokenizer, chapters: list[str], 
 
 def greedy_sample(out: Path, prompt: str, n: int = 64) -> str:
     """Continue `prompt` greedily with the project's own engine on the exported (bf16) folder."""
+    from shards.engines.numpy_engine import NumpyEngine
     from shards.formats.config import ModelConfig
     from shards.generate import generate
-    from shards.engines.numpy_engine import NumpyEngine
     from shards.shard import Shard
     from shards.tokenizer import Tokenizer as ExoTokenizer
 
@@ -176,8 +192,11 @@ def main(argv: list[str] | None = None) -> None:
     bos = tok.token_to_id(BOS)
     train, val = token_stream(tok, train_ch), token_stream(tok, val_ch)
     val_x, val_y = windows(val, np.arange(0, len(val) - args.seq, args.seq), args.seq, bos)
-    print(f"corpus: {len(chapters)} chapters, {sum(map(len, chapters))} chars; tokens train {len(train)}, "
-          f"validation {len(val)} ({len(val_x)} windows); tokenizer vocab {tok.get_vocab_size()}", flush=True)
+    print(
+        f"corpus: {len(chapters)} chapters, {sum(map(len, chapters))} chars; tokens train {len(train)}, "
+        f"validation {len(val)} ({len(val_x)} windows); tokenizer vocab {tok.get_vocab_size()}",
+        flush=True,
+    )
 
     params = lt.init_params(shape, rng)
     opt = lt.AdamW(params, weight_decay=args.weight_decay)
@@ -202,12 +221,21 @@ def main(argv: list[str] | None = None) -> None:
             if step % args.log_every == 0:
                 train_loss = float(np.mean(recent))
                 recent = []
-                print(f"step {step:5d}  {elapsed / 60:5.1f} min  lr {lr:.2e}  grad-norm {norm:6.3f}  "
-                      f"train loss {train_loss:.4f}", flush=True)
+                print(
+                    f"step {step:5d}  {elapsed / 60:5.1f} min  lr {lr:.2e}  grad-norm {norm:6.3f}  "
+                    f"train loss {train_loss:.4f}",
+                    flush=True,
+                )
             if step % args.eval_every == 0:
                 val_loss = eval_loss(params, shape, val_x, val_y, args.batch)
-                history.append({"step": step, "minutes": round(elapsed / 60, 2), "train_loss": round(train_loss, 4),
-                                "val_loss": round(val_loss, 4)})
+                history.append(
+                    {
+                        "step": step,
+                        "minutes": round(elapsed / 60, 2),
+                        "train_loss": round(train_loss, 4),
+                        "val_loss": round(val_loss, 4),
+                    }
+                )
                 print(f"step {step:5d}  validation loss {val_loss:.4f}", flush=True)
     except KeyboardInterrupt:
         print("interrupted: saving the model as it is", flush=True)
@@ -215,24 +243,44 @@ def main(argv: list[str] | None = None) -> None:
     if recent:
         train_loss = float(np.mean(recent))
     val_loss = eval_loss(params, shape, val_x, val_y, args.batch)
-    print(f"done: {step} steps in {train_secs / 60:.1f} min; train loss {train_loss:.4f}, "
-          f"validation loss {val_loss:.4f}", flush=True)
+    print(
+        f"done: {step} steps in {train_secs / 60:.1f} min; train loss {train_loss:.4f}, validation loss {val_loss:.4f}",
+        flush=True,
+    )
 
     info = {
         "model": "exo-demo",
-        "corpus": CORPUS | {"chapters": len(chapters), "characters": sum(map(len, chapters)),
-                            "held_out": f"every {HOLDOUT_EVERY}th chapter ({len(val_ch)} chapters)"},
-        "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab_size": tok.get_vocab_size(),
-                      "train_tokens": int(len(train)), "validation_tokens": int(len(val))},
+        "corpus": CORPUS
+        | {
+            "chapters": len(chapters),
+            "characters": sum(map(len, chapters)),
+            "held_out": f"every {HOLDOUT_EVERY}th chapter ({len(val_ch)} chapters)",
+        },
+        "tokenizer": {
+            "type": "byte-level BPE (tokenizers)",
+            "vocab_size": tok.get_vocab_size(),
+            "train_tokens": int(len(train)),
+            "validation_tokens": int(len(val)),
+        },
         "shape": {k: getattr(shape, k) for k in shape.__dataclass_fields__},
         "parameters": lt.n_params(params),
-        "training": {"seed": args.seed, "steps": step, "batch": args.batch, "seq_len": args.seq,
-                     "tokens_seen": step * args.batch * args.seq, "peak_lr": args.lr, "warmup_steps": args.warmup,
-                     "schedule": "linear warmup, cosine decay to 10% of peak", "optimizer": "AdamW(0.9, 0.95)",
-                     "weight_decay": args.weight_decay, "grad_clip": args.clip, "dtype": "float32",
-                     "budget_minutes": None if args.steps else args.minutes,
-                     "train_minutes": round(train_secs / 60, 2),
-                     "wall_minutes": round((time.time() - started) / 60, 2)},
+        "training": {
+            "seed": args.seed,
+            "steps": step,
+            "batch": args.batch,
+            "seq_len": args.seq,
+            "tokens_seen": step * args.batch * args.seq,
+            "peak_lr": args.lr,
+            "warmup_steps": args.warmup,
+            "schedule": "linear warmup, cosine decay to 10% of peak",
+            "optimizer": "AdamW(0.9, 0.95)",
+            "weight_decay": args.weight_decay,
+            "grad_clip": args.clip,
+            "dtype": "float32",
+            "budget_minutes": None if args.steps else args.minutes,
+            "train_minutes": round(train_secs / 60, 2),
+            "wall_minutes": round((time.time() - started) / 60, 2),
+        },
         "final_train_loss": round(train_loss, 4),
         "final_validation_loss": round(val_loss, 4),
         "history": history,

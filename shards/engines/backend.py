@@ -7,6 +7,7 @@ a method. An `EagerBackend` (numpy, MLX, tinygrad) computes as it goes and gets 
 attention written once over a few more primitives (`transpose`, `softmax`, `where`); a graph backend (ggml) builds
 nodes instead and supplies its own fused `rope` and `attention`.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -45,8 +46,9 @@ class SlabCache(KVCache):
     """Keys and values in preallocated [kv_heads, capacity, head_dim] slabs, written in place and grown by doubling;
     fetches are views of the slabs, not copies. For libraries with in-place slice assignment (numpy, MLX)."""
 
-    def __init__(self, zeros: Callable[[tuple[int, ...]], Array], n_kv: int, head_dim: int,
-                 capacity: int | None = None):
+    def __init__(
+        self, zeros: Callable[[tuple[int, ...]], Array], n_kv: int, head_dim: int, capacity: int | None = None
+    ):
         capacity = capacity or 64  # unknown: start small and double
         self.zeros = zeros
         self.k, self.v = zeros((n_kv, capacity, head_dim)), zeros((n_kv, capacity, head_dim))

@@ -8,6 +8,7 @@ Every engine is a `BlockEngine`: `forward` validates and packs the step, and `ru
 (shards/engines/runner.py: eager, a TinyJit capture, a ggml graph) with each request's cache, then commits the
 positions to the caches. Engines differ in their backend and runner, never in how a step is carried out.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -21,10 +22,10 @@ from shards.engines.retained import RetainedCaches
 from shards.engines.runner import EagerRunner, Runner
 from shards.engines.step import Packing, StepInput
 from shards.formats.config import ModelConfig
-from shards.transformer import ShardModel
-from shards.sampling import SampleResult, SamplingParams, SamplerState, sample_one, sample_rows
-from shards.shard import Shard
 from shards.formats.loader import load_shard_weights
+from shards.sampling import SampleResult, SamplerState, SamplingParams, sample_one, sample_rows
+from shards.shard import Shard
+from shards.transformer import ShardModel
 
 
 class EngineInputError(ValueError):
@@ -74,7 +75,9 @@ class Engine(ABC):
     # last node's sampling batcher falls back to `sample_one` per request for its rows.
     batched_sampling: bool = True
 
-    def sample(self, logits: np.ndarray, params: list[SamplingParams], states: list[SamplerState]) -> list[SampleResult]:
+    def sample(
+        self, logits: np.ndarray, params: list[SamplingParams], states: list[SamplerState]
+    ) -> list[SampleResult]:
         """Batched sampler: one token per row of `logits` [N, vocab]; row i uses params[i] and advances states[i]."""
         return sample_rows(logits, params, states)
 
@@ -108,8 +111,12 @@ class Engine(ABC):
             if item.request_id in ids:
                 raise EngineInputError(f"request {item.request_id!r} appears twice in one batch")
             ids.add(item.request_id)
-            check_input(self.config, self.shard.is_first, item.tokens if self.shard.is_first else item.hidden,
-                        f"request {item.request_id!r}")
+            check_input(
+                self.config,
+                self.shard.is_first,
+                item.tokens if self.shard.is_first else item.hidden,
+                f"request {item.request_id!r}",
+            )
             end = self.cache_length(item.request_id) + item.length
             if end > self.config.max_position_embeddings:
                 raise EngineInputError(
@@ -126,8 +133,13 @@ def check_input(cfg: ModelConfig, first: bool, data: np.ndarray | None, who: str
             raise EngineInputError(f"{who}: first shard needs a non-empty 1-D int token array")
         if data.min() < 0 or data.max() >= cfg.vocab_size:
             raise EngineInputError(f"{who}: token id out of range [0, {cfg.vocab_size})")
-    elif data is None or data.dtype != np.float32 or data.ndim != 2 or data.shape[0] == 0 \
-            or data.shape[1] != cfg.hidden_size:
+    elif (
+        data is None
+        or data.dtype != np.float32
+        or data.ndim != 2
+        or data.shape[0] == 0
+        or data.shape[1] != cfg.hidden_size
+    ):
         raise EngineInputError(f"{who}: expected float32 hidden states [T>0, {cfg.hidden_size}]")
 
 
@@ -211,4 +223,3 @@ class BlockEngine(Engine):
     def cache_bytes(self) -> int:
         """Memory held by every request's KV cache (read from other threads: a snapshot of the dict)."""
         return sum(c.nbytes for c in list(self.caches.values()))
-

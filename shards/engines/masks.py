@@ -6,6 +6,7 @@ visible and every cell beyond hidden, whatever the span: padding cells and the c
 Each engine takes the same masks in its own values: booleans for `where` (numpy, MLX, tinygrad), F16 0 / -inf added
 to scores by ggml's flash attention.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,13 +29,14 @@ class CausalMasks:
             raise ValueError(f"a mask needs start >= 0, length >= 1 and span >= 1, got {start}, {length}, {span}")
         if max(span, start + length) > self.half:
             self.half = max(span, start + length, 2 * self.half, 1024)
-            self.ramp = np.concatenate([np.full(self.half, self.visible, self.dtype),
-                                        np.full(self.half, self.hidden, self.dtype)])
+            self.ramp = np.concatenate(
+                [np.full(self.half, self.visible, self.dtype), np.full(self.half, self.hidden, self.dtype)]
+            )
         at = self.half - 1 - start
         if length == 1:
-            return self.ramp[at: at + span][None]
+            return self.ramp[at : at + span][None]
         step = self.ramp.itemsize
-        rows = np.lib.stride_tricks.as_strided(self.ramp[at - length + 1:], (length, span), (step, step))[::-1]
+        rows = np.lib.stride_tricks.as_strided(self.ramp[at - length + 1 :], (length, span), (step, step))[::-1]
         return np.ascontiguousarray(rows)
 
 

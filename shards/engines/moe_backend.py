@@ -6,6 +6,7 @@ layer's stacked expert matrices once; `moe` routes rows by their router logits a
 outputs weighted by their router probabilities, every row of every request of the step in one call, so that a batch
 costs one pass over each expert it uses (not one per row).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -56,12 +57,14 @@ class EagerMoE(MoEBackend):
     share no scatter-add; numpy overrides it with indexing)."""
 
     def experts(self, gate: Any, up: Any, down: Any) -> list[tuple[Array, Array]]:
-        gate, up, down = (np.asarray(w.dequantize() if hasattr(w, "dequantize") else w, dtype=np.float32)
-                          for w in (gate, up, down))
+        gate, up, down = (
+            np.asarray(w.dequantize() if hasattr(w, "dequantize") else w, dtype=np.float32) for w in (gate, up, down)
+        )
         return [(self.weight(np.concatenate([gate[e], up[e]])), self.weight(down[e])) for e in range(len(gate))]
 
-    def moe(self, x: Array, router_logits: Array, experts: list[tuple[Array, Array]], n_used: int,
-            normalize: bool) -> Array:
+    def moe(
+        self, x: Array, router_logits: Array, experts: list[tuple[Array, Array]], n_used: int, normalize: bool
+    ) -> Array:
         ids, weights = top_experts(self.to_numpy(router_logits), n_used, normalize)
         out = None
         for e in np.unique(ids):  # an expert appears at most once per row, so `rows` has no repeats

@@ -3,6 +3,7 @@
 Projection weights are kept as [in, out] contiguous matrices so `x @ W` over the packed rows of every request
 is one BLAS call per projection: that is what makes batched decode pay.
 """
+
 from __future__ import annotations
 
 import numpy as np

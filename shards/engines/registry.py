@@ -1,4 +1,5 @@
 """Engines by name (--engine): numpy everywhere; ggml, tinygrad and mlx as optional extras."""
+
 from __future__ import annotations
 
 import importlib
@@ -8,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shards.formats.config import ModelConfig
 from shards.engines.base import Engine
+from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
 from shards.moe import check_engine
 from shards.shard import Shard
@@ -50,12 +51,14 @@ def engine_class(name: str) -> type[Engine]:
     try:
         return getattr(importlib.import_module(module), cls)
     except ImportError as e:
-        raise EngineUnavailable(f"engine {name!r} is not installed ({e}); install it with: "
-                                f"pip install 'exo-node[{extra}]'") from None
+        raise EngineUnavailable(
+            f"engine {name!r} is not installed ({e}); install it with: pip install 'exo-node[{extra}]'"
+        ) from None
 
 
-def engine_factory(name: str, model_dir: Path | None = None, **options: Any) \
-        -> Callable[[Path, Shard, ModelConfig], Engine]:
+def engine_factory(
+    name: str, model_dir: Path | None = None, **options: Any
+) -> Callable[[Path, Shard, ModelConfig], Engine]:
     """Makes the engine's instances. `options` (threads, quantize, ...; None means not given) go to engines that
     take them (their class's `options`); giving one to an engine that doesn't is an error, not silently ignored.
     With `model_dir`, an engine's `check_options` vets them against the model now, before any shard loads."""

@@ -14,6 +14,7 @@ overwritten before anything reads them.
 Every cache leaves the store exactly once: taken by a request (which then owns and frees it), or freed here when
 evicted, cleared, or kept past the limit.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

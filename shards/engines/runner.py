@@ -6,6 +6,7 @@ by replaying captured kernels, ggml's `GraphRunner` by re-running a graph built 
 writes keys and values but never advances a cache's length: `BlockEngine.run` commits the step once it returns.
 Masks come from shards/engines/masks.py in every runner, in its backend's form.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -70,8 +71,13 @@ class EagerRunner(Runner):
     def step(self, p: Packing) -> Step:
         ops = self.ops
         masks = [allowed(self.masks, s, n, self.group) for s, n in zip(p.starts, p.lengths)]
-        return Step(p.bounds, p.starts, p.positions, ops.rotary(p.positions, self.inv_freq),
-                    [None if m is None else ops.array(m) for m in masks])
+        return Step(
+            p.bounds,
+            p.starts,
+            p.positions,
+            ops.rotary(p.positions, self.inv_freq),
+            [None if m is None else ops.array(m) for m in masks],
+        )
 
     def run(self, x: np.ndarray, p: Packing, caches: list[RequestCache], all_logits: bool) -> np.ndarray:
         ops, shard = self.ops, self.engine.shard

@@ -1,6 +1,7 @@
 """What one step of an engine carries: each request's input (`StepInput`) and how the step's rows are packed
 (`Packing`). Its own module so that the runners (shards/engines/runner.py) and the engines (base.py) both read these
 types without importing each other."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

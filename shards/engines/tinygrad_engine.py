@@ -10,6 +10,7 @@ capacities): a new prompt length no longer compiles new kernels. Both are `TinyJ
 `BlockEngine.run`; other shapes (every row's logits, chunks of several buckets) run eagerly. Activations leave as
 numpy float32.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,11 +34,11 @@ class TinygradCache(KVCache):
     `whole`: fetch the whole capacity (a padded prefill, which masks what lies beyond each position) instead of the
     positions written so far."""
 
-    def __init__(self, kv: "Tensor", whole: bool = False):
+    def __init__(self, kv: Tensor, whole: bool = False):
         self.kv, self.whole = kv, whole
 
     @classmethod
-    def empty(cls, n_kv: int, head_dim: int) -> "TinygradCache":
+    def empty(cls, n_kv: int, head_dim: int) -> TinygradCache:
         return cls(Tensor.zeros(2, MIN_CAPACITY, n_kv, head_dim, dtype=dtypes.float32).contiguous().realize())
 
     def reserve(self, end: int, length: int) -> None:
@@ -52,7 +53,7 @@ class TinygradCache(KVCache):
             grown[:, :length].assign(self.kv[:, :length]).realize()
         self.kv = grown
 
-    def update_and_fetch(self, k: "Tensor", v: "Tensor", start) -> tuple["Tensor", "Tensor"]:
+    def update_and_fetch(self, k: Tensor, v: Tensor, start) -> tuple[Tensor, Tensor]:
         # `start` is an int, or a bound Variable while a decode step is being captured.
         t = k.shape[0]
         self.kv.shrink((None, (start, start + t), None, None)).assign(k.stack(v)).realize()
@@ -69,16 +70,16 @@ class TinygradCache(KVCache):
 class TinygradBackend(EagerBackend):
     name = "tinygrad"
 
-    def weight(self, w: np.ndarray) -> "Tensor":
+    def weight(self, w: np.ndarray) -> Tensor:
         return self.array(w)  # [out, in], applied as x @ W.T
 
-    def array(self, a: np.ndarray) -> "Tensor":
+    def array(self, a: np.ndarray) -> Tensor:
         return Tensor(np.ascontiguousarray(a, dtype=np.float32 if a.dtype.kind == "f" else a.dtype)).realize()
 
-    def to_numpy(self, x: "Tensor") -> np.ndarray:
+    def to_numpy(self, x: Tensor) -> np.ndarray:
         return x.numpy().astype(np.float32, copy=False)
 
-    def nbytes(self, x: "Tensor") -> int:
+    def nbytes(self, x: Tensor) -> int:
         return x.nbytes()
 
     def new_cache(self, n_kv_heads: int, head_dim: int, capacity: int | None = None) -> TinygradCache:
@@ -86,41 +87,41 @@ class TinygradBackend(EagerBackend):
         # decode graph, so few distinct capacities keep captures few.
         return TinygradCache.empty(n_kv_heads, head_dim)
 
-    def linear(self, x: "Tensor", w: "Tensor", bias: "Tensor | None" = None) -> "Tensor":
+    def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
         return x @ w.T if bias is None else x @ w.T + bias
 
-    def embedding(self, table: "Tensor", ids) -> "Tensor":
+    def embedding(self, table: Tensor, ids) -> Tensor:
         return table[ids if isinstance(ids, Tensor) else Tensor(ids.astype(np.int32))]
 
-    def rms_norm(self, x: "Tensor", weight: "Tensor", eps: float) -> "Tensor":
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return x * (x.square().mean(axis=-1, keepdim=True) + eps).rsqrt() * weight
 
-    def silu(self, x: "Tensor") -> "Tensor":
+    def silu(self, x: Tensor) -> Tensor:
         return x.silu()
 
-    def concat(self, xs: list["Tensor"], axis: int) -> "Tensor":
+    def concat(self, xs: list[Tensor], axis: int) -> Tensor:
         return xs[0].cat(*xs[1:], dim=axis)
 
-    def transpose(self, x: "Tensor", axes: tuple[int, ...]) -> "Tensor":
+    def transpose(self, x: Tensor, axes: tuple[int, ...]) -> Tensor:
         return x.permute(axes)
 
-    def softmax(self, x: "Tensor") -> "Tensor":
+    def softmax(self, x: Tensor) -> Tensor:
         return x.softmax(-1)
 
-    def where(self, mask: "Tensor", x: "Tensor", fill: float) -> "Tensor":
+    def where(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
         return mask.where(x, fill)
 
-    def take_rows(self, x: "Tensor", rows) -> "Tensor":
+    def take_rows(self, x: Tensor, rows) -> Tensor:
         return x[rows if isinstance(rows, Tensor) else Tensor(rows.astype(np.int32))]
 
-    def layer_done(self, x: "Tensor", caches: list[KVCache]) -> "Tensor":
+    def layer_done(self, x: Tensor, caches: list[KVCache]) -> Tensor:
         return x.realize()
 
 
 class TinyJitRunner(EagerRunner):
     """Decode steps and bucketed prefills through TinyJit captures keyed by their shapes; anything else eagerly."""
 
-    def __init__(self, engine: "TinygradEngine"):
+    def __init__(self, engine: TinygradEngine):
         super().__init__(engine)
         self.buckets = engine.prefill_buckets
         self._jits: dict[tuple, TinyJit] = {}
@@ -148,8 +149,10 @@ class TinyJitRunner(EagerRunner):
         jit = self._jits.get(key)
         if jit is None:
             jit = self._jits[key] = TinyJit(self._decode)
-        pos = [Variable(f"start_pos{i}", 0, cache.layers[0].kv.shape[1] - 1).bind(s)
-               for i, (s, cache) in enumerate(zip(p.starts, caches))]
+        pos = [
+            Variable(f"start_pos{i}", 0, cache.layers[0].kv.shape[1] - 1).bind(s)
+            for i, (s, cache) in enumerate(zip(p.starts, caches))
+        ]
         cos, sin = rotary_tables(p.positions, self.inv_freq)
         x = Tensor(x.astype(np.int32)) if self.engine.shard.is_first else Tensor(x)
         return jit(x, Tensor(cos), Tensor(sin), *kvs, *pos).numpy()
@@ -168,8 +171,9 @@ class TinyJitRunner(EagerRunner):
         if jit is None:
             jit = self._jits[key] = TinyJit(self._prefill)
         cos, sin = rotary_tables(np.concatenate([np.arange(s, s + bucket) for s in p.starts]), self.inv_freq)
-        masks = [Tensor(np.tile(self.masks(s, bucket, cap), (self.group, 1))[None])
-                 for s, cap in zip(p.starts, capacities)]
+        masks = [
+            Tensor(np.tile(self.masks(s, bucket, cap), (self.group, 1))[None]) for s, cap in zip(p.starts, capacities)
+        ]
         last = Tensor(np.array([i * bucket + n - 1 for i, n in enumerate(p.lengths)], dtype=np.int32))
         pos = [Variable(f"start_pos{i}", 0, cap - 1).bind(s) for i, (s, cap) in enumerate(zip(p.starts, capacities))]
         pieces = np.split(x, p.bounds[1:-1])
@@ -180,22 +184,22 @@ class TinyJitRunner(EagerRunner):
         out = jit(x, Tensor(cos), Tensor(sin), last, *masks, *kvs, *pos).numpy()
         if self.engine.shard.is_last:
             return out
-        return np.concatenate([out[i * bucket: i * bucket + n] for i, n in enumerate(p.lengths)])
+        return np.concatenate([out[i * bucket : i * bucket + n] for i, n in enumerate(p.lengths)])
 
-    def _prefill(self, x: "Tensor", cos: "Tensor", sin: "Tensor", last: "Tensor", *args) -> "Tensor":
+    def _prefill(self, x: Tensor, cos: Tensor, sin: Tensor, last: Tensor, *args) -> Tensor:
         """One padded prefill step over caches and masks given as arguments (see `_decode`)."""
         n, n_layers = last.shape[0], len(self.model.layers)
-        masks, kvs, pos = args[:n], args[n: n + n * n_layers], list(args[n + n * n_layers:])
-        caches = [[TinygradCache(kv, whole=True) for kv in kvs[r * n_layers:(r + 1) * n_layers]] for r in range(n)]
+        masks, kvs, pos = args[:n], args[n : n + n * n_layers], list(args[n + n * n_layers :])
+        caches = [[TinygradCache(kv, whole=True) for kv in kvs[r * n_layers : (r + 1) * n_layers]] for r in range(n)]
         bucket = x.shape[0] // n
         step = Step(range(0, n * bucket + 1, bucket), pos, None, (cos, sin), masks)
         return self.model(x, step, caches, last if self.engine.shard.is_last else None).realize()
 
-    def _decode(self, x: "Tensor", cos: "Tensor", sin: "Tensor", *args) -> "Tensor":
+    def _decode(self, x: Tensor, cos: Tensor, sin: Tensor, *args) -> Tensor:
         """One decode step over caches given as arguments, so TinyJit swaps in each call's own buffers."""
         n, n_layers = x.shape[0], len(self.model.layers)
-        kvs, pos = args[: n * n_layers], list(args[n * n_layers:])
-        caches = [[TinygradCache(kv) for kv in kvs[r * n_layers:(r + 1) * n_layers]] for r in range(n)]
+        kvs, pos = args[: n * n_layers], list(args[n * n_layers :])
+        caches = [[TinygradCache(kv) for kv in kvs[r * n_layers : (r + 1) * n_layers]] for r in range(n)]
         step = Step(range(n + 1), pos, None, (cos, sin), [None] * n)
         return self.model(x, step, caches, None).realize()
 

@@ -3,13 +3,17 @@
 `ModelConfig.from_dir` / `from_dict` read a config.json; `formats.gguf_model.gguf_config` translates GGUF metadata
 into the same type. To read whichever a path holds, use `formats.loader.load_config` (this module imports no format).
 """
+
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from shards.formats.moe_config import MoEConfig, MoEConfigError, hf_moe
 from shards.formats.refusals import missing_feature
@@ -55,7 +59,7 @@ class RopeConfig:
         if not all(math.isfinite(f) and f > 0 for f in self.freq_factors):
             raise ConfigError("rope frequency factors must be positive finite numbers")
 
-    def inv_freq(self, head_dim: int) -> "list[float]":
+    def inv_freq(self, head_dim: int) -> list[float]:
         """Per-pair rotation frequencies, float64, after any scaling (llama3 smooths between bands; `factors`
         divides each pair's frequency by its factor, as llama.cpp's rope does with rope_freqs.weight)."""
         import numpy as np
@@ -81,16 +85,18 @@ class RopeConfig:
             return np.where(medium, smoothed, scaled)
         return inv
 
-
-    def _yarn(self, inv: "np.ndarray", head_dim: int) -> "np.ndarray":
+    def _yarn(self, inv: np.ndarray, head_dim: int) -> np.ndarray:
         """Pairs rotating fewer than beta_slow times over the original context are interpolated (divided by
         factor), more than beta_fast times kept, a linear ramp between (transformers' _compute_yarn_parameters with
         truncate, llama.cpp's rope_yarn)."""
         import numpy as np
 
         def dim(rotations: float) -> float:
-            return head_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-                2 * math.log(self.theta))
+            return (
+                head_dim
+                * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(self.theta))
+            )
 
         low = max(math.floor(dim(self.beta_fast)), 0)
         high = min(math.ceil(dim(self.beta_slow)), head_dim - 1)
@@ -131,7 +137,7 @@ class ModelConfig:
     moe: MoEConfig | None = None  # a mixture of experts' routing and sizes; None for a dense model
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
@@ -144,7 +150,7 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         r = _Reader(raw, source)
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) if isinstance(archs, list) else None
@@ -158,7 +164,9 @@ class ModelConfig:
         n_heads = r.pos_int("num_attention_heads")
         n_kv = r.pos_int("num_key_value_heads", default=n_heads)
         if n_heads % n_kv:
-            raise ConfigError(f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
+            raise ConfigError(
+                f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}"
+            )
         head_dim = r.pos_int("head_dim", default=None) if raw.get("head_dim") is not None else None
         if head_dim is None:
             if hidden % n_heads:
@@ -203,11 +211,13 @@ class ModelConfig:
 
 def _check_phi3(raw: dict[str, Any], source: str) -> None:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) if isinstance(params, dict) \
-        else 1.0
+    factor = (
+        params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) if isinstance(params, dict) else 1.0
+    )
     if factor != 1.0:
-        raise ConfigError(f"{source}: partial rotary embeddings (partial_rotary_factor {factor}, Phi-4-mini style) "
-                          "are not supported")
+        raise ConfigError(
+            f"{source}: partial rotary embeddings (partial_rotary_factor {factor}, Phi-4-mini style) are not supported"
+        )
 
 
 def token_id_list(value: Any, where: str) -> tuple[int, ...]:
@@ -220,7 +230,7 @@ def token_id_list(value: Any, where: str) -> tuple[int, ...]:
     return tuple(items)
 
 
-def _rope(raw: dict[str, Any], r: "_Reader", source: str) -> RopeConfig:
+def _rope(raw: dict[str, Any], r: _Reader, source: str) -> RopeConfig:
     # transformers 5 writes rope_parameters (theta inside); older configs use rope_theta + rope_scaling.
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
@@ -251,7 +261,7 @@ def _rope(raw: dict[str, Any], r: "_Reader", source: str) -> RopeConfig:
     return cfg
 
 
-def _yarn(raw: dict[str, Any], params: dict[str, Any], p: "_Reader", theta: float, source: str) -> RopeConfig:
+def _yarn(raw: dict[str, Any], params: dict[str, Any], p: _Reader, theta: float, source: str) -> RopeConfig:
     """transformers' YaRN parameters: factor, original_max_position_embeddings (default: max_position_embeddings),
     beta_fast/beta_slow, attention_factor or mscale/mscale_all_dim; `truncate: false` is refused."""
     if params.get("truncate", True) is not True:
@@ -262,14 +272,24 @@ def _yarn(raw: dict[str, Any], params: dict[str, Any], p: "_Reader", theta: floa
     attention = p.pos_float("attention_factor", default=None) if params.get("attention_factor") is not None else None
     mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
     if attention is None and mscale and mscale_all:
+
         def m(scale: float) -> float:
             return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
         attention = m(p.pos_float("mscale")) / m(p.pos_float("mscale_all_dim"))
-    original = p.pos_int("original_max_position_embeddings",
-                         default=_Reader(raw, source).pos_int("max_position_embeddings", default=4096))
-    return RopeConfig(theta=theta, kind="yarn", factor=factor, original_max_position_embeddings=original,
-                      beta_fast=p.pos_float("beta_fast", default=32.0), beta_slow=p.pos_float("beta_slow", default=1.0),
-                      yarn_attention_factor=attention)
+    original = p.pos_int(
+        "original_max_position_embeddings",
+        default=_Reader(raw, source).pos_int("max_position_embeddings", default=4096),
+    )
+    return RopeConfig(
+        theta=theta,
+        kind="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=p.pos_float("beta_fast", default=32.0),
+        beta_slow=p.pos_float("beta_slow", default=1.0),
+        yarn_attention_factor=attention,
+    )
 
 
 class _Reader:

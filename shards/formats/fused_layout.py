@@ -5,6 +5,7 @@ Phi-3 stores q/k/v as one `self_attn.qkv_proj.weight` and gate/up as one `mlp.ga
 Hugging Face reader (formats.hf via formats.moe_layout.expand) reads the fused tensor once and slices it: every
 engine then sees the usual q/k/v and gate/up (and fuses them again its own way).
 """
+
 from __future__ import annotations
 
 import re

@@ -5,6 +5,7 @@ reader hands back is checked before use: metadata values get typed accessors who
 key, and the tensor table is validated here (known type, whole blocks, byte range inside the file, no overlaps)
 instead of letting a truncated file surface later as a reshape error in the middle of a request.
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,8 +64,10 @@ class _Reader(GGUFReader):
         # 2^40 elements then "reads" nothing forever and fills memory (a 45-byte file hung the node).
         end = int(offset) + np.dtype(dtype).itemsize * int(count)
         if int(count) < 0 or end > self._plain.size:
-            raise ValueError(f"the header says {count} values of {np.dtype(dtype)} at byte {offset}, past the end "
-                             f"of the file ({self._plain.size} bytes)")
+            raise ValueError(
+                f"the header says {count} values of {np.dtype(dtype)} at byte {offset}, past the end "
+                f"of the file ({self._plain.size} bytes)"
+            )
         return super()._get(offset, dtype, count, override_order)
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
@@ -100,7 +103,7 @@ class GGUFFile:
             raise GGUFError(f"{path}: split.no {self.split_no} is not a part of split.count {self.split_count}")
         self.tensors = self._tensor_table(reader)
 
-    def parts(self) -> "list[GGUFFile]":
+    def parts(self) -> list[GGUFFile]:
         """The files the model's tensors lie in: this one (a split model: every part, in order)."""
         return [self]
 
@@ -131,19 +134,25 @@ class GGUFFile:
                 raise GGUFError(f"{self.path}: tensor {name!r} has ggml type {ggml_type.name} of unknown size")
             block, type_size = GGML_QUANT_SIZES[ggml_type]
             if not shape or any(d <= 0 for d in shape) or shape[0] % block:
-                raise GGUFError(f"{self.path}: tensor {name!r} has shape {list(shape)}, which is not whole "
-                                f"{ggml_type.name} blocks of {block} along its first dimension")
+                raise GGUFError(
+                    f"{self.path}: tensor {name!r} has shape {list(shape)}, which is not whole "
+                    f"{ggml_type.name} blocks of {block} along its first dimension"
+                )
             nbytes = int(np.prod(shape, dtype=object)) // block * type_size
             offset = reader.tensor_start + int(rel_offset[0])
             if offset + nbytes > self.size:
-                raise GGUFError(f"{self.path}: truncated: tensor {name!r} ({ggml_type.name} {list(shape)}) needs bytes "
-                                f"{offset}..{offset + nbytes} but the file ends at {self.size}")
+                raise GGUFError(
+                    f"{self.path}: truncated: tensor {name!r} ({ggml_type.name} {list(shape)}) needs bytes "
+                    f"{offset}..{offset + nbytes} but the file ends at {self.size}"
+                )
             table[name] = TensorInfo(name, ggml_type, shape, offset, nbytes)
         spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in table.values())
         for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
             if start < end:
-                raise GGUFError(f"{self.path}: tensors {a!r} and {b!r} overlap: the byte count of {a!r} does not "
-                                "match its type and shape, or the tensor table is corrupt")
+                raise GGUFError(
+                    f"{self.path}: tensors {a!r} and {b!r} overlap: the byte count of {a!r} does not "
+                    "match its type and shape, or the tensor table is corrupt"
+                )
         return table
 
     # -- tensors ----------------------------------------------------------------------------------------------
@@ -174,8 +183,10 @@ class GGUFFile:
         types, value = self.meta[key]
         is_array = types[0] == GGUFValueType.ARRAY
         item = types[-1] if is_array and len(types) > 1 else None
-        if is_array != (GGUFValueType.ARRAY in kinds) or (item is not None and item not in kinds) or (
-            not is_array and types[0] not in kinds
+        if (
+            is_array != (GGUFValueType.ARRAY in kinds)
+            or (item is not None and item not in kinds)
+            or (not is_array and types[0] not in kinds)
         ):
             raise GGUFError(f"{self.path}: metadata {key!r} must be {what}, got {'/'.join(t.name for t in types)}")
         if isinstance(value, _Unreadable):
@@ -205,8 +216,16 @@ class _Unreadable:
     why: str
 
 
-INTS = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16, GGUFValueType.UINT32,
-        GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
+INTS = {
+    GGUFValueType.UINT8,
+    GGUFValueType.INT8,
+    GGUFValueType.UINT16,
+    GGUFValueType.INT16,
+    GGUFValueType.UINT32,
+    GGUFValueType.INT32,
+    GGUFValueType.UINT64,
+    GGUFValueType.INT64,
+}
 FLOATS = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
 STRINGS = {GGUFValueType.STRING}
 
@@ -229,16 +248,19 @@ class SplitGGUF(GGUFFile):
         self.tensors: dict[str, TensorInfo] = {}
         for i, part in enumerate(parts):
             if (part.split_count, part.split_no) != (len(parts), i):
-                raise GGUFError(f"{part.path}: says it is part {part.split_no + 1} of {part.split_count}, but it is "
-                                f"named as part {i + 1} of {len(parts)}")
+                raise GGUFError(
+                    f"{part.path}: says it is part {part.split_no + 1} of {part.split_count}, but it is "
+                    f"named as part {i + 1} of {len(parts)}"
+                )
             for name, info in part.tensors.items():
                 if name in self.tensors:
                     raise GGUFError(f"{part.path}: tensor {name!r} is also in part {self.tensors[name].part + 1}")
                 self.tensors[name] = TensorInfo(info.name, info.ggml_type, info.shape, info.offset, info.nbytes, i)
         expected = first.get_int("split.tensors.count")
         if expected != len(self.tensors):
-            raise GGUFError(f"{first.path}: split.tensors.count says {expected} tensors, the parts hold "
-                            f"{len(self.tensors)}")
+            raise GGUFError(
+                f"{first.path}: split.tensors.count says {expected} tensors, the parts hold {len(self.tensors)}"
+            )
 
     def parts(self) -> list[GGUFFile]:
         return list(self.parts_)
@@ -254,8 +276,10 @@ def split_part_paths(path: Path, count: int) -> list[Path]:
     """The paths of a split model's parts, from one part's name (llama.cpp's `%s-%05d-of-%05d.gguf`)."""
     m = SPLIT_NAME.match(path.name)
     if not m or int(m.group("count")) != count:
-        raise GGUFError(f"{path}: says it is one of {count} split parts, but its name is not "
-                        f"NAME-0000k-of-{count:05d}.gguf, so its other parts can't be found")
+        raise GGUFError(
+            f"{path}: says it is one of {count} split parts, but its name is not "
+            f"NAME-0000k-of-{count:05d}.gguf, so its other parts can't be found"
+        )
     return [path.with_name(f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 

@@ -6,6 +6,7 @@ tensor comes out in Hugging Face layout ([out_features, in_features]). For the `
 converter permuted the Q and K rows for its rope kernel; `load_shard_tensors` undoes that, as transformers' own GGUF
 loading does, so the engines see exactly the Hugging Face weights.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,11 +16,12 @@ import numpy as np
 
 from shards.formats.config import ModelConfig, RopeConfig
 from shards.formats.gguf_file import GGUFError, GGUFFile, TensorInfo, open_gguf
-from shards.formats.refusals import missing_feature
-from shards.formats.gguf_moe import LAYER_NAMES as MOE_LAYER_NAMES, LLAMA_WITH_EXPERTS, MOE_ARCHITECTURES, gguf_moe
+from shards.formats.gguf_moe import LAYER_NAMES as MOE_LAYER_NAMES
+from shards.formats.gguf_moe import LLAMA_WITH_EXPERTS, MOE_ARCHITECTURES, gguf_moe
 from shards.formats.quant import SUPPORTED_TYPES, Q, QuantizedTensor, unpermute_order
-from shards.shard import Shard
+from shards.formats.refusals import missing_feature
 from shards.formats.weights import LayerWeights, ShardWeights, layer_tensor_shapes
+from shards.shard import Shard
 
 # GGUF general.architecture -> (ModelConfig.model_type, Hugging Face architecture). Mistral files say `llama`.
 ARCHITECTURES = {
@@ -56,8 +58,9 @@ def gguf_config(path: str | Path) -> ModelConfig:
     f = open_gguf(path)
     arch = f.get_str("general.architecture")
     if arch not in ARCHITECTURES:
-        raise GGUFError(f"{f.path}: unsupported architecture {arch!r}; supported: {sorted(ARCHITECTURES)}"
-                        + missing_feature(arch))
+        raise GGUFError(
+            f"{f.path}: unsupported architecture {arch!r}; supported: {sorted(ARCHITECTURES)}" + missing_feature(arch)
+        )
     model_type, hf_arch = ARCHITECTURES[arch]
 
     def pos(key: str, default: object = None) -> int:
@@ -76,16 +79,21 @@ def gguf_config(path: str | Path) -> ModelConfig:
     if pos("attention.value_length", head_dim) != head_dim or head_dim % 2:
         raise GGUFError(f"{f.path}: need an even key_length equal to value_length, got {head_dim}")
     if pos("rope.dimension_count", head_dim) != head_dim:
-        raise GGUFError(f"{f.path}: partial rotary embeddings (rope.dimension_count "
-                        f"{f.get_int(f'{arch}.rope.dimension_count')} < head dim {head_dim}) are not supported")
+        raise GGUFError(
+            f"{f.path}: partial rotary embeddings (rope.dimension_count "
+            f"{f.get_int(f'{arch}.rope.dimension_count')} < head dim {head_dim}) are not supported"
+        )
     embed = f.tensor(EMBED)
     if len(embed.shape) != 2 or embed.shape[0] != hidden:
         raise GGUFError(f"{f.path}: {EMBED} has shape {list(embed.hf_shape)}, expected [vocab, {hidden}]")
     moe = gguf_moe(f, arch, pos("block_count"))
     if moe is not None and arch == "llama":
         hf_arch = LLAMA_WITH_EXPERTS
-    cfg_eos = [f.get_int(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                  "tokenizer.ggml.eom_token_id") if f.has(k)]
+    cfg_eos = [
+        f.get_int(k)
+        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if f.has(k)
+    ]
     cfg = ModelConfig(
         model_type=model_type,
         architecture=hf_arch,
@@ -110,11 +118,14 @@ def gguf_config(path: str | Path) -> ModelConfig:
     # run is refused at start-up, not when some node first loads its shard in the middle of a request. (First that
     # the last block is there at all: a block count of 2^31 would otherwise list billions of names.)
     if f"blk.{cfg.n_layers - 1}.{LAYER_NAMES['input_norm']}" not in f.tensors:
-        raise GGUFError(f"{f.path}: block_count says {cfg.n_layers} blocks, but block {cfg.n_layers - 1} has no "
-                        "tensors")
+        raise GGUFError(
+            f"{f.path}: block_count says {cfg.n_layers} blocks, but block {cfg.n_layers - 1} has no tensors"
+        )
     if cfg.rope.freq_factors and len(cfg.rope.freq_factors) != head_dim // 2:
-        raise GGUFError(f"{f.path}: {ROPE_FREQS} has {len(cfg.rope.freq_factors)} factors, expected one per rotary "
-                        f"pair ({head_dim // 2})")
+        raise GGUFError(
+            f"{f.path}: {ROPE_FREQS} has {len(cfg.rope.freq_factors)} factors, expected one per rotary "
+            f"pair ({head_dim // 2})"
+        )
     if not (cfg.rms_norm_eps > 0 and math.isfinite(cfg.rms_norm_eps)):
         raise GGUFError(f"{f.path}: layer_norm_rms_epsilon must be a positive number, not {cfg.rms_norm_eps}")
     for name, _, shape in _hf_shapes(cfg, Shard.whole("check", cfg.n_layers)):
@@ -125,9 +136,13 @@ def gguf_config(path: str | Path) -> ModelConfig:
 
 
 # tensors of layouts that reuse a supported general.architecture but compute differently -> the feature they mean
-_LAYOUT_FEATURES = {"attn_qkv.weight": "a fused Q/K/V projection (attn_qkv)",
-                    "ffn_up_gate.weight": "a fused gate/up projection", "attn_sinks.weight": "attention sinks",
-                    "attn_post_norm.weight": "post-attention norms", "ffn_post_norm.weight": "post-feed-forward norms"}
+_LAYOUT_FEATURES = {
+    "attn_qkv.weight": "a fused Q/K/V projection (attn_qkv)",
+    "ffn_up_gate.weight": "a fused gate/up projection",
+    "attn_sinks.weight": "attention sinks",
+    "attn_post_norm.weight": "post-attention norms",
+    "ffn_post_norm.weight": "post-feed-forward norms",
+}
 
 
 def _missing(f: GGUFFile, arch: str, name: str) -> str:
@@ -136,8 +151,10 @@ def _missing(f: GGUFFile, arch: str, name: str) -> str:
     found = [what for suffix, what in _LAYOUT_FEATURES.items() if f"blk.{block}.{suffix}" in f.tensors]
     if found:
         return f"{f.path}: this {arch!r} file uses {', '.join(found)}, which exo-node does not implement"
-    return (f"{f.path}: a {arch!r} model needs tensor {name!r}, which this file lacks: its layout is a variant of "
-            f"{arch!r} exo-node does not run (or the file is incomplete)")
+    return (
+        f"{f.path}: a {arch!r} model needs tensor {name!r}, which this file lacks: its layout is a variant of "
+        f"{arch!r} exo-node does not run (or the file is incomplete)"
+    )
 
 
 def _rope(f: GGUFFile, arch: str) -> RopeConfig:
@@ -147,8 +164,10 @@ def _rope(f: GGUFFile, arch: str) -> RopeConfig:
     kind = f.get_str(f"{arch}.rope.scaling.type", "none")
     if ROPE_FREQS in f.tensors:  # Llama 3.1+: the converter writes its llama3 rope scaling as per-pair factors
         if kind not in ("none", ""):
-            raise GGUFError(f"{f.path}: both {ROPE_FREQS} and rope scaling {kind!r}; llama.cpp applies both, which "
-                            "no known model asks for: refusing rather than guessing")
+            raise GGUFError(
+                f"{f.path}: both {ROPE_FREQS} and rope scaling {kind!r}; llama.cpp applies both, which "
+                "no known model asks for: refusing rather than guessing"
+            )
         return RopeConfig(theta=theta, kind="factors", freq_factors=rope_freq_factors(f))
     if kind in ("none", ""):
         return RopeConfig(theta=theta)
@@ -177,8 +196,15 @@ def _yarn(f: GGUFFile, arch: str, theta: float) -> RopeConfig:
     if not (factor > 0 and original > 0 and beta_fast > 0 and beta_slow > 0):
         raise GGUFError(f"{f.path}: YaRN factor, original_context_length and betas must be positive")
     attention = (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0) * f.get_float(key + "attn_factor", 1.0)
-    return RopeConfig(theta=theta, kind="yarn", factor=factor, original_max_position_embeddings=original,
-                      beta_fast=beta_fast, beta_slow=beta_slow, yarn_attention_factor=attention)
+    return RopeConfig(
+        theta=theta,
+        kind="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=beta_fast,
+        beta_slow=beta_slow,
+        yarn_attention_factor=attention,
+    )
 
 
 def rope_freq_factors(f: GGUFFile) -> tuple[float, ...]:
@@ -186,8 +212,9 @@ def rope_freq_factors(f: GGUFFile) -> tuple[float, ...]:
     head dimension by RopeConfig.inv_freq, in gguf_config)."""
     info = f.tensor(ROPE_FREQS)
     if info.ggml_type != Q.F32 or len(info.shape) != 1:
-        raise GGUFError(f"{f.path}: {ROPE_FREQS} must be a float32 vector, got {info.ggml_type.name} "
-                        f"{list(info.hf_shape)}")
+        raise GGUFError(
+            f"{f.path}: {ROPE_FREQS} must be a float32 vector, got {info.ggml_type.name} {list(info.hf_shape)}"
+        )
     values = tuple(float(v) for v in f.raw(info).view(np.float32).reshape(-1))
     if not all(math.isfinite(v) and v > 0 for v in values):
         raise GGUFError(f"{f.path}: {ROPE_FREQS} holds a factor that is not a positive finite number")
@@ -209,8 +236,9 @@ def _hf_shapes(cfg: ModelConfig, shard: Shard) -> list[tuple[str, str, tuple[int
     return wanted
 
 
-def load_shard_tensors(path: str | Path, cfg: ModelConfig, shard: Shard, dequantize: bool, unpermute: bool = True
-                       ) -> dict[str, np.ndarray | QuantizedTensor]:
+def load_shard_tensors(
+    path: str | Path, cfg: ModelConfig, shard: Shard, dequantize: bool, unpermute: bool = True
+) -> dict[str, np.ndarray | QuantizedTensor]:
     """Every tensor the shard needs, keyed `embed_tokens` / `norm` / `lm_head` / `{layer}.{LayerWeights field}`.
 
     `dequantize=False` gives QuantizedTensors (raw block bytes from the memory map, Q/K rows already un-permuted);
@@ -227,8 +255,11 @@ def load_shard_tensors(path: str | Path, cfg: ModelConfig, shard: Shard, dequant
     for name, key, shape in _hf_shapes(cfg, shard):
         if name not in by_name:
             q = quantized(f, f.tensor(name), shape)
-            if unpermute and rope_pairs_interleaved(cfg) and key.split(".")[-1] in ("q_proj", "k_proj", "q_bias",
-                                                                                        "k_bias"):
+            if (
+                unpermute
+                and rope_pairs_interleaved(cfg)
+                and key.split(".")[-1] in ("q_proj", "k_proj", "q_bias", "k_bias")
+            ):
                 heads = cfg.n_heads if key.split(".")[-1].startswith("q") else cfg.n_kv_heads
                 q = q.permute_rows(unpermute_order(shape[0], heads))
             by_name[name] = q.dequantize() if dequantize else q
@@ -244,8 +275,10 @@ def rope_pairs_interleaved(cfg: ModelConfig) -> bool:
 
 def quantized(f: GGUFFile, info: TensorInfo, shape: tuple[int, ...]) -> QuantizedTensor:
     if info.ggml_type not in SUPPORTED_TYPES:
-        raise GGUFError(f"{f.path}: tensor {info.name!r} has type {info.ggml_type.name}, which exo-node does not "
-                        f"support (supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")
+        raise GGUFError(
+            f"{f.path}: tensor {info.name!r} has type {info.ggml_type.name}, which exo-node does not "
+            f"support (supported: {', '.join(t.name for t in SUPPORTED_TYPES)})"
+        )
     if info.hf_shape != shape:
         raise GGUFError(f"{f.path}: tensor {info.name!r} has shape {list(info.hf_shape)}, expected {list(shape)}")
     return QuantizedTensor(info.name, info.ggml_type, shape, f.raw(info))  # a vector is one row
@@ -258,5 +291,10 @@ def load_gguf_shard_weights(path: str | Path, cfg: ModelConfig, shard: Shard) ->
     for i in range(shard.start_layer, shard.end_layer):
         fields = layer_tensor_shapes(cfg, i)
         layers.append(LayerWeights(**{k: tensors[f"{i}.{k}"] for k in fields}))
-    return ShardWeights(shard=shard, layers=layers, embed_tokens=tensors.get("embed_tokens"),
-                        norm=tensors.get("norm"), lm_head=tensors.get("lm_head"))
+    return ShardWeights(
+        shard=shard,
+        layers=layers,
+        embed_tokens=tensors.get("embed_tokens"),
+        norm=tensors.get("norm"),
+        lm_head=tensors.get("lm_head"),
+    )

@@ -5,6 +5,7 @@ Which layers are sparse is read off the tensors (a block with `ffn_gate_inp` rou
 weights are renormalised is fixed per architecture, as llama.cpp fixes it (qwen3moe and Mixtral's `llama`: yes;
 qwen2moe: no).
 """
+
 from __future__ import annotations
 
 from shards.formats.gguf_file import GGUFError, GGUFFile
@@ -37,17 +38,25 @@ def gguf_moe(f: GGUFFile, arch: str, n_layers: int) -> MoEConfig | None:
             raise GGUFError(f"{f.path}: a {arch} file without {arch}.expert_count")
         return None
     if arch not in NORMALIZED:
-        raise GGUFError(f"{f.path}: mixture-of-experts {arch!r} files are not supported (supported: "
-                        f"{', '.join(sorted(NORMALIZED))}, llama meaning Mixtral)")
-    size_key = f"{arch}.expert_feed_forward_length" if f.has(f"{arch}.expert_feed_forward_length") else \
-        f"{arch}.feed_forward_length"
+        raise GGUFError(
+            f"{f.path}: mixture-of-experts {arch!r} files are not supported (supported: "
+            f"{', '.join(sorted(NORMALIZED))}, llama meaning Mixtral)"
+        )
+    size_key = (
+        f"{arch}.expert_feed_forward_length"
+        if f.has(f"{arch}.expert_feed_forward_length")
+        else f"{arch}.feed_forward_length"
+    )
     shared = f"{arch}.expert_shared_feed_forward_length"
     n_layers = min(n_layers, 1 << 16)  # block_count is checked against the tensors later
     try:
-        return MoEConfig(n_experts=count, n_used=f.get_int(f"{arch}.expert_used_count"),
-                         expert_size=f.get_int(size_key), normalize=NORMALIZED[arch],
-                         shared_size=f.get_int(shared) if f.has(shared) else 0,
-                         dense_layers=frozenset(i for i in range(n_layers)
-                                                if f"blk.{i}.{LAYER_NAMES['router']}" not in f.tensors))
+        return MoEConfig(
+            n_experts=count,
+            n_used=f.get_int(f"{arch}.expert_used_count"),
+            expert_size=f.get_int(size_key),
+            normalize=NORMALIZED[arch],
+            shared_size=f.get_int(shared) if f.has(shared) else 0,
+            dense_layers=frozenset(i for i in range(n_layers) if f"blk.{i}.{LAYER_NAMES['router']}" not in f.tensors),
+        )
     except MoEConfigError as e:
         raise GGUFError(f"{f.path}: {e}") from None

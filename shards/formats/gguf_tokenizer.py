@@ -10,6 +10,7 @@ Two vocabulary kinds, as llama.cpp names them in `tokenizer.ggml.model`:
 Tokens the file marks CONTROL become special tokens and USER_DEFINED ones plain added tokens: both are matched
 whole in the input text, never split, as llama.cpp does.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,10 +23,14 @@ from shards.formats.gguf_file import FLOATS, INTS, STRINGS, GGUFError, GGUFFile,
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-           r"|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-          r"|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -98,13 +103,17 @@ def gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
     for flag, tid, what in ((add_bos, bos, "add_bos_token"), (add_eos, eos, "add_eos_token")):
         if flag and tid is None:
             raise GGUFError(f"{f.path}: tokenizer.ggml.{what} is set but the file names no such token")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL]
+    )
+    tok.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
+    )
     if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise GGUFError(f"{f.path}: special tokens do not match the vocabulary (tokenizer has "
-                        f"{tok.get_vocab_size(with_added_tokens=True)} ids for {len(tokens)} tokens)")
+        raise GGUFError(
+            f"{f.path}: special tokens do not match the vocabulary (tokenizer has "
+            f"{tok.get_vocab_size(with_added_tokens=True)} ids for {len(tokens)} tokens)"
+        )
     single = ([f"{tokens[bos]}:0"] if add_bos else []) + ["$A:0"] + ([f"{tokens[eos]}:0"] if add_eos else [])
     specials = [(tokens[i], i) for i, flag in ((bos, add_bos), (eos, add_eos)) if flag]
     tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
@@ -120,16 +129,19 @@ def gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
 def _pre_tokenizer(f: GGUFFile) -> PreTokenizer:
     name = f.get_str("tokenizer.ggml.pre", "default")  # llama.cpp's own fallback for files without the key
     if name not in PRE_TOKENIZERS:
-        raise GGUFError(f"{f.path}: unsupported pre-tokenizer {name!r} (tokenizer.ggml.pre); supported: "
-                        f"{', '.join(sorted(PRE_TOKENIZERS))}")
+        raise GGUFError(
+            f"{f.path}: unsupported pre-tokenizer {name!r} (tokenizer.ggml.pre); supported: "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}"
+        )
     return PRE_TOKENIZERS[name]
 
 
 def _merges(f: GGUFFile, vocab: dict[str, int]) -> list[tuple[str, str]]:
     raw = f.get_list("tokenizer.ggml.merges", STRINGS, "strings", None)
     if not raw:
-        raise GGUFError(f"{f.path}: a gpt2 (byte-level BPE) vocabulary needs merges, but tokenizer.ggml.merges is "
-                        "missing or empty")
+        raise GGUFError(
+            f"{f.path}: a gpt2 (byte-level BPE) vocabulary needs merges, but tokenizer.ggml.merges is missing or empty"
+        )
     merges = []
     for n, m in enumerate(raw):
         parts = m.split(" ")
@@ -147,14 +159,16 @@ def _byte_level(f: GGUFFile, vocab: dict[str, int], pre: PreTokenizer) -> Tokeni
     except Exception as e:  # tokenizers raises bare Exceptions for inconsistent vocabularies
         raise GGUFError(f"{f.path}: cannot build the BPE tokenizer ({e})") from None
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                   use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
-def _sentencepiece(f: GGUFFile, tokens: list[str], vocab: dict[str, int], unk: str | None,
-                   add_prefix: bool) -> Tokenizer:
+def _sentencepiece(
+    f: GGUFFile, tokens: list[str], vocab: dict[str, int], unk: str | None, add_prefix: bool
+) -> Tokenizer:
     scores = f.get_list("tokenizer.ggml.scores", FLOATS, "floats")
     if len(scores) != len(tokens):
         raise GGUFError(f"{f.path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
@@ -181,4 +195,3 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
         found += [(score, len(a), len(b), a, b) for a, b in pairs]
     found.sort(key=lambda m: m[:3], reverse=True)  # stable: equal keys keep the per-token id order
     return [(a, b) for *_, a, b in found]
-

@@ -3,6 +3,7 @@
 Checkpoints are either one `model.safetensors` or several files named by `model.safetensors.index.json`.
 Only the files holding a needed tensor are opened, and only the needed tensors are read from them, as float32.
 """
+
 from __future__ import annotations
 
 import json

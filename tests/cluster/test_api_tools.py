@@ -1,6 +1,7 @@
 """Tools and structured output through the official openai client, unmodified, on the packaged SmolLM2 (its
 default engine), on one node and on three: whatever the model writes, tool arguments and JSON replies validate
 against their schemas, because sampling on the last node is constrained by a grammar."""
+
 from __future__ import annotations
 
 import json
@@ -17,29 +18,72 @@ from tests.support.gguf_util import smollm2_path
 from tests.support.http import stream_completion
 
 MODEL = "smollm2-135m-instruct"
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
-             "type": "object", "properties": {"a": {"type": "number", "minimum": -1000, "maximum": 1000},
-                                              "b": {"type": "number", "minimum": -1000, "maximum": 1000}},
-             "required": ["a", "b"]}}}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "The current weather in a city", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "number", "minimum": -1000, "maximum": 1000},
+                    "b": {"type": "number", "minimum": -1000, "maximum": 1000},
+                },
+                "required": ["a", "b"],
+            },
+        },
+    },
+]
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 # Every kind of constraint the issue names; bounded so that any sampled text ends within max_tokens.
 SCHEMAS = {
-    "enum_and_bounds": {"type": "object", "required": ["mood", "score", "ratio"], "properties": {
-        "mood": {"enum": ["happy", "sad", "calm"]}, "score": {"type": "integer", "minimum": 1, "maximum": 10},
-        "ratio": {"type": "number", "minimum": 0, "maximum": 1}}},
-    "nested_and_arrays": {"type": "object", "required": ["person", "tags"], "properties": {
-        "person": {"type": "object", "required": ["name", "age"], "properties": {
-            "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
-        "tags": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "string", "maxLength": 8}}}},
-    "any_of_and_patterns": {"type": "object", "required": ["id", "code"], "properties": {
-        "id": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 999},
-                         {"type": "string", "pattern": "^id-[0-9]{3}$"}]},
-        "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"}}},
+    "enum_and_bounds": {
+        "type": "object",
+        "required": ["mood", "score", "ratio"],
+        "properties": {
+            "mood": {"enum": ["happy", "sad", "calm"]},
+            "score": {"type": "integer", "minimum": 1, "maximum": 10},
+            "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+    },
+    "nested_and_arrays": {
+        "type": "object",
+        "required": ["person", "tags"],
+        "properties": {
+            "person": {
+                "type": "object",
+                "required": ["name", "age"],
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                },
+            },
+            "tags": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "string", "maxLength": 8}},
+        },
+    },
+    "any_of_and_patterns": {
+        "type": "object",
+        "required": ["id", "code"],
+        "properties": {
+            "id": {
+                "anyOf": [
+                    {"type": "integer", "minimum": 1, "maximum": 999},
+                    {"type": "string", "pattern": "^id-[0-9]{3}$"},
+                ]
+            },
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"},
+        },
+    },
 }
 SEEDS = range(3)
 
@@ -56,8 +100,9 @@ def schema_of(name: str) -> dict:
 
 
 def test_required_tool_choice_gives_a_call_whose_arguments_validate(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                                       max_tokens=80, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     call = choice.message.tool_calls[0]
@@ -66,9 +111,14 @@ def test_required_tool_choice_gives_a_call_whose_arguments_validate(client):
 
 
 def test_a_named_function_is_the_one_called(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Add 2 and 40."}],
-                                       tools=TOOLS, max_tokens=60, temperature=0,
-                                       tool_choice={"type": "function", "function": {"name": "add"}})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Add 2 and 40."}],
+        tools=TOOLS,
+        max_tokens=60,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+    )
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "add"
     jsonschema.validate(json.loads(call.function.arguments), closed_objects(schema_of("add")))
@@ -90,13 +140,21 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_call(client):
 
 
 def test_a_two_step_agent_loop_completes(client):
-    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                                           max_tokens=80, temperature=0).choices[0].message
+    first = (
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0
+        )
+        .choices[0]
+        .message
+    )
     call = first.tool_calls[0]
-    conversation = ASK + [first.model_dump(exclude_none=True),
-                          {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius, sunny"}]
-    final = client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60,
-                                           temperature=0).choices[0]
+    conversation = ASK + [
+        first.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius, sunny"},
+    ]
+    final = client.chat.completions.create(
+        model=MODEL, messages=conversation, tools=TOOLS, max_tokens=60, temperature=0
+    ).choices[0]
     assert final.finish_reason in ("stop", "length", "tool_calls")
     assert final.message.content or final.message.tool_calls
 
@@ -108,8 +166,13 @@ class City(BaseModel):
 
 
 def test_parse_with_a_pydantic_model(client):
-    r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Describe Paris."}],
-                                      response_format=City, max_tokens=80, temperature=0)
+    r = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe Paris."}],
+        response_format=City,
+        max_tokens=80,
+        temperature=0,
+    )
     assert isinstance(r.choices[0].message.parsed, City)
 
 
@@ -119,15 +182,22 @@ def test_every_sampled_output_validates_with_concurrent_free_requests(client, na
 
     def constrained(seed: int) -> str:
         r = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Give me an example record."}], max_tokens=120,
-            temperature=1.0, seed=seed, response_format={"type": "json_schema", "json_schema": {
-                "name": name, "schema": schema, "strict": True}})
+            model=MODEL,
+            messages=[{"role": "user", "content": "Give me an example record."}],
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}},
+        )
         assert r.choices[0].finish_reason == "stop"
         return r.choices[0].message.content
 
     def free(seed: int) -> str:
-        return client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, seed=seed,
-                                              temperature=1.0).choices[0].message.content
+        return (
+            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, seed=seed, temperature=1.0)
+            .choices[0]
+            .message.content
+        )
 
     with ThreadPoolExecutor(6) as pool:
         frees = [pool.submit(free, s) for s in SEEDS]
@@ -138,20 +208,41 @@ def test_every_sampled_output_validates_with_concurrent_free_requests(client, na
 
 
 def test_completions_take_a_json_response_format(client):
-    r = client.completions.create(model=MODEL, prompt="A JSON object describing a cat:", max_tokens=60,
-                                  temperature=0, extra_body={"response_format": {"type": "json_schema", "json_schema": {
-                                      "name": "cat", "schema": SCHEMAS["enum_and_bounds"]}}})
+    r = client.completions.create(
+        model=MODEL,
+        prompt="A JSON object describing a cat:",
+        max_tokens=60,
+        temperature=0,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "cat", "schema": SCHEMAS["enum_and_bounds"]},
+            }
+        },
+    )
     jsonschema.validate(json.loads(r.choices[0].text), closed_objects(SCHEMAS["enum_and_bounds"]))
 
 
-@pytest.mark.parametrize("kw, param", [
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}),
-     "response_format"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "string", "format": "not-a-format"}}}), "response_format"),
-    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "launch"}}), "tool_choice"),
-    (dict(messages=ASK + [{"role": "tool", "content": "x"}]), "messages[1].tool_call_id"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}),
+            "response_format",
+        ),
+        (
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "format": "not-a-format"}},
+                }
+            ),
+            "response_format",
+        ),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "launch"}}), "tool_choice"),
+        (dict(messages=ASK + [{"role": "tool", "content": "x"}]), "messages[1].tool_call_id"),
+    ],
+)
 def test_bad_input_is_a_400_in_openais_shape(client, kw, param):
     kw = {"messages": ASK} | kw
     with pytest.raises(openai.BadRequestError) as e:
@@ -163,10 +254,26 @@ def test_the_sampling_node_killed_mid_stream_the_replay_continues_the_grammar_ex
     """The last node (holding the request's matcher) dies; the entry replays on the two left, whose new last
     node feeds the generated tokens to a fresh matcher: the JSON is the undisturbed run's, and valid. (The numpy
     engine: a replay prefills the generated tokens, and only float32 makes prefill and decode agree bit for bit.)"""
-    schema = {"type": "object", "required": ["values"], "properties": {"values": {
-        "type": "array", "minItems": 16, "maxItems": 16, "items": {"type": "integer", "minimum": 0, "maximum": 999}}}}
-    body = {"model": MODEL, "prompt": "Sixteen numbers as JSON:", "max_tokens": 100, "temperature": 0.8, "seed": 5,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    schema = {
+        "type": "object",
+        "required": ["values"],
+        "properties": {
+            "values": {
+                "type": "array",
+                "minItems": 16,
+                "maxItems": 16,
+                "items": {"type": "integer", "minimum": 0, "maximum": 999},
+            }
+        },
+    }
+    body = {
+        "model": MODEL,
+        "prompt": "Sixteen numbers as JSON:",
+        "max_tokens": 100,
+        "temperature": 0.8,
+        "seed": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    }
     with Cluster(smollm2_path(), 3, memory_gb=[2, 2, 2], model_id=MODEL, engine="numpy") as c:
         url = f"{c.nodes[0].api_url}/v1/completions"
         reference = "".join(e.text for e in stream_completion(url, body))

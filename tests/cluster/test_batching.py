@@ -1,5 +1,6 @@
 """Continuous batching on live nodes: prompts prefilled in chunks give the same text, KV cache memory is a budget
 that requests wait for (or are refused by, with a 503), never an out-of-memory death."""
+
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,8 +40,9 @@ def test_a_request_waits_for_kv_cache_room_then_runs():
         for t in threads:
             t.join(timeout=60)
         assert [results[i][0] for i in range(2)] == [200, 200], results
-        assert [results[i][1]["choices"][0]["message"]["content"] for i in range(2)] == \
-            [reference(f"Question {i}?", 100)[0] for i in range(2)]
+        assert [results[i][1]["choices"][0]["message"]["content"] for i in range(2)] == [
+            reference(f"Question {i}?", 100)[0] for i in range(2)
+        ]
         status = c.self_info()["node0"]["status"]
         assert status["busy_retries"] >= 1  # the second one waited for the first to free its reservation
         assert set(c.wait_idle().values()) == {0}
@@ -56,8 +58,12 @@ def test_a_request_that_can_never_fit_the_kv_budget_is_refused_at_once():
 
 def flood(c, n, max_tokens):
     """n requests at once; their outcomes."""
-    body = {"model": "llama", "messages": [{"role": "user", "content": "Tell me a long story"}],
-            "max_tokens": max_tokens, "temperature": 0}
+    body = {
+        "model": "llama",
+        "messages": [{"role": "user", "content": "Tell me a long story"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(lambda _: chat_admission(c.nodes[0].api_url, body), range(n)))
 

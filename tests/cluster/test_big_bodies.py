@@ -1,5 +1,6 @@
 """Large request bodies don't stall the cluster: 16 concurrent ~0.9 MB prompts at the entry are answered (400,
 too long for the context) while a stream goes on, and no node drops another (no membership flap, no replay)."""
+
 import json
 import random
 import string
@@ -28,8 +29,10 @@ def test_sixteen_large_bodies_while_a_stream_runs_stall_nothing():
             for event in stream_completion(url, body):
                 events.append(event)
                 if len(events) == 5:
-                    answers = [pool.submit(post, c.nodes[0].api_url, "/v1/chat/completions", flood, timeout=60)
-                               for _ in range(16)]
+                    answers = [
+                        pool.submit(post, c.nodes[0].api_url, "/v1/chat/completions", flood, timeout=60)
+                        for _ in range(16)
+                    ]
             statuses = [(a.result()[0], json.loads(a.result()[2])["error"]["code"]) for a in answers]
         assert statuses == [(400, "context_length_exceeded")] * 16
         assert "".join(e.text for e in events) == reference and not [e for e in events if e.error]

@@ -1,11 +1,11 @@
 """Live clusters of real exo-node processes on loopback produce exactly the single-process tokens."""
+
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-
+from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.config import ModelConfig
 from shards.generate import generate
-from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
 from tests.support.cluster import Cluster, assert_matches_reference, reference
@@ -79,10 +79,19 @@ def test_client_disconnect_cancels_the_request_on_every_node():
     import urllib.request
 
     with Cluster(MODEL, 3, shards=["0:2", "2:4", "4:6"]) as c:
-        body = json.dumps({"model": "llama", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 200,
-                           "temperature": 0.8, "seed": 1, "stream": True}).encode()
-        req = urllib.request.Request(f"{c.nodes[0].api_url}/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": "llama",
+                "messages": [{"role": "user", "content": "go on"}],
+                "max_tokens": 200,
+                "temperature": 0.8,
+                "seed": 1,
+                "stream": True,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            f"{c.nodes[0].api_url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         response = urllib.request.urlopen(req, timeout=30)
         assert response.readline().startswith(b"data: ")
         response.close()  # the client goes away mid-stream
@@ -106,7 +115,12 @@ def test_eight_concurrent_streams_batch_their_sampling_and_equal_sequential_runs
     def stream(client, i):
         kw = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "seed": i, "top_p": 0.9}
         chunks = client.chat.completions.create(
-            model="llama", messages=[{"role": "user", "content": f"Story number {i}:"}], max_tokens=20, stream=True, **kw)
+            model="llama",
+            messages=[{"role": "user", "content": f"Story number {i}:"}],
+            max_tokens=20,
+            stream=True,
+            **kw,
+        )
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
     with Cluster(MODEL, 3, shards=["0:2", "2:4", "4:6"]) as c:
@@ -129,8 +143,9 @@ def test_manual_discovery_file_and_wait_for_peers(tmp_path):
 
     ports = [free_port() for _ in range(3)]
     peers = tmp_path / "peers.json"
-    peers.write_text(json.dumps({"peers": [{"id": f"node{i}", "address": "127.0.0.1", "port": p}
-                                           for i, p in enumerate(ports)]}))
+    peers.write_text(
+        json.dumps({"peers": [{"id": f"node{i}", "address": "127.0.0.1", "port": p} for i, p in enumerate(ports)]})
+    )
     extra = ["--discovery", "manual", "--discovery-config", str(peers), "--wait-for-peers", "2"]
     with Cluster(MODEL, 3, shards=["0:2", "2:4", "4:6"], static_peers=False, ports=ports, extra=extra) as c:
         # --wait-for-peers 2: the ready lines came only once both other nodes were known
@@ -163,10 +178,15 @@ def test_a_ggml_node_continues_a_numpy_node():
     ggml = engine_class("ggml")
     cfg, tok = ModelConfig.from_dir(MODEL), Tokenizer(MODEL)
     chain = [NumpyEngine(MODEL, Shard("llama", 0, 3, 6), cfg), ggml(MODEL, Shard("llama", 3, 6, 6), cfg, threads=1)]
-    ids = [r.token for r in generate(chain, tok.encode_chat([{"role": "user", "content": PROMPTS[0]}]), 16,
-                                     eos_ids=tok.eos_token_ids)]
-    with Cluster(MODEL, 2, shards=["0:3", "3:6"], per_node=[["--engine", "numpy"], ["--threads", "1"]],
-                 engine=None) as c:
+    ids = [
+        r.token
+        for r in generate(
+            chain, tok.encode_chat([{"role": "user", "content": PROMPTS[0]}]), 16, eos_ids=tok.eos_token_ids
+        )
+    ]
+    with Cluster(
+        MODEL, 2, shards=["0:3", "3:6"], per_node=[["--engine", "numpy"], ["--threads", "1"]], engine=None
+    ) as c:
         assert [c.self_info()[f"node{i}"]["capabilities"]["engine"] for i in range(2)] == ["numpy", "ggml"]
         status, body = c.chat(PROMPTS[0], max_tokens=16, temperature=0)
         assert status == 200 and body["choices"][0]["message"]["content"] == tok.decode(ids)
@@ -179,8 +199,12 @@ def test_bundled_demo_model_gives_the_same_text_on_three_nodes():
     prompt = "And God said, Let there be"
     cfg, tok = ModelConfig.from_dir(DEMO_MODEL), Tokenizer(DEMO_MODEL)
     engine = NumpyEngine(DEMO_MODEL, Shard.whole("exo-demo", cfg.n_layers), cfg)
-    ids = [r.token for r in generate([engine], tok.encode_chat([{"role": "user", "content": prompt}]), 40,
-                                     eos_ids=tok.eos_token_ids)]
+    ids = [
+        r.token
+        for r in generate(
+            [engine], tok.encode_chat([{"role": "user", "content": prompt}]), 40, eos_ids=tok.eos_token_ids
+        )
+    ]
     with Cluster(DEMO_MODEL, 3) as c:  # automatic partitioning
         status, body = c.chat(prompt, max_tokens=40, temperature=0)
         assert status == 200 and body["model"] == "exo-demo"

@@ -2,19 +2,20 @@
 just its id, fetch their own layers from node0, and the cluster answers exactly as one process holding the model.
 Each fetching node receives the bytes of its own shard (plus the config, tokenizer and file headers), not the
 model; until the nodes hold their layers, requests are served without them."""
+
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from node.fetch.layout import build_manifest
+from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.loader import load_config
 from shards.generate import generate
-from shards.engines.numpy_engine import NumpyEngine
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
-from tests.support.cluster import ROOT, Cluster
 from tests.conftest import FIXTURES
+from tests.support.cluster import ROOT, Cluster
 
 PROMPT = "The capital of France is"
 # A fetching node receives its shard's pieces and the metadata; retries (a piece cut off by a plan change) may add
@@ -26,8 +27,12 @@ def reference(model: Path, model_id: str, prompt: str, max_tokens: int) -> str:
     """The text one process holding the whole model gives (itself proven against transformers elsewhere)."""
     cfg, tok = load_config(model), Tokenizer.load(model)
     engine = NumpyEngine(model, Shard.whole(model_id, cfg.n_layers), cfg)
-    ids = [r.token for r in generate([engine], tok.encode_chat([{"role": "user", "content": prompt}]), max_tokens,
-                                     eos_ids=tok.eos_token_ids)]
+    ids = [
+        r.token
+        for r in generate(
+            [engine], tok.encode_chat([{"role": "user", "content": prompt}]), max_tokens, eos_ids=tok.eos_token_ids
+        )
+    ]
     return tok.decode(ids)
 
 
@@ -45,8 +50,7 @@ def wait_for_full_plan(c: Cluster, n: int, timeout: float = 60) -> list[dict]:
 
 
 def fetching_cluster(model: Path, model_id: str, tmp_path: Path, extra0: list[str] = ()) -> Cluster:
-    fetch = [["--model", model_id, "--models-dir", str(tmp_path / f"node{i}"), "--wait-for-peers", "2"]
-             for i in (1, 2)]
+    fetch = [["--model", model_id, "--models-dir", str(tmp_path / f"node{i}"), "--wait-for-peers", "2"] for i in (1, 2)]
     # equal memory: the same split every time (by default it follows each node's free memory at its start)
     return Cluster(model, 3, per_node=[list(extra0), *fetch], model_id=model_id, memory_gb=[1, 1, 1])
 
@@ -93,8 +97,10 @@ def test_two_nodes_fetch_their_layers_of_a_safetensors_model_and_answer_as_one_p
         notes = {n["node_id"]: n["availability"] for n in c.topology()["nodes"]}
         assert notes["node1"]["note"] == "" and notes["node0"]["complete"]
     with capsys.disabled():
-        print(f"\n[fetch] safetensors: first answer {first_answer:.1f}s after start (during the fetch), all 3 nodes "
-              f"in the plan after {ready:.1f}s; received/shard bytes: {sizes}")
+        print(
+            f"\n[fetch] safetensors: first answer {first_answer:.1f}s after start (during the fetch), all 3 nodes "
+            f"in the plan after {ready:.1f}s; received/shard bytes: {sizes}"
+        )
 
 
 def test_nodes_fetch_their_layers_of_a_tied_gguf_model_and_reuse_them_after_a_restart(tmp_path):
@@ -115,10 +121,23 @@ def test_nodes_fetch_their_layers_of_a_tied_gguf_model_and_reuse_them_after_a_re
 
 
 def test_a_node_without_the_model_waits_for_a_peer_and_says_so_but_a_missing_path_is_an_error(tmp_path):
-    base = [sys.executable, "-m", "node.cli", "--grpc-port", "0", "--no-api", "--discovery", "none",
-            "--models-dir", str(tmp_path), "--log-level", "warning"]
-    proc = subprocess.Popen([*base, "--model", "llama"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    base = [
+        sys.executable,
+        "-m",
+        "node.cli",
+        "--grpc-port",
+        "0",
+        "--no-api",
+        "--discovery",
+        "none",
+        "--models-dir",
+        str(tmp_path),
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(
+        [*base, "--model", "llama"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         line = ""
         deadline = time.monotonic() + 20

@@ -1,4 +1,5 @@
 """/metrics: Prometheus text that prometheus_client's own parser reads, with numbers that add up after real traffic."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +10,9 @@ from prometheus_client import generate_latest
 
 from shards.shard import Shard
 from tests.support.http import post, raw
-from tests.unit.test_node_rpc import serving, shutdown, spec_for
 from tests.support.metrics import parse, scrape, value
 from tests.support.polling import wait_until
+from tests.unit.test_node_rpc import serving, shutdown, spec_for
 
 
 def test_counters_and_histograms_add_up_after_real_traffic(live_cluster):
@@ -20,17 +21,41 @@ def test_counters_and_histograms_add_up_after_real_traffic(live_cluster):
     entry = urls["node0"]
     before = {node: scrape(url) for node, url in urls.items()}
 
-    status, _, body = post(entry, "/v1/chat/completions", {"model": "llama", "max_tokens": 7, "temperature": 0,
-                                                        "messages": [{"role": "user", "content": "count"}]})
+    status, _, body = post(
+        entry,
+        "/v1/chat/completions",
+        {"model": "llama", "max_tokens": 7, "temperature": 0, "messages": [{"role": "user", "content": "count"}]},
+    )
     assert status == 200
     usages = [json.loads(body)["usage"]]
-    status, _, body = post(entry, "/v1/completions", {"model": "llama", "prompt": "Once upon", "max_tokens": 5,
-                                                   "stream": True, "stream_options": {"include_usage": True}})
+    status, _, body = post(
+        entry,
+        "/v1/completions",
+        {
+            "model": "llama",
+            "prompt": "Once upon",
+            "max_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert status == 200
-    usages.append(next(json.loads(line[6:])["usage"] for line in body.decode().split("\n\n")
-                       if line.startswith("data: {") and '"usage"' in line))
-    status, _, _ = post(entry, "/v1/chat/completions", {"model": "llama", "max_tokens": 300,  # beyond the context
-                                                     "messages": [{"role": "user", "content": "x"}]})
+    usages.append(
+        next(
+            json.loads(line[6:])["usage"]
+            for line in body.decode().split("\n\n")
+            if line.startswith("data: {") and '"usage"' in line
+        )
+    )
+    status, _, _ = post(
+        entry,
+        "/v1/chat/completions",
+        {
+            "model": "llama",
+            "max_tokens": 300,  # beyond the context
+            "messages": [{"role": "user", "content": "x"}],
+        },
+    )
     assert status == 400
     wait_idle(urls)
     after = {node: scrape(url) for node, url in urls.items()}
@@ -67,8 +92,11 @@ def test_counters_and_histograms_add_up_after_real_traffic(live_cluster):
 
 
 def wait_idle(urls: dict[str, str], timeout: float = 10) -> None:
-    wait_until(lambda: not any(value(scrape(url), "exo_requests_in_flight") for url in urls.values()), timeout,
-               "no request in flight on any node")
+    wait_until(
+        lambda: not any(value(scrape(url), "exo_requests_in_flight") for url in urls.values()),
+        timeout,
+        "no request in flight on any node",
+    )
 
 
 def test_metrics_needs_the_api_key_like_the_rest_of_the_api(single_api):
@@ -81,21 +109,28 @@ def test_metrics_needs_the_api_key_like_the_rest_of_the_api(single_api):
 def test_rpc_errors_per_peer_and_kv_cache_bytes_in_process():
     """Two nodes in one process keep separate registries; a send to a dead next hop is counted under its address;
     the KV-cache gauge follows a real engine's caches."""
+
     async def go():
         node, server, client = await serving(pinned=(0, 3))
         other, other_server, other_client = await serving(node_id="n1")
         try:
             node.accept_prompt(spec_for(node), np.array([1, 2, 3]))  # the plan's next node, 127.0.0.1:9, is dead
             for _ in range(600):  # the send waits up to its 10 s deadline for a connection that never comes
-                if value(parse(generate_latest(node.metrics.registry).decode()), "exo_peer_rpc_errors_total",
-                         peer="127.0.0.1:9", call="send"):
+                if value(
+                    parse(generate_latest(node.metrics.registry).decode()),
+                    "exo_peer_rpc_errors_total",
+                    peer="127.0.0.1:9",
+                    call="send",
+                ):
                     break
                 await asyncio.sleep(0.025)
             samples = parse(generate_latest(node.metrics.registry).decode())
             assert value(samples, "exo_peer_rpc_errors_total", peer="127.0.0.1:9", call="send") == 1
             assert value(samples, "exo_node_requests_ended_total", reason="failed") == 1
-            assert not any(name == "exo_peer_rpc_errors_total"
-                           for name, _ in parse(generate_latest(other.metrics.registry).decode()))
+            assert not any(
+                name == "exo_peer_rpc_errors_total"
+                for name, _ in parse(generate_latest(other.metrics.registry).decode())
+            )
 
             engine = await other.shards.get(Shard("llama", 0, 6, 6))
             await other.shards.forward(engine, [("r", np.array([5, 6, 7, 8]), None)])
@@ -108,4 +143,5 @@ def test_rpc_errors_per_peer_and_kv_cache_bytes_in_process():
         finally:
             await shutdown(other, other_server, other_client)
             await shutdown(node, server, client)
+
     asyncio.run(go())

@@ -1,6 +1,7 @@
 """Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral) and Phi-3 served by three real nodes on loopback answer
 exactly as one process holding the whole model: each node holds whole layers, every expert of them, so nothing is
 lost by the split."""
+
 import pytest
 
 from shards.engines.registry import engine_class, installed
@@ -18,8 +19,12 @@ PROMPT = "Name a café in Paris."
 def reference(model, engine: str, max_tokens: int) -> str:
     cfg, tok = load_config(model), Tokenizer.load(model)
     chain = [engine_class(engine)(model, Shard.whole("ref", cfg.n_layers), cfg)]
-    ids = [r.token for r in generate(chain, tok.encode_chat([{"role": "user", "content": PROMPT}]), max_tokens,
-                                     eos_ids=tok.eos_token_ids)]
+    ids = [
+        r.token
+        for r in generate(
+            chain, tok.encode_chat([{"role": "user", "content": PROMPT}]), max_tokens, eos_ids=tok.eos_token_ids
+        )
+    ]
     return tok.decode(ids)
 
 

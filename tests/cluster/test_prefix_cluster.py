@@ -1,6 +1,7 @@
 """Prefix reuse through live nodes: every turn of a chat resends the conversation, the entry finds the prefix
 every node of the plan retained and sends only the rest, and each answer is the one-process reference's; a node
 that had to evict the prefix says so and the entry prefills everything, with the same answer."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,8 +22,9 @@ TURNS = ["Hello there, how are you?", "Tell me more about it.", "Why?"]
 def reference(messages: list[dict], max_tokens: int) -> str:
     cfg, tok = ModelConfig.from_dir(MODEL), Tokenizer(MODEL)
     engine = NumpyEngine(MODEL, Shard.whole("llama", cfg.n_layers), cfg)
-    return tok.decode([r.token for r in generate([engine], tok.encode_chat(messages), max_tokens,
-                                                 eos_ids=tok.eos_token_ids)])
+    return tok.decode(
+        [r.token for r in generate([engine], tok.encode_chat(messages), max_tokens, eos_ids=tok.eos_token_ids)]
+    )
 
 
 def chat(c: Cluster, turns: int = len(TURNS)) -> list[str]:

@@ -1,4 +1,5 @@
 """The README's commands and examples work exactly as written."""
+
 import json
 import re
 import subprocess
@@ -30,8 +31,13 @@ def test_readme_commands():
 def default_node():
     """The README's run command (default ports), minus the install step."""
     run = re.search(r"pip install uv && uv run --locked (exo-node[^\n]*)", README).group(1).split()
-    proc = subprocess.Popen([sys.executable, "-m", "node.cli", *run[1:], "--grpc-port", "0", "--discovery", "none"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "node.cli", *run[1:], "--grpc-port", "0", "--discovery", "none"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         for line in proc.stdout:
             if READY_API.search(line):

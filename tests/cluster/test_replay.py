@@ -4,6 +4,7 @@ new plan, and what can't be survived fails within seconds. Real exo-node process
 The cluster: three nodes of equal memory, so automatic partitioning gives node0 layers 0-1, node1 2-3, node2 4-5;
 node0 is the entry. The figures these tests measure are printed (visible with -s, and in CI's output).
 """
+
 import os
 import signal
 import threading
@@ -66,8 +67,11 @@ def test_a_killed_node_mid_stream_is_replayed_and_the_text_is_unchanged(victim, 
         status = c.self_info()["node0"]["status"]
         assert status["replays"] == 1
         assert c.wait_idle()["node0"] == 0
-        report(capsys, f"kill -9 node{victim}: the stream stalled {resumed:.2f}s at most after the kill, "
-                       f"{status['replays']} replay, text identical")
+        report(
+            capsys,
+            f"kill -9 node{victim}: the stream stalled {resumed:.2f}s at most after the kill, "
+            f"{status['replays']} replay, text identical",
+        )
 
 
 def test_with_pinned_shards_a_lost_node_is_a_clean_error_naming_the_layers():
@@ -157,8 +161,11 @@ def test_64_concurrent_streams_three_rounds_without_failures_or_leaks(capsys):
                 rss.append([rss_bytes(p) for p in pids])
         drift = max(r3 / r1 - 1 for r1, r3 in zip(rss[0], rss[2]))
         assert drift < 0.10
-        report(capsys, f"64 streams x 3 rounds: 0 failures, all state freed, RSS drift {drift:+.1%} "
-                       f"(RSS MB after round 1: {[r // 2**20 for r in rss[0]]})")
+        report(
+            capsys,
+            f"64 streams x 3 rounds: 0 failures, all state freed, RSS drift {drift:+.1%} "
+            f"(RSS MB after round 1: {[r // 2**20 for r in rss[0]]})",
+        )
 
 
 def test_a_node_waiting_for_an_input_that_never_comes_frees_the_request_after_the_idle_timeout():
@@ -174,8 +181,12 @@ def test_a_node_waiting_for_an_input_that_never_comes_frees_the_request_after_th
             return c.topology(c.nodes[1])["nodes"][0]
 
         try:
-            wait_until(lambda: not node1()["active_requests"], 10 - (time.monotonic() - frozen),
-                       "node1 to free the request after its idle timeout", interval=0.1)
+            wait_until(
+                lambda: not node1()["active_requests"],
+                10 - (time.monotonic() - frozen),
+                "node1 to free the request after its idle timeout",
+                interval=0.1,
+            )
             freed = time.monotonic() - frozen
             assert node1()["active_requests"] == 0 and freed < 5
             assert node1()["status"].get("ended_expired") == 1, node1()["status"]

@@ -5,6 +5,7 @@ node compute for, or send activations to, a stranger; crafted prompts whose next
 request slot; anyone could end anyone's request. Now: with a key, a caller without it can't complete a single RPC;
 without a key, a node still only follows plans among the members it knows.
 """
+
 import asyncio
 import subprocess
 import sys
@@ -14,11 +15,11 @@ import grpc
 import numpy as np
 import pytest
 
-from node.grpc import wire
 from node.core.plan import PlanStep, RequestSpec
-from node.security import write_key_file
+from node.grpc import wire
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
+from node.security import write_key_file
 from shards.sampling import SamplingParams
 from shards.shard import Shard
 from tests.support.cluster import ROOT, Cluster, assert_matches_reference, free_port
@@ -47,8 +48,10 @@ def crafted(rid: str, victim: str, attacker: str, attacker_is_entry: bool) -> pb
         plan = (PlanStep("node0", victim, Shard("llama", 0, 6, 6)),)
         entry = ("mallory", attacker)
     else:
-        plan = (PlanStep("node0", victim, Shard("llama", 0, 3, 6)), PlanStep("mallory", attacker,
-                                                                              Shard("llama", 3, 6, 6)))
+        plan = (
+            PlanStep("node0", victim, Shard("llama", 0, 3, 6)),
+            PlanStep("mallory", attacker, Shard("llama", 3, 6, 6)),
+        )
         entry = ("node0", victim)
     spec = RequestSpec(rid, plan, SamplingParams(temperature=0), 24, frozenset(), *entry, prompt_tokens=3)
     return pb.SendPromptRequest(spec=wire.encode_spec(spec), tokens=wire.encode_tensor(np.array([1, 2, 3])))
@@ -56,6 +59,7 @@ def crafted(rid: str, victim: str, attacker: str, attacker_is_entry: bool) -> pb
 
 def attack(victim: str, n: int = 1, credentials=None, attacker_is_entry=True):
     """Send n crafted prompts to `victim` from a stranger; returns (status codes, what the stranger received)."""
+
     async def go():
         server = grpc.aio.server()
         collector = Collector()
@@ -75,19 +79,24 @@ def attack(victim: str, n: int = 1, credentials=None, attacker_is_entry=True):
         await channel.close()
         await server.stop(None)
         return codes, collector.received
+
     return asyncio.run(go())
 
 
 def other_calls(victim: str) -> list[grpc.StatusCode]:
     """Every other RPC, as a stranger without the key."""
+
     async def go():
         channel = grpc.aio.insecure_channel(victim)
         stub = pb_grpc.NodeServiceStub(channel)
-        calls = [stub.SendStream(iter([pb.SendRequest()]), timeout=3).read(), stub.EndRequest(pb.EndRequestRequest(
-                 request_id="x"), timeout=3), stub.HealthCheck(pb.HealthCheckRequest(), timeout=3),
-                 stub.Leave(pb.LeaveRequest(node_id="n"), timeout=3),
-                 stub.GetManifest(pb.ManifestRequest(model_id="llama"), timeout=3),  # the weights, too
-                 stub.FetchPiece(pb.PieceRequest(model_id="llama", piece=0), timeout=3).read()]
+        calls = [
+            stub.SendStream(iter([pb.SendRequest()]), timeout=3).read(),
+            stub.EndRequest(pb.EndRequestRequest(request_id="x"), timeout=3),
+            stub.HealthCheck(pb.HealthCheckRequest(), timeout=3),
+            stub.Leave(pb.LeaveRequest(node_id="n"), timeout=3),
+            stub.GetManifest(pb.ManifestRequest(model_id="llama"), timeout=3),  # the weights, too
+            stub.FetchPiece(pb.PieceRequest(model_id="llama", piece=0), timeout=3).read(),
+        ]
         codes = []
         for c in calls:
             try:
@@ -97,6 +106,7 @@ def other_calls(victim: str) -> list[grpc.StatusCode]:
                 codes.append(e.code())
         await channel.close()
         return codes
+
     return asyncio.run(go())
 
 
@@ -155,9 +165,26 @@ def test_without_a_key_a_node_still_only_follows_plans_among_its_members():
 
 def test_without_a_key_grpc_listens_on_loopback_only_and_says_why():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "--model", str(MODEL), "--grpc-port", str(port),
-                             "--no-api", "--discovery", "none", "--log-level", "info"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "--model",
+            str(MODEL),
+            "--grpc-port",
+            str(port),
+            "--no-api",
+            "--discovery",
+            "none",
+            "--log-level",
+            "info",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         lines = []
         for line in proc.stdout:

@@ -1,5 +1,6 @@
 """The bundled demo model (shards/demo/exo-demo, trained by shards/demo/train.py) loads through the normal path and
 continues text from its corpus with real words."""
+
 import json
 import re
 from functools import cache
@@ -8,13 +9,13 @@ from pathlib import Path
 import pytest
 
 import shards.demo
-from shards.formats.config import ModelConfig
 from shards.demo.train import DEMO_SHAPE
-from shards.generate import generate
 from shards.engines.numpy_engine import NumpyEngine
+from shards.formats.config import ModelConfig
+from shards.formats.hf import Checkpoint
+from shards.generate import generate
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
-from shards.formats.hf import Checkpoint
 
 DEMO = Path(shards.demo.__file__).parent / "exo-demo"
 PROMPTS = ["And God said, Let there be", "And the LORD spake unto Moses, saying"]
@@ -73,8 +74,15 @@ def test_greedy_continuation_is_made_of_real_words(prompt):
 def test_folder_is_small_and_documents_its_training():
     files = list(DEMO.iterdir())
     assert sum(f.stat().st_size for f in files) < 20 * 1024 * 1024
-    assert {f.name for f in files} >= {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                                       "generation_config.json", "training.json", "words.txt"}
+    assert {f.name for f in files} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "training.json",
+        "words.txt",
+    }
     info = json.loads((DEMO / "training.json").read_text(encoding="utf-8"))
     assert "public domain" in info["corpus"]["license"].lower()
     for key in ("final_train_loss", "final_validation_loss"):

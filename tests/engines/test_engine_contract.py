@@ -1,5 +1,6 @@
 """The engine contract every engine follows (shards/engines/base.py, runner.py, backend.py): one `run`, a runner per
 engine, caches that alone advance their length, and backends that implement all of the protocol they claim."""
+
 import inspect
 
 import numpy as np

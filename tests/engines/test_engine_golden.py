@@ -1,14 +1,15 @@
 """numpy-engine specifics beyond the all-engine conformance suite (tests/engines/test_engines.py): bit-identical splits,
 batch-size numerics, generation bookkeeping and input validation."""
+
 import itertools
 
 import numpy as np
 import pytest
 
-from shards.formats.config import ModelConfig
 from shards.engines.base import EngineInputError, StepInput
-from shards.generate import chain_forward, generate
 from shards.engines.numpy_engine import NumpyEngine
+from shards.formats.config import ModelConfig
+from shards.generate import chain_forward, generate
 from shards.sampling import SamplingParams
 from shards.shard import Shard
 from tests.conftest import FIXTURES, golden

@@ -4,12 +4,13 @@ Tolerance: logits within 1e-4 (abs) of transformers for all float32 paths (obser
 mlx); ggml's F16 KV cache gets 0.05 and teacher-forced top-1 checks instead of greedy equality (tests/support/tolerance.py
 says why).
 """
+
 import numpy as np
 import pytest
 
-from shards.formats.config import ModelConfig
 from shards.engines.base import StepInput
 from shards.engines.registry import ENGINES, engine_class, installed
+from shards.formats.config import ModelConfig
 from shards.generate import chain_forward, generate
 from shards.shard import Shard
 from tests.conftest import FIXTURES, MODELS, golden
@@ -53,12 +54,12 @@ def test_greedy_tokens_match_transformers(engine_name, model):
     sequence = np.array(g["prompt_ids"] + g["greedy_ids"][:-1])
     logits = chain_forward([make(engine_name, model)], "r", sequence, all_logits=True)
     reference = chain_forward([make("numpy", model)], "r", sequence, all_logits=True)
-    assert reference[len(g["prompt_ids"]) - 1:].argmax(-1).tolist() == g["greedy_ids"]
+    assert reference[len(g["prompt_ids"]) - 1 :].argmax(-1).tolist() == g["greedy_ids"]
     wrong, clear = clear_top1_disagreements(logits, reference, 2 * atol(engine_name))
     assert wrong == [] and clear >= 0.6 * len(sequence)  # observed for ggml: 27-38 of 43 positions are clear
     # and the engine's own greedy decoding follows its own top tokens (the decode path agrees with prefill)
     own = chain_forward([make(engine_name, model)], "r", np.array(g["prompt_ids"] + tokens[:-1]), all_logits=True)
-    assert own[len(g["prompt_ids"]) - 1:].argmax(-1).tolist() == tokens
+    assert own[len(g["prompt_ids"]) - 1 :].argmax(-1).tolist() == tokens
 
 
 @pytest.mark.parametrize("cuts", [[3], [1, 4]])
@@ -135,8 +136,9 @@ def test_a_prompt_prefilled_in_chunks_equals_one_whole_prefill(engine_name, mode
     prompt = np.array(g["prompt_ids"])
     whole, chunked = make(engine_name, model), make(engine_name, model)
     expected = whole.forward([StepInput("r", tokens=prompt)], all_logits=True)[0]
-    pieces = [chunked.forward([StepInput("r", tokens=chunk)], all_logits=True)[0]
-              for chunk in np.split(prompt, [3, 4, 9])]  # chunks of 3, 1, 5 and the rest
+    pieces = [
+        chunked.forward([StepInput("r", tokens=chunk)], all_logits=True)[0] for chunk in np.split(prompt, [3, 4, 9])
+    ]  # chunks of 3, 1, 5 and the rest
     assert np.allclose(np.concatenate(pieces), expected, atol=regrouped_atol(engine_name), rtol=0)
     assert chunked.cache_length("r") == whole.cache_length("r") == len(prompt)
     tokens = []

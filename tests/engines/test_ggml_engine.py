@@ -1,6 +1,7 @@
 """The ggml engine beyond the shared conformance suite: every weight type through ggml's kernels, memory that is the
 file's, quantize-on-load, graph reuse and release, and inputs that would make ggml abort the process refused first.
 """
+
 import logging
 
 import ml_dtypes
@@ -11,18 +12,18 @@ from gguf import GGMLQuantizationType as Q
 pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from bench.random_model import write_random_llama
-from shards.formats.config import ModelConfig
-from shards.formats.loader import load_config
 from shards.engines.base import EngineInputError, StepInput
-from shards.engines.registry import engine_factory, resolve
-from shards.generate import chain_forward
 from shards.engines.ggml.backend import GgmlBackend, nocopy_strides
 from shards.engines.ggml.engine import GgmlEngine
 from shards.engines.ggml.lib import F32, I32, Context, GgmlError, cpu_buffer_type, g, quantize, repack_supported
-from shards.formats.gguf_model import _hf_shapes
-from shards.formats.gguf_file import open_gguf
 from shards.engines.numpy_engine import NumpyEngine
+from shards.engines.registry import engine_factory, resolve
+from shards.formats.config import ModelConfig
+from shards.formats.gguf_file import open_gguf
+from shards.formats.gguf_model import _hf_shapes
+from shards.formats.loader import load_config
 from shards.formats.quant import SUPPORTED_TYPES, QuantizedTensor
+from shards.generate import chain_forward
 from shards.shard import Shard
 from tests.conftest import FIXTURES
 from tests.support.gguf_util import fixture, smollm2_path
@@ -52,8 +53,9 @@ def as_type(w: np.ndarray, t: Q) -> QuantizedTensor:
     return QuantizedTensor("w", t, w.shape, data.reshape(w.shape[0], -1))
 
 
-def run_ops(qt: QuantizedTensor, x: np.ndarray, ids: np.ndarray, repack: bool = True) \
-        -> tuple[np.ndarray, np.ndarray, GgmlBackend]:
+def run_ops(
+    qt: QuantizedTensor, x: np.ndarray, ids: np.ndarray, repack: bool = True
+) -> tuple[np.ndarray, np.ndarray, GgmlBackend]:
     """x @ W.T through ggml_mul_mat and W[ids] through ggml_get_rows, on weights uploaded as the engine does (a
     projection, repacked where ggml can; an embedding table, never)."""
     ops = GgmlBackend(ModelConfig.from_dir(LLAMA), 1, repack)
@@ -127,8 +129,9 @@ def test_an_unsupported_or_damaged_weight_is_an_error_not_a_crash():
 
 
 # -- memory -----------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path,start,end", [(fixture("llama"), 0, 4), (fixture("qwen2"), 1, 3), (None, 0, 30),
-                                            (None, 0, 10), (None, 20, 30)])
+@pytest.mark.parametrize(
+    "path,start,end", [(fixture("llama"), 0, 4), (fixture("qwen2"), 1, 3), (None, 0, 30), (None, 0, 10), (None, 20, 30)]
+)
 def test_a_shards_weights_take_exactly_their_bytes_in_the_file(path, start, end):
     path = path or smollm2_path()
     engine = make(path, start, end)
@@ -141,8 +144,15 @@ def test_a_shards_weights_take_exactly_their_bytes_in_the_file(path, start, end)
 @pytest.fixture(scope="module")
 def random_model(tmp_path_factory):
     """Rows of 256 and 512 values: whole blocks of every quantize type, q4_k included."""
-    return write_random_llama(tmp_path_factory.mktemp("m") / "m", hidden_size=256, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, vocab_size=512)
+    return write_random_llama(
+        tmp_path_factory.mktemp("m") / "m",
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=512,
+    )
 
 
 # bytes per weight / 4 (float32): q8_0 34 B per 32 values, q4_0 18 B per 32, q4_k 144 B per 256
@@ -165,8 +175,11 @@ def dequantized_copy(src, kind: str, dst):
     def dense(a):
         return a.dequantize() if isinstance(a, QuantizedTensor) else a
 
-    tensors = {"model.embed_tokens.weight": dense(w.embed_tokens), "lm_head.weight": dense(w.lm_head),
-               "model.norm.weight": w.norm}
+    tensors = {
+        "model.embed_tokens.weight": dense(w.embed_tokens),
+        "lm_head.weight": dense(w.lm_head),
+        "model.norm.weight": w.norm,
+    }
     for i in range(cfg.n_layers):
         layer = w.layers.pop(0)
         tensors |= {name: dense(getattr(layer, field)) for field, (name, _) in layer_tensor_shapes(cfg, i).items()}
@@ -178,8 +191,9 @@ def dequantized_copy(src, kind: str, dst):
 
 
 @pytest.mark.parametrize("kind", RATIOS)
-def test_quantize_on_load_holds_a_fraction_of_float32_and_computes_on_the_quantized_weights(random_model, kind,
-                                                                                             tmp_path):
+def test_quantize_on_load_holds_a_fraction_of_float32_and_computes_on_the_quantized_weights(
+    random_model, kind, tmp_path
+):
     cfg = load_config(random_model)
     dense = NumpyEngine(random_model, Shard.whole("m", cfg.n_layers), cfg)
     quantized = make(random_model, quantize=kind)
@@ -209,8 +223,15 @@ def test_rows_that_are_not_whole_blocks_fall_back_per_tensor(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="shards.engines.ggml.weights")
     assert make(LLAMA, quantize="q4_k").nbytes() == make(LLAMA, quantize="q8_0").nbytes()
     assert "Q4_K->Q8_0" in caplog.text
-    odd = write_random_llama(tmp_path / "odd", hidden_size=48, num_hidden_layers=1, num_attention_heads=3,
-                             num_key_value_heads=1, intermediate_size=80, vocab_size=64)
+    odd = write_random_llama(
+        tmp_path / "odd",
+        hidden_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        intermediate_size=80,
+        vocab_size=64,
+    )
     assert make(odd, quantize="q8_0").nbytes() < make(odd).nbytes()
     assert "Q8_0->F16 (rows of 48)" in caplog.text
 
@@ -275,10 +296,15 @@ def test_inputs_ggml_would_abort_on_are_refused_and_the_engine_goes_on():
 
 
 # -- the pieces -------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape,index,new", [((6, 8), (slice(None), slice(2, 6)), (6, 2, 2)),
-                                            ((6, 8), (slice(1, 4),), (3, 4, 2)),
-                                            ((4, 3, 8), (slice(None), slice(None), slice(0, 4)), (4, 12)),
-                                            ((4, 3, 8), (slice(None), slice(0, 2)), (8, 8))])
+@pytest.mark.parametrize(
+    "shape,index,new",
+    [
+        ((6, 8), (slice(None), slice(2, 6)), (6, 2, 2)),
+        ((6, 8), (slice(1, 4),), (3, 4, 2)),
+        ((4, 3, 8), (slice(None), slice(None), slice(0, 4)), (4, 12)),
+        ((4, 3, 8), (slice(None), slice(0, 2)), (8, 8)),
+    ],
+)
 def test_reshape_views_follow_numpy(shape, index, new):
     a = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)[index]
     strides = nocopy_strides(a.shape, a.strides, new)

@@ -3,6 +3,7 @@ chunks, or token by token, and a request alone or beside others, give bit-identi
 replay (prompt + generated tokens prefilled at once) and a batch give the text an undisturbed, lone request gives.
 (ggml's CPU flash attention changes kernel for blocks of 64 query rows and more; the engine attends in blocks of
 at most ATTENTION_ROWS: shards/engines/ggml/backend.py.)"""
+
 import numpy as np
 import pytest
 
@@ -26,8 +27,12 @@ def engine():
 
 
 def one_at_a_time(engine, rid, tokens, positions):
-    return np.stack([engine.forward([StepInput(rid, tokens=tokens[i:i + 1], max_positions=positions)])[0][-1]
-                     for i in range(len(tokens))])
+    return np.stack(
+        [
+            engine.forward([StepInput(rid, tokens=tokens[i : i + 1], max_positions=positions)])[0][-1]
+            for i in range(len(tokens))
+        ]
+    )
 
 
 def test_a_long_prefill_equals_decoding_token_by_token(engine):
@@ -40,8 +45,9 @@ def test_a_replay_prefill_of_prompt_and_generated_tokens_equals_the_original_ste
     prompt, generated = TOKENS[:30], TOKENS[30:110]  # what a replay after 80 tokens prefills at once
     engine.forward([StepInput("first", tokens=prompt, max_positions=120)])
     original = one_at_a_time(engine, "first", generated, 120)
-    replay = engine.forward([StepInput("replay", tokens=np.concatenate([prompt, generated]), max_positions=120)],
-                            all_logits=True)[0][len(prompt):]
+    replay = engine.forward(
+        [StepInput("replay", tokens=np.concatenate([prompt, generated]), max_positions=120)], all_logits=True
+    )[0][len(prompt) :]
     assert np.array_equal(replay, original)
 
 
@@ -49,8 +55,12 @@ def test_a_request_gives_the_same_logits_alone_and_beside_others(engine):
     prompt = TOKENS[:70]
     engine.forward([StepInput("alone", tokens=prompt, max_positions=80)])
     alone = engine.forward([StepInput("alone", tokens=TOKENS[70:71], max_positions=80)])[0]
-    others = [StepInput(f"o{i}", tokens=TOKENS[i:i + 40 + i], max_positions=100) for i in range(5)]
+    others = [StepInput(f"o{i}", tokens=TOKENS[i : i + 40 + i], max_positions=100) for i in range(5)]
     engine.forward([StepInput("busy", tokens=prompt, max_positions=80), *others])  # prefilled among others
-    out = engine.forward([StepInput("busy", tokens=TOKENS[70:71], max_positions=80),
-                          *(StepInput(f"o{i}", tokens=TOKENS[i:i + 1], max_positions=100) for i in range(5))])
+    out = engine.forward(
+        [
+            StepInput("busy", tokens=TOKENS[70:71], max_positions=80),
+            *(StepInput(f"o{i}", tokens=TOKENS[i : i + 1], max_positions=100) for i in range(5)),
+        ]
+    )
     assert np.array_equal(out[0], alone)

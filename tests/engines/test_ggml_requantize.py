@@ -1,6 +1,7 @@
 """`--quantize` on a GGUF file: the ggml engine requantizes each matrix as the shard loads (dequantized with
 gguf.quants, quantized by ggml), and the packaged SmolLM2 is served that way (as F16) unless asked otherwise,
 because its own Q4_1 blocks times ggml's 8-bit activations answer a newcomer's first question wrongly."""
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q

@@ -1,5 +1,6 @@
 """The ggml engine may change its thread count between any two steps (its governor does, under load) and its
 outputs stay bit for bit those of a fixed count."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,8 +31,12 @@ def engine(path, threads: int) -> GgmlEngine:
 
 
 def steps(e: GgmlEngine) -> list[np.ndarray]:
-    out = e.forward([StepInput("a", tokens=np.arange(1, 20), max_positions=40),
-                     StepInput("b", tokens=np.arange(5, 9), max_positions=40)])
+    out = e.forward(
+        [
+            StepInput("a", tokens=np.arange(1, 20), max_positions=40),
+            StepInput("b", tokens=np.arange(5, 9), max_positions=40),
+        ]
+    )
     for t in range(5):
         out += e.forward([StepInput("a", tokens=np.array([t + 3])), StepInput("b", tokens=np.array([t + 7]))])
     return out

@@ -4,11 +4,12 @@ greedy tokens (observed max |logit error| ~3e-5 for the numpy engine), and shard
 The ggml engine computes on the blocks themselves (the fixtures hold every supported weight type between them), so
 its bounds are those of quantized math (tests/support/tolerance.py): RMS difference within 8% of the logits' spread and
 teacher-forced top tokens instead of greedy equality."""
+
 import numpy as np
 import pytest
 
-from shards.formats.loader import load_config
 from shards.engines.registry import engine_class, installed
+from shards.formats.loader import load_config
 from shards.generate import chain_forward, generate
 from shards.shard import Shard
 from tests.support.gguf_util import GGUF_MODELS, fixture, gguf_golden

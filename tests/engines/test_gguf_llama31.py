@@ -6,6 +6,7 @@ transformers computed on the folder (tests/fixtures/llama/golden.json).
 Bounds (tests/support/tolerance.py): float engines 1e-4 and identical greedy tokens; ggml on bf16 weights rounds
 activations to bf16 for its matmuls, so the quantized bound (RMS within 8% of the logits' spread) and teacher-forced
 top-1 agreement with the numpy engine on the same file."""
+
 import numpy as np
 import pytest
 
@@ -30,8 +31,9 @@ def test_rope_freqs_are_read_as_the_llama3_scaling_of_the_folder():
     assert hf_cfg.rope.kind == "llama3" and gguf_cfg.rope.kind == "factors"
     assert len(gguf_cfg.rope.freq_factors) == gguf_cfg.head_dim // 2
     assert len(set(gguf_cfg.rope.freq_factors)) > 2  # high, smoothed and low bands: the test can tell them apart
-    np.testing.assert_allclose(gguf_cfg.rope.inv_freq(gguf_cfg.head_dim), hf_cfg.rope.inv_freq(hf_cfg.head_dim),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        gguf_cfg.rope.inv_freq(gguf_cfg.head_dim), hf_cfg.rope.inv_freq(hf_cfg.head_dim), rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("engine_name", installed())

@@ -7,6 +7,7 @@ Bounds: ggml against llama.cpp (fed in batches of 32 rows, as the engine attends
 spread (observed 0.30%: llama.cpp's newer ggml sums some ops in another order) and top-1 agreement >= 99% (observed
 100%, 64 positions); float engines against llama.cpp, quantized math's bound (tests/support/tolerance.py; observed
 2.8%) with no clear top-1 disagreement."""
+
 import json
 
 import numpy as np

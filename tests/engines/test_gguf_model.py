@@ -3,15 +3,16 @@
 References: tests/fixtures/gguf/golden.json, written by make_gguf_reference.py from transformers' GGUF loading and
 from dequantizers independent of gguf-py (transformers' torch code; ggml's C reference for Q5_0/Q5_1).
 """
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
 from shards.formats.gguf_file import GGUFError, open_gguf
 from shards.formats.gguf_model import load_shard_tensors
+from shards.formats.loader import load_config, load_shard_weights, open_model
 from shards.formats.quant import SUPPORTED_TYPES, QuantizedTensor, unpermute_order
 from shards.shard import Shard
-from shards.formats.loader import load_config, load_shard_weights, open_model
 from tests.support.gguf_util import GGUF_DIR, GGUF_MODELS, fixture, gguf_golden, smollm2_path
 
 
@@ -20,20 +21,41 @@ def test_config_matches_what_transformers_reads(name):
     g = gguf_golden()["models"][name]["config"]
     c = load_config(fixture(name))
     assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim) == (
-        g["vocab_size"], g["hidden_size"], g["intermediate_size"], g["num_hidden_layers"], g["num_attention_heads"],
-        g["num_key_value_heads"], g["head_dim"])
+        g["vocab_size"],
+        g["hidden_size"],
+        g["intermediate_size"],
+        g["num_hidden_layers"],
+        g["num_attention_heads"],
+        g["num_key_value_heads"],
+        g["head_dim"],
+    )
     assert c.rms_norm_eps == pytest.approx(g["rms_norm_eps"], rel=1e-6)
     assert (c.max_position_embeddings, c.tie_word_embeddings, c.rope.theta) == (
-        g["max_position_embeddings"], g["tie_word_embeddings"], g["rope_theta"])
+        g["max_position_embeddings"],
+        g["tie_word_embeddings"],
+        g["rope_theta"],
+    )
     assert (c.model_type, c.attention_bias, c.qk_norm) == {
-        "llama": ("llama", False, False), "qwen2": ("qwen2", True, False), "qwen3": ("qwen3", False, True)}[name]
+        "llama": ("llama", False, False),
+        "qwen2": ("qwen2", True, False),
+        "qwen3": ("qwen3", False, True),
+    }[name]
 
 
 def test_smollm2_config_is_the_published_one():
     c = load_config(smollm2_path())
-    assert (c.architecture, c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.intermediate_size, c.vocab_size,
-            c.rope.theta, c.max_position_embeddings, c.tie_word_embeddings) == (
-        "LlamaForCausalLM", 30, 576, 9, 3, 1536, 49152, 100000.0, 8192, True)
+    assert (
+        c.architecture,
+        c.n_layers,
+        c.hidden_size,
+        c.n_heads,
+        c.n_kv_heads,
+        c.intermediate_size,
+        c.vocab_size,
+        c.rope.theta,
+        c.max_position_embeddings,
+        c.tie_word_embeddings,
+    ) == ("LlamaForCausalLM", 30, 576, 9, 3, 1536, 49152, 100000.0, 8192, True)
     assert c.eos_token_ids == (2,)  # <|im_end|>
 
 
@@ -64,8 +86,21 @@ def test_dequantized_weights_match_an_independent_dequantizer(type_name, model):
 def test_quantized_tensors_are_read_only_views_of_the_file():
     cfg = load_config(smollm2_path())
     t = load_shard_tensors(smollm2_path(), cfg, Shard("s", 10, 12, 30), dequantize=False)
-    assert set(t) == {f"{i}.{k}" for i in (10, 11) for k in ("input_norm", "q_proj", "k_proj", "v_proj", "o_proj",
-                                                              "post_norm", "gate_proj", "up_proj", "down_proj")}
+    assert set(t) == {
+        f"{i}.{k}"
+        for i in (10, 11)
+        for k in (
+            "input_norm",
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "post_norm",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        )
+    }
     up = t["10.up_proj"]
     assert (up.ggml_type, up.shape, up.nbytes) == (Q.Q4_1, (1536, 576), 1536 * 576 // 32 * 20)
     assert not up.data.flags.writeable and isinstance(up.data.base, np.ndarray)  # no copy of the mapping

@@ -1,6 +1,7 @@
 """Split GGUF files (llama.cpp's gguf-split: `NAME-00001-of-00003.gguf`, ...): named by the first part or by their
 folder, read as one model whose shards take each tensor from the part holding it, and equal to the unsplit file.
 The parts are written here by gguf-py's writer the way gguf-split writes them (tests/support/gguf_util.split_gguf)."""
+
 import shutil
 
 import numpy as np

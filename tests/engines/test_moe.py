@@ -2,12 +2,14 @@
 Hugging Face folders (per-expert and transformers 5's fused layout) and from the GGUFs llama.cpp's converter made
 of them (tests/fixtures/make_moe_reference.py): logits equal transformers', shards split by layers equal the whole
 model, and requests routed to different experts in one batch equal their solo runs."""
+
 import json
 from functools import cache
 
 import numpy as np
 import pytest
 
+from shards.engines.base import StepInput
 from shards.engines.moe_backend import top_experts
 from shards.engines.numpy_engine import NumpyBackend
 from shards.engines.registry import engine_class, engine_factory, installed
@@ -16,7 +18,6 @@ from shards.formats.moe_layout import stacked_sources
 from shards.generate import chain_forward, generate
 from shards.moe import MOE_ENGINES, UnsupportedMoE
 from shards.shard import Shard
-from shards.engines.base import StepInput
 from tests.support.models import FIXTURES
 from tests.support.tolerance import QUANTIZED_RMS, atol, exact, regrouped_atol, relative_rms
 
@@ -96,8 +97,10 @@ def test_each_row_gets_only_its_experts_weighted_outputs():
     out = ops.moe(x, logits, ops.experts(gate, up, down), 2, True)
     ids, w = top_experts(logits, 2, True)
     for r in range(5):
-        expected = sum(w[r, j] * down[e] @ (x[r] @ gate[e].T / (1 + np.exp(-x[r] @ gate[e].T)) * (x[r] @ up[e].T))
-                       for j, e in enumerate(ids[r]))
+        expected = sum(
+            w[r, j] * down[e] @ (x[r] @ gate[e].T / (1 + np.exp(-x[r] @ gate[e].T)) * (x[r] @ up[e].T))
+            for j, e in enumerate(ids[r])
+        )
         assert np.allclose(out[r], expected, atol=1e-4)
 
 
@@ -132,8 +135,11 @@ def test_the_three_checkpoint_layouts_give_the_same_stacked_experts():
     mixtral = {f"model.layers.0.block_sparse_moe.experts.{e}.w{k}.weight" for e in range(2) for k in (1, 3)}
     fused = {"model.layers.0.mlp.experts.gate_up_proj"}
     name, shape = "model.layers.0.mlp.experts.up_proj", (2, 3, 4)
-    for names, read in [(per_expert, {"model.layers.0.mlp.experts.1.up_proj.weight"}),
-                        (mixtral, {"model.layers.0.block_sparse_moe.experts.0.w3.weight"}), (fused, fused)]:
+    for names, read in [
+        (per_expert, {"model.layers.0.mlp.experts.1.up_proj.weight"}),
+        (mixtral, {"model.layers.0.block_sparse_moe.experts.0.w3.weight"}),
+        (fused, fused),
+    ]:
         parts, combine = stacked_sources(name, shape, names.__contains__)
         assert read <= set(parts)
     stacked = np.arange(2 * 6 * 4).reshape(2, 6, 4)

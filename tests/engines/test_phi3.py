@@ -1,5 +1,6 @@
 """Phi-3: the Llama block with q/k/v and gate/up stored fused, read apart (shards/formats/fused_layout.py) so every
 engine runs it unchanged; a tiny random checkpoint by transformers (tests/fixtures/make_moe_reference.py)."""
+
 import json
 
 import numpy as np

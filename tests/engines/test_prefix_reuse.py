@@ -2,6 +2,7 @@
 shards/engines/retained.py holds it) and computes only its new tokens gets the outputs of a request that computes
 them all; on every engine (numpy and ggml as one shard and a chain of three). A cache evicted on any shard means a
 full prefill, never a wrong answer."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,8 +32,11 @@ def chain(engine: str, nodes: int, retain_bytes: int = 1 << 30):
 def step(engines, rid: str, tokens: np.ndarray) -> np.ndarray:
     out = None
     for i, e in enumerate(engines):
-        item = StepInput(rid, tokens=tokens, max_positions=128) if i == 0 else StepInput(rid, hidden=out,
-                                                                                          max_positions=128)
+        item = (
+            StepInput(rid, tokens=tokens, max_positions=128)
+            if i == 0
+            else StepInput(rid, hidden=out, max_positions=128)
+        )
         out = e.forward([item])[0]
     return out
 
@@ -82,8 +86,9 @@ def converse(engines, index: PrefixIndex | None, turns: int = 3, seed: int = 0):
     return outs
 
 
-@pytest.mark.parametrize("engine,nodes", [("numpy", 1), ("numpy", 3), ("ggml", 1), ("ggml", 3), ("tinygrad", 1),
-                                          ("mlx", 1)])  # tinygrad compiles per shape: one chain keeps it short
+@pytest.mark.parametrize(
+    "engine,nodes", [("numpy", 1), ("numpy", 3), ("ggml", 1), ("ggml", 3), ("tinygrad", 1), ("mlx", 1)]
+)  # tinygrad compiles per shape: one chain keeps it short
 def test_each_turn_prefills_only_its_new_tokens_and_answers_as_a_full_prefill_does(engine, nodes):
     index = PrefixIndex(capacity=10_000)
     cached, full = converse(chain(engine, nodes), index), converse(chain(engine, nodes), None)

@@ -5,6 +5,7 @@ GGUF here is llama31.gguf, the same bf16 weights, with those keys instead of rop
 
 Bounds: float engines 1e-4; ggml (float32 weights from the folder: F16 KV cache; bf16 blocks from the GGUF: bf16
 activations) as in tests/support/tolerance.py."""
+
 import json
 import shutil
 from dataclasses import replace
@@ -23,8 +24,14 @@ from tests.support.tolerance import QUANTIZED_RMS, atol, exact, relative_rms
 
 REFERENCE = np.load(FIXTURES / "llama_yarn.npz")
 TOKENS, LOGITS = REFERENCE["tokens"], REFERENCE["logits"]
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
-        "beta_fast": 4.0, "beta_slow": 1.0}  # make_yarn_reference.YARN
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 256,
+    "beta_fast": 4.0,
+    "beta_slow": 1.0,
+}  # make_yarn_reference.YARN
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +49,12 @@ def gguf_file(tmp_path_factory):
     V = gguf.GGUFValueType
     kinds = {str: V.STRING, float: V.FLOAT32, int: V.UINT32}
     keys = {k: (v, kinds[type(v)]) for k, v in json.loads(str(REFERENCE["gguf_rope"])).items()}
-    return rewrite(GGUF_DIR / "llama31.gguf", tmp_path_factory.mktemp("yarn") / "llama-yarn.gguf", replace=keys,
-                   drop_tensors=("rope_freqs.weight",))
+    return rewrite(
+        GGUF_DIR / "llama31.gguf",
+        tmp_path_factory.mktemp("yarn") / "llama-yarn.gguf",
+        replace=keys,
+        drop_tensors=("rope_freqs.weight",),
+    )
 
 
 def run(engine_name, path, cfg=None):

@@ -1,15 +1,16 @@
 """SmolLM2-135M-Instruct, the packaged GGUF model: served by default, correct, and the same on three nodes."""
+
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from shards.formats.loader import load_config
 from shards.engines.base import StepInput
-from shards.generate import generate
-from shards.formats.packaged import PACKAGED, resolve_model
 from shards.engines.numpy_engine import NumpyEngine
+from shards.formats.loader import load_config
+from shards.formats.packaged import PACKAGED, resolve_model
+from shards.generate import generate
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
 from tests.support.cluster import ROOT, Cluster
@@ -38,8 +39,9 @@ def test_smollm2_is_the_default_model_and_has_a_short_name():
     assert resolve_model("smollm2") == (smollm2_path(), "smollm2-135m-instruct")
     assert resolve_model(str(smollm2_path()))[1] == "smollm2-135m-instruct"  # by path, same id
     assert resolve_model("exo-demo")[1] == "exo-demo"
-    out = subprocess.run([sys.executable, "-m", "node.cli", "--list-models"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "node.cli", "--list-models"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and all(name in out.stdout for name in PACKAGED)
 
 
@@ -63,8 +65,17 @@ def test_logits_and_greedy_answer_match_transformers(smol):
 def test_three_nodes_answer_exactly_as_one(smol):
     cfg, tok, engine = smol
     questions = [QUESTION, "Name three primary colors."]
-    single = [tok.decode([r.token for r in generate([engine], tok.encode_chat([{"role": "user", "content": q}]), 24,
-                                                    eos_ids=tok.eos_token_ids)]) for q in questions]
+    single = [
+        tok.decode(
+            [
+                r.token
+                for r in generate(
+                    [engine], tok.encode_chat([{"role": "user", "content": q}]), 24, eos_ids=tok.eos_token_ids
+                )
+            ]
+        )
+        for q in questions
+    ]
     with Cluster(smollm2_path(), 3, shards=["0:10", "10:20", "20:30"], model_id="smollm2-135m-instruct") as c:
         for q, want in zip(questions, single):
             status, body = c.chat(q, max_tokens=24, temperature=0)

@@ -1,4 +1,5 @@
 """Fixtures of the network-namespace tests."""
+
 import pytest
 
 from node.security import write_key_file

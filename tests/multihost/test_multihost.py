@@ -2,6 +2,7 @@
 
 Without a cluster key a node's gRPC listens on loopback only, so every cluster here shares a key (which also makes
 it the test of a secured cluster: mutual TLS between hosts, signed announcements)."""
+
 import json
 import signal
 import subprocess
@@ -12,21 +13,26 @@ import time
 import pytest
 
 from tests.support import netns
-from tests.support.cluster import READY_API, ROOT
+from tests.support.cluster import READY_API, ROOT, reference
 from tests.support.models import FIXTURES
 from tests.support.polling import wait_until
-from tests.support.cluster import reference
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
 
-CLIENT = "import sys, urllib.request; r = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode() or None, " \
-         "headers={'Content-Type': 'application/json'}); print(urllib.request.urlopen(r, timeout=60).read().decode())"
+CLIENT = (
+    "import sys, urllib.request; r = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode() or None, "
+    "headers={'Content-Type': 'application/json'}); print(urllib.request.urlopen(r, timeout=60).read().decode())"
+)
 API = "http://127.0.0.1:52415"
 
 
 def call(lan, i, path, body=None) -> dict:
-    out = subprocess.run(lan.exec(i, sys.executable, "-c", CLIENT, API + path, json.dumps(body) if body else ""),
-                         capture_output=True, text=True, timeout=90)
+    out = subprocess.run(
+        lan.exec(i, sys.executable, "-c", CLIENT, API + path, json.dumps(body) if body else ""),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -39,9 +45,28 @@ def start_hosts(lan, n: int, key, first: int = 0, extra=()) -> list[subprocess.P
     procs = []
     for i in range(first, first + n):
         key_args = ["--cluster-key-file", str(key)] if key else ["--host", "0.0.0.0"]
-        procs.append(subprocess.Popen(lan.exec(i, sys.executable, "-m", "node.cli", "--model", str(FIXTURES / "llama"),
-                                               "--node-id", f"host{i}", "--engine", "numpy", *key_args, *extra),
-                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                lan.exec(
+                    i,
+                    sys.executable,
+                    "-m",
+                    "node.cli",
+                    "--model",
+                    str(FIXTURES / "llama"),
+                    "--node-id",
+                    f"host{i}",
+                    "--engine",
+                    "numpy",
+                    *key_args,
+                    *extra,
+                ),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     for p in procs:
         for line in p.stdout:
             if READY_API.search(line):
@@ -63,13 +88,21 @@ def test_three_hosts_find_each_other_serve_and_survive_a_death(capsys, key):
         procs = start_hosts(lan, 3, key)
         try:
             everyone = {"host0", "host1", "host2"}
-            join = wait_until(lambda: all(peers_seen(lan, i) == everyone for i in range(3)), 30,
-                              "every host to see all three", interval=0.2)
+            join = wait_until(
+                lambda: all(peers_seen(lan, i) == everyone for i in range(3)),
+                30,
+                "every host to see all three",
+                interval=0.2,
+            )
             join_time = time.monotonic() - started
 
             prompt = "The capital of France is"
-            body = {"model": "llama", "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
-                    "temperature": 0}
+            body = {
+                "model": "llama",
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 16,
+                "temperature": 0,
+            }
             expected = reference(prompt, 16)[0]
             assert call(lan, 0, "/v1/chat/completions", body)["choices"][0]["message"]["content"] == expected
             loaded = {n["node_id"]: n["loaded"] for n in call(lan, 0, "/v1/topology")["nodes"]}
@@ -78,29 +111,47 @@ def test_three_hosts_find_each_other_serve_and_survive_a_death(capsys, key):
             procs[2].send_signal(signal.SIGKILL)
             procs[2].wait()
             killed = time.monotonic()
-            wait_until(lambda: all(peers_seen(lan, i) == {"host0", "host1"} for i in range(2)), 5 + 2,
-                       "the survivors to drop the dead host", interval=0.2)
+            wait_until(
+                lambda: all(peers_seen(lan, i) == {"host0", "host1"} for i in range(2)),
+                5 + 2,
+                "the survivors to drop the dead host",
+                interval=0.2,
+            )
             eviction = time.monotonic() - killed
             assert call(lan, 1, "/v1/chat/completions", body)["choices"][0]["message"]["content"] == expected
             with capsys.disabled():
-                print(f"\n[multihost] all 3 nodes joined {join_time:.1f}s after start ({join:.1f}s after ready); "
-                      f"dead node evicted in {eviction:.1f}s")
+                print(
+                    f"\n[multihost] all 3 nodes joined {join_time:.1f}s after start ({join:.1f}s after ready); "
+                    f"dead node evicted in {eviction:.1f}s"
+                )
         finally:
             stop_hosts(procs)
 
 
 def test_a_host_whose_link_goes_down_mid_request_is_routed_around(capsys, key):
-    body = {"model": "llama", "prompt": "Once upon a time, in a land far away, there lived", "max_tokens": 200,
-            "temperature": 0}
+    body = {
+        "model": "llama",
+        "prompt": "Once upon a time, in a land far away, there lived",
+        "max_tokens": 200,
+        "temperature": 0,
+    }
     with netns.PrivateLan(3, subnet=78) as lan:
         procs = start_hosts(lan, 3, key)
         try:
-            wait_until(lambda: peers_seen(lan, 0) == {"host0", "host1", "host2"}, 30, "host0 to see all three",
-                       interval=0.2)
+            wait_until(
+                lambda: peers_seen(lan, 0) == {"host0", "host1", "host2"}, 30, "host0 to see all three", interval=0.2
+            )
             expected = call(lan, 0, "/v1/completions", body)["choices"][0]["text"]
             # all three carry layers (host0 hears of its peers' loaded shards at their next health check)
-            wait_until(lambda: {n["node_id"] for n in call(lan, 0, "/v1/topology")["nodes"] if n["loaded"]}
-                       == {"host0", "host1", "host2"}, 10, "all three hosts to report loaded layers", interval=0.2)
+            wait_until(
+                lambda: (
+                    {n["node_id"] for n in call(lan, 0, "/v1/topology")["nodes"] if n["loaded"]}
+                    == {"host0", "host1", "host2"}
+                ),
+                10,
+                "all three hosts to report loaded layers",
+                interval=0.2,
+            )
             answer = {}
 
             def ask():
@@ -116,7 +167,9 @@ def test_a_host_whose_link_goes_down_mid_request_is_routed_around(capsys, key):
             assert answer["seconds"] < 15
             status = call(lan, 0, "/v1/topology")["nodes"][0]["status"]
             with capsys.disabled():
-                print(f"\n[multihost] link of host1 cut mid-request: answered in {answer['seconds']:.1f}s "
-                      f"after {status.get('replays', 0)} replay(s), text identical")
+                print(
+                    f"\n[multihost] link of host1 cut mid-request: answered in {answer['seconds']:.1f}s "
+                    f"after {status.get('replays', 0)} replay(s), text identical"
+                )
         finally:
             stop_hosts(procs)

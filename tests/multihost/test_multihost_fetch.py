@@ -1,6 +1,7 @@
 """Download once across real hosts: three network namespaces on a private bridge, a cluster key, UDP discovery; only
 host0 has the model. The other two find it, fetch their own layers from it over mutual TLS, and the cluster
 answers exactly as one process holding the model."""
+
 import subprocess
 import sys
 import threading
@@ -11,12 +12,11 @@ import pytest
 from node.fetch.layout import build_manifest
 from node.security import write_key_file
 from shards.shard import Shard
-from tests.support import netns
-from tests.support.cluster import READY_API, ROOT
-from tests.support.cluster import reference
-from tests.support.models import FIXTURES
 from tests.cluster.test_fetch_cluster import MARGIN
 from tests.multihost.test_multihost import call
+from tests.support import netns
+from tests.support.cluster import READY_API, ROOT, reference
+from tests.support.models import FIXTURES
 from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
@@ -31,10 +31,30 @@ def test_two_hosts_without_the_model_fetch_their_layers_from_the_third(tmp_path,
         started = time.monotonic()
         for i in range(3):
             model = [str(MODEL)] if i == 0 else ["llama", "--models-dir", str(tmp_path / f"host{i}")]
-            procs.append(subprocess.Popen(
-                lan.exec(i, sys.executable, "-m", "node.cli", "--model", *model, "--node-id", f"host{i}",
-                         "--engine", "numpy", "--cluster-key-file", str(key), "--memory-gb", "1"),
-                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            procs.append(
+                subprocess.Popen(
+                    lan.exec(
+                        i,
+                        sys.executable,
+                        "-m",
+                        "node.cli",
+                        "--model",
+                        *model,
+                        "--node-id",
+                        f"host{i}",
+                        "--engine",
+                        "numpy",
+                        "--cluster-key-file",
+                        str(key),
+                        "--memory-gb",
+                        "1",
+                    ),
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         try:
             for p in procs:
                 for line in p.stdout:
@@ -44,15 +64,26 @@ def test_two_hosts_without_the_model_fetch_their_layers_from_the_third(tmp_path,
 
             def plans():
                 return [call(lan, i, "/v1/topology")["plan"] or [] for i in range(3)]
-            wait_until(lambda: len((p := plans())[0]) == 3 and all(x == p[0] for x in p), 60,
-                       "all hosts to agree on a three-host plan", interval=0.2)
+
+            wait_until(
+                lambda: len((p := plans())[0]) == 3 and all(x == p[0] for x in p),
+                60,
+                "all hosts to agree on a three-host plan",
+                interval=0.2,
+            )
             ready = time.monotonic() - started
             prompt = "The capital of France is"
-            body = {"model": "llama", "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
-                    "temperature": 0}
+            body = {
+                "model": "llama",
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 16,
+                "temperature": 0,
+            }
             for i in range(3):
-                assert call(lan, i, "/v1/chat/completions", body)["choices"][0]["message"]["content"] == \
-                    reference(prompt, 16)[0]
+                assert (
+                    call(lan, i, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+                    == reference(prompt, 16)[0]
+                )
             manifest = build_manifest(MODEL, "llama", 6)
             topology = call(lan, 0, "/v1/topology")
             fetched = {}
@@ -65,8 +96,10 @@ def test_two_hosts_without_the_model_fetch_their_layers_from_the_third(tmp_path,
                     fetched[step["node_id"]] = received
             assert set(fetched) == {"host1", "host2"}
             with capsys.disabled():
-                print(f"\n[multihost fetch] 2 hosts fetched {fetched} bytes of the {manifest.nbytes()}-byte model "
-                      f"from host0 over mutual TLS; all 3 in the plan {ready:.1f}s after start")
+                print(
+                    f"\n[multihost fetch] 2 hosts fetched {fetched} bytes of the {manifest.nbytes()}-byte model "
+                    f"from host0 over mutual TLS; all 3 in the plan {ready:.1f}s after start"
+                )
         finally:
             for p in procs:
                 if p.poll() is None:

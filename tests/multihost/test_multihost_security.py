@@ -3,6 +3,7 @@ announcements are dropped, and nothing of a prompt crosses the wire in the clear
 
 Hosts are network namespaces on a bridge of their own (tests/support/netns.py); traffic never leaves them.
 """
+
 import subprocess
 import sys
 import time
@@ -12,11 +13,11 @@ import pytest
 
 from node.security import write_key_file
 from shards.tokenizer import Tokenizer
+from tests.multihost.test_multihost import call, peers_seen, start_hosts, stop_hosts
 from tests.support import netns
 from tests.support.cluster import ROOT
 from tests.support.models import FIXTURES
 from tests.support.polling import wait_until
-from tests.multihost.test_multihost import call, peers_seen, start_hosts, stop_hosts
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
 MEMBERS = {"host0", "host1", "host2"}
@@ -65,13 +66,25 @@ def test_a_host_without_the_key_is_never_a_member_and_replayed_announcements_are
     with netns.PrivateLan(4, subnet=79) as lan:
         procs = start_hosts(lan, 3, key)
         try:
-            replayer = subprocess.Popen(lan.exec(3, sys.executable, "-c", REPLAYER, lan.ips[0], "10.231.79.255"),
-                                        stdout=subprocess.PIPE, text=True)
+            replayer = subprocess.Popen(
+                lan.exec(3, sys.executable, "-c", REPLAYER, lan.ips[0], "10.231.79.255"),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             # the rogue: announces itself (signed with another key) and points at the members directly too
-            procs += start_hosts(lan, 1, tmp_path / "other.key", first=3,
-                                 extra=["--peers", ",".join(f"{ip}:50051" for ip in lan.ips[:3])])
-            wait_until(lambda: all(peers_seen(lan, i) == MEMBERS for i in range(3)), 30, "the members to see each other",
-                       interval=0.2)
+            procs += start_hosts(
+                lan,
+                1,
+                tmp_path / "other.key",
+                first=3,
+                extra=["--peers", ",".join(f"{ip}:50051" for ip in lan.ips[:3])],
+            )
+            wait_until(
+                lambda: all(peers_seen(lan, i) == MEMBERS for i in range(3)),
+                30,
+                "the members to see each other",
+                interval=0.2,
+            )
             assert replayer.stdout.readline().strip() == "replayed"
             time.sleep(2)  # more announcements and membership rounds with the rogue around
             assert all(peers_seen(lan, i) == MEMBERS for i in range(3))
@@ -83,8 +96,13 @@ def test_a_host_without_the_key_is_never_a_member_and_replayed_announcements_are
             body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
             assert call(lan, 0, "/v1/chat/completions", body)["usage"]["completion_tokens"] == 4
             assert "host3" not in loaded | {n["node_id"] for n in call(lan, 0, "/v1/topology")["nodes"] if n["loaded"]}
-            raw = subprocess.run(lan.exec(3, sys.executable, "-c", RAW_CALLS, f"{lan.ips[0]}:50051"), cwd=ROOT,
-                                 capture_output=True, text=True, timeout=60)
+            raw = subprocess.run(
+                lan.exec(3, sys.executable, "-c", RAW_CALLS, f"{lan.ips[0]}:50051"),
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert raw.stdout.split() == ["UNAVAILABLE"] * 4, raw.stderr
         finally:
             replayer.kill()
@@ -102,8 +120,12 @@ def captured_request(lan, key, tmp_path) -> tuple[bytes, bytes]:
         for i in range(3):
             procs += start_hosts(lan, 1, key, first=i, extra=["--shard", shards[i]])
         wait_until(lambda: peers_seen(lan, 0) == MEMBERS, 30, "host0 to see the members", interval=0.2)
-        capture = subprocess.Popen(["ip", "netns", "exec", lan.switch, sys.executable, "-m", "tests.support.capture", "any",
-                                    "8", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        capture = subprocess.Popen(
+            ["ip", "netns", "exec", lan.switch, sys.executable, "-m", "tests.support.capture", "any", "8", str(out)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert capture.stdout.readline().strip() == "capturing"
         body = {"model": "llama", "messages": [{"role": "user", "content": content}], "max_tokens": 8}
         assert call(lan, 0, "/v1/chat/completions", body)["usage"]["completion_tokens"] > 0

@@ -6,6 +6,7 @@
 
 A raw AF_PACKET socket, so no tcpdump is needed: the test asserts what the bytes on the wire do and don't contain.
 """
+
 from __future__ import annotations
 
 import socket

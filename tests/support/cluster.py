@@ -1,5 +1,6 @@
 """Live nodes on loopback for the cluster tests: the launcher (shared with bench/, which owns it so that it never
 imports tests/), what a cluster's answers are compared with, and a node's memory."""
+
 from __future__ import annotations
 
 from bench.local_cluster import READY_API, READY_GRPC, ROOT, Cluster, NodeProc, free_port
@@ -10,8 +11,17 @@ from shards.shard import Shard
 from shards.tokenizer import Tokenizer
 from tests.support.models import FIXTURES
 
-__all__ = ["READY_API", "READY_GRPC", "ROOT", "Cluster", "NodeProc", "assert_matches_reference", "free_port",
-           "reference", "rss_bytes"]
+__all__ = [
+    "READY_API",
+    "READY_GRPC",
+    "ROOT",
+    "Cluster",
+    "NodeProc",
+    "assert_matches_reference",
+    "free_port",
+    "reference",
+    "rss_bytes",
+]
 
 MODEL = FIXTURES / "llama"
 
@@ -20,8 +30,12 @@ def reference(prompt: str, max_tokens: int) -> tuple[str, str]:
     """Text and finish reason from one process holding the whole model (itself proven against HF)."""
     cfg, tok = ModelConfig.from_dir(MODEL), Tokenizer(MODEL)
     engine = NumpyEngine(MODEL, Shard.whole("llama", cfg.n_layers), cfg)
-    ids = [r.token for r in generate([engine], tok.encode_chat([{"role": "user", "content": prompt}]), max_tokens,
-                                     eos_ids=tok.eos_token_ids)]
+    ids = [
+        r.token
+        for r in generate(
+            [engine], tok.encode_chat([{"role": "user", "content": prompt}]), max_tokens, eos_ids=tok.eos_token_ids
+        )
+    ]
     return tok.decode(ids), "stop" if ids[-1] in tok.eos_token_ids else "length"
 
 

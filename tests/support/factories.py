@@ -1,5 +1,6 @@
 """Values the unit tests build again and again: the core's request specs and arrays for the llama fixture, and a
 free UDP port for discovery."""
+
 from __future__ import annotations
 
 import socket

@@ -1,4 +1,5 @@
 """GGUF fixtures (tests/fixtures/gguf, made by make_gguf_reference.py) and ways to damage copies of them."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ def smollm2_path() -> Path:
     return resolve_model("smollm2")[0]
 
 
-def rewrite(src: Path, dst: Path, drop: tuple[str, ...] = (), replace: dict | None = None,
-            drop_tensors: tuple[str, ...] = ()) -> Path:
+def rewrite(
+    src: Path, dst: Path, drop: tuple[str, ...] = (), replace: dict | None = None, drop_tensors: tuple[str, ...] = ()
+) -> Path:
     """Copy a GGUF through gguf's reader and writer, leaving out metadata keys `drop` and tensors `drop_tensors`, and
     overriding `replace` ({key: (value, GGUFValueType[, item type])})."""
     reader = gguf.GGUFReader(src)
@@ -59,8 +61,9 @@ def rewrite(src: Path, dst: Path, drop: tuple[str, ...] = (), replace: dict | No
     return dst
 
 
-def patch_tensor_info(src: Path, dst: Path, name: str, dims: tuple[int, ...] | None = None,
-                      ggml_type: int | None = None) -> Path:
+def patch_tensor_info(
+    src: Path, dst: Path, name: str, dims: tuple[int, ...] | None = None, ggml_type: int | None = None
+) -> Path:
     """Copy `src` with one tensor's header entry (its dims or its type) overwritten in place."""
     blob = bytearray(src.read_bytes())
     key = struct.pack("<Q", len(name)) + name.encode()
@@ -81,8 +84,9 @@ def split_gguf(src: Path, folder: Path, max_tensors: int) -> Path:
     `max_tensors` tensors a part, `NAME-0000k-of-0000N.gguf`); returns the first part's path."""
     reader = gguf.GGUFReader(src)
     folder.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(folder / src.name), reader.fields["general.architecture"].contents(),
-                             split_max_tensors=max_tensors)
+    writer = gguf.GGUFWriter(
+        str(folder / src.name), reader.fields["general.architecture"].contents(), split_max_tensors=max_tensors
+    )
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue

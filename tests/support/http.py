@@ -4,6 +4,7 @@
 Content-Type of its own to a body that has none). None of these raise on an HTTP error status: the status is what
 the tests assert on.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -21,8 +22,15 @@ __all__ = ["API_KEY", "StreamEvent", "call_json", "chat_admission", "post", "raw
 API_KEY = "sk-test-key"  # the key the single_api fixture's node is started with
 
 
-def raw(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-        key: str | None = None, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+def raw(
+    url: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict | None = None,
+    key: str | None = None,
+    timeout: float = 30,
+) -> tuple[int, dict[str, str], bytes]:
     """(status, response headers, body) of one request; a header given as None is left out (Content-Type too)."""
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
@@ -61,14 +69,18 @@ class StreamEvent:
 def stream_completion(url: str, body: dict, timeout: float = 60) -> Iterator[StreamEvent]:
     """POST a streaming /v1/completions or /v1/chat/completions request; yield a StreamEvent per SSE event until
     [DONE] (the generator ends) — text chunks, the finish reason, or an in-band error."""
-    request = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url,
+        data=json.dumps({**body, "stream": True}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=timeout) as response:
         for chunk in response:
             line = chunk.decode().strip()
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 return
             event = json.loads(data)

@@ -1,4 +1,5 @@
 """Reading a node's /metrics as Prometheus would: prometheus_client's own parser, samples by name and labels."""
+
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -10,8 +11,11 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 def parse(text: str) -> Samples:
     """(sample name, sorted labels) -> value, as Prometheus would read them."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def scrape(url: str, key: str | None = None) -> Samples:

@@ -1,4 +1,5 @@
 """The fixture models every tier runs (tests/fixtures/: tiny random llama, qwen2, qwen3) and their references."""
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 
 Traffic never leaves them: the bridge lives in its own namespace, not in the machine's.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,15 +33,28 @@ class PrivateLan:
         self.hosts = [f"exo-h{i}-{tag}" for i in range(n)]
         self.ips = [f"10.231.{subnet}.{10 + i}" for i in range(n)]
 
-    def __enter__(self) -> "PrivateLan":
+    def __enter__(self) -> PrivateLan:
         try:
             sh("ip", "netns", "add", self.switch)
             sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
             sh("ip", "-n", self.switch, "link", "set", "br0", "up")
             for i, (host, ip) in enumerate(zip(self.hosts, self.ips)):
                 sh("ip", "netns", "add", host)
-                sh("ip", "link", "add", "eth0", "netns", host, "type", "veth", "peer", "name", f"p{i}",
-                   "netns", self.switch)
+                sh(
+                    "ip",
+                    "link",
+                    "add",
+                    "eth0",
+                    "netns",
+                    host,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    f"p{i}",
+                    "netns",
+                    self.switch,
+                )
                 sh("ip", "-n", self.switch, "link", "set", f"p{i}", "master", "br0", "up")
                 sh("ip", "-n", host, "addr", "add", f"{ip}/24", "brd", "+", "dev", "eth0")
                 sh("ip", "-n", host, "link", "set", "eth0", "up")

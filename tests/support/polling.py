@@ -3,6 +3,7 @@
 Nodes, streams and discovery settle on their own time (health checks, releases, announcements): a test polls for
 the state it needs instead of sleeping a guessed amount, and a timeout names the state that never came.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,9 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, *, in
     return time.monotonic() - start
 
 
-async def wait_until_async(predicate: Callable[[], object], timeout: float, what: str, *,
-                           interval: float = 0.05) -> float:
+async def wait_until_async(
+    predicate: Callable[[], object], timeout: float, what: str, *, interval: float = 0.05
+) -> float:
     """`wait_until` inside an event loop: sleeps with asyncio so the loop's own tasks (servers, streams) run."""
     start = time.monotonic()
     if not await holds_within(predicate, timeout, interval=interval):

@@ -23,6 +23,7 @@ An approximate engine may flip a near-tie, after which two greedy continuations 
 equality is replaced by teacher forcing: along the reference's token sequence, the engine's top token must be the
 reference's wherever the reference's two best logits are more than twice the engine's bound apart.
 """
+
 from __future__ import annotations
 
 import numpy as np

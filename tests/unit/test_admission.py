@@ -1,5 +1,6 @@
 """Admission on its own: a request is taken with its KV cache reserved, or refused reserving nothing; its end frees
 what it reserved. (How the core uses it, with every refusal, is in test_core.py.)"""
+
 import dataclasses
 
 import pytest
@@ -27,12 +28,15 @@ def test_an_admitted_request_reserves_its_kv_cache_until_released():
     assert a.kv_reserved == 0
 
 
-@pytest.mark.parametrize("refuse, error", [
-    (dict(kv_budget=1), PlanError),  # more than the whole budget: never
-    (dict(max_requests=1), Busy),  # one held already: not now
-    (dict(members=lambda: {"b": "h:2"}), Busy),  # the plan names nodes b doesn't know (yet)
-    (dict(serves=lambda shard: False), PlanError),  # b has not fetched these layers
-])
+@pytest.mark.parametrize(
+    "refuse, error",
+    [
+        (dict(kv_budget=1), PlanError),  # more than the whole budget: never
+        (dict(max_requests=1), Busy),  # one held already: not now
+        (dict(members=lambda: {"b": "h:2"}), Busy),  # the plan names nodes b doesn't know (yet)
+        (dict(serves=lambda shard: False), PlanError),  # b has not fetched these layers
+    ],
+)
 def test_a_refused_request_reserves_nothing(refuse, error):
     a = admission(**refuse)
     held = {"r0": a.admit(spec("r0"), {}, now=0.0)} if "max_requests" in refuse else {}

@@ -1,5 +1,6 @@
 """Once a stream has started, whatever goes wrong reaches the client as an OpenAI error event followed by
 `data: [DONE]`: a client never waits on a stream that was cut short without a word."""
+
 import asyncio
 import json
 
@@ -9,8 +10,13 @@ from node.http.api import Api
 from shards.tokenizer import StreamDecoder
 from tests.unit.test_node_rpc import serving, shutdown
 
-CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True,
-        "temperature": 0}
+CHAT = {
+    "model": "llama",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 6,
+    "stream": True,
+    "temperature": 0,
+}
 
 
 def test_a_failure_after_the_first_chunk_is_an_error_event_then_done(monkeypatch):

@@ -37,8 +37,13 @@ def test_rope_theta_top_level_or_transformers5_rope_parameters():
 
 
 def test_llama3_rope_scaling_in_either_place():
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     old = cfg(rope_theta=500000.0, rope_scaling=scaling)
     new = cfg(rope_parameters={**scaling, "rope_theta": 500000.0})
     assert old.rope == new.rope and old.rope.kind == "llama3"

@@ -1,6 +1,7 @@
 """Constrained rows in the sampling batcher: they share one batched call with free rows (masks applied to the
 stacked logits), their outputs always follow the grammar, a free row's token is what it would be alone, a replay
 with the generated prefix continues exactly, and a grammar that fails fails only its own request."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,10 +18,15 @@ from shards.sampling import SamplerState, SamplingParams, sample_one
 from shards.tokenizer import Tokenizer
 from tests.unit.test_sampling_batcher import LONG, Recording
 
-SCHEMA = {"type": "object", "required": ["color", "n", "tags"], "properties": {
-    "color": {"enum": ["red", "green", "blue"]},
-    "n": {"type": "integer", "minimum": -5, "maximum": 500},
-    "tags": {"type": "array", "maxItems": 2, "items": {"type": "string", "pattern": "^[a-z]{1,5}$"}}}}
+SCHEMA = {
+    "type": "object",
+    "required": ["color", "n", "tags"],
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": -5, "maximum": 500},
+        "tags": {"type": "array", "maxItems": 2, "items": {"type": "string", "pattern": "^[a-z]{1,5}$"}},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +62,10 @@ def test_constrained_and_free_rows_share_one_call_and_constrained_ones_validate(
         engine = Recording()
         batcher = SamplingBatcher(8, LONG, grammar=lambda: grammar_tokenizer(tok))
         grammar = Constraint(json_schema_grammar(SCHEMA))
-        requests = {f"c{i}": (SamplingParams(temperature=1.0, seed=i, constraint=grammar), SamplerState.from_seed(i))
-                    for i in range(4)}
+        requests = {
+            f"c{i}": (SamplingParams(temperature=1.0, seed=i, constraint=grammar), SamplerState.from_seed(i))
+            for i in range(4)
+        }
         requests["free"] = (SamplingParams(temperature=1.0, seed=9), SamplerState.from_seed(9))
         out = await decode(batcher, engine, tok, requests)
         await batcher.close()
@@ -81,8 +89,9 @@ def test_a_free_row_in_a_mixed_batch_gets_the_token_it_would_get_alone(tok):
         for _ in range(6):
             row_free, row_bound = logits_for(rng, tok), logits_for(rng, tok)
             fa = batcher.submit(SampleItem("free", row_free, SamplingParams(seed=9), free, engine, "m"))
-            fb = batcher.submit(SampleItem("bound", row_bound, SamplingParams(seed=1, constraint=grammar), bound,
-                                           engine, "m"))
+            fb = batcher.submit(
+                SampleItem("bound", row_bound, SamplingParams(seed=1, constraint=grammar), bound, engine, "m")
+            )
             batcher.flush()
             got, _ = await asyncio.gather(fa, fb)
             assert got == sample_one(row_free, SamplingParams(seed=9), alone)
@@ -103,8 +112,9 @@ def test_a_replay_with_the_generated_prefix_continues_exactly(tok):
         # the replay: the same logits stream, the prefix fed to a fresh matcher, the RNG advanced past it
         rng = np.random.default_rng(11)
         rows = [logits_for(rng, tok) for _ in first]
-        replay_params = SamplingParams(temperature=1.0, seed=3, constraint=Constraint(grammar.grammar,
-                                                                                        tuple(first[:cut])))
+        replay_params = SamplingParams(
+            temperature=1.0, seed=3, constraint=Constraint(grammar.grammar, tuple(first[:cut]))
+        )
         state = SamplerState.from_seed(3, skip=cut)
         again = []
         for row in rows[cut:]:
@@ -123,10 +133,14 @@ def test_a_grammar_that_fails_fails_only_its_request(tok):
         batcher = SamplingBatcher(8, LONG, grammar=lambda: grammar_tokenizer(tok))
         broken = Constraint(json_schema_grammar({"type": "string", "format": "not-a-format"}))
         rng = np.random.default_rng(0)
-        bad = batcher.submit(SampleItem("bad", logits_for(rng, tok), SamplingParams(constraint=broken),
-                                        SamplerState.from_seed(1), engine, "m"))
-        good = batcher.submit(SampleItem("good", logits_for(rng, tok), SamplingParams(seed=2),
-                                         SamplerState.from_seed(2), engine, "m"))
+        bad = batcher.submit(
+            SampleItem(
+                "bad", logits_for(rng, tok), SamplingParams(constraint=broken), SamplerState.from_seed(1), engine, "m"
+            )
+        )
+        good = batcher.submit(
+            SampleItem("good", logits_for(rng, tok), SamplingParams(seed=2), SamplerState.from_seed(2), engine, "m")
+        )
         batcher.flush()
         with pytest.raises(GrammarError, match="Unknown format"):
             await bad
@@ -134,8 +148,11 @@ def test_a_grammar_that_fails_fails_only_its_request(tok):
         assert batcher.stats["sample_grammar_errors"] == 1
 
         no_grammar = SamplingBatcher(8, LONG)  # a node without a grammar tokenizer says so
-        f = no_grammar.submit(SampleItem("x", logits_for(rng, tok), SamplingParams(constraint=broken),
-                                         SamplerState.from_seed(1), engine, "m"))
+        f = no_grammar.submit(
+            SampleItem(
+                "x", logits_for(rng, tok), SamplingParams(constraint=broken), SamplerState.from_seed(1), engine, "m"
+            )
+        )
         no_grammar.flush()
         with pytest.raises(ValueError, match="cannot sample constrained requests"):
             await f

@@ -3,15 +3,16 @@
 No engine, no network, no event loop: each test feeds the core what would have arrived and checks the actions it
 answers with.
 """
+
 import dataclasses
 
 import numpy as np
 import pytest
 
 from node.core.node_core import CoreLimits, Deliver, NodeCore, Release, Sample, Send
-from node.core.scheduler import Group, Queued, SchedulerLimits
 from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage, Tombstones
+from node.core.scheduler import Group, Queued, SchedulerLimits
 from shards.sampling import SampleResult
 from shards.shard import Shard
 from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
@@ -37,11 +38,14 @@ def test_the_first_node_takes_a_prompt_and_queues_it():
     assert list(a.requests) == ["r1"] and [q.request_id for q in a.queue.queue] == ["r1"]
 
 
-@pytest.mark.parametrize("bad,message", [
-    (tokens(), "non-empty"),
-    (np.array([1.0, 2.0]), "int token array"),
-    (tokens(1, 512), "out of range"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (tokens(), "non-empty"),
+        (np.array([1.0, 2.0]), "int token array"),
+        (tokens(1, 512), "out of range"),
+    ],
+)
 def test_a_malformed_prompt_is_refused_before_any_state_is_kept(bad, message):
     a = core("a")
     with pytest.raises(PlanError, match=message):
@@ -71,10 +75,12 @@ def test_activations_admit_with_their_spec_and_refuse_strays_per_entry():
 
 def test_activations_of_the_wrong_shape_or_for_other_nodes_are_refused():
     b = core("b")
-    rejected = b.accept_activations([
-        Activation("r1", np.zeros((1, 7), np.float32), spec("r1")),
-        Activation("r2", hidden(), spec("r2", nodes=(("a", 0, 3), ("c", 3, 6)))),
-    ])
+    rejected = b.accept_activations(
+        [
+            Activation("r1", np.zeros((1, 7), np.float32), spec("r1")),
+            Activation("r2", hidden(), spec("r2", nodes=(("a", 0, 3), ("c", 3, 6)))),
+        ]
+    )
     assert "hidden states" in rejected[0].reason and "not in the plan" in rejected[1].reason
 
 
@@ -95,9 +101,18 @@ def test_a_node_at_its_request_limit_refuses_more():
 def test_a_plan_for_another_model_is_refused():
     b = core("b")
     other = spec()
-    other = RequestSpec("r1", tuple(PlanStep(s.node_id, s.address, Shard("other", s.shard.start_layer,
-                                                                           s.shard.end_layer, 6)) for s in other.plan),
-                        other.sampling, 3, other.stop_token_ids, "entry", ADDR["entry"])
+    other = RequestSpec(
+        "r1",
+        tuple(
+            PlanStep(s.node_id, s.address, Shard("other", s.shard.start_layer, s.shard.end_layer, 6))
+            for s in other.plan
+        ),
+        other.sampling,
+        3,
+        other.stop_token_ids,
+        "entry",
+        ADDR["entry"],
+    )
     (rejected,) = b.accept_activations([Activation("r1", hidden(), other)])
     assert "this node serves llama" in rejected.reason and not rejected.busy
 
@@ -118,12 +133,18 @@ def test_a_batch_takes_one_input_per_request_in_arrival_order():
 
 def test_a_batch_skips_ended_requests_and_groups_by_shard():
     b = core("b")
-    b.accept_activations([Activation("r1", hidden(), spec("r1")),
-                          Activation("r2", hidden(), spec("r2", nodes=(("a", 0, 1), ("b", 1, 6)))),
-                          Activation("r3", hidden(), spec("r3"))])
+    b.accept_activations(
+        [
+            Activation("r1", hidden(), spec("r1")),
+            Activation("r2", hidden(), spec("r2", nodes=(("a", 0, 1), ("b", 1, 6)))),
+            Activation("r3", hidden(), spec("r3")),
+        ]
+    )
     b.end_request("r3", "cancelled")
     assert {g.shard: ids([g]) for g in b.take_batch()} == {
-        Shard("llama", 2, 4, 6): ["r1"], Shard("llama", 1, 6, 6): ["r2"]}
+        Shard("llama", 2, 4, 6): ["r1"],
+        Shard("llama", 1, 6, 6): ["r2"],
+    }
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_marked_partial_until_the_last():
@@ -175,10 +196,13 @@ def test_the_last_node_samples_delivers_and_sends_the_token_back_to_the_first():
     assert send.activations[0].spec is None  # the first node has the spec already
 
 
-@pytest.mark.parametrize("results,reason", [
-    ([SampleResult(STOP)], "stop"),
-    ([SampleResult(1), SampleResult(2), SampleResult(3)], "length"),  # max_tokens 3
-])
+@pytest.mark.parametrize(
+    "results,reason",
+    [
+        ([SampleResult(STOP)], "stop"),
+        ([SampleResult(1), SampleResult(2), SampleResult(3)], "length"),  # max_tokens 3
+    ],
+)
 def test_a_stop_token_or_max_tokens_finishes_the_request_on_the_last_node(results, reason):
     c = core("c")
     c.accept_activations([Activation("r1", hidden(), spec())])
@@ -335,8 +359,14 @@ def test_a_busy_refusal_downstream_reaches_the_entry_as_busy():
     assert deliver.message.busy and not deliver.message.retryable
 
 
-@pytest.mark.parametrize("bad", [np.zeros((2, CFG.hidden_size), np.float32), np.zeros((1, CFG.hidden_size)),
-                                 np.full((1, CFG.hidden_size), np.nan, np.float32)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.zeros((2, CFG.hidden_size), np.float32),
+        np.zeros((1, CFG.hidden_size)),
+        np.full((1, CFG.hidden_size), np.nan, np.float32),
+    ],
+)
 def test_a_step_with_any_malformed_output_fails_all_its_requests_before_routing_any(bad):
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])

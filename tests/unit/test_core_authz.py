@@ -1,6 +1,7 @@
 """The node core's checks on what peers ask of it: plans name only members it knows, data goes only where it knows
 them, each message comes from its proper sender, and one entry can't take every slot. Plain values, as in
 tests/unit/test_core.py (whose helpers these tests share)."""
+
 import dataclasses
 
 import pytest
@@ -20,10 +21,19 @@ def guarded(node_id, **limits):
 
 def test_a_plan_naming_a_stranger_is_refused():
     b = guarded("b")
-    stranger = RequestSpec("r1", (PlanStep("a", ADDR["a"], Shard("llama", 0, 2, 6)),
-                                  PlanStep("b", ADDR["b"], Shard("llama", 2, 4, 6)),
-                                  PlanStep("evil", "h:66", Shard("llama", 4, 6, 6))),
-                           SamplingParams(temperature=0), 3, frozenset({STOP}), "entry", ADDR["entry"])
+    stranger = RequestSpec(
+        "r1",
+        (
+            PlanStep("a", ADDR["a"], Shard("llama", 0, 2, 6)),
+            PlanStep("b", ADDR["b"], Shard("llama", 2, 4, 6)),
+            PlanStep("evil", "h:66", Shard("llama", 4, 6, 6)),
+        ),
+        SamplingParams(temperature=0),
+        3,
+        frozenset({STOP}),
+        "entry",
+        ADDR["entry"],
+    )
     (refusal,) = b.accept_activations([Activation("r1", hidden(), stranger)])
     assert refusal.busy and "not a member" in refusal.reason  # busy: it may be a node that has just joined
     assert not b.requests
@@ -33,8 +43,11 @@ def test_a_plans_addresses_never_redirect_data_a_node_sends_to_members_where_it_
     """The plan carries the entry's view of the addresses; another node may know a member by another name (a
     hostname, another interface), and a plan must not send activations or answers elsewhere."""
     b, c = guarded("b"), guarded("c")
-    elsewhere = dataclasses.replace(spec("r1"), entry_address="h:66", plan=tuple(
-        dataclasses.replace(step, address=f"h:6{i}") for i, step in enumerate(spec("r1").plan)))
+    elsewhere = dataclasses.replace(
+        spec("r1"),
+        entry_address="h:66",
+        plan=tuple(dataclasses.replace(step, address=f"h:6{i}") for i, step in enumerate(spec("r1").plan)),
+    )
     assert b.accept_activations([Activation("r1", hidden(), elsewhere)]) == []
     (send,) = b.step_done(b.take_batch()[0], {"r1": hidden()}, {})
     assert send.address == ADDR["c"]

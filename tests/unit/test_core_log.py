@@ -1,4 +1,5 @@
 """gRPC core's line per failed TLS handshake is rate-limited: anyone reaching the port can't fill the log."""
+
 import subprocess
 import sys
 import textwrap

@@ -1,4 +1,5 @@
 """Discovery: UDP announcement validation, eviction, two instances on one host, and the manual peers file."""
+
 import asyncio
 import itertools
 import json
@@ -26,15 +27,37 @@ def test_announcements_round_trip():
     assert parse_announcement(GOOD.encode()) == GOOD
 
 
-@pytest.mark.parametrize("packet", [
-    b"", b"{", b"[]", b"null", b"\xff\xfe", b"[" * 5000 + b"]" * 5000, b'{"app": "exo-node"}',
-    mutate(app="other"), mutate(v=2), mutate(v="1"), mutate(v=...),
-    mutate(node_id=""), mutate(node_id="a b"), mutate(node_id="x" * 65), mutate(node_id=5),
-    mutate(grpc_port=0), mutate(grpc_port=70000), mutate(grpc_port="50051"), mutate(grpc_port=True),
-    mutate(model_id=None), mutate(model_id="m" * 300), mutate(engine=["numpy"]),
-    mutate(memory_bytes=-1), mutate(memory_bytes=1.5), mutate(memory_bytes=...),
-    mutate(node_id="a" * 64, model_id="m" * 256, pad="x" * MAX_PACKET),
-])
+@pytest.mark.parametrize(
+    "packet",
+    [
+        b"",
+        b"{",
+        b"[]",
+        b"null",
+        b"\xff\xfe",
+        b"[" * 5000 + b"]" * 5000,
+        b'{"app": "exo-node"}',
+        mutate(app="other"),
+        mutate(v=2),
+        mutate(v="1"),
+        mutate(v=...),
+        mutate(node_id=""),
+        mutate(node_id="a b"),
+        mutate(node_id="x" * 65),
+        mutate(node_id=5),
+        mutate(grpc_port=0),
+        mutate(grpc_port=70000),
+        mutate(grpc_port="50051"),
+        mutate(grpc_port=True),
+        mutate(model_id=None),
+        mutate(model_id="m" * 300),
+        mutate(engine=["numpy"]),
+        mutate(memory_bytes=-1),
+        mutate(memory_bytes=1.5),
+        mutate(memory_bytes=...),
+        mutate(node_id="a" * 64, model_id="m" * 256, pad="x" * MAX_PACKET),
+    ],
+)
 def test_malformed_packets_are_rejected(packet):
     with pytest.raises(BadPacket):
         parse_announcement(packet)
@@ -85,6 +108,7 @@ def test_two_instances_on_one_host_find_each_other_over_loopback():
         finally:
             await a.stop()
             await b.stop()
+
     asyncio.run(go())
 
 
@@ -102,8 +126,15 @@ def test_manual_file_is_reread_when_it_changes_and_bad_edits_keep_the_last_good_
     write(f, {"peers": [{"id": "b", "address": "192.0.2.11", "port": 50051}]})
     d = ManualDiscovery(f)
     assert d.candidates() == ["192.0.2.11:50051"]
-    write(f, {"peers": [{"id": "b", "address": "192.0.2.11", "port": 50051},
-                        {"id": "c", "address": "192.0.2.12", "port": 50052, "capabilities": {"engine": "mlx"}}]})
+    write(
+        f,
+        {
+            "peers": [
+                {"id": "b", "address": "192.0.2.11", "port": 50051},
+                {"id": "c", "address": "192.0.2.12", "port": 50052, "capabilities": {"engine": "mlx"}},
+            ]
+        },
+    )
     assert d.candidates() == ["192.0.2.11:50051", "192.0.2.12:50052"]
     write(f, "{ broken")
     assert d.candidates() == ["192.0.2.11:50051", "192.0.2.12:50052"]
@@ -111,15 +142,18 @@ def test_manual_file_is_reread_when_it_changes_and_bad_edits_keep_the_last_good_
     assert d.candidates() == [] and d.reloads == 2
 
 
-@pytest.mark.parametrize("content,message", [
-    ("nope", "not valid JSON"),
-    ({"peer": []}, "expected"),
-    ({"peers": [5]}, r"peers\[0\] must be an object"),
-    ({"peers": [{"address": "h", "port": 1}]}, r"peers\[0\]\.id"),
-    ({"peers": [{"id": "a", "address": "h h", "port": 1}]}, r"peers\[0\]\.address"),
-    ({"peers": [{"id": "a", "address": "h", "port": 0}]}, r"peers\[0\]\.port"),
-    ({"peers": [{"id": "a", "address": "h", "port": 1, "capabilities": []}]}, "capabilities"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("nope", "not valid JSON"),
+        ({"peer": []}, "expected"),
+        ({"peers": [5]}, r"peers\[0\] must be an object"),
+        ({"peers": [{"address": "h", "port": 1}]}, r"peers\[0\]\.id"),
+        ({"peers": [{"id": "a", "address": "h h", "port": 1}]}, r"peers\[0\]\.address"),
+        ({"peers": [{"id": "a", "address": "h", "port": 0}]}, r"peers\[0\]\.port"),
+        ({"peers": [{"id": "a", "address": "h", "port": 1, "capabilities": []}]}, "capabilities"),
+    ],
+)
 def test_bad_manual_file_at_startup_is_a_clear_error(tmp_path, content, message):
     f = tmp_path / "peers.json"
     write(f, content)

@@ -1,5 +1,6 @@
 """Signed discovery: with a cluster key only fresh, first-seen announcements signed with that key get through;
 everything else is dropped and counted, and no packet, however broken, stops the listener."""
+
 import asyncio
 import logging
 import random
@@ -39,16 +40,20 @@ def test_an_announcement_signed_with_our_key_is_accepted():
 
 
 # Factories, not packets: a packet made at collection time would age while other tests run.
-@pytest.mark.parametrize("make,counter", [
-    (lambda: PEER.encode(), "udp_unsigned"),  # today's plain announcement
-    (lambda: signed(key=OTHER_KEY), "udp_bad_signature"),  # another cluster
-    (lambda: signed(skew=-31), "udp_stale"),
-    (lambda: signed(skew=+31), "udp_future"),
-    (lambda: signed()[:-1], "udp_bad_signature"),  # tag truncated
-    (lambda: signed()[:OVERHEAD - 1], "udp_bad_signature"),  # envelope too short to hold a tag
-    (lambda: MAGIC, "udp_bad_signature"),
-    (lambda: signed() + b"x" * (MAX_PACKET + 1), "udp_invalid"),  # oversized: dropped before any work
-], ids=["unsigned", "other-key", "stale", "future", "truncated-tag", "short-envelope", "magic-only", "oversized"])
+@pytest.mark.parametrize(
+    "make,counter",
+    [
+        (lambda: PEER.encode(), "udp_unsigned"),  # today's plain announcement
+        (lambda: signed(key=OTHER_KEY), "udp_bad_signature"),  # another cluster
+        (lambda: signed(skew=-31), "udp_stale"),
+        (lambda: signed(skew=+31), "udp_future"),
+        (lambda: signed()[:-1], "udp_bad_signature"),  # tag truncated
+        (lambda: signed()[: OVERHEAD - 1], "udp_bad_signature"),  # envelope too short to hold a tag
+        (lambda: MAGIC, "udp_bad_signature"),
+        (lambda: signed() + b"x" * (MAX_PACKET + 1), "udp_invalid"),  # oversized: dropped before any work
+    ],
+    ids=["unsigned", "other-key", "stale", "future", "truncated-tag", "short-envelope", "magic-only", "oversized"],
+)
 def test_a_node_with_a_key_drops_and_counts_everything_else(make, counter):
     d = listener()
     d.received(make(), SRC)
@@ -147,7 +152,7 @@ def test_fuzzed_packets_never_crash_a_keyed_listener_and_each_is_counted_once():
             b = bytearray(good)
             for _ in range(rng.randrange(1, 4)):
                 b[rng.randrange(len(MAGIC), len(b))] = rng.randrange(256)
-            packet = bytes(b[:rng.randrange(len(MAGIC), len(b) + 1)])
+            packet = bytes(b[: rng.randrange(len(MAGIC), len(b) + 1)])
         d.received(packet, SRC)
     assert sum(drops(d).values()) == 3000 and d.stats["udp_received"] == 0 and d.candidates() == []
     assert d.stats["udp_bad_signature"] >= 2000 - 5

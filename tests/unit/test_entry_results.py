@@ -1,5 +1,6 @@
 """Who the entry believes: only the plan's last node samples, so only its tokens reach the client; any member may
 report a failure; and no token id outside the vocabulary gets through, whoever sends it."""
+
 import asyncio
 from collections import Counter
 
@@ -49,9 +50,19 @@ def entry_for(ring: Ring) -> Entry:
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    return Entry("entry", "h:9", ring, plan=lambda excluded: PLAN, stop_token_ids=frozenset({509}),
-                 request_timeout=5.0, max_replays=0, queue_timeout=1.0, counters=Counter(), spawn=spawn,
-                 vocab_size=CFG.vocab_size)
+    return Entry(
+        "entry",
+        "h:9",
+        ring,
+        plan=lambda excluded: PLAN,
+        stop_token_ids=frozenset({509}),
+        request_timeout=5.0,
+        max_replays=0,
+        queue_timeout=1.0,
+        counters=Counter(),
+        spawn=spawn,
+        vocab_size=CFG.vocab_size,
+    )
 
 
 def tokens(rid, *ids, finished=False):
@@ -77,8 +88,9 @@ def test_any_plan_member_may_report_a_failure():
         ring = Ring()
         entry = entry_for(ring)
         stream, first, rid = await started(entry, ring)
-        entry.accept_tokens(TokenMessage(rid, finished=True, finish_reason="error", error="b's engine broke"),
-                            caller="b")
+        entry.accept_tokens(
+            TokenMessage(rid, finished=True, finish_reason="error", error="b's engine broke"), caller="b"
+        )
         with pytest.raises(GenerationError, match="b's engine broke"):
             await first
 

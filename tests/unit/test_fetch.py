@@ -1,6 +1,7 @@
 """Fetching a shard's weights from peers, in process over real gRPC: exact bytes into a sparse copy the loaders read
 unchanged, corrupted chunks refused and fetched again, interruptions resumed (same peer or another), clear disk
 errors, bounded uploads, and nothing served beyond the manifest."""
+
 import asyncio
 import dataclasses
 import errno
@@ -13,20 +14,19 @@ import grpc
 import numpy as np
 import pytest
 
+import node.grpc.server
 from node.fetch.fetcher import Fetcher, Source
 from node.fetch.hashes import HashCache
 from node.fetch.layout import build_manifest
 from node.fetch.local_copy import DiskError, LocalCopy, disk_error
 from node.fetch.source import WeightSource
 from node.fetch.startup import open_copy
-import node.grpc.server
 from node.grpc.client import GrpcTransport
-from node.grpc.server import NodeServicer
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
-from shards.formats.loader import load_config
+from node.grpc.server import NodeServicer
+from shards.formats.loader import load_config, load_shard_weights
 from shards.shard import Shard
-from shards.formats.loader import load_shard_weights
 from tests.conftest import FIXTURES
 
 LLAMA = FIXTURES / "llama"  # 6 layers, 683 kB, three safetensors files
@@ -94,6 +94,7 @@ def test_a_node_fetches_just_its_shard_into_a_sparse_copy_the_loaders_read_uncha
             await fetcher.fetch(copy, copy.manifest.needed(s), "test")
             await fetcher.transport.close()
             return copy, s, fetcher.counters
+
     copy, shard, counters = asyncio.run(go())
     assert copy.availability().can_serve(shard) and not copy.complete
     assert_same_weights(copy.root, path, shard)
@@ -111,6 +112,7 @@ def test_a_corrupted_chunk_is_refused_by_its_sha256_and_fetched_again(tmp_path, 
             await fetcher.fetch(copy, copy.manifest.needed(Shard("llama", 0, 6, 6)), "test")
             await fetcher.transport.close()
             return copy, fetcher.counters
+
     copy, counters = asyncio.run(go())
     assert counters["fetch_corrupt_pieces"] == 1 and copy.complete
     assert "does not match its sha256" in caplog.text
@@ -123,8 +125,9 @@ def test_a_manifest_whose_labels_disagree_with_the_headers_is_refused_at_every_s
     would read a tensor never fetched. Refused when the headers arrive, and again at the next start."""
     honest = build_manifest(LLAMA, "llama", 6, max_piece=SMALL["max_piece"])
     swap = {2: 3, 3: 2}
-    lying = dataclasses.replace(honest, pieces=tuple(dataclasses.replace(p, layer=swap.get(p.layer, p.layer))
-                                                     for p in honest.pieces))
+    lying = dataclasses.replace(
+        honest, pieces=tuple(dataclasses.replace(p, layer=swap.get(p.layer, p.layer)) for p in honest.pieces)
+    )
 
     async def start():
         async with Peer(manifest=lying) as peer:
@@ -134,12 +137,14 @@ def test_a_manifest_whose_labels_disagree_with_the_headers_is_refused_at_every_s
                     await open_copy("llama", tmp_path, fetcher)
             finally:
                 await fetcher.transport.close()
+
     asyncio.run(start())
     asyncio.run(start())  # the metadata is on disk now: the check still runs
 
 
 def test_an_interrupted_fetch_resumes_with_only_the_missing_pieces(tmp_path):
     """The node is stopped mid-fetch; restarted, it reads its record and fetches only what it had not verified."""
+
     async def first_run():
         async with Peer(rate=250_000) as peer:  # ~2.7 s for the whole model
             fetcher = fetcher_for(peer)
@@ -166,8 +171,9 @@ def test_an_interrupted_fetch_resumes_with_only_the_missing_pieces(tmp_path):
     total = copy.manifest.nbytes()
     assert 0.1 * total < before < 0.9 * total  # it was interrupted in the middle
     assert received == missing == total - before  # the second run fetched exactly the rest
-    assert copy.complete and all((copy.root / f.name).read_bytes() == (LLAMA / f.name).read_bytes()
-                                 for f in copy.manifest.files)
+    assert copy.complete and all(
+        (copy.root / f.name).read_bytes() == (LLAMA / f.name).read_bytes() for f in copy.manifest.files
+    )
 
 
 def test_a_fetch_goes_on_from_another_peer_when_its_peer_dies(tmp_path):
@@ -182,6 +188,7 @@ def test_a_fetch_goes_on_from_another_peer_when_its_peer_dies(tmp_path):
             await asyncio.wait_for(job, 30)
             await fetcher.transport.close()
             return copy, fetcher.counters, b_before, b.source.counters["upload_bytes"]
+
     copy, counters, b_before, b_after = asyncio.run(go())
     assert copy.complete and counters["fetch_retries"] >= 1
     assert b_after - b_before > 0.3 * copy.manifest.nbytes()  # the rest came from b
@@ -198,6 +205,7 @@ def test_uploads_stay_under_the_bandwidth_cap_and_the_transfer_slots(tmp_path):
             sent = await fetcher.fetch(copy, list(range(len(copy.manifest.pieces))), "test")
             await fetcher.transport.close()
             return copy, sent / (time.monotonic() - started), peer.source.counters
+
     copy, rate, uploads = asyncio.run(go())
     assert copy.complete and uploads["upload_busy"] > 0
     assert rate <= 400_000 * 1.1  # the cap (how fast it goes below it is for bench/bench_fetch.py)
@@ -214,8 +222,9 @@ def test_a_transfer_that_outlasts_its_deadline_is_cut_and_its_upload_slot_freed(
             biggest = max(range(len(pieces)), key=lambda i: pieces[i].length)
             async with grpc.aio.insecure_channel(peer.address) as channel:
                 # (a deadline of its own only so that a regression fails instead of hanging: well past the server's)
-                call = pb_grpc.NodeServiceStub(channel).FetchPiece(pb.PieceRequest(model_id="llama", piece=biggest),
-                                                                   timeout=10)
+                call = pb_grpc.NodeServiceStub(channel).FetchPiece(
+                    pb.PieceRequest(model_id="llama", piece=biggest), timeout=10
+                )
                 started = time.monotonic()
                 with pytest.raises(grpc.aio.AioRpcError) as cut:
                     async for _ in call:
@@ -226,6 +235,7 @@ def test_a_transfer_that_outlasts_its_deadline_is_cut_and_its_upload_slot_freed(
                     break
                 await asyncio.sleep(0.02)
             return cut.value.code(), took, peer.source.active, pieces[biggest].length
+
     code, took, active, length = asyncio.run(go())
     assert length / 4000 > 2  # the piece alone would have taken seconds
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and took < 2 and active == 0
@@ -236,11 +246,11 @@ def test_only_the_manifest_pieces_of_the_served_model_are_given_out():
         async with Peer(rate=20_000, max_transfers=1) as peer:
             stub = pb_grpc.NodeServiceStub(channel := grpc.aio.insecure_channel(peer.address))
             codes = {}
-            for name, call in [("other model", stub.GetManifest(pb.ManifestRequest(model_id="qwen3"), timeout=5)),
-                               ("no such piece", _drain(stub.FetchPiece(pb.PieceRequest(model_id="llama", piece=10**6),
-                                                                        timeout=5))),
-                               ("other model's piece", _drain(stub.FetchPiece(pb.PieceRequest(model_id="../x"),
-                                                                              timeout=5)))]:
+            for name, call in [
+                ("other model", stub.GetManifest(pb.ManifestRequest(model_id="qwen3"), timeout=5)),
+                ("no such piece", _drain(stub.FetchPiece(pb.PieceRequest(model_id="llama", piece=10**6), timeout=5))),
+                ("other model's piece", _drain(stub.FetchPiece(pb.PieceRequest(model_id="../x"), timeout=5))),
+            ]:
                 codes[name] = await _code(call)
             pieces = (await peer.source.manifest("llama")).pieces
             biggest = max(range(len(pieces)), key=lambda i: pieces[i].length)  # 0.8 s at this rate
@@ -250,9 +260,14 @@ def test_only_the_manifest_pieces_of_the_served_model_are_given_out():
             slow.cancel()
             await channel.close()
             return codes
+
     codes = asyncio.run(go())
-    assert codes == {"other model": grpc.StatusCode.NOT_FOUND, "no such piece": grpc.StatusCode.NOT_FOUND,
-                     "other model's piece": grpc.StatusCode.NOT_FOUND, "busy": grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert codes == {
+        "other model": grpc.StatusCode.NOT_FOUND,
+        "no such piece": grpc.StatusCode.NOT_FOUND,
+        "other model's piece": grpc.StatusCode.NOT_FOUND,
+        "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
 
 
 async def _drain(call):
@@ -270,6 +285,7 @@ async def _code(awaitable) -> grpc.StatusCode:
 
 def test_piece_hashes_are_computed_once_and_kept_across_restarts(tmp_path, monkeypatch):
     from node.fetch import hashes
+
     model = tmp_path / "weights.bin"
     model.write_bytes(os.urandom(100_000))
     first = HashCache(tmp_path / "cache")
@@ -295,6 +311,7 @@ def mounted(tmp_path):
         subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], check=True)
         points.append(point)
         return point
+
     yield mount
     for point in points:
         subprocess.run(["umount", str(point)], check=False)
@@ -318,16 +335,20 @@ def test_disk_full_and_a_read_only_models_dir_are_clear_errors(mounted, monkeypa
     with pytest.raises(DiskError, match=r"disk full: cannot write model-0000.-of-00003.safetensors in .*--models-dir"):
         asyncio.run(fetch_into(small, check_space=False))  # the space went while fetching
     read_only = mounted("ro,size=1m")
-    with pytest.raises(DiskError, match="cannot write the model's copy in .*: Read-only file system; choose a "
-                                        "writable --models-dir"):
+    with pytest.raises(
+        DiskError, match="cannot write the model's copy in .*: Read-only file system; choose a writable --models-dir"
+    ):
         asyncio.run(fetch_into(read_only))
     assert "Permission denied; choose a writable --models-dir" in str(
-        disk_error(PermissionError(errno.EACCES, "Permission denied"), "x", read_only))
+        disk_error(PermissionError(errno.EACCES, "Permission denied"), "x", read_only)
+    )
 
 
 def test_a_fetch_reports_its_progress_with_rate_and_time_left_when_not_on_a_terminal(tmp_path, caplog, monkeypatch):
     import logging
+
     from shards import progress
+
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
     caplog.set_level(logging.INFO, logger="node.fetch.fetcher")
 
@@ -337,6 +358,7 @@ def test_a_fetch_reports_its_progress_with_rate_and_time_left_when_not_on_a_term
             copy = await open_copy("llama", tmp_path, fetcher)
             await fetcher.fetch(copy, copy.manifest.needed(Shard("llama", 0, 3, 6)), "fetching llama layers 0-2")
             await fetcher.transport.close()
+
     asyncio.run(go())
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fetching llama layers 0-2: ")]
     assert len(lines) > 5 and all("B/s, about " in line and line.endswith(" s left") for line in lines[:-1])
@@ -354,14 +376,16 @@ class StandIn:
 
     def ring_members(self):
         from node.core.topology import Capabilities, NodeInfo
+
         me = NodeInfo(self.id, "127.0.0.1:1", Capabilities(1, "numpy", "llama", 6), availability=self.availability())
         return [me, *self.peers.values()]
 
 
 def test_when_a_node_leaves_the_follower_fetches_just_the_layers_newly_assigned(tmp_path):
     from collections import Counter
-    from node.fetch.follow import Follower
+
     from node.core.topology import Availability, Capabilities, NodeInfo
+    from node.fetch.follow import Follower
 
     def peer(node_id, availability):
         return NodeInfo(node_id, "127.0.0.1:2", Capabilities(1, "numpy", "llama", 6), availability=availability)
@@ -378,8 +402,11 @@ def test_when_a_node_leaves_the_follower_fetches_just_the_layers_newly_assigned(
             fetcher = Fetcher("llama", GrpcTransport(), lambda: [Source("n0", source.address)], counters=counters)
             copy = await open_copy("llama", tmp_path, fetcher)
             follower = Follower(copy, fetcher, counters, settle=0.1, interval=0.02)
-            node = StandIn("n2", {"n0": peer("n0", Availability()), "n1": peer("n1", Availability(complete=False))},
-                           follower.availability)
+            node = StandIn(
+                "n2",
+                {"n0": peer("n0", Availability()), "n1": peer("n1", Availability(complete=False))},
+                follower.availability,
+            )
             task = asyncio.ensure_future(follower.run(node))
             await until(lambda: copy.availability().can_serve(Shard("llama", 4, 6, 6)))  # its part of 3: 4-5
             after_first = counters["fetch_bytes_received"]

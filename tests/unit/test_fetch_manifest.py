@@ -1,16 +1,17 @@
 """A model as pieces a peer can fetch: labels from the headers alone, only a shard's pieces per shard, and a
 manifest from a peer is refused unless it names plain files and sane, ordered, non-overlapping ranges."""
+
 import dataclasses
 import json
 
 import pytest
 
-from node.grpc import wire
+from node.core.topology import Availability
+from node.fetch import manifest as manifest_module
 from node.fetch.layout import build_manifest, safetensors_tensors
 from node.fetch.local_copy import STATE, LocalCopy
-from node.fetch import manifest as manifest_module
 from node.fetch.manifest import Manifest, ManifestError, ModelFile, Piece, same_layout
-from node.core.topology import Availability
+from node.grpc import wire
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
 from shards.shard import Shard
@@ -26,8 +27,13 @@ def llama_manifest(**kw) -> Manifest:
 
 def test_a_safetensors_folder_is_its_small_files_whole_headers_and_tensors_by_layer():
     m = llama_manifest()
-    assert [f.name for f in m.files[:5]] == ["config.json", "generation_config.json", "tokenizer.json",
-                                            "tokenizer_config.json", "model.safetensors.index.json"]
+    assert [f.name for f in m.files[:5]] == [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+    ]
     assert all(p.part == "file" for p in m.pieces[:5])
     tensors = {name: (off, n) for f in m.files[5:] for name, off, n in safetensors_tensors(LLAMA / f.name)}
     labelled = {(m.files[p.file].name, p.offset): (p.part, p.layer) for p in m.pieces}
@@ -37,8 +43,12 @@ def test_a_safetensors_folder_is_its_small_files_whole_headers_and_tensors_by_la
             if name.startswith("model.layers."):
                 assert (part, layer) == ("layer", int(name.split(".")[2]))
             else:
-                assert part == {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
-                                "lm_head.weight": "head"}[name]
+                assert (
+                    part
+                    == {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "head"}[
+                        name
+                    ]
+                )
     # every byte of the weights is in exactly one piece, apart from the headers
     assert m.nbytes() == sum(f.size for f in m.files)
     assert len(tensors) == sum(p.part not in ("file", "header") for p in m.pieces)
@@ -73,21 +83,24 @@ def test_manifests_cross_the_wire_unchanged():
     assert Manifest.from_json(json.loads(json.dumps(m.to_json()))) == m
 
 
-@pytest.mark.parametrize("change, why", [
-    (lambda m: _file(m, 0, name="../../etc/passwd"), "not a plain file name"),
-    (lambda m: _file(m, 0, name=".exo-fetch.json"), "not a plain file name"),
-    (lambda m: _file(m, 2, name="config.json"), "listed twice"),
-    (lambda m: _piece(m, 8, offset=0), "overlap"),
-    (lambda m: _piece(m, 9, length=10**9), "outside"),
-    (lambda m: _piece(m, 9, length=(64 << 20) + 1), "outside"),
-    (lambda m: _piece(m, 9, file=99), "names file 99"),
-    (lambda m: _piece(m, 9, part="shell"), "malformed"),
-    (lambda m: _piece(m, 9, part="layer", layer=6), "part layer with layer 6"),
-    (lambda m: _piece(m, 0, length=5), "fetched whole"),
-    (lambda m: dataclasses.replace(m, pieces=tuple(p for p in m.pieces if p.layer != 3)), r"layers \[3\]"),
-    (lambda m: dataclasses.replace(m, model_id="../x"), "model id"),
-    (lambda m: dataclasses.replace(m, format="pickle"), "unknown format"),
-])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda m: _file(m, 0, name="../../etc/passwd"), "not a plain file name"),
+        (lambda m: _file(m, 0, name=".exo-fetch.json"), "not a plain file name"),
+        (lambda m: _file(m, 2, name="config.json"), "listed twice"),
+        (lambda m: _piece(m, 8, offset=0), "overlap"),
+        (lambda m: _piece(m, 9, length=10**9), "outside"),
+        (lambda m: _piece(m, 9, length=(64 << 20) + 1), "outside"),
+        (lambda m: _piece(m, 9, file=99), "names file 99"),
+        (lambda m: _piece(m, 9, part="shell"), "malformed"),
+        (lambda m: _piece(m, 9, part="layer", layer=6), "part layer with layer 6"),
+        (lambda m: _piece(m, 0, length=5), "fetched whole"),
+        (lambda m: dataclasses.replace(m, pieces=tuple(p for p in m.pieces if p.layer != 3)), r"layers \[3\]"),
+        (lambda m: dataclasses.replace(m, model_id="../x"), "model id"),
+        (lambda m: dataclasses.replace(m, format="pickle"), "unknown format"),
+    ],
+)
 def test_a_hostile_manifest_is_refused(change, why, monkeypatch):
     good = llama_manifest()
     with pytest.raises(ManifestError, match=why):
@@ -118,7 +131,7 @@ def test_a_local_copy_knows_which_layers_it_can_serve_and_remembers_them(tmp_pat
     original = {f.name: (LLAMA / f.name).read_bytes() for f in m.files}
     for i in m.needed(Shard("llama", 4, 6, 6)):
         p = m.pieces[i]
-        copy.write(i, original[m.files[p.file].name][p.offset:p.end])
+        copy.write(i, original[m.files[p.file].name][p.offset : p.end])
     assert copy.availability() == Availability(complete=False, layers=((4, 6),), embed=False, head=True)
     again = LocalCopy.load(tmp_path / "llama")  # a restart finds the same
     assert again.availability() == copy.availability() and again.missing(m.needed(Shard("llama", 4, 6, 6))) == []

@@ -1,4 +1,5 @@
 """A damaged or unsupported GGUF is refused with one clear error naming the file and the problem, at start-up."""
+
 import struct
 import subprocess
 import sys
@@ -7,8 +8,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from shards.formats.loader import load_config
 from shards.formats.gguf_file import GGUFError
+from shards.formats.loader import load_config
 from shards.tokenizer import Tokenizer
 from tests.support.cluster import ROOT
 from tests.support.gguf_util import fixture, patch_tensor_info, rewrite
@@ -39,8 +40,13 @@ def test_an_array_longer_than_the_file_is_refused_not_read_forever(tmp_path):
     Checked in a child process so that a regression fails on its timeout instead of hanging the suite."""
     bad = tmp_path / "huge.gguf"
     key = b"general.huge"
-    bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
-                    + struct.pack("<IIQ", V.ARRAY, V.UINT8, 1 << 40))
+    bad.write_bytes(
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 1)
+        + struct.pack("<Q", len(key))
+        + key
+        + struct.pack("<IIQ", V.ARRAY, V.UINT8, 1 << 40)
+    )
     code = f"from shards.formats.loader import load_config\nload_config({str(bad)!r})"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "past the end of the file" in out.stderr, out.stderr[-2000:]
@@ -74,13 +80,25 @@ def test_unknown_and_unsupported_tensor_types(tmp_path):
     # ffn_down is Q6_K [64, 256]: as Q1_0 (1-bit blocks of 128, newer than the ggml exo-node runs) it is still whole
     # blocks (and smaller), a type we do not run
     q1 = patch_tensor_info(fixture("qwen2"), tmp_path / "k.gguf", "blk.0.ffn_down.weight", ggml_type=int(Q.Q1_0))
-    with pytest.raises(GGUFError, match=r"'blk.0.ffn_down.weight' has type Q1_0, which exo-node does not support "
-                                        r"\(supported: F32, .*, Q2_K, .*MXFP4\)"):
+    with pytest.raises(
+        GGUFError,
+        match=r"'blk.0.ffn_down.weight' has type Q1_0, which exo-node does not support "
+        r"\(supported: F32, .*, Q2_K, .*MXFP4\)",
+    ):
         load_config(q1)
 
 
-@pytest.mark.parametrize("key", ["qwen2.block_count", "qwen2.embedding_length", "qwen2.attention.head_count",
-                                 "tokenizer.ggml.tokens", "tokenizer.ggml.model", "general.architecture"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "qwen2.block_count",
+        "qwen2.embedding_length",
+        "qwen2.attention.head_count",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.model",
+        "general.architecture",
+    ],
+)
 def test_missing_metadata_keys(tmp_path, key):
     if key == "general.architecture":
         bad = rewrite(fixture("qwen2"), tmp_path / "m.gguf", replace={key: ("", V.STRING)})
@@ -92,10 +110,23 @@ def test_missing_metadata_keys(tmp_path, key):
         load_all(bad)
 
 
-@pytest.mark.parametrize("key, value, vtype, match", [
-    ("qwen2.block_count", 1 << 31, V.UINT32, r"block_count says 2147483648 blocks, but block 2147483647 has no tensors"),
-    ("qwen2.attention.layer_norm_rms_epsilon", -1.0, V.FLOAT32, r"layer_norm_rms_epsilon must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "key, value, vtype, match",
+    [
+        (
+            "qwen2.block_count",
+            1 << 31,
+            V.UINT32,
+            r"block_count says 2147483648 blocks, but block 2147483647 has no tensors",
+        ),
+        (
+            "qwen2.attention.layer_norm_rms_epsilon",
+            -1.0,
+            V.FLOAT32,
+            r"layer_norm_rms_epsilon must be a positive number",
+        ),
+    ],
+)
 def test_metadata_values_that_cannot_describe_this_file(tmp_path, key, value, vtype, match):
     bad = rewrite(fixture("qwen2"), tmp_path / "v.gguf", replace={key: (value, vtype)})
     with pytest.raises(GGUFError, match=rf"{bad}: {match}"):
@@ -117,7 +148,10 @@ def test_a_byte_level_vocabulary_without_merges(tmp_path):
 
 def test_unsupported_architecture_tokenizer_and_pre_tokenizer(tmp_path):
     arch = rewrite(fixture("qwen2"), tmp_path / "a.gguf", replace={"general.architecture": ("gemma3", V.STRING)})
-    with pytest.raises(GGUFError, match=r"unsupported architecture 'gemma3'; supported: \['llama', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]"):
+    with pytest.raises(
+        GGUFError,
+        match=r"unsupported architecture 'gemma3'; supported: \['llama', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]",
+    ):
         load_config(arch)
     model = rewrite(fixture("qwen2"), tmp_path / "t.gguf", replace={"tokenizer.ggml.model": ("bert", V.STRING)})
     with pytest.raises(GGUFError, match=r"unsupported tokenizer model 'bert'"):
@@ -130,8 +164,25 @@ def test_unsupported_architecture_tokenizer_and_pre_tokenizer(tmp_path):
 def test_a_node_refuses_a_corrupt_gguf_at_start_up(tmp_path):
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(fixture("qwen2").read_bytes()[:-1000])
-    out = subprocess.run([sys.executable, "-m", "node.cli", "--model", str(bad), "--discovery", "none",
-                          "--grpc-port", "0", "--api-port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "--model",
+            str(bad),
+            "--discovery",
+            "none",
+            "--grpc-port",
+            "0",
+            "--api-port",
+            "0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     # one clear line (after the log lines of start-up, such as the keyless-gRPC warning), no traceback
     assert out.stderr.splitlines()[-1].startswith(f"exo-node: error: {bad}: truncated: tensor")
@@ -140,6 +191,9 @@ def test_a_node_refuses_a_corrupt_gguf_at_start_up(tmp_path):
 
 def test_a_missing_layer_tensor_is_refused_as_a_layout_not_a_lookup(tmp_path):
     bad = rewrite(fixture("llama"), tmp_path / "v.gguf", drop_tensors=("blk.1.ffn_gate.weight",))
-    with pytest.raises(GGUFError, match=r"a 'llama' model needs tensor 'blk.1.ffn_gate.weight', which this file "
-                                        r"lacks: its layout is a variant of 'llama' exo-node does not run"):
+    with pytest.raises(
+        GGUFError,
+        match=r"a 'llama' model needs tensor 'blk.1.ffn_gate.weight', which this file "
+        r"lacks: its layout is a variant of 'llama' exo-node does not run",
+    ):
         load_config(bad)

@@ -1,4 +1,5 @@
 """Tokenizers built from GGUF metadata agree with transformers' GGUF tokenizer conversion, token for token."""
+
 import pytest
 from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HF

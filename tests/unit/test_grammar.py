@@ -1,5 +1,6 @@
 """Grammar-constrained sampling on the packaged SmolLM2 tokenizer: whatever the logits, the output follows the
 grammar; a replay continues exactly; bad and hostile grammars are refused with a reason."""
+
 from __future__ import annotations
 
 import json
@@ -26,20 +27,39 @@ SCHEMA = {
     "type": "object",
     "properties": {
         "kind": {"enum": ["cat", "dog", "bird"]},
-        "owner": {"type": "object", "required": ["name", "age"],
-                  "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
-                                 "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
+        "owner": {
+            "type": "object",
+            "required": ["name", "age"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            },
+        },
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
-        "id": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 9999},
-                         {"type": "string", "pattern": "^id-[0-9]{3}$"}]},
+        "id": {
+            "anyOf": [
+                {"type": "integer", "minimum": 1, "maximum": 9999},
+                {"type": "string", "pattern": "^id-[0-9]{3}$"},
+            ]
+        },
         "weight": {"type": "number", "exclusiveMinimum": 0, "maximum": 50.5},
     },
     "required": ["kind", "owner", "tags", "id", "weight"],
 }
-TOOLS = [("get_weather", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                           "unit": {"enum": ["c", "f"]}}, "required": ["city"]}),
-         ("add", {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
-                  "required": ["x", "y"]})]
+TOOLS = [
+    (
+        "get_weather",
+        {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    ),
+    (
+        "add",
+        {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"]},
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +107,13 @@ def test_json_object_accepts_any_object_and_nothing_else(tok, gt):
 
 
 def test_extra_properties_are_closed_unless_the_schema_asks_for_them():
-    closed = closed_objects({"type": "object", "properties": {"a": {"type": "object", "properties": {}}},
-                             "$defs": {"d": {"properties": {"b": {}}, "additionalProperties": True}}})
+    closed = closed_objects(
+        {
+            "type": "object",
+            "properties": {"a": {"type": "object", "properties": {}}},
+            "$defs": {"d": {"properties": {"b": {}}, "additionalProperties": True}},
+        }
+    )
     assert closed["additionalProperties"] is False
     assert closed["properties"]["a"]["additionalProperties"] is False
     assert closed["$defs"]["d"]["additionalProperties"] is True

@@ -1,4 +1,5 @@
 """A request aiohttp can't parse costs one warning line in the log, never a traceback."""
+
 import asyncio
 import logging
 
@@ -14,6 +15,7 @@ def test_an_oversized_header_is_one_line_naming_the_client(caplog):
 
     async def go():
         app = web.Application()
+
         async def ok(request):
             return web.Response(text="ok")
 

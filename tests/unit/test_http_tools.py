@@ -1,5 +1,6 @@
 """tools / tool_choice / response_format as the API reads them, tool messages in the conversation, and tool calls
 read back out of streamed text: bad input is a 400 naming the field."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,14 @@ from node.http.format import ChatFormat
 from node.http.schema import ApiError, parse_chat, parse_completion
 from node.http.tools import ToolCallParser, generic_messages, knows_tools
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 USER = [{"role": "user", "content": "Weather in Oslo?"}]
 
 
@@ -28,37 +35,71 @@ def refused(param: str, **kw) -> str:
 
 
 def test_tools_and_tool_choice_are_read():
-    s = chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-             parallel_tool_calls=False).options.structure
+    s = chat(
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+    ).options.structure
     assert [t.name for t in s.tools] == ["get_weather"] and s.tool_choice == "get_weather" and not s.parallel
     assert s.grammar() and s.calls_tools
     assert chat(tools=[WEATHER], tool_choice="none").options.structure.grammar() is None
     assert chat().options.structure.grammar() is None
 
 
-@pytest.mark.parametrize("kw, param, says", [
-    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
-     "not one of the tools"),
-    (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice", "must be"),
-    (dict(tool_choice="auto"), "tool_choice", "only allowed when 'tools'"),
-    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name", "[A-Za-z0-9_-]"),
-    (dict(tools=[WEATHER, WEATHER]), "tools[1].function.name", "two tools"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
-     "tools[0].function.parameters", "JSON Schema object"),
-    (dict(tools=[{"type": "retrieval"}]), "tools[0]", '"type": "function"'),
-    (dict(parallel_tool_calls="yes", tools=[WEATHER]), "parallel_tool_calls", "boolean"),
-    (dict(functions=[{"name": "f"}]), "functions", "use 'tools'"),
-    (dict(response_format={"type": "yaml"}), "response_format", "json_schema"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema",
-     "schema"),
-    (dict(response_format={"type": "json_object"}, tools=[WEATHER]), "response_format", "together with tools"),
-    (dict(messages=USER + [{"role": "tool", "content": "12C"}]), "messages[1].tool_call_id", "tool_call_id"),
-    (dict(messages=USER + [{"role": "tool", "content": "12C", "tool_call_id": "c9"}]), "messages[1].tool_call_id",
-     "no earlier assistant message called"),
-    (dict(messages=USER + [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
-                                                                 "function": {"name": "f", "arguments": "{oops"}}]}]),
-     "messages[1].tool_calls[0].function.arguments", "JSON string"),
-])
+@pytest.mark.parametrize(
+    "kw, param, says",
+    [
+        (
+            dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+            "tool_choice",
+            "not one of the tools",
+        ),
+        (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice", "must be"),
+        (dict(tool_choice="auto"), "tool_choice", "only allowed when 'tools'"),
+        (
+            dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
+            "tools[0].function.name",
+            "[A-Za-z0-9_-]",
+        ),
+        (dict(tools=[WEATHER, WEATHER]), "tools[1].function.name", "two tools"),
+        (
+            dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
+            "tools[0].function.parameters",
+            "JSON Schema object",
+        ),
+        (dict(tools=[{"type": "retrieval"}]), "tools[0]", '"type": "function"'),
+        (dict(parallel_tool_calls="yes", tools=[WEATHER]), "parallel_tool_calls", "boolean"),
+        (dict(functions=[{"name": "f"}]), "functions", "use 'tools'"),
+        (dict(response_format={"type": "yaml"}), "response_format", "json_schema"),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            "response_format.json_schema",
+            "schema",
+        ),
+        (dict(response_format={"type": "json_object"}, tools=[WEATHER]), "response_format", "together with tools"),
+        (dict(messages=USER + [{"role": "tool", "content": "12C"}]), "messages[1].tool_call_id", "tool_call_id"),
+        (
+            dict(messages=USER + [{"role": "tool", "content": "12C", "tool_call_id": "c9"}]),
+            "messages[1].tool_call_id",
+            "no earlier assistant message called",
+        ),
+        (
+            dict(
+                messages=USER
+                + [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+                        ],
+                    }
+                ]
+            ),
+            "messages[1].tool_calls[0].function.arguments",
+            "JSON string",
+        ),
+    ],
+)
 def test_bad_tool_input_is_a_400_naming_the_field(kw, param, says):
     assert says in refused(param, **kw)
 
@@ -71,14 +112,30 @@ def test_completions_take_response_format_but_not_tools():
 
 
 def test_a_conversation_with_calls_and_results_renders_generically():
-    req = chat(tools=[WEATHER], messages=USER + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "12C, rain"}])
+    req = chat(
+        tools=[WEATHER],
+        messages=USER
+        + [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "12C, rain"},
+        ],
+    )
     msgs = generic_messages(req.messages, req.options.structure)
     assert msgs[0]["role"] == "system" and "get_weather" in msgs[0]["content"] and "<tool_call>" in msgs[0]["content"]
-    assert msgs[2] == {"role": "assistant",
-                       "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'}
+    assert msgs[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    }
     assert msgs[3] == {"role": "user", "content": "<tool_response>\n12C, rain\n</tool_response>"}
     assert knows_tools("{% if tools %}...<tool_call>{% endif %}") and not knows_tools("{{ messages }}")
 
@@ -90,14 +147,16 @@ CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_
 def test_streamed_text_splits_into_content_and_calls_wherever_it_is_cut(cut):
     text = "Let me look. " + CALL + "\n" + CALL.replace("Oslo", "Bergen")
     parser, content, calls = ToolCallParser(), "", []
-    pieces = [text[i:i + cut] for i in range(0, len(text), cut)]
+    pieces = [text[i : i + cut] for i in range(0, len(text), cut)]
     for k, piece in enumerate(pieces):
         c, found = parser.feed(piece, final=k == len(pieces) - 1)
         assert "<" not in c  # no part of a call leaks into the content
         content, calls = content + c, calls + found
     assert content == "Let me look."
     assert [(c.index, c.name, json.loads(c.arguments)) for c in calls] == [
-        (0, "get_weather", {"city": "Oslo"}), (1, "get_weather", {"city": "Bergen"})]
+        (0, "get_weather", {"city": "Oslo"}),
+        (1, "get_weather", {"city": "Bergen"}),
+    ]
 
 
 def test_text_without_calls_and_unfinished_calls_stay_content():
@@ -110,8 +169,10 @@ def test_text_without_calls_and_unfinished_calls_stay_content():
 
 def test_the_chat_format_folds_calls_into_the_message_with_finish_reason_tool_calls():
     fmt = ChatFormat(chat(tools=[WEATHER]).options, 10, "m")
-    pieces = [TextDelta(CALL[:20], completion_tokens=5),
-              TextDelta(CALL[20:], finish_reason="stop", completion_tokens=9)]
+    pieces = [
+        TextDelta(CALL[:20], completion_tokens=5),
+        TextDelta(CALL[20:], finish_reason="stop", completion_tokens=9),
+    ]
     choice = fmt.whole(pieces, "")["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
@@ -152,10 +213,23 @@ def test_a_template_that_knows_tools_renders_them_and_the_calls_itself():
 
     tok = Tokenizer.__new__(Tokenizer)  # only the template matters here
     tok.chat_template, tok.bos_token, tok.eos_token = TOOL_TEMPLATE, None, "<|im_end|>"
-    req = chat(tools=[WEATHER], messages=USER + [
-        {"role": "assistant", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "12C"}])
+    req = chat(
+        tools=[WEATHER],
+        messages=USER
+        + [
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "12C"},
+        ],
+    )
     messages, tools = prompt_inputs(req.messages, req.options.structure, tok.chat_template)
     assert tools == [WEATHER] and messages is req.messages  # no system prompt of ours
     text = tok.render_chat(messages, tools=tools)

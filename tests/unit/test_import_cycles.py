@@ -1,6 +1,7 @@
 """No import cycles among the modules of `shards/`: imports go one way (e.g. formats.loader -> formats.hf /
 formats.gguf_model -> formats.config / formats.weights). Imports inside functions count too: a lazy import hides
 a cycle from Python, not from a reader."""
+
 import ast
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                return (path + [node])[(path + [node]).index(nxt):] + [nxt]
+                return (path + [node])[(path + [node]).index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt, path + [node])):
                 return cycle
         state[node] = "done"
@@ -62,8 +63,18 @@ def test_shards_has_no_import_cycles():
 # -- node/: no cycles, and one direction between its layers ----------------------------------------------------------
 # http -> runtime -> core; grpc -> runtime.transport (the port it implements) and core; the core is pure.
 FORBIDDEN = {
-    "node.core": ("node.runtime", "node.grpc", "node.http", "node.fetch", "node.cli", "node.settings", "grpc",
-                  "google.protobuf", "aiohttp", "asyncio"),
+    "node.core": (
+        "node.runtime",
+        "node.grpc",
+        "node.http",
+        "node.fetch",
+        "node.cli",
+        "node.settings",
+        "grpc",
+        "google.protobuf",
+        "aiohttp",
+        "asyncio",
+    ),
     "node.runtime": ("node.http", "node.grpc", "node.cli", "node.settings", "grpc", "google.protobuf", "aiohttp"),
     "node.grpc": ("node.http", "node.cli", "node.settings", "aiohttp"),
     "node.http": ("node.grpc", "node.cli", "node.settings", "grpc", "google.protobuf"),
@@ -104,11 +115,15 @@ def test_node_layers_import_in_one_direction():
         for target in all_imports(path):
             if any(_within(target, banned) for banned in FORBIDDEN[layer]):
                 wrong.append(f"{name} imports {target}")
-            elif layer in PORTS and _within(target, "node.runtime") \
-                    and not any(_within(target, port) for port in PORTS[layer]):
+            elif (
+                layer in PORTS
+                and _within(target, "node.runtime")
+                and not any(_within(target, port) for port in PORTS[layer])
+            ):
                 wrong.append(f"{name} imports {target} (of the runtime it may use only {sorted(PORTS[layer])})")
-    assert not wrong, "imports against the layers (http -> runtime -> core; grpc -> runtime.transport, core):\n" \
-        + "\n".join(wrong)
+    assert not wrong, (
+        "imports against the layers (http -> runtime -> core; grpc -> runtime.transport, core):\n" + "\n".join(wrong)
+    )
 
 
 def test_the_layer_check_sees_lazy_imports(tmp_path):

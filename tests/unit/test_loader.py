@@ -1,5 +1,6 @@
 """The loader decides a model's format once, from the path alone; everything else (config, weights, tokenizer,
 fetch layout, model ids) asks it. These are the rules, and the errors for paths that are no model."""
+
 import shutil
 
 import pytest
@@ -45,8 +46,11 @@ def test_config_json_makes_a_hugging_face_folder_even_beside_a_gguf(tmp_path):
 
 
 def test_paths_that_are_no_model_are_refused_with_what_to_pass(tmp_path):
-    with pytest.raises(ModelFormatError, match=r"no config.json .* and no .gguf file; pass a .gguf file or a Hugging "
-                                               r"Face model folder"):
+    with pytest.raises(
+        ModelFormatError,
+        match=r"no config.json .* and no .gguf file; pass a .gguf file or a Hugging "
+        r"Face model folder",
+    ):
         open_model(tmp_path)
     (tmp_path / "model.bin").write_bytes(b"\0" * 16)
     with pytest.raises(ModelFormatError, match=r"model.bin: not a model: a model file must be GGUF \(named \*.gguf\)"):

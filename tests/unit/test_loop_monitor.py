@@ -1,5 +1,6 @@
 """The event loop's own latency is measured: a piece of work that holds the loop shows up as lag, in the
 node's metrics and (rate-limited) in its log."""
+
 import asyncio
 import logging
 import time
@@ -30,7 +31,9 @@ def test_long_lags_are_logged_once_per_period_with_the_worst(caplog):
             now[0] = t
             monitor.record(lag)
     assert [r.getMessage()[:44] for r in caplog.records] == [
-        "the event loop was held for 0.70s (the worst", "the event loop was held for 2.00s (the worst"]
+        "the event loop was held for 0.70s (the worst",
+        "the event loop was held for 2.00s (the worst",
+    ]
 
 
 def test_a_node_exports_its_loop_lag():
@@ -40,8 +43,12 @@ def test_a_node_exports_its_loop_lag():
             await asyncio.sleep(0.15)
             time.sleep(0.3)
             await asyncio.sleep(0.25)
-            samples = {s.name: s.value for m in node.metrics.registry.collect() for s in m.samples
-                       if m.name == "exo_event_loop_lag_seconds"}
+            samples = {
+                s.name: s.value
+                for m in node.metrics.registry.collect()
+                for s in m.samples
+                if m.name == "exo_event_loop_lag_seconds"
+            }
         finally:
             await shutdown(node, server, peer)
         assert samples["exo_event_loop_lag_seconds_count"] >= 2

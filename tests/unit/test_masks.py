@@ -1,4 +1,5 @@
 """The one causal mask every engine uses (shards/engines/masks.py), in each engine's values."""
+
 import numpy as np
 import pytest
 

@@ -1,6 +1,7 @@
 """A busy peer is not a dead one: a peer whose event loop is held for a moment keeps its membership (no flapping,
 no replays, no channel closed under calls in flight); a peer that keeps missing checks, or whose port is shut, is
 dropped."""
+
 import asyncio
 import threading
 import time
@@ -32,6 +33,7 @@ class PeerInAThread:
             await self.server.stop(0)
             await self.node.stop()
             await self.transport.close()
+
         self.call(stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
@@ -43,8 +45,15 @@ def test_a_peer_busy_for_less_than_the_tolerated_misses_stays_a_member_then_a_si
 
     async def go():
         transport = GrpcTransport(rpc_timeout=2.0)
-        membership = Membership("a", "127.0.0.1:1", transport, [StaticDiscovery([peer.node.address])],
-                                lambda peers, alive: views.append(sorted(peers)), check_timeout=0.3, misses=3)
+        membership = Membership(
+            "a",
+            "127.0.0.1:1",
+            transport,
+            [StaticDiscovery([peer.node.address])],
+            lambda peers, alive: views.append(sorted(peers)),
+            check_timeout=0.3,
+            misses=3,
+        )
         await membership.refresh()
         peer.hold_loop(1.0)  # b is busy: its next two checks time out
         await asyncio.sleep(0.05)

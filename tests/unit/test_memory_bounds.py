@@ -1,5 +1,6 @@
 """Memory a peer can make a node hold is bounded: one entry node's requests get at most their share of the KV
 budget, and no request brings more positions than it declared (the size its reservation was made for)."""
+
 import dataclasses
 
 import numpy as np
@@ -19,9 +20,16 @@ def request(rid, entry="entry", prompt_tokens=10, max_tokens=6):
 
 def test_one_entrys_requests_reserve_at_most_their_share_and_others_still_get_in():
     per_request = Admission("b", "llama", CFG, CoreLimits(), members=None, serves=lambda s: True).kv_bytes(
-        Shard("llama", 2, 4, 6), 16)
-    a = Admission("b", "llama", CFG, CoreLimits(kv_budget=10 * per_request, kv_entry_share=0.5), members=None,
-                  serves=lambda s: True)
+        Shard("llama", 2, 4, 6), 16
+    )
+    a = Admission(
+        "b",
+        "llama",
+        CFG,
+        CoreLimits(kv_budget=10 * per_request, kv_entry_share=0.5),
+        members=None,
+        serves=lambda s: True,
+    )
     held = {}
     for i in range(5):  # half the budget: the flooding entry's share
         held[f"f{i}"] = a.admit(request(f"f{i}"), held, now=0.0)
@@ -34,8 +42,9 @@ def test_one_entrys_requests_reserve_at_most_their_share_and_others_still_get_in
 
 
 def test_a_request_larger_than_one_entrys_share_is_refused_outright():
-    a = Admission("b", "llama", CFG, CoreLimits(kv_budget=1 << 20, kv_entry_share=0.1), members=None,
-                  serves=lambda s: True)
+    a = Admission(
+        "b", "llama", CFG, CoreLimits(kv_budget=1 << 20, kv_entry_share=0.1), members=None, serves=lambda s: True
+    )
     big = request("r1", prompt_tokens=200, max_tokens=56)  # 0.125 MiB on b's two layers: within the budget
     with pytest.raises(PlanError, match="more than one entry's share") as e:
         a.admit(big, {}, now=0.0)
@@ -73,4 +82,3 @@ def test_a_whole_generation_stays_within_its_declaration():
     for token in range(3):  # the tokens sampled before the last come back to the first node
         assert a.accept_activations([Activation("r1", np.array([token], np.int64))]) == []
     assert a.requests["r1"].positions_in == 6 <= declared.positions
-

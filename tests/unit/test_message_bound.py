@@ -1,18 +1,18 @@
 """What a peer can make a node read whole is bounded by the model: one request's context of activations (context
 x hidden x 4 bytes) and a little room, not 256 MiB a message; honest senders cut their calls to fit."""
+
 import asyncio
 
 import grpc
 import numpy as np
 
 from node.grpc import wire
-from node.grpc.client import message_bound
+from node.grpc.client import GrpcTransport, message_bound
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.server import GrpcServer
 from node.runtime.node import Node
 from node.runtime.outbox import Outbox
 from node.runtime.settings import NodeSettings, ServedModel
-from node.grpc.client import GrpcTransport
 from shards.engines.registry import engine_factory
 from shards.formats.config import ModelConfig
 from shards.tokenizer import Tokenizer
@@ -30,9 +30,13 @@ def test_a_message_past_the_models_bound_is_refused_unread_and_the_node_serves_o
     async def go():
         bound = message_bound(CFG.hidden_size, CFG.max_position_embeddings)
         server = GrpcServer("127.0.0.1", 0, bound)
-        node = Node(NodeSettings(node_id="n0", memory_bytes=1 << 30, max_tensor_bytes=bound - (1 << 20)),
-                    ServedModel("llama", MODEL, CFG, Tokenizer(MODEL)), address=f"127.0.0.1:{server.port}",
-                    engines=engine_factory("numpy"), transport=GrpcTransport(bound))
+        node = Node(
+            NodeSettings(node_id="n0", memory_bytes=1 << 30, max_tensor_bytes=bound - (1 << 20)),
+            ServedModel("llama", MODEL, CFG, Tokenizer(MODEL)),
+            address=f"127.0.0.1:{server.port}",
+            engines=engine_factory("numpy"),
+            transport=GrpcTransport(bound),
+        )
         node.start()
         await server.start(node)
         client = RawClient(node.address)

@@ -1,4 +1,5 @@
 """Mixture-of-experts configs from config.json and GGUF metadata, and refusals that name the missing feature."""
+
 import json
 
 import pytest
@@ -33,13 +34,16 @@ def test_mixtral_always_renormalises_and_qwen2_moe_only_when_asked():
     assert ModelConfig.from_dict(raw("qwen2moe") | {"norm_topk_prob": True}).moe.normalize
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"num_experts_per_tok": 9}, "9 experts per token but only 8 experts"),
-    ({"num_experts_per_tok": None}, "n_used must be a positive integer"),
-    ({"moe_intermediate_size": 0}, "expert_size must be a positive integer"),
-    ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
-    ({"mlp_only_layers": "all"}, "mlp_only_layers a list"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_experts_per_tok": 9}, "9 experts per token but only 8 experts"),
+        ({"num_experts_per_tok": None}, "n_used must be a positive integer"),
+        ({"moe_intermediate_size": 0}, "expert_size must be a positive integer"),
+        ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+        ({"mlp_only_layers": "all"}, "mlp_only_layers a list"),
+    ],
+)
 def test_bad_moe_fields_are_refused_naming_the_field(change, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict(raw("qwen2moe") | change)
@@ -48,7 +52,9 @@ def test_bad_moe_fields_are_refused_naming_the_field(change, message):
 def test_deepseek_is_refused_naming_multi_head_latent_attention(tmp_path):
     with pytest.raises(ConfigError, match="DeepseekV3ForCausalLM needs multi-head latent attention"):
         ModelConfig.from_dict(raw("qwen3moe") | {"architectures": ["DeepseekV3ForCausalLM"]})
-    path = rewrite(MOE / "qwen3moe.gguf", tmp_path / "d.gguf", replace={"general.architecture": ("deepseek2", V.STRING)})
+    path = rewrite(
+        MOE / "qwen3moe.gguf", tmp_path / "d.gguf", replace={"general.architecture": ("deepseek2", V.STRING)}
+    )
     with pytest.raises(GGUFError, match="deepseek2 needs multi-head latent attention"):
         load_config(path)
 

@@ -1,22 +1,23 @@
 """A node's gRPC surface, in process: hostile or stray input is refused cleanly, big tensors pass the 4 MiB cap."""
+
 import asyncio
 
 import grpc
 import numpy as np
 import pytest
 
-from node.grpc import wire
-from shards.engines.registry import engine_factory
-from node.runtime.node import Node
-from node.runtime.settings import NodeSettings, ServedModel
-from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, channel_options
 from node.core.plan import PlanStep, RequestSpec
-from node.grpc.server import GrpcServer
-from node.runtime.shard_manager import ShardManager
+from node.grpc import wire
+from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, channel_options
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
-from shards.formats.config import ModelConfig
+from node.grpc.server import GrpcServer
+from node.runtime.node import Node
+from node.runtime.settings import NodeSettings, ServedModel
+from node.runtime.shard_manager import ShardManager
 from shards.engines.numpy_engine import NumpyEngine
+from shards.engines.registry import engine_factory
+from shards.formats.config import ModelConfig
 from shards.sampling import SamplingParams
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
@@ -62,8 +63,13 @@ async def serving(pinned=None, node_id="n0"):
     cfg = ModelConfig.from_dir(MODEL)
     server = GrpcServer("127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES)
     settings = NodeSettings(node_id=node_id, memory_bytes=1 << 30, pinned=pinned, max_tensor_bytes=8 << 20)
-    node = Node(settings, ServedModel("llama", MODEL, cfg, Tokenizer(MODEL)), address=f"127.0.0.1:{server.port}",
-                engines=engine_factory("numpy"), transport=GrpcTransport())
+    node = Node(
+        settings,
+        ServedModel("llama", MODEL, cfg, Tokenizer(MODEL)),
+        address=f"127.0.0.1:{server.port}",
+        engines=engine_factory("numpy"),
+        transport=GrpcTransport(),
+    )
     node.start()
     await server.start(node)
     return node, server, RawClient(node.address)
@@ -77,12 +83,14 @@ async def shutdown(node, server, client):
 
 
 def spec_for(node, plan_nodes=(("n0", 0, 3), ("other", 3, 6)), rid="r1", prompt_tokens=0):
-    plan = tuple(PlanStep(n, node.address if n == node.id else "127.0.0.1:9", Shard("llama", a, b, 6))
-                 for n, a, b in plan_nodes)
+    plan = tuple(
+        PlanStep(n, node.address if n == node.id else "127.0.0.1:9", Shard("llama", a, b, 6)) for n, a, b in plan_nodes
+    )
     # the other nodes of the plan are members as far as this node knows (as membership would have found them)
     node.update_peers({}, alive={n: "127.0.0.1:9" for n, _, _ in plan_nodes if n != node.id})
-    return RequestSpec(rid, plan, SamplingParams(temperature=0), 4, frozenset({509}), "n0", node.address,
-                       prompt_tokens=prompt_tokens)
+    return RequestSpec(
+        rid, plan, SamplingParams(temperature=0), 4, frozenset({509}), "n0", node.address, prompt_tokens=prompt_tokens
+    )
 
 
 def test_health_check_describes_the_node():
@@ -90,18 +98,27 @@ def test_health_check_describes_the_node():
         node, server, client = await serving(pinned=(0, 3))
         try:
             info = wire.decode_node_info((await client.health_check()).node)
-            assert (info.node_id, info.address, info.pinned, info.capabilities.n_layers) == ("n0", node.address, (0, 3), 6)
+            assert (info.node_id, info.address, info.pinned, info.capabilities.n_layers) == (
+                "n0",
+                node.address,
+                (0, 3),
+                6,
+            )
         finally:
             await shutdown(node, server, client)
+
     run(go())
 
 
-@pytest.mark.parametrize("tensor", [
-    pb.Tensor(data=b"\0" * 12, shape=[4], dtype="float64"),
-    pb.Tensor(data=b"\0" * 12, shape=[4], dtype="float32"),  # 4 floats need 16 bytes
-    pb.Tensor(data=b"", shape=[-1], dtype="float32"),
-    pb.Tensor(data=b"\0" * 8, shape=[1], dtype="pickle"),
-])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        pb.Tensor(data=b"\0" * 12, shape=[4], dtype="float64"),
+        pb.Tensor(data=b"\0" * 12, shape=[4], dtype="float32"),  # 4 floats need 16 bytes
+        pb.Tensor(data=b"", shape=[-1], dtype="float32"),
+        pb.Tensor(data=b"\0" * 8, shape=[1], dtype="pickle"),
+    ],
+)
 def test_malformed_tensors_are_invalid_argument(tensor):
     async def go():
         node, server, client = await serving()
@@ -113,6 +130,7 @@ def test_malformed_tensors_are_invalid_argument(tensor):
             assert (await client.health_check()).ok
         finally:
             await shutdown(node, server, client)
+
     run(go())
 
 
@@ -127,6 +145,7 @@ def test_tensor_over_the_size_cap_is_refused():
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         finally:
             await shutdown(node, server, client)
+
     run(go())
 
 
@@ -136,13 +155,21 @@ def test_messages_larger_than_grpcs_default_4mib_get_through():
         try:
             # 5 MiB of activations in one message: whole prompts (as much as the context takes) of 84 requests
             hidden = np.zeros((252, 64), dtype=np.float32)
-            entries = [pb.TensorEntry(request_id=f"r{i}", tensor=wire.encode_tensor(hidden), spec=wire.encode_spec(
-                spec_for(node, (("a", 0, 3), ("n0", 3, 6)), rid=f"r{i}", prompt_tokens=len(hidden))))
-                for i in range(84)]
+            entries = [
+                pb.TensorEntry(
+                    request_id=f"r{i}",
+                    tensor=wire.encode_tensor(hidden),
+                    spec=wire.encode_spec(
+                        spec_for(node, (("a", 0, 3), ("n0", 3, 6)), rid=f"r{i}", prompt_tokens=len(hidden))
+                    ),
+                )
+                for i in range(84)
+            ]
             response = await client.send(pb.SendRequest(entries=entries))
             assert pb.SendRequest(entries=entries).ByteSize() > 5 << 20 and list(response.rejected) == []
         finally:
             await shutdown(node, server, client)
+
     run(go())
 
 
@@ -156,6 +183,7 @@ def test_stray_activations_for_unknown_requests_are_rejected_per_entry():
             assert node.info().active_requests == 0
         finally:
             await shutdown(node, server, client)
+
     run(go())
 
 
@@ -170,6 +198,7 @@ def test_prompt_sent_to_the_wrong_node_is_invalid_argument():
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "first node is other" in e.value.details()
         finally:
             await shutdown(node, server, client)
+
     run(go())
 
 
@@ -178,16 +207,35 @@ def test_end_request_frees_state_and_late_activations_are_dropped():
         node, server, client = await serving()
         try:
             spec = spec_for(node, (("a", 0, 3), ("n0", 3, 6)))
-            await client.send(pb.SendRequest(entries=[pb.TensorEntry(
-                request_id="r1", tensor=wire.encode_tensor(np.zeros((1, 64), np.float32)), spec=wire.encode_spec(spec))]))
+            await client.send(
+                pb.SendRequest(
+                    entries=[
+                        pb.TensorEntry(
+                            request_id="r1",
+                            tensor=wire.encode_tensor(np.zeros((1, 64), np.float32)),
+                            spec=wire.encode_spec(spec),
+                        )
+                    ]
+                )
+            )
             await client.end_request("r1", "cancelled")
             await node.shards.run(lambda: None)  # wait for queued releases on the engine thread
             assert node.info().active_requests == 0
-            late = await client.send(pb.SendRequest(entries=[pb.TensorEntry(
-                request_id="r1", tensor=wire.encode_tensor(np.zeros((1, 64), np.float32)), spec=wire.encode_spec(spec))]))
+            late = await client.send(
+                pb.SendRequest(
+                    entries=[
+                        pb.TensorEntry(
+                            request_id="r1",
+                            tensor=wire.encode_tensor(np.zeros((1, 64), np.float32)),
+                            spec=wire.encode_spec(spec),
+                        )
+                    ]
+                )
+            )
             assert list(late.rejected) == [] and node.info().active_requests == 0
         finally:
             await shutdown(node, server, client)
+
     run(go())
 
 
@@ -206,11 +254,17 @@ def test_concurrent_loads_of_one_shard_happen_once():
         await manager.get(Shard("llama", 3, 6, 6))  # reassignment: the idle old shard is unloaded
         assert manager.loaded == (Shard("llama", 3, 6, 6),)
         manager.close()
+
     run(go())
 
 
 def test_a_pinned_shard_past_the_models_layers_is_refused_before_anything_starts():
     settings = NodeSettings(node_id="n0", memory_bytes=1 << 30, pinned=(3, 9))
     with pytest.raises(ValueError, match=r"--shard 3:9: the model has 6 layers; need END <= 6"):
-        Node(settings, ServedModel("llama", MODEL, ModelConfig.from_dir(MODEL), Tokenizer(MODEL)),
-             address="127.0.0.1:1", engines=engine_factory("numpy"), transport=GrpcTransport())
+        Node(
+            settings,
+            ServedModel("llama", MODEL, ModelConfig.from_dir(MODEL), Tokenizer(MODEL)),
+            address="127.0.0.1:1",
+            engines=engine_factory("numpy"),
+            transport=GrpcTransport(),
+        )

@@ -1,4 +1,5 @@
 """How a model's layers are split across the nodes of the ring."""
+
 import itertools
 import random
 from fractions import Fraction
@@ -24,6 +25,7 @@ def counts(ring: list[tuple[str, Shard]]) -> dict[str, int]:
 
 
 # --- automatic, memory-weighted -------------------------------------------------------------
+
 
 def test_equal_memory_splits_evenly():
     ring = partition([node("a"), node("b"), node("c")], "m", 6)
@@ -95,8 +97,7 @@ def test_random_inputs_always_give_a_proportional_tiling():
 
         # Close to the exact proportional share; the 1-layer minimum may push others off by its cost.
         total = sum(mems)
-        share = {i: Fraction(n_layers * m, total) if total else Fraction(n_layers, n_nodes)
-                 for i, m in zip(ids, mems)}
+        share = {i: Fraction(n_layers * m, total) if total else Fraction(n_layers, n_nodes) for i, m in zip(ids, mems)}
         forced = sum(1 for q in share.values() if q < 1)
         for node_id, count in counts(ring).items():
             assert abs(count - share[node_id]) < 1 + forced, (nodes, n_layers, ring)
@@ -114,6 +115,7 @@ def test_random_inputs_with_more_nodes_than_layers():
 
 
 # --- pinned shards -----------------------------------------------------------------------------
+
 
 def test_pinned_shards_that_tile_are_used_as_given_in_layer_order():
     nodes = [node("c", 1, (5, 8)), node("a", 100, (0, 2)), node("b", 1, (2, 5))]
@@ -181,6 +183,7 @@ def test_all_problems_including_a_bad_range_in_one_message():
 
 
 # --- bad input -----------------------------------------------------------------------------------
+
 
 def test_duplicate_node_ids_are_rejected():
     with pytest.raises(PartitionError, match="duplicate node ids: a"):

@@ -1,6 +1,7 @@
 """Placement of a mixture of experts by each layer's size: experts dominate a sparse layer, a dense layer
 (mlp_only_layers) holds a fraction of one, the embedding and head sit with the first and last layers; dense models
 keep the layer-count split."""
+
 import dataclasses
 
 import pytest

@@ -1,5 +1,6 @@
 """A node holds connections only to the peers it still reaches: an address that never answers a health check, and a
 peer that left (a `Leave`, then silence), keep no gRPC channel, data-path stream or stream reader task."""
+
 import asyncio
 
 from discovery.static import StaticDiscovery
@@ -30,9 +31,13 @@ NOTHING = {"channels": 0, "streams": 0, "readers": 0}
 async def serving(node_id: str) -> tuple[Node, GrpcServer, GrpcTransport]:
     server = GrpcServer("127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES)
     transport = GrpcTransport(rpc_timeout=2.0)
-    node = Node(NodeSettings(node_id=node_id, memory_bytes=1 << 30),
-                ServedModel("llama", MODEL, ModelConfig.from_dir(MODEL), Tokenizer(MODEL)),
-                address=f"127.0.0.1:{server.port}", engines=engine_factory("numpy"), transport=transport)
+    node = Node(
+        NodeSettings(node_id=node_id, memory_bytes=1 << 30),
+        ServedModel("llama", MODEL, ModelConfig.from_dir(MODEL), Tokenizer(MODEL)),
+        address=f"127.0.0.1:{server.port}",
+        engines=engine_factory("numpy"),
+        transport=transport,
+    )
     node.start()
     await server.start(node)
     return node, server, transport
@@ -47,13 +52,15 @@ def test_addresses_that_never_answer_keep_no_channel():
         except TransportError:
             pass
         assert held(transport)["streams"] == 1
-        membership = Membership("me", "127.0.0.1:1", transport, [StaticDiscovery(dead)], lambda peers, alive: None,
-                                check_timeout=0.2)
+        membership = Membership(
+            "me", "127.0.0.1:1", transport, [StaticDiscovery(dead)], lambda peers, alive: None, check_timeout=0.2
+        )
         for _ in range(3):
             await membership.refresh()
             assert membership.peers == {}
             assert held(transport) == NOTHING, "a channel is kept for an address that never answered"
         await transport.close()
+
     asyncio.run(go())
 
 
@@ -61,8 +68,9 @@ def test_a_peer_that_left_keeps_its_channel_while_it_drains_and_none_once_it_is_
     async def go():
         node, server, transport = await serving("a")
         peer, peer_server, peer_transport = await serving("b")
-        membership = Membership("a", node.address, transport, [StaticDiscovery([peer.address])],
-                                node.update_peers, check_timeout=0.5)
+        membership = Membership(
+            "a", node.address, transport, [StaticDiscovery([peer.address])], node.update_peers, check_timeout=0.5
+        )
         await membership.refresh()
         assert [p.node_id for p in node.peers()] == ["b"]
         await transport.send(peer.address, (), ())  # the data path to b: a stream with its reader
@@ -83,4 +91,5 @@ def test_a_peer_that_left_keeps_its_channel_while_it_drains_and_none_once_it_is_
         await server.stop(0)
         await node.stop()
         await transport.close()
+
     asyncio.run(go())

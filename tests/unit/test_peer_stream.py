@@ -1,13 +1,14 @@
 """The data-path stream to a peer: answers in order, a deadline per message, and a fresh stream after any failure."""
+
 import asyncio
 
 import grpc
 import pytest
 
 from node.grpc.client import channel_options
-from node.grpc.stream import PeerStream, StreamBroken
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
+from node.grpc.stream import PeerStream, StreamBroken
 from tests.support.cluster import free_port
 
 
@@ -57,6 +58,7 @@ def test_messages_are_answered_in_order_over_one_stream():
         await stream.close()
         await channel.close()
         await server.stop(None)
+
     asyncio.run(go())
 
 
@@ -74,6 +76,7 @@ def test_a_message_without_an_answer_in_time_breaks_the_stream_and_the_next_gets
         await stream.close()
         await channel.close()
         await server.stop(None)
+
     asyncio.run(go())
 
 
@@ -94,6 +97,7 @@ def test_a_peer_that_dies_fails_what_waits_at_once_and_a_restarted_one_is_reache
         await stream.close()
         await channel.close()
         await server.stop(None)
+
     asyncio.run(go())
 
 
@@ -108,4 +112,5 @@ def test_a_peer_still_starting_is_waited_for_within_the_deadline():
         await stream.close()
         await channel.close()
         await server.stop(None)
+
     asyncio.run(go())

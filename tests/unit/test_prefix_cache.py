@@ -1,6 +1,7 @@
 """The entry's index of retained prefixes (node/core/prefix_cache.py): the longest shared prefix wins, a hit always
 leaves a token to compute, entries leave least recently used first and within their capacity, and a hit takes its
 entry out."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
 """Loading weights shows progress: a tqdm bar on a terminal, periodic log lines anywhere else."""
+
 from __future__ import annotations
 
 import fcntl
@@ -15,9 +16,9 @@ import pytest
 
 from shards import progress
 from shards.formats.config import ModelConfig
+from shards.formats.loader import load_shard_weights
 from shards.progress import Progress, track
 from shards.shard import Shard
-from shards.formats.loader import load_shard_weights
 from tests.conftest import FIXTURES
 
 MODEL = FIXTURES / "llama"

@@ -1,5 +1,6 @@
 """Prompts are tokenized off the event loop, and only when they might fit: a megabyte of text must not hold the
 loop (and with it gRPC and health checks) for seconds."""
+
 import asyncio
 import random
 import string

@@ -4,6 +4,7 @@ proto/node_service.proto (none is stale). To regenerate them, from the repositor
     uv run python -m grpc_tools.protoc -Inode/grpc/generated=proto --python_out=. --grpc_python_out=. \
         --pyi_out=. proto/node_service.proto
 """
+
 from __future__ import annotations
 
 import shutil
@@ -23,8 +24,15 @@ def regenerated(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("protoc")
     (work / "proto").mkdir()
     shutil.copy(ROOT / "proto" / "node_service.proto", work / "proto" / "node_service.proto")
-    cmd = [sys.executable, "-m", "grpc_tools.protoc", f"-I{PACKAGE}=proto", "--python_out=.", "--grpc_python_out=.",
-           "--pyi_out=."]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        f"-I{PACKAGE}=proto",
+        "--python_out=.",
+        "--grpc_python_out=.",
+        "--pyi_out=.",
+    ]
     done = subprocess.run([*cmd, "proto/node_service.proto"], cwd=work, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return work / PACKAGE

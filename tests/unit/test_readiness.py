@@ -1,5 +1,6 @@
 """Plans use a node only for layers it holds: the target ring once everyone holds their part, else the nodes that
 can serve (node/core/placement.py)."""
+
 import pytest
 
 from node.core.placement import plan_ring, target_ring
@@ -13,8 +14,13 @@ NOTHING = Availability(complete=False)
 
 
 def node(node_id, availability=FULL, memory=1, pinned=None) -> NodeInfo:
-    return NodeInfo(node_id, f"127.0.0.1:{1000 + int(node_id[-1])}", Capabilities(memory, "numpy", "m", N), pinned,
-                    availability=availability)
+    return NodeInfo(
+        node_id,
+        f"127.0.0.1:{1000 + int(node_id[-1])}",
+        Capabilities(memory, "numpy", "m", N),
+        pinned,
+        availability=availability,
+    )
 
 
 def holding(*runs, embed=False, head=False) -> Availability:
@@ -66,8 +72,7 @@ def test_pinned_gaps_among_complete_nodes_are_still_the_pins_error():
 
 def test_a_pinned_node_serves_only_its_pins_in_a_fallback():
     # n1 pins 2:4 and holds it; n2 pins 4:6 but holds nothing yet; the complete n0 pins 0:2
-    nodes = [node("n0", pinned=(0, 2)), node("n1", holding((2, 4)), pinned=(2, 4)),
-             node("n2", NOTHING, pinned=(4, 6))]
+    nodes = [node("n0", pinned=(0, 2)), node("n1", holding((2, 4)), pinned=(2, 4)), node("n2", NOTHING, pinned=(4, 6))]
     with pytest.raises(PartitionError, match="no node holds"):
         plan_ring(nodes, "m", N)
 

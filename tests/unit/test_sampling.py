@@ -1,4 +1,5 @@
 """Sampling semantics, and the guarantee the batcher relies on: a row's token never depends on its batch."""
+
 import numpy as np
 import pytest
 
@@ -118,8 +119,16 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"temperature": -1}, {"temperature": float("nan")}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1},
-     {"top_k": 1.5}, {"seed": -3}, {"top_logprobs": 21}],
+    [
+        {"temperature": -1},
+        {"temperature": float("nan")},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": -1},
+        {"top_k": 1.5},
+        {"seed": -3},
+        {"top_logprobs": 21},
+    ],
 )
 def test_invalid_params_are_rejected(kwargs):
     with pytest.raises(ValueError):

@@ -1,5 +1,6 @@
 """The last shard's sampling batcher. Timing never decides an outcome: windows are long (the test flushes) or the
 assertion only says the window was waited for (a lower bound)."""
+
 import asyncio
 import time
 
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 
 from node.runtime.sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
-from shards.formats.config import ModelConfig
 from shards.engines.numpy_engine import NumpyEngine
+from shards.formats.config import ModelConfig
 from shards.sampling import SampleResult, SamplerState, SamplingParams, sample_one
 from shards.shard import Shard
 from tests.conftest import FIXTURES
@@ -51,7 +52,9 @@ def params(i):
 
 
 def items(engine, logits, states, model_id="m"):
-    return [SampleItem(f"r{i}", row, params(i), st, engine, model_id) for i, (row, st) in enumerate(zip(logits, states))]
+    return [
+        SampleItem(f"r{i}", row, params(i), st, engine, model_id) for i, (row, st) in enumerate(zip(logits, states))
+    ]
 
 
 async def sample_all(batcher, its, flush=False):
@@ -76,6 +79,7 @@ def test_full_batch_of_8_closes_at_once_with_one_sampler_call():
         assert len(results) == 8 and engine.calls == [8]
         assert b.stats["sample_batch_size_8"] == 1 and b.stats["sample_fallbacks"] == 0
         await b.close()
+
     run(go())
 
 
@@ -89,6 +93,7 @@ def test_a_lone_item_closes_after_the_window():
         await asyncio.wait_for(future, 30)
         assert time.monotonic() - t >= 0.05 and b.stats["sample_batch_size_1"] == 1
         await b.close()
+
     run(go())
 
 
@@ -101,6 +106,7 @@ def test_mixed_vocab_sizes_and_revisions_form_separate_groups():
         assert sorted(engine.calls) == [2, 3, 3] and b.stats["sample_batches"] == 1
         assert all(r.token < 100 for r in results[:3]) and all(r.token < 200 for r in results[3:6])
         await b.close()
+
     run(go())
 
 
@@ -116,6 +122,7 @@ def test_a_failing_or_malformed_batched_sampler_falls_back_per_request(mode):
         assert b2.stats["sample_fallbacks"] == 6 and bad.calls == [6]
         await b1.close()
         await b2.close()
+
     run(go())
 
 
@@ -125,6 +132,7 @@ def test_an_engine_without_a_batched_sampler_is_sampled_per_request():
         results = await sample_all(b, items(engine, rows(4), fresh_states(4)), flush=True)
         assert len(results) == 4 and engine.calls == [] and b.stats["sample_fallbacks"] == 4
         await b.close()
+
     run(go())
 
 
@@ -141,9 +149,13 @@ def test_seeded_tokens_are_identical_alone_batched_and_through_the_fallback():
         alone = await steps(SamplingBatcher(1, 5), Recording())
         batched = await steps(SamplingBatcher(8, LONG), Recording())
         fallback = await steps(SamplingBatcher(8, LONG), Recording("raise"))  # the failed call drew from the RNGs
-        direct = [[sample_one(row, params(i), st).token for i, (row, st) in enumerate(zip(step, sts))]
-                  for sts in [fresh_states(8)] for step in logits]
+        direct = [
+            [sample_one(row, params(i), st).token for i, (row, st) in enumerate(zip(step, sts))]
+            for sts in [fresh_states(8)]
+            for step in logits
+        ]
         assert alone == batched == fallback == direct
+
     run(go())
 
 
@@ -161,6 +173,7 @@ def test_a_cancelled_waiter_does_not_disturb_the_others():
         futures[0].cancel()
         assert (await asyncio.wait_for(futures[1], 30)).token >= 0
         await b.close()
+
     run(go())
 
 
@@ -184,6 +197,7 @@ def test_a_bad_item_is_refused_alone_and_a_failing_request_fails_alone():
         assert isinstance(results[0], SampleResult) and isinstance(results[2], SampleResult)
         assert b.stats["sample_errors"] == 1
         await b.close()
+
     run(go())
 
 
@@ -196,6 +210,7 @@ def test_shutdown_fails_pending_waiters_clearly_and_refuses_new_items():
             await asyncio.wait_for(future, 30)
         with pytest.raises(BatcherClosed):
             b.submit(items(engine, rows(1), fresh_states(1))[0])
+
     run(go())
 
 
@@ -206,4 +221,5 @@ def test_window_0_or_max_1_disables_batching():
             await sample_all(b, items(engine, rows(4), fresh_states(4)))  # resolves without any flush
             assert engine.calls == [] and b.stats["sample_batch_size_1"] == 4
             await b.close()
+
     run(go())

@@ -1,4 +1,5 @@
 """The step scheduler: decode rows first, the token budget, prompts in chunks, length buckets and group keys."""
+
 import numpy as np
 import pytest
 
@@ -78,7 +79,9 @@ def test_inputs_of_ended_requests_are_dropped():
 def test_requests_of_different_shards_never_share_a_call():
     s = scheduler(decode("a"), decode("b"))
     assert {(shard, tuple(r for r, _, _ in items)) for shard, _, items in take(s, {"b": OTHER})} == {
-        (SHARD, ("a",)), (OTHER, ("b",))}
+        (SHARD, ("a",)),
+        (OTHER, ("b",)),
+    }
 
 
 # -- length buckets ------------------------------------------------------------------------------------------
@@ -87,8 +90,7 @@ BUCKETS = dict(buckets=(16, 64, 256), step_tokens=512, prefill_chunk=256)
 
 def test_with_buckets_the_budget_is_charged_by_bucket_ceiling():
     # 17 positions pad to 64: three such prompts cost 192; a fourth of 64 would exceed 256 - 192 ... of a 256 budget
-    s = scheduler(*(prompt(f"p{i}", 17) for i in range(5)), buckets=(16, 64, 256), step_tokens=256,
-                  prefill_chunk=256)
+    s = scheduler(*(prompt(f"p{i}", 17) for i in range(5)), buckets=(16, 64, 256), step_tokens=256, prefill_chunk=256)
     ((_, bucket, items),) = take(s)
     assert bucket == 64 and [rid for rid, _, _ in items] == ["p0", "p1", "p2", "p3"]  # 4 x 64 = 256
     assert len(s) == 1
@@ -102,8 +104,12 @@ def test_with_buckets_long_prompts_are_cut_at_bucket_sizes_and_the_tail_padded()
 
 def test_with_buckets_decode_rows_and_chunks_of_different_buckets_are_separate_calls():
     s = scheduler(decode("d"), prompt("small", 10), prompt("mid", 40), prompt("big", 200), **BUCKETS)
-    assert take(s) == [(SHARD, 1, [("d", 1, False)]), (SHARD, 16, [("small", 10, False)]),
-                       (SHARD, 64, [("mid", 40, False)]), (SHARD, 256, [("big", 200, False)])]  # 337 of 512
+    assert take(s) == [
+        (SHARD, 1, [("d", 1, False)]),
+        (SHARD, 16, [("small", 10, False)]),
+        (SHARD, 64, [("mid", 40, False)]),
+        (SHARD, 256, [("big", 200, False)]),
+    ]  # 337 of 512
 
 
 def test_with_buckets_a_chunk_shrinks_to_the_bucket_that_fits_what_is_left():
@@ -113,18 +119,22 @@ def test_with_buckets_a_chunk_shrinks_to_the_bucket_that_fits_what_is_left():
     assert groups[1] == (SHARD, 256, [("p", 256, True)])  # ... 512 - 64 = 448 left: one 256 piece
 
 
-@pytest.mark.parametrize("limits,message", [
-    (dict(buckets=(64, 16)), "increasing"),
-    (dict(buckets=(16, 1024), step_tokens=512), "exceeds the step budget"),
-    (dict(buckets=(16, 64), prefill_chunk=8), "below the smallest bucket"),
-    (dict(step_tokens=0), ">= 1"),
-])
+@pytest.mark.parametrize(
+    "limits,message",
+    [
+        (dict(buckets=(64, 16)), "increasing"),
+        (dict(buckets=(16, 1024), step_tokens=512), "exceeds the step budget"),
+        (dict(buckets=(16, 64), prefill_chunk=8), "below the smallest bucket"),
+        (dict(step_tokens=0), ">= 1"),
+    ],
+)
 def test_inconsistent_limits_are_refused(limits, message):
     with pytest.raises(ValueError, match=message):
         SchedulerLimits(**limits)
 
 
 # -- prefill beside decoding streams is sized by what steps were measured to cost --------------------------------
+
 
 def measured(s, decode_s, prefill_s_per_position):
     """The node ran a step of two decode rows alone, then one with a 256-position chunk beside them."""

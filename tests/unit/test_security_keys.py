@@ -1,4 +1,5 @@
 """The cluster secret: key files, the environment, derived keys, `exo-node keygen`, and never printing it."""
+
 import argparse
 import errno
 import logging
@@ -8,8 +9,17 @@ import stat
 
 import pytest
 
-from node.security import (ENV_VAR, ClusterKey, ClusterKeyError, add_key_argument, generate_secret, keygen_main,
-    load_secret, read_key_file, write_key_file)
+from node.security import (
+    ENV_VAR,
+    ClusterKey,
+    ClusterKeyError,
+    add_key_argument,
+    generate_secret,
+    keygen_main,
+    load_secret,
+    read_key_file,
+    write_key_file,
+)
 from node.security.keys import LABEL_CA, LABEL_DISCOVERY, PREFIX, encode_key
 
 SECRET = bytes(range(32))
@@ -50,8 +60,10 @@ def test_an_existing_key_file_is_never_overwritten_unless_asked(tmp_path):
 def test_a_failed_write_leaves_neither_a_half_key_nor_a_temporary_copy(tmp_path, monkeypatch):
     path = tmp_path / "cluster.key"
     old = write_key_file(path)
+
     def disk_full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(os, "fsync", disk_full)  # a fault injected where a full disk shows itself
     with pytest.raises(ClusterKeyError, match="No space left on device"):
         write_key_file(path, overwrite=True)
@@ -77,18 +89,21 @@ def test_key_files_load_with_surrounding_whitespace_and_either_case(tmp_path):
     assert read_key_file(path) == ClusterKey(SECRET)
 
 
-@pytest.mark.parametrize("content,message", [
-    (b"", "not an exo-node cluster key"),
-    (SECRET.hex().encode(), "not an exo-node cluster key"),  # the digits without the prefix
-    (b'{"key": "x"}', "not an exo-node cluster key"),
-    (b"-----BEGIN PRIVATE KEY-----\n", "not an exo-node cluster key"),
-    ((PREFIX + SECRET.hex()[:-2]).encode(), r"malformed cluster key \(62 characters"),
-    ((PREFIX + SECRET.hex() + "00").encode(), r"malformed cluster key \(66 characters"),
-    ((PREFIX + SECRET.hex()[:-1] + "g").encode(), "malformed"),
-    ((PREFIX + SECRET.hex() + "\n" + PREFIX + SECRET.hex()).encode(), "malformed"),
-    (b"\xff\xfe" + TEXT.encode(), "not ASCII"),
-    (b"x" * 5000, "5000 bytes"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b"", "not an exo-node cluster key"),
+        (SECRET.hex().encode(), "not an exo-node cluster key"),  # the digits without the prefix
+        (b'{"key": "x"}', "not an exo-node cluster key"),
+        (b"-----BEGIN PRIVATE KEY-----\n", "not an exo-node cluster key"),
+        ((PREFIX + SECRET.hex()[:-2]).encode(), r"malformed cluster key \(62 characters"),
+        ((PREFIX + SECRET.hex() + "00").encode(), r"malformed cluster key \(66 characters"),
+        ((PREFIX + SECRET.hex()[:-1] + "g").encode(), "malformed"),
+        ((PREFIX + SECRET.hex() + "\n" + PREFIX + SECRET.hex()).encode(), "malformed"),
+        (b"\xff\xfe" + TEXT.encode(), "not ASCII"),
+        (b"x" * 5000, "5000 bytes"),
+    ],
+)
 def test_malformed_key_files_are_clear_errors_that_never_quote_the_content(tmp_path, content, message):
     path = tmp_path / "k"
     path.write_bytes(content)
@@ -143,7 +158,7 @@ def test_the_secret_never_shows_in_reprs_logs_or_pickles(caplog):
     key = ClusterKey(SECRET)
     with caplog.at_level(logging.DEBUG):
         logging.getLogger("test").info("loaded %s %r", key, key)
-        logging.getLogger("test").info(f"{key} {key!r} {[key]} {({'k': key})}")
+        logging.getLogger("test").info(f"{key} {key!r} {[key]} { ({'k': key}) }")
     shown = repr(key) + str(key) + f"{key}" + caplog.text
     for leak in (SECRET.hex(), SECRET.hex().upper(), repr(SECRET), TEXT):
         assert leak not in shown
@@ -199,6 +214,7 @@ def test_the_node_flag_feeds_load_secret(tmp_path):
     ap = argparse.ArgumentParser()
     add_key_argument(ap)
     write_key_file(tmp_path / "k", SECRET)
-    assert load_secret(ap.parse_args(["--cluster-key-file", str(tmp_path / "k")]).cluster_key_file, env={}) \
-        == ClusterKey(SECRET)
+    assert load_secret(
+        ap.parse_args(["--cluster-key-file", str(tmp_path / "k")]).cluster_key_file, env={}
+    ) == ClusterKey(SECRET)
     assert load_secret(ap.parse_args([]).cluster_key_file, env={}) is None

@@ -3,6 +3,7 @@
 The property: without the secret a client cannot complete any RPC and a server cannot pass for a member; with it,
 both ends are authenticated and the server knows which member is calling.
 """
+
 import asyncio
 import datetime as dt
 
@@ -11,10 +12,10 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from node.security import SERVER_NAME, ClusterCa, ClusterKey, NodeTls, generate_secret, peer_node_id
-from node.security.tls import NODE_URI_PREFIX, _pem_cert
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
+from node.security import SERVER_NAME, ClusterCa, ClusterKey, NodeTls, generate_secret, peer_node_id
+from node.security.tls import NODE_URI_PREFIX, _pem_cert
 
 KEY_A, KEY_B = ClusterKey(generate_secret()), ClusterKey(generate_secret())
 REFUSED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
@@ -30,16 +31,22 @@ class EchoCaller(pb_grpc.NodeServiceServicer):
 async def serve(credentials: grpc.ServerCredentials | None) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
     pb_grpc.add_NodeServiceServicer_to_server(EchoCaller(), server)
-    port = (server.add_secure_port("127.0.0.1:0", credentials) if credentials is not None
-            else server.add_insecure_port("127.0.0.1:0"))
+    port = (
+        server.add_secure_port("127.0.0.1:0", credentials)
+        if credentials is not None
+        else server.add_insecure_port("127.0.0.1:0")
+    )
     await server.start()
     return server, f"127.0.0.1:{port}"
 
 
 async def health(address: str, credentials: grpc.ChannelCredentials | None, options=()) -> str:
     """The node id the server saw us as; raises AioRpcError when the call cannot complete."""
-    channel = (grpc.aio.secure_channel(address, credentials, options=list(options)) if credentials is not None
-               else grpc.aio.insecure_channel(address))
+    channel = (
+        grpc.aio.secure_channel(address, credentials, options=list(options))
+        if credentials is not None
+        else grpc.aio.insecure_channel(address)
+    )
     try:
         response = await pb_grpc.NodeServiceStub(channel).HealthCheck(pb.HealthCheckRequest(), timeout=3)
         return response.node.node_id
@@ -54,6 +61,7 @@ def call(server_credentials, client_credentials, options=()) -> str:
             return await health(address, client_credentials, options)
         finally:
             await server.stop(None)
+
     return asyncio.run(go())
 
 
@@ -65,8 +73,10 @@ def refused(server_credentials, client_credentials, options=()) -> grpc.StatusCo
 
 
 def test_members_holding_the_same_secret_talk_and_the_server_knows_who_calls():
-    assert call(KEY_A.server_credentials("srv"), KEY_A.channel_credentials("caller-1"), KEY_A.channel_options()) \
+    assert (
+        call(KEY_A.server_credentials("srv"), KEY_A.channel_credentials("caller-1"), KEY_A.channel_options())
         == "caller-1"
+    )
 
 
 def test_a_separately_loaded_copy_of_the_secret_is_just_as_good():
@@ -89,17 +99,27 @@ def test_a_tls_client_that_trusts_nothing_of_ours_is_refused():
 
 def test_a_client_that_trusts_the_cluster_ca_but_has_no_certificate_is_refused():
     # The CA certificate is public (anyone may learn it); knowing it must not let a client in.
-    refused(KEY_A.server_credentials("srv"), grpc.ssl_channel_credentials(root_certificates=KEY_A.ca().cert_pem),
-            KEY_A.channel_options())
+    refused(
+        KEY_A.server_credentials("srv"),
+        grpc.ssl_channel_credentials(root_certificates=KEY_A.ca().cert_pem),
+        KEY_A.channel_options(),
+    )
 
 
 def forged_ca_like(real: ClusterCa) -> ClusterCa:
     """An attacker's CA copying everything public about the real one: name, serial, validity, fingerprint."""
     key = ed25519.Ed25519PrivateKey.generate()
-    cert = (x509.CertificateBuilder().subject_name(real.cert.subject).issuer_name(real.cert.issuer)
-            .public_key(key.public_key()).serial_number(real.cert.serial_number)
-            .not_valid_before(real.cert.not_valid_before_utc).not_valid_after(real.cert.not_valid_after_utc)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True).sign(key, None))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(real.cert.subject)
+        .issuer_name(real.cert.issuer)
+        .public_key(key.public_key())
+        .serial_number(real.cert.serial_number)
+        .not_valid_before(real.cert.not_valid_before_utc)
+        .not_valid_after(real.cert.not_valid_after_utc)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, None)
+    )
     return ClusterCa(real.fingerprint, key, cert)
 
 
@@ -116,14 +136,15 @@ def test_a_server_with_another_secret_cannot_pass_for_a_member():
 def test_a_server_with_a_lookalike_certificate_cannot_pass_for_a_member():
     fake = forged_ca_like(KEY_A.ca())
     leaf = fake.issue("impostor")
-    server = grpc.ssl_server_credentials([(leaf.key_pem, leaf.cert_pem)], root_certificates=fake.cert_pem,
-                                         require_client_auth=False)
+    server = grpc.ssl_server_credentials(
+        [(leaf.key_pem, leaf.cert_pem)], root_certificates=fake.cert_pem, require_client_auth=False
+    )
     refused(server, KEY_A.channel_credentials("caller"), KEY_A.channel_options())
 
 
 def test_an_expired_leaf_is_refused():
     ca = KEY_A.ca()
-    old = ca.issue("old-node", lifetime=dt.timedelta(hours=1), now=dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=3))
+    old = ca.issue("old-node", lifetime=dt.timedelta(hours=1), now=dt.datetime.now(dt.UTC) - dt.timedelta(hours=3))
     creds = grpc.ssl_channel_credentials(ca.cert_pem, old.key_pem, old.cert_pem)
     refused(KEY_A.server_credentials("srv"), creds, KEY_A.channel_options())
 
@@ -153,7 +174,7 @@ def test_the_ca_depends_only_on_the_secret():
 
 
 def test_leaves_are_renewed_at_half_life_and_the_server_serves_the_new_one():
-    real_now = dt.datetime.now(dt.timezone.utc)
+    real_now = dt.datetime.now(dt.UTC)
     clock = [real_now - dt.timedelta(hours=5)]
     tls = NodeTls(KEY_A.ca(), "srv", lifetime=dt.timedelta(hours=4), clock=lambda: clock[0])
     first = tls.identity()  # valid until an hour ago, in real time
@@ -171,9 +192,10 @@ def test_leaves_are_renewed_at_half_life_and_the_server_serves_the_new_one():
 
 def test_an_expired_server_leaf_is_refused_by_members():
     ca = KEY_A.ca()
-    old = ca.issue("old-srv", lifetime=dt.timedelta(hours=1), now=dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=3))
-    server = grpc.ssl_server_credentials([(old.key_pem, old.cert_pem)], root_certificates=ca.cert_pem,
-                                         require_client_auth=True)
+    old = ca.issue("old-srv", lifetime=dt.timedelta(hours=1), now=dt.datetime.now(dt.UTC) - dt.timedelta(hours=3))
+    server = grpc.ssl_server_credentials(
+        [(old.key_pem, old.cert_pem)], root_certificates=ca.cert_pem, require_client_auth=True
+    )
     refused(server, KEY_A.channel_credentials("caller"), KEY_A.channel_options())
 
 
@@ -197,17 +219,20 @@ class FakeContext:
 SSL = {"transport_security_type": [b"ssl"]}
 
 
-@pytest.mark.parametrize("auth,expected", [
-    (SSL | {"peer_uri": [b"urn:exo-node:node:n1"]}, "n1"),
-    # grpc releases without 'peer_uri' list every SAN under one key
-    (SSL | {"x509_subject_alternative_name": [SERVER_NAME.encode(), b"urn:exo-node:node:n2"]}, "n2"),
-    ({"peer_uri": [b"urn:exo-node:node:n1"]}, None),  # not a TLS connection
-    ({}, None),
-    (SSL, None),  # TLS without a node certificate
-    (SSL | {"peer_uri": [b"urn:exo-node:node:a", b"urn:exo-node:node:b"]}, None),  # ambiguous: trust neither
-    (SSL | {"peer_uri": [b"urn:exo-node:node:a b"]}, None),
-    (SSL | {"peer_uri": [b"urn:exo-node:node:\xff"]}, None),
-    (SSL | {"peer_uri": [b"urn:other:node:n1"]}, None),
-])
+@pytest.mark.parametrize(
+    "auth,expected",
+    [
+        (SSL | {"peer_uri": [b"urn:exo-node:node:n1"]}, "n1"),
+        # grpc releases without 'peer_uri' list every SAN under one key
+        (SSL | {"x509_subject_alternative_name": [SERVER_NAME.encode(), b"urn:exo-node:node:n2"]}, "n2"),
+        ({"peer_uri": [b"urn:exo-node:node:n1"]}, None),  # not a TLS connection
+        ({}, None),
+        (SSL, None),  # TLS without a node certificate
+        (SSL | {"peer_uri": [b"urn:exo-node:node:a", b"urn:exo-node:node:b"]}, None),  # ambiguous: trust neither
+        (SSL | {"peer_uri": [b"urn:exo-node:node:a b"]}, None),
+        (SSL | {"peer_uri": [b"urn:exo-node:node:\xff"]}, None),
+        (SSL | {"peer_uri": [b"urn:other:node:n1"]}, None),
+    ],
+)
 def test_the_peer_node_id_is_read_only_from_one_well_formed_node_uri_over_tls(auth, expected):
     assert peer_node_id(FakeContext(auth)) == expected

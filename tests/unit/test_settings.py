@@ -1,5 +1,6 @@
 """What the flags do, read off the settings objects `settings_from_args` builds: nothing is started, bound or loaded
 (node/settings.py)."""
+
 import pytest
 
 from node.core.node_core import CoreLimits
@@ -36,18 +37,39 @@ def test_a_cluster_key_opens_grpc_to_the_lan_and_peers_reach_it_at_the_lan_addre
 
 
 def test_the_cores_limits_come_from_the_flags_once():
-    s = settings("--kv-memory-gb", "2", "--request-idle-timeout", "9", "--step-tokens", "64", "--max-stall", "3",
-                 "--kv-entry-share", "0.25")
-    assert s.node.core == CoreLimits(kv_budget=2 * 2**30, kv_value_bytes=s.node.core.kv_value_bytes, idle_timeout=9.0,
-                                     kv_entry_share=0.25)
+    s = settings(
+        "--kv-memory-gb",
+        "2",
+        "--request-idle-timeout",
+        "9",
+        "--step-tokens",
+        "64",
+        "--max-stall",
+        "3",
+        "--kv-entry-share",
+        "0.25",
+    )
+    assert s.node.core == CoreLimits(
+        kv_budget=2 * 2**30, kv_value_bytes=s.node.core.kv_value_bytes, idle_timeout=9.0, kv_entry_share=0.25
+    )
     assert settings().node.core.kv_entry_share == 0.5
     assert (s.node.scheduling.step_tokens, s.node.scheduling.max_stall) == (64, 3.0)
     assert not any(hasattr(s.node, name) for name in ("kv_budget", "max_requests", "request_idle_timeout"))
 
 
 def test_api_flags():
-    s = settings("--api-key", "k", "--cors-origins", " https://a.example, ,https://b.example", "--max-body-kb", "2",
-                 "--api-port", "0", "--http-timeout", "4")
+    s = settings(
+        "--api-key",
+        "k",
+        "--cors-origins",
+        " https://a.example, ,https://b.example",
+        "--max-body-kb",
+        "2",
+        "--api-port",
+        "0",
+        "--http-timeout",
+        "4",
+    )
     assert (s.http.api.api_key, s.http.api.cors_origins) == ("k", ("https://a.example", "https://b.example"))
     assert (s.http.api.max_body_bytes, s.http.port, s.http.header_timeout) == (2048, 0, 4.0)
     assert settings("--no-api").http is None

@@ -1,4 +1,5 @@
 """The ggml engine's thread count follows the cores other processes leave free (shards/engines/ggml/threads.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -64,8 +65,10 @@ def test_the_governor_follows_a_neighbour_that_comes_and_goes_reading_proc_at_mo
 
 def test_a_fixed_governor_or_one_thread_never_reads_proc():
     cpu = Recorded()
-    for gov in (ThreadGovernor(2, reader=cpu, clock=lambda: cpu.now, adapt=False),
-                ThreadGovernor(1, reader=cpu, clock=lambda: cpu.now)):
+    for gov in (
+        ThreadGovernor(2, reader=cpu, clock=lambda: cpu.now, adapt=False),
+        ThreadGovernor(1, reader=cpu, clock=lambda: cpu.now),
+    ):
         cpu.run(1.0, others=2.0, ours=0.0)
         assert gov.threads() == gov.configured
     assert cpu.reads == 0

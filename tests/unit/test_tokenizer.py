@@ -1,4 +1,5 @@
 """Tokenizer, chat template and streaming detokenization against transformers' outputs."""
+
 import shutil
 
 import pytest
@@ -70,7 +71,9 @@ def test_template_errors_are_clear(tmp_path):
     (d / "chat_template.jinja").write_text("{{ raise_exception('only user turns') }}")
     with pytest.raises(TokenizerError, match="only user turns"):
         Tokenizer(d).encode_chat([{"role": "user", "content": "x"}])
-    (d / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content.__class__.__mro__[1].__subclasses__() }}{% endfor %}")
+    (d / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content.__class__.__mro__[1].__subclasses__() }}{% endfor %}"
+    )
     with pytest.raises(TokenizerError, match="unsafe"):  # templates come with downloaded models: sandboxed
         Tokenizer(d).render_chat([{"role": "user", "content": "x"}])
     (d / "chat_template.jinja").write_text("{% for %}")

@@ -1,16 +1,18 @@
 """The demo model's hand-written training math: backward pass against finite differences, forward pass against
 the project's inference engine after export (which proves the exported tensor names and layouts are right)."""
+
 import numpy as np
 import pytest
 
-from shards.formats.config import ModelConfig
 from shards.demo import llama_train as lt
-from shards.generate import chain_forward
 from shards.engines.numpy_engine import NumpyEngine
+from shards.formats.config import ModelConfig
+from shards.generate import chain_forward
 from shards.shard import Shard
 
-TINY = lt.LlamaShape(vocab_size=50, hidden_size=16, n_layers=2, n_heads=2, intermediate_size=24,
-                     max_position_embeddings=32)
+TINY = lt.LlamaShape(
+    vocab_size=50, hidden_size=16, n_layers=2, n_heads=2, intermediate_size=24, max_position_embeddings=32
+)
 
 
 def tiny_batch(rng, b=2, t=6):
@@ -21,7 +23,7 @@ def tiny_batch(rng, b=2, t=6):
 
 def tiny_params(rng, dtype):
     params = lt.init_params(TINY, rng, dtype=dtype, std=0.3)  # large weights: attention is far from uniform
-    for name, p in params.items():  # norm gains away from 1 so their gradients are exercised too
+    for p in params.values():  # norm gains away from 1 so their gradients are exercised too
         if p.ndim == 1:
             p[:] = rng.uniform(0.5, 1.5, size=p.shape)
     return params

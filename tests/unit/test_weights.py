@@ -1,4 +1,5 @@
 """Loading a shard reads only its own tensors, exactly (bf16/f16 widen losslessly), with clear errors."""
+
 import json
 import shutil
 
@@ -7,11 +8,11 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from shards.formats.config import ModelConfig
 from shards.engines.numpy_engine import NumpyEngine
-from shards.shard import Shard
+from shards.formats.config import ModelConfig
 from shards.formats.loader import load_shard_weights
 from shards.formats.weights import WeightsError
+from shards.shard import Shard
 from tests.conftest import FIXTURES
 
 
@@ -52,7 +53,9 @@ def test_half_the_layers_hold_about_half_the_layer_weights(model):
 def test_disk_dtypes_widen_exactly_to_float32(model, dtype):
     d = FIXTURES / model
     index = d / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     name = "model.layers.0.mlp.down_proj.weight"
     for fname in files:
         with safe_open(d / fname, framework="numpy") as f:
@@ -102,7 +105,9 @@ def test_missing_tensor_names_tensor(qwen2_copy):
 
 def test_wrong_shape_names_file_and_tensor(qwen2_copy):
     path = _rewrite(qwen2_copy, "model.norm.weight", np.ones(65, dtype=np.float32))
-    with pytest.raises(WeightsError, match=r"model\.safetensors: tensor 'model\.norm\.weight' has shape \[65\], expected \[64\]") as e:
+    with pytest.raises(
+        WeightsError, match=r"model\.safetensors: tensor 'model\.norm\.weight' has shape \[65\], expected \[64\]"
+    ) as e:
         load("qwen2", 3, 6, qwen2_copy)
     assert str(path) in str(e.value)
 

@@ -1,4 +1,5 @@
 """The wire format: every value survives a round trip, and anything malformed from the network is a WireError."""
+
 from __future__ import annotations
 
 import random
@@ -10,10 +11,28 @@ from google.protobuf.message import DecodeError
 from node.core.plan import PlanStep, RequestSpec
 from node.core.requests import Activation, TokenMessage
 from node.core.topology import Capabilities, NodeInfo
-from node.grpc.wire import (MAX_PLAN_STEPS, MAX_STOP_IDS, WireError, decode_node_info, decode_result,
-    decode_sampling, decode_shard, decode_spec, decode_tensor, decode_activation, decode_tokens, encode_node_info,
-    encode_result, encode_sampling, encode_shard, encode_spec, encode_tensor, encode_activation, encode_tokens)
 from node.grpc.generated import node_service_pb2 as pb
+from node.grpc.wire import (
+    MAX_PLAN_STEPS,
+    MAX_STOP_IDS,
+    WireError,
+    decode_activation,
+    decode_node_info,
+    decode_result,
+    decode_sampling,
+    decode_shard,
+    decode_spec,
+    decode_tensor,
+    decode_tokens,
+    encode_activation,
+    encode_node_info,
+    encode_result,
+    encode_sampling,
+    encode_shard,
+    encode_spec,
+    encode_tensor,
+    encode_tokens,
+)
 from shards.sampling import SampleResult, SamplingParams
 from shards.shard import Shard
 
@@ -351,10 +370,31 @@ def _no_entry_node(m):
 @pytest.mark.parametrize(
     "mutate",
     [
-        _empty_plan, _gap, _overlap, _mixed_models, _mixed_layer_counts, _short, _bad_address, _bad_port,
-        _superscript_port, _bad_entry_address, _duplicate_node, _empty_node, _no_shard, _bad_request_id,
-        _empty_request_id, _long_request_id, _max_tokens_0, _max_tokens_negative, _negative_stop_id,
-        _too_many_stop_ids, _too_many_steps, _no_sampling, _top_p_0, _temperature_negative, _no_entry_node,
+        _empty_plan,
+        _gap,
+        _overlap,
+        _mixed_models,
+        _mixed_layer_counts,
+        _short,
+        _bad_address,
+        _bad_port,
+        _superscript_port,
+        _bad_entry_address,
+        _duplicate_node,
+        _empty_node,
+        _no_shard,
+        _bad_request_id,
+        _empty_request_id,
+        _long_request_id,
+        _max_tokens_0,
+        _max_tokens_negative,
+        _negative_stop_id,
+        _too_many_stop_ids,
+        _too_many_steps,
+        _no_sampling,
+        _top_p_0,
+        _temperature_negative,
+        _no_entry_node,
     ],
 )
 def test_invalid_specs_are_rejected(mutate):
@@ -479,30 +519,43 @@ def test_mutated_valid_messages_raise_only_wire_errors():
     assert reached > 20  # the test really exercises the validators
 
 
-@pytest.mark.parametrize("m", [
-    TokenMessage("r1", (SampleResult(7, -0.5),)),
-    TokenMessage("r1", (SampleResult(2),), finished=True, finish_reason="stop"),
-    TokenMessage("r1", finished=True, finish_reason="error", error="node n2: forward failed"),
-])
+@pytest.mark.parametrize(
+    "m",
+    [
+        TokenMessage("r1", (SampleResult(7, -0.5),)),
+        TokenMessage("r1", (SampleResult(2),), finished=True, finish_reason="stop"),
+        TokenMessage("r1", finished=True, finish_reason="error", error="node n2: forward failed"),
+    ],
+)
 def test_token_message_round_trip(m):
     assert decode_tokens(encode_tokens(m)) == m
 
 
-@pytest.mark.parametrize("m", [
-    pb.SendResultRequest(request_id=""),
-    pb.SendResultRequest(request_id="r", finished=True, finish_reason="because"),
-    pb.SendResultRequest(request_id="r", finish_reason="stop"),  # a reason, but not finished
-    pb.SendResultRequest(request_id="r", tokens=[pb.TokenResult(token=1)] * 1025),
-    pb.SendResultRequest(request_id="r", finished=True, finish_reason="error", error="x" * 5000),
-])
+@pytest.mark.parametrize(
+    "m",
+    [
+        pb.SendResultRequest(request_id=""),
+        pb.SendResultRequest(request_id="r", finished=True, finish_reason="because"),
+        pb.SendResultRequest(request_id="r", finish_reason="stop"),  # a reason, but not finished
+        pb.SendResultRequest(request_id="r", tokens=[pb.TokenResult(token=1)] * 1025),
+        pb.SendResultRequest(request_id="r", finished=True, finish_reason="error", error="x" * 5000),
+    ],
+)
 def test_invalid_token_messages_are_rejected(m):
     with pytest.raises(WireError):
         decode_tokens(m)
 
 
 def test_activation_round_trip_with_and_without_spec():
-    spec = RequestSpec("r1", (PlanStep("a", "h:1", Shard("m", 0, 2, 4)), PlanStep("b", "h:2", Shard("m", 2, 4, 4))),
-                       SamplingParams(temperature=0), 8, frozenset({2}), "a", "h:1")
+    spec = RequestSpec(
+        "r1",
+        (PlanStep("a", "h:1", Shard("m", 0, 2, 4)), PlanStep("b", "h:2", Shard("m", 2, 4, 4))),
+        SamplingParams(temperature=0),
+        8,
+        frozenset({2}),
+        "a",
+        "h:1",
+    )
     hidden = np.arange(6, dtype=np.float32).reshape(2, 3)
     for a in (Activation("r1", hidden, spec), Activation("r1", hidden)):
         back = decode_activation(encode_activation(a), 1 << 20)

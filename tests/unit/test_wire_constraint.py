@@ -1,5 +1,6 @@
 """A request's grammar constraint on the wire: it reaches the sampling node intact, and a malformed one is refused
 before any work (the gRPC server answers INVALID_ARGUMENT for a WireError)."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,12 +23,15 @@ def test_an_unconstrained_request_sends_no_grammar():
     assert not encode_sampling(SamplingParams()).HasField("grammar")
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda m: m.grammar_prefix.append(5), "prefix without a grammar"),
-    (lambda m: setattr(m, "grammar", ""), "non-empty grammar"),
-    (lambda m: setattr(m, "grammar", "x" * (MAX_GRAMMAR_BYTES + 1)), "exceeds"),
-    (lambda m: (setattr(m, "grammar", GRAMMAR), m.grammar_prefix.append(-1)), "token ids >= 0"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda m: m.grammar_prefix.append(5), "prefix without a grammar"),
+        (lambda m: setattr(m, "grammar", ""), "non-empty grammar"),
+        (lambda m: setattr(m, "grammar", "x" * (MAX_GRAMMAR_BYTES + 1)), "exceeds"),
+        (lambda m: (setattr(m, "grammar", GRAMMAR), m.grammar_prefix.append(-1)), "token ids >= 0"),
+    ],
+)
 def test_malformed_constraints_are_refused(mutate, match):
     m = encode_sampling(SamplingParams())
     mutate(m)

@@ -3,6 +3,7 @@
 One browser session for the whole module. The model is a tiny random Llama with a 4096-token context, so a long
 request really is still running when the stop button is pressed.
 """
+
 from __future__ import annotations
 
 import re
@@ -12,8 +13,8 @@ from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.wait import WebDriverWait
 
-from bench.random_model import write_random_llama
 from bench.browser import chromium, missing
+from bench.random_model import write_random_llama
 from tests.support.cluster import Cluster
 from tests.support.http import raw
 from tests.support.metrics import scrape, value
@@ -22,8 +23,14 @@ from tests.support.models import FIXTURES
 pytestmark = pytest.mark.skipif(missing() is not None, reason=missing() or "")
 
 KEY = "sk-page-test"
-TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-            vocab_size=512)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,19 +82,26 @@ class Page:
         """The rendered text of every match, read in one script: the page re-renders its lists every second, so
         elements found in one call may be gone (stale) by the next."""
         return self.driver.execute_script(
-            "return [...document.querySelectorAll(arguments[0])].map(e => e.innerText.trim())", css)
+            "return [...document.querySelectorAll(arguments[0])].map(e => e.innerText.trim())", css
+        )
 
     def nodes(self) -> dict[str, str]:
         """Node id -> the layer range its card shows."""
-        return dict(self.driver.execute_script(
-            "return [...document.querySelectorAll('#nodes .node')].map(c => [c.dataset.nodeId, c.dataset.layers])"))
+        return dict(
+            self.driver.execute_script(
+                "return [...document.querySelectorAll('#nodes .node')].map(c => [c.dataset.nodeId, c.dataset.layers])"
+            )
+        )
 
     def field(self, node_id: str, label: str) -> str | None:
         """The value a node's card shows for `label` (None: no such card or field yet)."""
         return self.driver.execute_script(
             "const card = [...document.querySelectorAll('#nodes .node')].find(c => c.dataset.nodeId === arguments[0]);"
             "const dd = card && card.querySelector(`dd[data-field='${arguments[1]}']`);"
-            "return dd ? dd.innerText.trim() : null", node_id, label)
+            "return dd ? dd.innerText.trim() : null",
+            node_id,
+            label,
+        )
 
     def segments(self) -> list[str]:
         return self.texts("#layers .segment")
@@ -169,7 +183,7 @@ def test_the_page_loads_nothing_from_elsewhere():
     assert set(files) == {"index.html", "app.js", "style.css"}
     for name, text in files.items():
         assert "http://" not in text and "https://" not in text and "@import" not in text, name
-        assert "src=\"//" not in text and "href=\"//" not in text and "url(" not in text, name
+        assert 'src="//' not in text and 'href="//' not in text and "url(" not in text, name
 
 
 def test_a_peer_that_leaves_drops_out_of_the_view_with_an_event(cluster, page):
@@ -188,8 +202,16 @@ def test_a_node_fetching_its_layers_shows_its_progress_then_the_layers_it_holds(
     """node1 starts with only the model's id and fetches its layers from node0, which uploads slowly (0.25 Mbit/s)
     so that the fetch lasts a few seconds; the page shows it going, then what node1 holds."""
     fetching = ["--model", "llama", "--models-dir", str(tmp_path / "node1"), "--wait-for-peers", "1"]
-    with Cluster(FIXTURES / "llama", 2, per_node=[["--max-upload-mbps", "0.25"], fetching], model_id="llama",
-                 memory_gb=[1, 1]) as c, chromium() as driver:
+    with (
+        Cluster(
+            FIXTURES / "llama",
+            2,
+            per_node=[["--max-upload-mbps", "0.25"], fetching],
+            model_id="llama",
+            memory_gb=[1, 1],
+        ) as c,
+        chromium() as driver,
+    ):
         driver.get(f"{c.nodes[0].api_url}/")
         page, seen = Page(driver), []
 

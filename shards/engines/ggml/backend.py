@@ -13,6 +13,7 @@ llama.cpp's order (shards/engines/ggml/weights.py says why); attention is ggml_f
 grouped-query heads native and a mask over the cache's cells. It implements the block's `Backend` and no more: the
 eager primitives (`where`, `softmax`, caches in its arrays) are not part of a graph backend's contract.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,12 +22,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from shards.engines.backend import Backend
-from shards.formats.config import ModelConfig
+from shards.engines.ggml.lib import (
+    F32,
+    I32,
+    WEIGHT_TYPES,
+    Context,
+    GgmlError,
+    Tensor,
+    WeightArena,
+    g,
+    release_file_pages,
+    repack_supported,
+    type_name,
+    validate_rows,
+)
 from shards.engines.ggml.moe import GExperts, GgmlMoE
-from shards.engines.ggml.lib import (F32, I32, WEIGHT_TYPES, Context, GgmlError, Tensor, WeightArena, g,
-    release_file_pages, repack_supported, type_name, validate_rows)
+from shards.formats.config import ModelConfig
 from shards.formats.quant import QuantizedTensor
-
 
 ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
 
@@ -36,7 +48,7 @@ class GArray:
 
     __slots__ = ("ops", "t", "shape")
 
-    def __init__(self, ops: "GgmlBackend", t: Tensor, shape: tuple[int, ...]):
+    def __init__(self, ops: GgmlBackend, t: Tensor, shape: tuple[int, ...]):
         self.ops, self.t, self.shape = ops, t, shape
 
     @property
@@ -44,16 +56,16 @@ class GArray:
         nb = self.t.contents.nb
         return tuple(int(nb[i]) for i in reversed(range(len(self.shape))))
 
-    def __add__(self, other: "GArray") -> "GArray":
+    def __add__(self, other: GArray) -> GArray:
         return self.ops.binary(g.ggml_add, self, other)
 
-    def __mul__(self, other: "GArray") -> "GArray":
+    def __mul__(self, other: GArray) -> GArray:
         return self.ops.binary(g.ggml_mul, self, other)
 
-    def __getitem__(self, key) -> "GArray":
+    def __getitem__(self, key) -> GArray:
         return self.ops.slice(self, key)
 
-    def reshape(self, *shape) -> "GArray":
+    def reshape(self, *shape) -> GArray:
         return self.ops.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
 
 
@@ -138,8 +150,9 @@ class GgmlBackend(Backend, GgmlMoE):
         self.freq_factors = None if np.all(factors == 1.0) else self._upload(F32, factors.shape, [factors], "rope")
 
     # -- weights ------------------------------------------------------------------------------------------------
-    def _upload(self, ggml_type: int, shape: tuple[int, ...], pieces: list[np.ndarray], what: str,
-                matmul: bool = False) -> Tensor:
+    def _upload(
+        self, ggml_type: int, shape: tuple[int, ...], pieces: list[np.ndarray], what: str, matmul: bool = False
+    ) -> Tensor:
         """One weight tensor from its row blocks `pieces` (stacked along `out`), copied in place by place, so a fused
         projection never needs a stacked copy in memory (a freed one of tens of MB tends to stay resident)."""
         if ggml_type not in WEIGHT_TYPES:
@@ -175,8 +188,12 @@ class GgmlBackend(Backend, GgmlMoE):
             groups = [(t, shape, [data], name) for t, shape, data, name in specs]
         before = sum(self.repacked.values())
         tensors = [(self._upload(t, shape, pieces, name, matmul), shape[0]) for t, shape, pieces, name in groups]
-        return GWeight(tensors, tuple(group[0] for group in groups), sum(int(g.ggml_nbytes(t)) for t, _ in tensors),
-                       sum(self.repacked.values()) > before)
+        return GWeight(
+            tensors,
+            tuple(group[0] for group in groups),
+            sum(int(g.ggml_nbytes(t)) for t, _ in tensors),
+            sum(self.repacked.values()) > before,
+        )
 
     def weight(self, w) -> GWeight:
         # A tied head is the embedding table itself: ShardModel builds the table first, and both sources are alive
@@ -312,8 +329,11 @@ class GgmlBackend(Backend, GgmlMoE):
             pairs = []
             for a, b in zip(xs[::2], xs[1::2]):
                 ax = axis % len(a.shape)
-                expect(len(a.shape) == len(b.shape) and all(m == n for i, (m, n) in enumerate(zip(a.shape, b.shape))
-                                                            if i != ax), f"concat: {a.shape} and {b.shape}")
+                expect(
+                    len(a.shape) == len(b.shape)
+                    and all(m == n for i, (m, n) in enumerate(zip(a.shape, b.shape)) if i != ax),
+                    f"concat: {a.shape} and {b.shape}",
+                )
                 shape = tuple(a.shape[i] + b.shape[i] if i == ax else a.shape[i] for i in range(len(a.shape)))
                 pairs.append(self.wrap(self.node(g.ggml_concat, a.t, b.t, len(a.shape) - 1 - ax), shape))
             xs = pairs + ([xs[-1]] if len(xs) % 2 else [])
@@ -329,8 +349,21 @@ class GgmlBackend(Backend, GgmlMoE):
         """Rotary embedding of x [N, heads, hd] (NEOX or NORMAL pairs, see __init__) at the rows' positions
         `rotary` (I32 [N], see `rotary`)."""
         expect(len(x.shape) == 3 and x.shape[2] == self.head_dim and rotary.shape == (x.shape[0],), f"rope: {x.shape}")
-        t = self.node(g.ggml_rope_ext, x.t, rotary.t, self.freq_factors, self.head_dim, self.rope_mode,
-                      self.rope_ctx, self.theta, 1.0, 0.0, 1.0, 32.0, 1.0)
+        t = self.node(
+            g.ggml_rope_ext,
+            x.t,
+            rotary.t,
+            self.freq_factors,
+            self.head_dim,
+            self.rope_mode,
+            self.rope_ctx,
+            self.theta,
+            1.0,
+            0.0,
+            1.0,
+            32.0,
+            1.0,
+        )
         return self.wrap(t, x.shape)
 
     def attention(self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float) -> GArray:
@@ -346,9 +379,15 @@ class GgmlBackend(Backend, GgmlMoE):
         expect(khd == hd and values.shape == keys.shape and nh % nkv == 0, f"attention: {q.shape}, {keys.shape}")
         expect(mask is None or mask.shape == (t, cells), f"attention: mask {None if mask is None else mask.shape}")
         if t > ATTENTION_ROWS and mask is not None:
-            return self.concat([self.attention(q[s:s + ATTENTION_ROWS], keys, values, mask[s:s + ATTENTION_ROWS],
-                                               scale) for s in range(0, t, ATTENTION_ROWS)], axis=0)
+            return self.concat(
+                [
+                    self.attention(q[s : s + ATTENTION_ROWS], keys, values, mask[s : s + ATTENTION_ROWS], scale)
+                    for s in range(0, t, ATTENTION_ROWS)
+                ],
+                axis=0,
+            )
         qp = self.node(g.ggml_permute, q.t, 0, 2, 1, 3)  # ne [hd, T, heads], what flash attention reads
-        out = self.node(g.ggml_flash_attn_ext, qp, keys.t, values.t, None if mask is None else mask.t, scale,
-                        0.0, 0.0)  # ne [hd, heads, T], contiguous
+        out = self.node(
+            g.ggml_flash_attn_ext, qp, keys.t, values.t, None if mask is None else mask.t, scale, 0.0, 0.0
+        )  # ne [hd, heads, T], contiguous
         return self.view(self.wrap(out, (t, nh, hd)), (t, nh * hd), c_strides((t, nh * hd), 4))

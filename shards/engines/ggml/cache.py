@@ -9,6 +9,7 @@ the positions held by an input tensor, and returns views of the first `span` cel
 step's mask hides every cell beyond each row's position, so the same graph serves every decode step until the
 request's length crosses into the next span.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -43,7 +44,7 @@ class LayerKV:
             raise
         self.nbytes = 2 * capacity * self.row
 
-    def copy_from(self, old: "LayerKV", positions: int) -> None:
+    def copy_from(self, old: LayerKV, positions: int) -> None:
         n = positions * self.row  # rows are positions: the first `positions` rows are one contiguous block
         ctypes.memmove(self.k.contents.data, old.k.contents.data, n)
         ctypes.memmove(self.v.contents.data, old.v.contents.data, n)

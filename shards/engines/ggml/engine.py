@@ -13,6 +13,7 @@ A step runs as every engine's does (`BlockEngine.run`); this engine's runner, `G
 first time the layout is seen and re-run afterwards; KV caches are F16 per request and layer
 (shards/engines/ggml/cache.py). Every input is validated before ggml sees it: a ggml assertion would abort the process.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,20 +21,20 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.formats.config import ModelConfig
 from shards.engines.base import BlockEngine, EngineInputError, Packing, StepInput
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cache import RequestKV, span_for
 from shards.engines.ggml.graph import Graph, GraphCache, Layout
 from shards.engines.ggml.lib import default_threads, g
 from shards.engines.ggml.threads import ThreadGovernor
+from shards.engines.ggml.weights import QUANTIZE_CHOICES, load_ggml_shard_weights
 from shards.engines.masks import CausalMasks
 from shards.engines.runner import Runner
-from shards.engines.ggml.weights import QUANTIZE_CHOICES, load_ggml_shard_weights
-from shards.formats.loader import open_model
+from shards.formats.config import ModelConfig
 from shards.formats.gguf_model import rope_pairs_interleaved
-from shards.transformer import ShardModel
+from shards.formats.loader import open_model
 from shards.shard import Shard
+from shards.transformer import ShardModel
 
 log = logging.getLogger(__name__)
 MIN_CAPACITY = 256  # a request without a reservation starts with this many positions and doubles
@@ -44,9 +45,16 @@ class GgmlEngine(BlockEngine):
     options = ("threads", "quantize")  # engine options this engine takes (node flags --threads, --quantize)
     kv_value_bytes = 2  # F16 cache
 
-    def __init__(self, model_dir: str | Path, shard: Shard, config: ModelConfig | None = None,
-                 threads: int | None = None, quantize: str | None = None, repack: bool = True,
-                 adapt_threads: bool = True):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        shard: Shard,
+        config: ModelConfig | None = None,
+        threads: int | None = None,
+        quantize: str | None = None,
+        repack: bool = True,
+        adapt_threads: bool = True,
+    ):
         self.check_options(model_dir, threads, quantize)
         self.config = cfg = config or open_model(model_dir).config
         self.shard = shard
@@ -61,8 +69,10 @@ class GgmlEngine(BlockEngine):
             raise
         self.ops.loaded()
         if self.ops.repacked:
-            log.info("ggml: matmul weights in CPU_REPACK (interleaved kernels): %s",
-                     ", ".join(f"{n} {t}" for t, n in sorted(self.ops.repacked.items())))
+            log.info(
+                "ggml: matmul weights in CPU_REPACK (interleaved kernels): %s",
+                ", ".join(f"{n} {t}" for t, n in sorted(self.ops.repacked.items())),
+            )
         self._weights = {id(w): w for w in self.model.parameters()}  # tied embedding and head counted once
         self.backend = g.ggml_backend_cpu_init()
         if not self.backend:

@@ -7,6 +7,7 @@ its own compute buffer; every later step with the same layout only copies in the
 positions, masks) and computes: tens of microseconds of Python per step. `GraphRunner` is the engine's runner for
 `BlockEngine.run`: it makes and grows the caches, finds or builds the step's graph and runs it.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -33,8 +34,15 @@ class Layout:
 
 
 class Graph:
-    def __init__(self, ops: GgmlBackend, model: ShardModel, layout: Layout, caches: list[RequestKV],
-                 first: bool, hidden_size: int):
+    def __init__(
+        self,
+        ops: GgmlBackend,
+        model: ShardModel,
+        layout: Layout,
+        caches: list[RequestKV],
+        first: bool,
+        hidden_size: int,
+    ):
         n, rows, layers = len(layout.lengths), layout.rows, len(model.layers)
         self.layout = layout
         # Room for every tensor the build creates: ~40 per layer plus ~12 per request and layer (measured 38 + 11n
@@ -56,8 +64,10 @@ class Graph:
             self.mask_at = np.concatenate([[0], np.cumsum(sizes)]).tolist()
             self.mask = ops.input(F16, (self.mask_at[-1],))
             self.mask_np = np.empty(self.mask_at[-1], dtype=np.float16)
-            masks = [ops.view(self.mask, (t, span), (2 * span, 2), 2 * at)
-                     for t, span, at in zip(layout.lengths, layout.spans, self.mask_at)]
+            masks = [
+                ops.view(self.mask, (t, span), (2 * span, 2), 2 * at)
+                for t, span, at in zip(layout.lengths, layout.spans, self.mask_at)
+            ]
             bounds = np.concatenate([[0], np.cumsum(layout.lengths)]).tolist()
             out_ids = ops.input(I32, (n,)) if layout.output == "last" else None
             bound = []
@@ -95,7 +105,7 @@ class Graph:
             ints[:] = positions
             g.ggml_backend_tensor_set(self.hidden.t, x.ctypes.data, 0, x.nbytes)
         for i, m in enumerate(masks):
-            mask[at[i]: at[i + 1]] = m.reshape(-1)
+            mask[at[i] : at[i + 1]] = m.reshape(-1)
         g.ggml_backend_tensor_set(self.ints.t, ints.ctypes.data, 0, ints.nbytes)
         g.ggml_backend_tensor_set(self.mask.t, mask.ctypes.data, 0, mask.nbytes)
         status = g.ggml_backend_graph_compute(backend, self.gf)

@@ -13,6 +13,7 @@ Everything the engine asks of ggml goes through this module or `g`, the binding 
   for (SIGSEGV in ggml_backend_amx_mul_mat on AMX hosts, in tensor_set for Q4_1/Q8_0/Q6_K with CPU_REPACK), and
   ggml only dispatches to them for tensors placed in them.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -38,16 +39,24 @@ Tensor = "ctypes._Pointer[g.ggml_tensor]"
 
 
 def _fix_restypes() -> None:
-    for name in ("ggml_backend_cpu_buffer_type", "ggml_backend_alloc_buffer", "ggml_backend_cpu_buffer_from_ptr",
-                 "ggml_backend_sched_get_tensor_backend"):
+    for name in (
+        "ggml_backend_cpu_buffer_type",
+        "ggml_backend_alloc_buffer",
+        "ggml_backend_cpu_buffer_from_ptr",
+        "ggml_backend_sched_get_tensor_backend",
+    ):
         getattr(g.lib, name).restype = ctypes.c_void_p
 
 
 _fix_restypes()
 
 _log = logging.getLogger("ggml")
-_LEVELS = {g.GGML_LOG_LEVEL_ERROR: logging.ERROR, g.GGML_LOG_LEVEL_WARN: logging.WARNING,
-           g.GGML_LOG_LEVEL_INFO: logging.DEBUG, g.GGML_LOG_LEVEL_DEBUG: logging.DEBUG}
+_LEVELS = {
+    g.GGML_LOG_LEVEL_ERROR: logging.ERROR,
+    g.GGML_LOG_LEVEL_WARN: logging.WARNING,
+    g.GGML_LOG_LEVEL_INFO: logging.DEBUG,
+    g.GGML_LOG_LEVEL_DEBUG: logging.DEBUG,
+}
 
 
 @g.ggml_log_callback
@@ -62,8 +71,12 @@ g.ggml_log_set(_forward_log, None)  # the module keeps the callback object alive
 # GGUF's type ids are ggml's (GGMLQuantizationType.Q4_K == GGML_TYPE_Q4_K == 12): one enum for both.
 F32, F16, I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), g.GGML_TYPE_I32
 WEIGHT_TYPES = frozenset(int(t) for t in SUPPORTED_TYPES)  # the types the engine's tests run through ggml
-QUANTIZE_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
-                  "q4_k": GGMLQuantizationType.Q4_K, "f16": GGMLQuantizationType.F16}
+QUANTIZE_TYPES = {
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+    "q4_k": GGMLQuantizationType.Q4_K,
+    "f16": GGMLQuantizationType.F16,
+}
 MAX_DIMS = 4
 
 
@@ -118,7 +131,7 @@ class Context:
         self.room()
         return g.ggml_new_tensor(self.ctx, ggml_type, len(ne), (ctypes.c_int64 * len(ne))(*ne))
 
-    def graph(self) -> "ctypes._Pointer[g.ggml_cgraph]":
+    def graph(self) -> ctypes._Pointer[g.ggml_cgraph]:
         return g.ggml_new_graph_custom(self.ctx, self.capacity, False)
 
     def free(self) -> None:

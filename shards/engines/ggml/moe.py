@@ -7,6 +7,7 @@ ggml_sum_rows/ggml_div where the model says so) are graph nodes, and ggml_mul_ma
 its chosen experts' matrices; ggml groups the rows by expert, so a batch costs one pass over each used expert.
 The graph is built once per batch layout and re-run: the routing is recomputed inside it every step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -12,12 +12,13 @@ row to one thread; tested), so the choice is free to change between steps.
 
 Where /proc is missing (macOS) the governor always answers the configured count.
 """
+
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 HYSTERESIS = 0.25  # cores: a change needs the others' load this far past the midpoint, so the count doesn't flap
 
@@ -89,9 +90,14 @@ class ThreadGovernor:
     most every `interval` seconds (`adapt=False`: always the configured count). `reader` and `clock` are seams
     (tests pass recorded samples and their times)."""
 
-    def __init__(self, configured: int, interval: float = 0.5,
-                 reader: Callable[[], CpuSample | None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 adapt: bool = True):
+    def __init__(
+        self,
+        configured: int,
+        interval: float = 0.5,
+        reader: Callable[[], CpuSample | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        adapt: bool = True,
+    ):
         if configured < 1 or interval <= 0:
             raise ValueError("a governor needs at least one thread and a positive interval")
         self.configured, self.current, self.interval = configured, configured, interval

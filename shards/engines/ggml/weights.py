@@ -15,6 +15,7 @@ so loading peaks near one layer in float32 plus the quantized shard, not the who
 whose rows are not whole blocks of the asked type falls back per tensor (q4_k needs rows of 256 values: to q8_0;
 any type needs 32: to f16), logged once per kind of fallback. `none` keeps float32.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,27 +26,42 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from shards.formats.config import ModelConfig
-from shards.engines.registry import QUANTIZE_CHOICES
 from shards.engines.ggml.lib import QUANTIZE_TYPES, block_size, dequantize, quantize
+from shards.engines.registry import QUANTIZE_CHOICES
+from shards.formats.config import ModelConfig
 from shards.formats.gguf_model import load_shard_tensors
 from shards.formats.hf import Checkpoint
 from shards.formats.loader import open_model
-from shards.progress import Progress
 from shards.formats.quant import QuantizedTensor
-from shards.shard import Shard
 from shards.formats.weights import LayerWeights, ShardWeights, WeightsError, layer_tensor_shapes
+from shards.progress import Progress
+from shards.shard import Shard
 
 log = logging.getLogger(__name__)
 assert set(QUANTIZE_CHOICES) == {*QUANTIZE_TYPES, "none"}
-MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router", "experts_gate",
-            "experts_up", "experts_down", "shared_gate_proj", "shared_up_proj", "shared_down_proj",
-            "shared_expert_gate")
+MATRICES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "router",
+    "experts_gate",
+    "experts_up",
+    "experts_down",
+    "shared_gate_proj",
+    "shared_up_proj",
+    "shared_down_proj",
+    "shared_expert_gate",
+)
 ROUTERS = ("router", "shared_expert_gate")  # kept as stored (F32): quantizing them would change which experts run
 
 
-def load_ggml_shard_weights(model_dir: str | Path, cfg: ModelConfig, shard: Shard, quantize: str | None,
-                            threads: int) -> ShardWeights:
+def load_ggml_shard_weights(
+    model_dir: str | Path, cfg: ModelConfig, shard: Shard, quantize: str | None, threads: int
+) -> ShardWeights:
     """`quantize` (checked by the engine): None/"none" keeps a checkpoint's float32; a GGUF keeps its own types."""
     source = open_model(model_dir)
     if source.gguf is not None:
@@ -69,8 +85,11 @@ def _gguf_weights(path: Path, cfg: ModelConfig, shard: Shard, quantize: str | No
     layers = []
     for i in range(shard.start_layer, shard.end_layer):
         fields = {k: t[f"{i}.{k}"] for k in layer_tensor_shapes(cfg, i)}
-        layers.append(LayerWeights(**{k: (v if k in ROUTERS else matrix(v)) if k in MATRICES else vector(v)
-                                      for k, v in fields.items()}))
+        layers.append(
+            LayerWeights(
+                **{k: (v if k in ROUTERS else matrix(v)) if k in MATRICES else vector(v) for k, v in fields.items()}
+            )
+        )
     out = ShardWeights(shard, layers, matrix(t.get("embed_tokens")), vector(t.get("norm")), matrix(t.get("lm_head")))
     if requantize:
         requantize.report(path)
@@ -127,7 +146,7 @@ def _quantize_rows(a: np.ndarray, qtype: int, threads: int, fallbacks: Counter[s
 class _LazyLayers(list):
     """The layers of a ShardWeights, each read (and quantized) only when ShardModel pops it."""
 
-    def __init__(self, loader: "_SafetensorsLoader", indices: range):
+    def __init__(self, loader: _SafetensorsLoader, indices: range):
         super().__init__(indices)
         self.loader = loader
 
@@ -166,8 +185,13 @@ class _SafetensorsLoader:
         ends = {name: self._convert(name, a) for name, a in self._read(self.ends).items()}
         layers = _LazyLayers(self, range(self.shard.start_layer, self.shard.end_layer))
         embed = ends.get("model.embed_tokens.weight") if self.shard.is_first else None  # (a tied head's name too)
-        return ShardWeights(self.shard, layers, embed, ends.get("model.norm.weight"),
-                            ends.get(self.head) if self.shard.is_last else None)
+        return ShardWeights(
+            self.shard,
+            layers,
+            embed,
+            ends.get("model.norm.weight"),
+            ends.get(self.head) if self.shard.is_last else None,
+        )
 
     def layer(self, i: int) -> LayerWeights:
         spec = self.specs[i]
