@@ -2,14 +2,14 @@
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming with server-sent events or not),
 GET /v1/models, GET /v1/models/{id}, GET /v1/topology, GET /healthcheck; GET /metrics (Prometheus text format,
-node/runtime/metrics.py); the web page at GET / (node/http/webui.py).
+node/runtime/metrics.py); the web page at GET / (node/http/webui.py). CORS, error bodies and the API key are the
+middlewares of node/http/middleware.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import time
@@ -21,7 +21,7 @@ from prometheus_client.exposition import choose_encoder
 
 from node.core.plan import PlanError
 from node.core.requests import GenerationError, Overloaded
-from node.http import webui
+from node.http import middleware, webui
 from node.http.completion import Job, TextDelta, run_job
 from node.http.format import ChatFormat, CompletionFormat, Format
 from node.http.prompt import PromptEncoder
@@ -56,7 +56,12 @@ class Api:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[self._cors, webui.security_headers, self._errors, self._auth],
+            middlewares=[
+                middleware.cors(self.settings.cors_origins),
+                webui.security_headers,
+                middleware.errors(self.settings.max_body_bytes),
+                middleware.auth(self.settings.api_key),
+            ],
             client_max_size=self.settings.max_body_bytes,
         )
         app.add_routes(
@@ -72,52 +77,6 @@ class Api:
             ]
         )
         return app
-
-    # -- middlewares ------------------------------------------------------------------------------------------
-    @web.middleware
-    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every failure leaves as an OpenAI error object; tracebacks stay in the log."""
-        try:
-            return await handler(request)
-        except ApiError as e:
-            return e.response()
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            message = (
-                f"request body exceeds {self.settings.max_body_bytes} bytes"
-                if e.status == 413
-                else f"{e.reason}: {request.method} {request.path}"
-            )
-            code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(e.status)
-            return ApiError(e.status, message, code=code).response()
-        except Exception:
-            log.exception("unhandled error in %s %s", request.method, request.path)
-            return ApiError(500, "internal server error").response()
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
-        key = self.settings.api_key
-        if key and not webui.is_public(request.path):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
-        return await handler(request)
-
-    @web.middleware
-    async def _cors(self, request: web.Request, handler) -> web.StreamResponse:
-        origins = self.settings.cors_origins
-        origin = request.headers.get("Origin")
-        allowed = origins and origin and ("*" in origins or origin in origins)
-        if request.method == "OPTIONS" and allowed:
-            response: web.StreamResponse = web.Response(status=204)
-        else:
-            response = await handler(request)
-        if allowed and not response.prepared:
-            response.headers["Access-Control-Allow-Origin"] = "*" if "*" in origins else origin
-            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
-            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
-        return response
 
     # -- read-only endpoints ----------------------------------------------------------------------------------
     def _model_card(self) -> dict[str, Any]:

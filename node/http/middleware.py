@@ -1,0 +1,81 @@
+"""The aiohttp middlewares around every API route: CORS, OpenAI-shaped error bodies, the API key.
+
+Each is built from the one setting it reads, so this module knows nothing of the endpoints or of ApiSettings. Order
+matters and is the caller's (node/http/api.py): CORS outermost, so even a 401 or an error body carries the CORS
+headers a browser needs to read it; errors outside auth, so a refused key leaves as an OpenAI error object too.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from aiohttp import web
+
+from node.http import webui
+from node.http.schema import ApiError
+
+log = logging.getLogger(__name__)
+
+
+def errors(max_body_bytes: int):
+    """Every failure leaves as an OpenAI error object; tracebacks stay in the log. `max_body_bytes` is aiohttp's
+    client_max_size, named in the 413 so the client knows the limit it ran into."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return e.response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            message = (
+                f"request body exceeds {max_body_bytes} bytes"
+                if e.status == 413
+                else f"{e.reason}: {request.method} {request.path}"
+            )
+            code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(e.status)
+            return ApiError(e.status, message, code=code).response()
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return ApiError(500, "internal server error").response()
+
+    return middleware
+
+
+def auth(api_key: str | None):
+    """With a key, every non-public path (webui.is_public) needs "Authorization: Bearer <key>", compared in constant
+    time; without one, everything is open."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        if api_key and not webui.is_public(request.path):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        return await handler(request)
+
+    return middleware
+
+
+def cors(origins: tuple[str, ...]):
+    """CORS headers only for an Origin in `origins` ("*": any); none at all when `origins` is empty. A preflight
+    OPTIONS from an allowed origin is answered here with 204, before auth (browsers send it without the key)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        allowed = origins and origin and ("*" in origins or origin in origins)
+        if request.method == "OPTIONS" and allowed:
+            response: web.StreamResponse = web.Response(status=204)
+        else:
+            response = await handler(request)
+        if allowed and not response.prepared:
+            response.headers["Access-Control-Allow-Origin"] = "*" if "*" in origins else origin
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        return response
+
+    return middleware
