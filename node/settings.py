@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from discovery.interfaces import default_advertise_host
-from node.core.node_core import CoreLimits
+from node.core.admission import CoreLimits
 from node.core.scheduler import SchedulerLimits
 from node.fetch import startup as fetching
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES

@@ -14,7 +14,7 @@ from node.core.plan import RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.topology import NodeInfo
 from node.fetch.manifest import Manifest, piece_deadline
-from node.grpc import wire
+from node.grpc import wire, wire_cluster
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 from node.grpc.stream import PeerStream, StreamBroken
@@ -163,7 +163,7 @@ class GrpcTransport:
         response = await self.stub(address).HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
         if not response.ok:
             raise TransportError("unavailable", f"{address} says it is not ready")
-        return wire.decode_node_info(response.node)
+        return wire_cluster.decode_node_info(response.node)
 
     @_translated
     async def leave(self, address: str, node_id: str, timeout: float = 1.0) -> None:
@@ -172,7 +172,7 @@ class GrpcTransport:
     @_translated
     async def manifest(self, address: str, model_id: str, timeout: float = 30.0) -> Manifest:
         response = await self.stub(address).GetManifest(pb.ManifestRequest(model_id=model_id), timeout=timeout)
-        return wire.decode_manifest(response)
+        return wire_cluster.decode_manifest(response)
 
     @_translated
     async def fetch_piece(
@@ -199,7 +199,7 @@ class GrpcTransport:
                 if message is grpc.aio.EOF:
                     break
                 if digest is None:
-                    digest = wire.decode_piece_header(message, length)
+                    digest = wire_cluster.decode_piece_header(message, length)
                     continue
                 if len(data) + len(message.data) > length:
                     raise wire.WireError(f"piece {index} sent more than its {length} bytes")

@@ -14,7 +14,7 @@ from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.topology import NodeInfo
 from node.fetch.manifest import piece_deadline
 from node.fetch.source import FetchRefused, UploadBusy, WeightSource
-from node.grpc import wire
+from node.grpc import wire, wire_cluster
 from node.grpc.client import server_options
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
@@ -71,7 +71,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
     async def HealthCheck(
         self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthCheckResponse:
-        return pb.HealthCheckResponse(ok=True, node=wire.encode_node_info(self.node.info()))
+        return pb.HealthCheckResponse(ok=True, node=wire_cluster.encode_node_info(self.node.info()))
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         self.node.peer_leaving(request.node_id[:256], peer_node_id(context))
@@ -81,7 +81,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         if self.source is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "this node serves no weights")
         try:
-            return wire.encode_manifest(await self.source.manifest(request.model_id[: wire.MAX_MODEL_ID]))
+            return wire_cluster.encode_manifest(await self.source.manifest(request.model_id[: wire.MAX_MODEL_ID]))
         except FetchRefused as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
 

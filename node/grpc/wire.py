@@ -3,6 +3,9 @@
 Everything decoded here came from the network and is hostile until validated: every decoder either returns a
 fully validated value or raises `WireError` (the gRPC server maps it to INVALID_ARGUMENT). Encoders take values
 that were validated when they were built, so they only check what the wire format itself cannot carry.
+
+This module holds the messages of a request (tensors, specs, results, activations); what nodes say about themselves
+and the weights they share, outside any request, is node/grpc/wire_cluster.py, built on the helpers here.
 """
 
 from __future__ import annotations
@@ -13,11 +16,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from discovery.address import parse_address
 from node.core.plan import MAX_REQUEST_ID, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
-from node.core.topology import Availability, Capabilities, NodeInfo
-from node.fetch.manifest import MAX_FILES, MAX_PIECES, Manifest, ManifestError, ModelFile, Piece
 from node.grpc.generated import node_service_pb2 as pb
 from shards.grammar import Constraint
 from shards.sampling import MAX_TOP_LOGPROBS, SampleResult, SamplingParams
@@ -30,12 +30,9 @@ MAX_NAME = 256  # node ids, addresses, engine names, status keys
 MAX_DIMS = 4
 MAX_PLAN_STEPS = 64
 MAX_STOP_IDS = 1024
-MAX_LOADED = 64
-MAX_STATUS = 256
 MAX_TOKENS_PER_MESSAGE = 1024
 MAX_MESSAGES = 4096  # token messages or activations in one call
 MAX_ERROR = 4096
-MAX_LAYER_RUNS = 1024
 MAX_GRAMMAR_PREFIX = 1 << 17  # tokens generated before a replay (at most a context)
 FINISH_REASONS = ("", "stop", "length", "error")
 _UINT64 = 2**64
@@ -216,106 +213,6 @@ def decode_spec(m: pb.RequestSpec) -> RequestSpec:
     # PlanError: a spec that is not a valid request (node/core/plan.py)
     except ValueError as e:
         raise WireError(f"invalid request spec: {e}") from e
-
-
-# --- topology --------------------------------------------------------------------------------------------
-
-
-def encode_node_info(n: NodeInfo) -> pb.NodeInfo:
-    c = n.capabilities
-    m = pb.NodeInfo(
-        node_id=n.node_id,
-        address=n.address,
-        capabilities=pb.Capabilities(
-            memory_bytes=c.memory_bytes, engine=c.engine, model_id=c.model_id, n_layers=c.n_layers
-        ),
-        loaded=[encode_shard(s) for s in n.loaded],
-        active_requests=n.active_requests,
-        status=n.status,
-        draining=n.draining,
-    )
-    if not n.availability.complete:  # absent means complete: what nodes that never fetch have always sent
-        a = n.availability
-        m.availability.CopyFrom(
-            pb.Availability(
-                layers=[pb.LayerRun(start=s, end=e) for s, e in a.layers], embed=a.embed, head=a.head, note=a.note
-            )
-        )
-    if n.pinned is not None:  # the proto's ShardRange repeats the model of the capabilities
-        start, end = n.pinned
-        m.pinned.CopyFrom(pb.ShardRange(model_id=c.model_id, start_layer=start, end_layer=end, n_layers=c.n_layers))
-    return m
-
-
-def decode_node_info(m: pb.NodeInfo) -> NodeInfo:
-    node_id = _text(m.node_id, "node_id")
-    address = _text(m.address, "node address")
-    try:
-        parse_address(address)
-    except ValueError as e:
-        raise WireError(f"node {node_id!r}: {e}") from e
-    if not m.HasField("capabilities"):
-        raise WireError(f"node {node_id!r} sent no capabilities")
-    c = m.capabilities
-    if c.n_layers < 0:
-        raise WireError(f"node {node_id!r} reports {c.n_layers} layers")
-    model_id = _text(c.model_id, "model_id", MAX_MODEL_ID, required=False)
-    caps = Capabilities(c.memory_bytes, _text(c.engine, "engine"), model_id, c.n_layers)
-    pinned = None
-    if m.HasField("pinned"):
-        p = decode_shard(m.pinned)  # validates the range
-        if (p.model_id, p.n_layers) != (caps.model_id, caps.n_layers):
-            raise WireError(f"node {node_id!r} pins layers of another model than the one it serves")
-        pinned = (p.start_layer, p.end_layer)
-    loaded = tuple(decode_shard(s) for s in _count(m.loaded, "loaded shards", MAX_LOADED))
-    if m.active_requests < 0:
-        raise WireError(f"node {node_id!r} reports {m.active_requests} active requests")
-    status = {_text(k, "status key"): int(v) for k, v in _count(m.status, "status counters", MAX_STATUS).items()}
-    availability = decode_availability(m.availability, caps.n_layers) if m.HasField("availability") else Availability()
-    return NodeInfo(node_id, address, caps, pinned, loaded, m.active_requests, status, m.draining, availability)
-
-
-def decode_availability(m: pb.Availability, n_layers: int) -> Availability:
-    runs, end = [], 0
-    for r in _count(m.layers, "layer runs", MAX_LAYER_RUNS):
-        if not end <= r.start < r.end <= n_layers or (runs and r.start == end):
-            raise WireError(f"layer runs must be sorted, disjoint, unmerged and within {n_layers} layers")
-        runs.append((r.start, r.end))
-        end = r.end
-    return Availability(m.complete, tuple(runs), m.embed, m.head, _text(m.note, "availability note", MAX_ERROR, False))
-
-
-# --- weights (node/fetch/) -------------------------------------------------------------------------------
-
-
-def encode_manifest(m: Manifest) -> pb.Manifest:
-    return pb.Manifest(
-        model_id=m.model_id,
-        format=m.format,
-        n_layers=m.n_layers,
-        files=[pb.ModelFile(name=f.name, size=f.size) for f in m.files],
-        pieces=[pb.Piece(file=p.file, offset=p.offset, length=p.length, part=p.part, layer=p.layer) for p in m.pieces],
-    )
-
-
-def decode_manifest(m: pb.Manifest) -> Manifest:
-    try:  # Manifest validates everything (names, bounds, order, overlaps) and bounds the counts first
-        files = tuple(ModelFile(f.name, f.size) for f in _count(m.files, "model files", MAX_FILES))
-        pieces = tuple(
-            Piece(p.file, p.offset, p.length, p.part, p.layer) for p in _count(m.pieces, "pieces", MAX_PIECES)
-        )
-        return Manifest(m.model_id, m.format, m.n_layers, files, pieces)
-    except ManifestError as e:
-        raise WireError(str(e)) from None
-
-
-def decode_piece_header(m: pb.PieceChunk, length: int) -> bytes:
-    """The sha256 the first message of a piece states, after checking it announces the length asked for."""
-    if len(m.sha256) != 32 or m.data:
-        raise WireError("a piece must start with its 32-byte sha256 and no data")
-    if m.length != length:
-        raise WireError(f"the piece has {length} bytes, the peer announced {m.length}")
-    return m.sha256
 
 
 # --- results ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Collection
 
 import numpy as np
 
-from node.core.node_core import KEPT_AFTER
+from node.core.actions import KEPT_AFTER
 from node.core.plan import PlanStep, RequestSpec
 from node.core.prefix_cache import PrefixIndex
 from node.core.requests import GenerationError, Overloaded, TokenMessage

@@ -15,7 +15,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from node.core.node_core import Action, Deliver, NodeCore, Release, Sample, Send
+from node.core.actions import Action, Deliver, Release, Sample, Send
+from node.core.node_core import NodeCore
 from node.core.plan import RequestSpec
 from node.core.requests import Activation, TokenMessage
 from node.core.scheduler import Group

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from node.core.node_core import CoreLimits
+from node.core.admission import CoreLimits
 from node.core.scheduler import SchedulerLimits
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config

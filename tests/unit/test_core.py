@@ -9,7 +9,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from node.core.node_core import CoreLimits, Deliver, NodeCore, Release, Sample, Send
+from node.core.actions import Deliver, Release, Sample, Send
+from node.core.admission import CoreLimits
+from node.core.node_core import NodeCore
 from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage, Tombstones
 from node.core.scheduler import Group, Queued, SchedulerLimits

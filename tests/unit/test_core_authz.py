@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
-from node.core.node_core import CoreLimits, Deliver, NodeCore, Release, Send
+from node.core.actions import Deliver, Release, Send
+from node.core.admission import CoreLimits
+from node.core.node_core import NodeCore
 from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation
 from shards.sampling import SampleResult, SamplingParams

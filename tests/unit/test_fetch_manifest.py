@@ -11,7 +11,7 @@ from node.fetch import manifest as manifest_module
 from node.fetch.layout import build_manifest, safetensors_tensors
 from node.fetch.local_copy import STATE, LocalCopy
 from node.fetch.manifest import Manifest, ManifestError, ModelFile, Piece, same_layout
-from node.grpc import wire
+from node.grpc import wire, wire_cluster
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
 from shards.shard import Shard
@@ -79,7 +79,7 @@ def test_a_tied_gguf_model_gives_its_last_shard_the_embedding_and_splits_big_ten
 
 def test_manifests_cross_the_wire_unchanged():
     m = llama_manifest(max_piece=10_000)
-    assert wire.decode_manifest(wire.encode_manifest(m)) == m
+    assert wire_cluster.decode_manifest(wire_cluster.encode_manifest(m)) == m
     assert Manifest.from_json(json.loads(json.dumps(m.to_json()))) == m
 
 
@@ -107,9 +107,9 @@ def test_a_hostile_manifest_is_refused(change, why, monkeypatch):
         change(good)
     with monkeypatch.context() as m:  # what a hostile peer could put on the wire: the same manifest, unchecked
         m.setattr(manifest_module, "_check", lambda manifest: None)
-        sent = wire.encode_manifest(change(good))
+        sent = wire_cluster.encode_manifest(change(good))
     with pytest.raises(wire.WireError, match=why):
-        wire.decode_manifest(sent)
+        wire_cluster.decode_manifest(sent)
 
 
 def _file(m: Manifest, i: int, **kw) -> Manifest:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from node.core.plan import PlanStep, RequestSpec
-from node.grpc import wire
+from node.grpc import wire, wire_cluster
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, channel_options
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
@@ -97,7 +97,7 @@ def test_health_check_describes_the_node():
     async def go():
         node, server, client = await serving(pinned=(0, 3))
         try:
-            info = wire.decode_node_info((await client.health_check()).node)
+            info = wire_cluster.decode_node_info((await client.health_check()).node)
             assert (info.node_id, info.address, info.pinned, info.capabilities.n_layers) == (
                 "n0",
                 node.address,

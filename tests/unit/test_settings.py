@@ -3,7 +3,7 @@
 
 import pytest
 
-from node.core.node_core import CoreLimits
+from node.core.admission import CoreLimits
 from node.runtime.settings import NodeSettings
 from node.settings import Machine, parse_args, settings_from_args
 

@@ -1,0 +1,161 @@
+"""The requests a node holds and their queued inputs: admitting a request (its prompt, or the first activation
+from its predecessor), queueing each input for a forward pass, and forgetting it when it ends. Pure, like the rest
+of node/core/: `NodeCore` (node/core/node_core.py) builds on it with what to do with a step's outputs and failures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from node.core.actions import END_REASONS, KEPT_AFTER, Action, Release
+from node.core.admission import Admission, CoreLimits
+from node.core.authz import check_caller, predecessor
+from node.core.plan import Busy, PlanError, RequestSpec
+from node.core.requests import Activation, Refusal, RequestState, Tombstones
+from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
+from shards.formats.config import ModelConfig
+from shards.shard import Shard
+
+
+class RequestBook:
+    """Requests held (every request is in `requests` from its admission to its end, then in `ended`) and their
+    queued inputs; whether a request is taken, and the memory it reserves, is `admission`'s
+    (node/core/admission.py)."""
+
+    def __init__(
+        self,
+        node_id: str,
+        model_id: str,
+        config: ModelConfig,
+        limits: CoreLimits = CoreLimits(),
+        scheduling: SchedulerLimits = SchedulerLimits(),
+        clock: Callable[[], float] = time.monotonic,
+        members: Callable[[], Mapping[str, str]] | None = None,
+        serves: Callable[[Shard], bool] = lambda shard: True,
+    ):
+        """`members`: the nodes this one knows (id -> address, itself included), which plans must stay within;
+        None: plans are not checked against membership. `serves`: whether this node holds a shard's weights now
+        (always, unless it fetches them from a peer: node/fetch/follow.py)."""
+        self.id, self.config, self.limits, self.clock = node_id, config, limits, clock
+        self.members = members
+        self.admission = Admission(node_id, model_id, config, limits, members=members, serves=serves)
+        self.requests: dict[str, RequestState] = {}
+        self.ended = Tombstones()
+        self.queue = StepScheduler(scheduling)
+        # Requests of a one-node ring whose next token is being sampled right now: their next step is due within a
+        # millisecond or two, so the driver holds the queue back for them (briefly) rather than split the batch.
+        self.local_inflight: set[str] = set()
+        self.counters: Counter[str] = Counter()
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: no new requests, the ones held run to their end."""
+        return self.admission.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.admission.draining = value
+
+    @property
+    def kv_reserved(self) -> int:
+        """Bytes of KV cache reserved by the requests held."""
+        return self.admission.kv_reserved
+
+    def kv_bytes(self, shard: Shard, positions: int) -> int:
+        return self.admission.kv_bytes(shard, positions)
+
+    # -- inputs from other nodes ------------------------------------------------------------------------------
+    def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray, caller: str | None = None) -> None:
+        """A new request whose plan makes us the first node, from `caller` (the authenticated member calling, when
+        known). Raises PlanError when it can't be taken."""
+        check_caller(caller, {spec.entry_node_id}, f"a prompt for request {spec.request_id}")
+        if spec.first.node_id != self.id:
+            raise PlanError(f"prompt sent to {self.id}, but the plan's first node is {spec.first.node_id}")
+        if spec.request_id in self.requests or spec.request_id in self.ended:
+            raise PlanError(f"request {spec.request_id} already exists")
+        self.admission.check_input(True, tokens)
+        # a reused prefix is already in the caches: it counts against what the spec declared
+        self.admission.check_declared(spec, spec.reuse_positions, len(tokens))
+        self._admit(spec).positions_in = spec.reuse_positions + len(tokens)
+        self._enqueue(Queued(spec.request_id, tokens))
+
+    def accept_activations(self, activations: list[Activation], caller: str | None = None) -> list[Refusal]:
+        """Queue each activation (from `caller`, when known); returns the ones refused, and why."""
+        rejected = []
+        for a in activations:
+            if a.request_id in self.ended:
+                continue  # the request is over; a late activation is simply dropped
+            try:
+                req = self.requests.get(a.request_id)
+                if req is None:
+                    if a.spec is None:
+                        raise PlanError(f"unknown request {a.request_id} (this node has no state for it)")
+                    if a.spec.step_of(self.id) == 0:
+                        raise PlanError("a request starts at its first node with a prompt, not an activation")
+                    check_caller(caller, {predecessor(a.spec, a.spec.step_of(self.id))}, f"request {a.request_id}")
+                    self.admission.check_declared(a.spec, a.spec.reuse_positions, len(a.data))
+                    req = self._admit(a.spec)
+                    req.positions_in = a.spec.reuse_positions
+                else:
+                    check_caller(caller, {predecessor(req.spec, req.step_index)}, f"request {a.request_id}")
+                    self.admission.check_declared(req.spec, req.positions_in, len(a.data))
+                self.admission.check_input(req.shard.is_first, a.data)
+                req.positions_in += len(a.data)
+                self._enqueue(Queued(a.request_id, a.data, a.partial))
+            except PlanError as e:
+                rejected.append(Refusal(a.request_id, str(e), isinstance(e, Busy)))
+        return rejected
+
+    def end_request(self, request_id: str, reason: str, caller: str | None = None) -> list[Action]:
+        """The request is over (finished, cancelled or failed): forget it and free its caches. From a peer (`caller`
+        authenticated), only the request's entry or a node of its plan may end it, and only a member may end a
+        request we don't hold (so strangers can't fill the bounded tombstones)."""
+        if caller is not None:
+            req = self.requests.get(request_id)
+            allowed = (
+                {req.spec.entry_node_id, *(s.node_id for s in req.spec.plan)}
+                if req
+                else set(self.members() if self.members else ())
+            )
+            if caller not in allowed:
+                self.counters["end_refused"] += 1
+                return []
+        self.ended.add(request_id)
+        self.local_inflight.discard(request_id)
+        if (req := self.requests.pop(request_id, None)) is not None:
+            # a counter per reason: only the reasons nodes send (a peer's free text would grow the status map, which
+            # peers refuse past 256 keys)
+            self.counters[f"ended_{reason if reason in END_REASONS else 'unknown'}"] += 1
+            self.admission.release(req)
+        return [Release(request_id, keep=req is not None and reason in KEPT_AFTER)]
+
+    def _admit(self, spec: RequestSpec) -> RequestState:
+        req = self.requests[spec.request_id] = self.admission.admit(spec, self.requests, self.clock())
+        return req
+
+    def _enqueue(self, item: Queued) -> None:
+        self.requests[item.request_id].last_active = self.clock()
+        self.queue.push(item)
+        self.local_inflight.discard(item.request_id)
+
+    # -- choosing a forward pass ------------------------------------------------------------------------------
+    @property
+    def should_wait(self) -> bool:
+        """Hold queued work back: a one-node ring's tokens are about to join it (see `local_inflight`)."""
+        return bool(self.queue) and bool(self.local_inflight)
+
+    def stop_waiting(self) -> None:
+        """The wait ran out: a straggler; run without it."""
+        self.local_inflight.clear()
+
+    def take_batch(self) -> list[Group]:
+        """The next forward pass, as groups of inputs that share an engine call (see node/core/scheduler.py)."""
+        return self.queue.take(lambda rid: req.shard if (req := self.requests.get(rid)) else None)
+
+    @property
+    def active(self) -> int:
+        return len(self.requests)
