@@ -1,5 +1,5 @@
-"""The ggml engine against llama.cpp on the same GGUF files and thread counts, plus its memory, its per-step Python
-cost, a 3-node pipeline and its agreement with llama.cpp and with float32 math (numpy engine).
+"""The ggml engine against llama.cpp on the same GGUF files and thread counts, plus its memory (bench/ggml_memory.py),
+its per-step Python cost, a 3-node pipeline and its agreement with llama.cpp and with float32 math (numpy engine).
 
     uv run python -m bench.bench_ggml --llama-python /tmp/llamavenv/bin/python [--rounds 3] [--threads 1,2]
                                       [--out bench-ggml.json]
@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,12 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.ggml_harness import engine, load, ours, theirs
+from bench.ggml_memory import memory, ours_memory
 from shards.engines.base import StepInput
 from shards.formats.loader import load_config
-from shards.shard import Shard
 
-ROOT = Path(__file__).resolve().parent.parent
-REF = ROOT / "bench" / "llamacpp_ref.py"
 TEXTS = [  # varied text for teacher-forced agreement: prose, dialogue, code, numbers, lists, French, a recipe
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
     "metal type, oil-based ink and a wooden press adapted from wine making. Within a few decades printers had "
@@ -69,14 +67,6 @@ def model_paths() -> dict[str, Path]:
         "random357m-q8_0": random_gguf("q8_0"),
         "random357m-q4_0": random_gguf("q4_0"),
     }
-
-
-def engine(path: Path, threads: int, start: int = 0, end: int | None = None, name: str = "ggml"):
-    from shards.engines.registry import engine_class
-
-    cfg = load_config(path)
-    shard = Shard("m", start, end or cfg.n_layers, cfg.n_layers)
-    return engine_class(name)(path, shard, cfg, **({"threads": threads} if name == "ggml" else {}))
 
 
 # -- ours, in a fresh process: python -m bench.bench_ggml --ours speed MODEL THREADS ------------------------------
@@ -143,34 +133,6 @@ def python_cost(e) -> dict:
     return out
 
 
-def ours_memory(path: Path, start: int, end: int | None) -> dict:
-    """Resident memory before and after loading the shard, against its tensors' bytes in the file."""
-    from shards.formats.gguf_file import open_gguf
-    from shards.formats.gguf_model import _hf_shapes
-
-    def status() -> dict[str, int]:
-        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-        return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
-
-    import shards.engines.ggml.engine  # noqa: F401  (the library's own memory is not the shard's)
-
-    load_config(path)  # nor is the file's parsed metadata (cached): the vocabulary alone is ~30 MB of objects
-    before = status()
-    e = engine(path, 1, start, end)
-    x = {"tokens": np.arange(8)} if e.shard.is_first else {"hidden": np.zeros((8, e.config.hidden_size), np.float32)}
-    e.forward([StepInput("r", max_positions=64, **x)])
-    after = status()
-    f = open_gguf(path)
-    file_bytes = sum(f.tensor(n).nbytes for n in {name for name, _, _ in _hf_shapes(e.config, e.shard)})
-    return {
-        "layers": e.shard.layer_count,
-        "file_bytes": file_bytes,
-        "nbytes": e.nbytes(),
-        **{f"{k}_delta": after[k] - before[k] for k in after},
-        "rss": after["VmRSS"],
-    }
-
-
 def ours_top(path: Path, tokens: list[int], name: str, out: str) -> dict:
     """Teacher-forced top-5 ids and logits per position (the llama.cpp harness's `logits`)."""
     from shards.generate import chain_forward
@@ -192,27 +154,6 @@ def ours_greedy(path: Path, tokens: list[int], n: int, name: str, eos: list[int]
 
 
 # -- the driver -------------------------------------------------------------------------------------------------------
-def run_json(cmd: list[str]) -> dict:
-    out = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONPATH": str(ROOT)}
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def ours(*args) -> dict:
-    return run_json([sys.executable, "-m", "bench.bench_ggml", "--ours", *map(str, args)])
-
-
-def theirs(llama_python: str, *args) -> dict:
-    return run_json([llama_python, str(REF), *map(str, args)])
-
-
-def load() -> float:
-    return os.getloadavg()[0]
-
-
 def speed_rounds(models: dict[str, Path], threads: list[int], rounds: int, llama: str) -> list[dict]:
     rows = []
     for r in range(rounds):
@@ -280,38 +221,6 @@ def chats(path: Path, llama: str, work: Path) -> list[dict]:
             {"question": question, **{k: tok.decode([t for t in v if t not in eos]) for k, v in answers.items()}}
         )
         print(json.dumps(rows[-1]), flush=True)
-    return rows
-
-
-def memory(models: dict[str, Path]) -> list[dict]:
-    """The engine's load in a fresh process (resident memory before/after), and whole exo-node processes pinned to
-    all layers or a third of them (ggml, and numpy for comparison)."""
-    from bench.local_cluster import Cluster
-
-    rows = []
-    for name, path in models.items():
-        n = load_config(path).n_layers
-        for start, end in ((0, n), (0, n // 3), (n - n // 3, n)):
-            rows.append({"model": name, "shard": f"{start}:{end}", **ours("memory", path, start, end)})
-            print(json.dumps(rows[-1]), flush=True)
-            for engine_name in ("ggml", "numpy"):
-                with Cluster(
-                    path,
-                    1,
-                    shards=[f"{start}:{end}"],
-                    api_nodes=0,
-                    engine=engine_name,
-                    static_peers=False,
-                    extra=["--threads", "1"] if engine_name == "ggml" else [],
-                ) as c:
-                    fields = dict(
-                        line.split(":", 1)
-                        for line in Path(f"/proc/{c.nodes[0].proc.pid}/status").read_text().splitlines()
-                    )
-                    rows[-1][f"node_{engine_name}"] = {
-                        k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")
-                    }
-            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.bench_ggml import load, ours, theirs
+from bench.ggml_harness import load, ours, theirs
 from bench.moe_model import random_qwen3moe
 from shards.formats.loader import load_config
 

@@ -4,10 +4,10 @@ Running the shared `ShardModel` on this backend does not compute anything: it bu
 forward pass, which the engine (shards/engines/ggml/engine.py) allocates once and re-runs with new inputs. An array is a
 `GArray`: a ggml tensor plus its shape in numpy order (ggml orders dimensions innermost first, `ne`, the reverse).
 
-Weights keep their GGUF block types (`fused_weight` concatenates raw block rows when the parts share a type, and
-otherwise keeps them apart and concatenates their outputs); the embedding table stays quantized (ggml_get_rows
-dequantizes the looked-up rows). Rotary embedding is ggml_rope_ext at the step's positions (an input tensor: this
-backend's `rotary` is the positions themselves, and ggml computes the angles), in NEOX
+Weights keep their GGUF block types (placed by shards/engines/ggml/placement.py: `fused_weight` concatenates raw
+block rows when the parts share a type, and otherwise keeps them apart and concatenates their outputs); the embedding
+table stays quantized (ggml_get_rows dequantizes the looked-up rows). Rotary embedding is ggml_rope_ext at the step's
+positions (an input tensor: this backend's `rotary` is the positions themselves, and ggml computes the angles), in NEOX
 mode (Hugging Face's rotate_half) for Hugging Face Q/K rows, in NORMAL mode for a llama GGUF's rows kept in
 llama.cpp's order (shards/engines/ggml/weights.py says why); attention is ggml_flash_attn_ext, with
 grouped-query heads native and a mask over the cache's cells. It implements the block's `Backend` and no more: the
@@ -17,28 +17,14 @@ eager primitives (`where`, `softmax`, caches in its arrays) are not part of a gr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from shards.engines.backend import Backend
-from shards.engines.ggml.lib import (
-    F32,
-    I32,
-    WEIGHT_TYPES,
-    Context,
-    GgmlError,
-    Tensor,
-    WeightArena,
-    g,
-    release_file_pages,
-    repack_supported,
-    type_name,
-    validate_rows,
-)
+from shards.engines.ggml.lib import F32, I32, Context, GgmlError, Tensor, g
 from shards.engines.ggml.moe import GExperts, GgmlMoE
+from shards.engines.ggml.placement import GgmlWeights, GWeight
 from shards.formats.config import ModelConfig
-from shards.formats.quant import QuantizedTensor
 
 ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
 
@@ -67,21 +53,6 @@ class GArray:
 
     def reshape(self, *shape) -> GArray:
         return self.ops.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
-
-
-@dataclass
-class GWeight:
-    """A projection [out, in] as one or more ggml tensors stacked along `out` (one when the fused parts share a
-    type and width)."""
-
-    parts: list[tuple[Tensor, int]]  # (tensor, out rows)
-    ggml_types: tuple[int, ...]
-    nbytes: int
-    repacked: bool = False  # in CPU_REPACK: for mul_mat only (get_rows would read the interleaved blocks as rows)
-
-    @property
-    def tensor(self) -> Tensor:
-        return self.parts[0][0]
 
 
 def expect(condition: bool, what: str) -> None:
@@ -124,20 +95,17 @@ def nocopy_strides(old: tuple[int, ...], strides: tuple[int, ...], new: tuple[in
     return tuple(out)
 
 
-class GgmlBackend(Backend, GgmlMoE):
+class GgmlBackend(GgmlWeights, Backend, GgmlMoE):
     """Builds ggml graphs for the shared model. `ctx` is the context of the graph being built (set by the engine);
-    weights live in their own context and CPU buffers for the backend's lifetime."""
+    weights live in their own context and CPU buffers for the backend's lifetime (placed by GgmlWeights,
+    shards/engines/ggml/placement.py)."""
 
     name = "ggml"
 
     def __init__(self, cfg: ModelConfig, n_layers: int, repack: bool = True, interleaved_rope: bool = False):
         # At most ~12 tensors per layer (q/k/v and gate/up as parts when their types differ, norms, biases, q/k
-        # norms) plus embedding, norm, head and rope factors.
-        self.wctx = Context((24 if cfg.moe else 16) * n_layers + 8)  # MoE: router, 3 expert stacks, shared expert
-        self.arena = WeightArena()
-        self.repack = repack  # matmul weights into CPU_REPACK where the probe allows
-        self.repacked: dict[str, int] = {}  # type name -> tensors repacked
-        self.shared: dict[int, GWeight] = {}  # id(embedding source) -> its weight, while loading (tied heads)
+        # norms) plus embedding, norm, head and rope factors; MoE: router, 3 expert stacks, shared expert.
+        super().__init__((24 if cfg.moe else 16) * n_layers + 8, repack)
         self.ctx: Context | None = None
         self.head_dim, self.theta = cfg.head_dim, cfg.rope.theta
         # Rotate-half pairs (i, i + hd/2) for Hugging Face's Q/K layout (NEOX mode); adjacent pairs (NORMAL) for
@@ -149,71 +117,6 @@ class GgmlBackend(Backend, GgmlMoE):
         factors = (default / np.asarray(cfg.rope.inv_freq(cfg.head_dim))).astype(np.float32)
         self.freq_factors = None if np.all(factors == 1.0) else self._upload(F32, factors.shape, [factors], "rope")
 
-    # -- weights ------------------------------------------------------------------------------------------------
-    def _upload(
-        self, ggml_type: int, shape: tuple[int, ...], pieces: list[np.ndarray], what: str, matmul: bool = False
-    ) -> Tensor:
-        """One weight tensor from its row blocks `pieces` (stacked along `out`), copied in place by place, so a fused
-        projection never needs a stacked copy in memory (a freed one of tens of MB tends to stay resident)."""
-        if ggml_type not in WEIGHT_TYPES:
-            raise ValueError(f"{what}: weight type {type_name(ggml_type)} is not supported by the ggml engine")
-        pieces = [np.ascontiguousarray(p) for p in pieces]
-        for p in pieces:
-            validate_rows(ggml_type, p, what)
-        ne = tuple(reversed(shape))
-        t = self.wctx.new(ggml_type, ne)
-        if matmul and self.repack and repack_supported(ggml_type, ne):
-            # ggml re-lays a repacked tensor out as it is set, which it only does whole
-            self.arena.place_repacked(t, pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
-            self.repacked[type_name(ggml_type)] = self.repacked.get(type_name(ggml_type), 0) + 1
-        else:
-            self.arena.place(t, pieces)
-        for p in pieces:
-            release_file_pages(p)
-        return t
-
-    def _matrix(self, w: np.ndarray | QuantizedTensor) -> tuple[int, tuple[int, ...], np.ndarray, str]:
-        if isinstance(w, QuantizedTensor):
-            return int(w.ggml_type), w.shape, w.data, w.name
-        if w.ndim != 2:
-            raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
-        return F32, w.shape, np.asarray(w, dtype=np.float32), "weight"
-
-    def fused_weight(self, *parts, matmul: bool = True) -> GWeight:
-        specs = [self._matrix(p) for p in parts]
-        if len({(s[0], s[1][1]) for s in specs}) == 1:  # one type and width: one tensor of the stacked rows (exact)
-            ggml_type, _, _, name = specs[0]
-            groups = [(ggml_type, (sum(s[1][0] for s in specs), specs[0][1][1]), [s[2] for s in specs], name)]
-        else:  # kept apart; linear concatenates their outputs
-            groups = [(t, shape, [data], name) for t, shape, data, name in specs]
-        before = sum(self.repacked.values())
-        tensors = [(self._upload(t, shape, pieces, name, matmul), shape[0]) for t, shape, pieces, name in groups]
-        return GWeight(
-            tensors,
-            tuple(group[0] for group in groups),
-            sum(int(g.ggml_nbytes(t)) for t, _ in tensors),
-            sum(self.repacked.values()) > before,
-        )
-
-    def weight(self, w) -> GWeight:
-        # A tied head is the embedding table itself: ShardModel builds the table first, and both sources are alive
-        # while it loads, so an equal id() means the same array.
-        return self.shared.get(id(w)) or self.fused_weight(w)
-
-    def table(self, t) -> GWeight:
-        """The embedding stays quantized: get_rows dequantizes only the rows it looks up."""
-        self.shared[id(t)] = weight = self.fused_weight(t, matmul=False)  # get_rows cannot read repacked rows
-        return weight
-
-    def loaded(self) -> None:
-        """The model is built: forget the ids used to share the tied embedding (they may be reused from now on)."""
-        self.shared.clear()
-
-    def array(self, a: np.ndarray | QuantizedTensor) -> GWeight:
-        """Norm weights and biases, as F32 (they are F32 in GGUF files, and tiny)."""
-        v = a.dequantize() if isinstance(a, QuantizedTensor) else np.asarray(a, dtype=np.float32)
-        return GWeight([(self._upload(F32, v.shape, [v], "vector"), v.shape[0])], (F32,), v.nbytes)
-
     def nbytes(self, x) -> int:
         return x.nbytes if isinstance(x, (GWeight, GExperts)) else int(g.ggml_nbytes(x.t))
 
@@ -222,10 +125,6 @@ class GgmlBackend(Backend, GgmlMoE):
         out = np.empty(x.shape, dtype=np.float32)
         g.ggml_backend_tensor_get(x.t, out.ctypes.data, 0, out.nbytes)
         return out
-
-    def free(self) -> None:
-        self.arena.free()
-        self.wctx.free()
 
     # -- graph nodes ----------------------------------------------------------------------------------------------
     def node(self, fn, *args) -> Tensor:

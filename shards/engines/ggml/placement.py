@@ -1,0 +1,125 @@
+"""Weight placement of the ggml backend: where each weight of the shard lives, in which layout, for the backend's life.
+
+Every weight tensor is a node of one weights context (`wctx`), with its bytes copied into the `WeightArena`: matmul
+weights into CPU_REPACK buffers where ggml's probe accepts their type and shape (and `repack` is on), everything else
+(tables that get_rows reads, vectors, stacked experts) into plain huge-page chunks. Weights keep their GGUF block
+types; nothing is dequantized but the F32 vectors. Graphs built later only point at these tensors, so placement
+decides memory and kernels, never what a graph computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shards.engines.ggml.lib import (
+    F32,
+    WEIGHT_TYPES,
+    Context,
+    Tensor,
+    WeightArena,
+    g,
+    release_file_pages,
+    repack_supported,
+    type_name,
+    validate_rows,
+)
+from shards.formats.quant import QuantizedTensor
+
+
+@dataclass
+class GWeight:
+    """A projection [out, in] as one or more ggml tensors stacked along `out` (one when the fused parts share a
+    type and width)."""
+
+    parts: list[tuple[Tensor, int]]  # (tensor, out rows)
+    ggml_types: tuple[int, ...]
+    nbytes: int
+    repacked: bool = False  # in CPU_REPACK: for mul_mat only (get_rows would read the interleaved blocks as rows)
+
+    @property
+    def tensor(self) -> Tensor:
+        return self.parts[0][0]
+
+
+class GgmlWeights:
+    """The conversions of GgmlBackend's `Backend` (shards/engines/ggml/backend.py): `weight`, `fused_weight`, `table`
+    and `array` place the shard's weights once, as it loads; `free` releases them all. Mixed in ahead of `Backend`,
+    whose generic `fused_weight` and `table` (a float concatenation, a plain array) these replace. A repacked tensor
+    is only ever a matmul operand: `table` asks for plain rows, since get_rows cannot read interleaved blocks."""
+
+    def __init__(self, capacity: int, repack: bool):
+        self.wctx = Context(capacity)  # room for `capacity` weight tensors
+        self.arena = WeightArena()
+        self.repack = repack  # matmul weights into CPU_REPACK where the probe allows
+        self.repacked: dict[str, int] = {}  # type name -> tensors repacked
+        self.shared: dict[int, GWeight] = {}  # id(embedding source) -> its weight, while loading (tied heads)
+
+    def _upload(
+        self, ggml_type: int, shape: tuple[int, ...], pieces: list[np.ndarray], what: str, matmul: bool = False
+    ) -> Tensor:
+        """One weight tensor from its row blocks `pieces` (stacked along `out`), copied in place by place, so a fused
+        projection never needs a stacked copy in memory (a freed one of tens of MB tends to stay resident)."""
+        if ggml_type not in WEIGHT_TYPES:
+            raise ValueError(f"{what}: weight type {type_name(ggml_type)} is not supported by the ggml engine")
+        pieces = [np.ascontiguousarray(p) for p in pieces]
+        for p in pieces:
+            validate_rows(ggml_type, p, what)
+        ne = tuple(reversed(shape))
+        t = self.wctx.new(ggml_type, ne)
+        if matmul and self.repack and repack_supported(ggml_type, ne):
+            # ggml re-lays a repacked tensor out as it is set, which it only does whole
+            self.arena.place_repacked(t, pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
+            self.repacked[type_name(ggml_type)] = self.repacked.get(type_name(ggml_type), 0) + 1
+        else:
+            self.arena.place(t, pieces)
+        for p in pieces:
+            release_file_pages(p)
+        return t
+
+    def _matrix(self, w: np.ndarray | QuantizedTensor) -> tuple[int, tuple[int, ...], np.ndarray, str]:
+        if isinstance(w, QuantizedTensor):
+            return int(w.ggml_type), w.shape, w.data, w.name
+        if w.ndim != 2:
+            raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
+        return F32, w.shape, np.asarray(w, dtype=np.float32), "weight"
+
+    def fused_weight(self, *parts, matmul: bool = True) -> GWeight:
+        specs = [self._matrix(p) for p in parts]
+        if len({(s[0], s[1][1]) for s in specs}) == 1:  # one type and width: one tensor of the stacked rows (exact)
+            ggml_type, _, _, name = specs[0]
+            groups = [(ggml_type, (sum(s[1][0] for s in specs), specs[0][1][1]), [s[2] for s in specs], name)]
+        else:  # kept apart; linear concatenates their outputs
+            groups = [(t, shape, [data], name) for t, shape, data, name in specs]
+        before = sum(self.repacked.values())
+        tensors = [(self._upload(t, shape, pieces, name, matmul), shape[0]) for t, shape, pieces, name in groups]
+        return GWeight(
+            tensors,
+            tuple(group[0] for group in groups),
+            sum(int(g.ggml_nbytes(t)) for t, _ in tensors),
+            sum(self.repacked.values()) > before,
+        )
+
+    def weight(self, w) -> GWeight:
+        # A tied head is the embedding table itself: ShardModel builds the table first, and both sources are alive
+        # while it loads, so an equal id() means the same array.
+        return self.shared.get(id(w)) or self.fused_weight(w)
+
+    def table(self, t) -> GWeight:
+        """The embedding stays quantized: get_rows dequantizes only the rows it looks up."""
+        self.shared[id(t)] = weight = self.fused_weight(t, matmul=False)  # get_rows cannot read repacked rows
+        return weight
+
+    def loaded(self) -> None:
+        """The model is built: forget the ids used to share the tied embedding (they may be reused from now on)."""
+        self.shared.clear()
+
+    def array(self, a: np.ndarray | QuantizedTensor) -> GWeight:
+        """Norm weights and biases, as F32 (they are F32 in GGUF files, and tiny)."""
+        v = a.dequantize() if isinstance(a, QuantizedTensor) else np.asarray(a, dtype=np.float32)
+        return GWeight([(self._upload(F32, v.shape, [v], "vector"), v.shape[0])], (F32,), v.nbytes)
+
+    def free(self) -> None:
+        self.arena.free()
+        self.wctx.free()
