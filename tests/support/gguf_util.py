@@ -36,28 +36,8 @@ def rewrite(
     """Copy a GGUF through gguf's reader and writer, leaving out metadata keys `drop` and tensors `drop_tensors`, and
     overriding `replace` ({key: (value, GGUFValueType[, item type])})."""
     reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(str(dst), arch)
-    replace = replace or {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in drop or key in replace:
-            continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-    for key, (value, vtype, *sub) in replace.items():
-        writer.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
-    for t in reader.tensors:
-        if t.name in drop_tensors:
-            continue
-        data = np.asarray(t.data)
-        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            writer.add_tensor(t.name, data)
-        else:
-            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    _copy(reader, writer, drop, replace or {}, drop_tensors)
     return dst
 
 
@@ -87,12 +67,25 @@ def split_gguf(src: Path, folder: Path, max_tensors: int) -> Path:
     writer = gguf.GGUFWriter(
         str(folder / src.name), reader.fields["general.architecture"].contents(), split_max_tensors=max_tensors
     )
+    _copy(reader, writer, (), {}, ())
+    parts = sorted(folder.glob(f"{src.stem}-*-of-*.gguf"))
+    assert len(parts) > 1, "max_tensors too large to split"
+    return parts[0]
+
+
+def _copy(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, drop, replace: dict, drop_tensors) -> None:
+    """Every metadata key and tensor of `reader` through `writer` (which decides the file or the split parts), less
+    the keys `drop` and tensors `drop_tensors`, with `replace`'s keys overridden; quantized tensors as raw blocks."""
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop or key in replace:
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for key, (value, vtype, *sub) in replace.items():
+        writer.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
     for t in reader.tensors:
+        if t.name in drop_tensors:
+            continue
         data = np.asarray(t.data)
         if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             writer.add_tensor(t.name, data)
@@ -102,6 +95,3 @@ def split_gguf(src: Path, folder: Path, max_tensors: int) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    parts = sorted(folder.glob(f"{src.stem}-*-of-*.gguf"))
-    assert len(parts) > 1, "max_tensors too large to split"
-    return parts[0]
