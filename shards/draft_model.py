@@ -1,0 +1,143 @@
+"""Drafts from a small model with the served model's tokenizer (--draft-model), run whole on the entry node.
+
+For each request the draft model keeps its own KV cache of the tokens it has seen. A proposal rolls that cache back
+to the longest common prefix with the request's tokens (the accepted drafts stay, the rejected ones go), feeds the
+missing tokens in one pass, then drafts greedily, one single-row pass per further token. Greedy drafts are the
+point-mass proposals `shards.speculation.verify` accepts exactly, whatever the draft model computes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shards.engines.base import Engine, StepInput
+from shards.engines.registry import engine_factory
+from shards.formats.config import ModelConfig
+from shards.formats.loader import load_config
+from shards.shard import Shard
+from shards.speculation import Proposal
+from shards.tokenizer import Tokenizer
+
+
+class DraftModelError(ValueError):
+    """The draft model cannot draft for the served model (another vocabulary); the message says what to pass."""
+
+
+class DraftModelProposer:
+    """A `shards.speculation.Proposer` over a whole small model on one engine.
+
+    Invariant: for each request r, `_seen[r]` is exactly the tokens whose positions the engine caches for r
+    (engine.cache_length(r) == len(_seen[r])). At most `max_requests` requests keep a cache; the least recently
+    used one is released to make room (it is re-fed from scratch at its next proposal), so the draft model's memory
+    stays bounded even if a release is missed. Calls are serialised by a lock: the engine is not thread-safe.
+    """
+
+    def __init__(self, engine: Engine, *, max_requests: int = 16):
+        if not (engine.shard.is_first and engine.shard.is_last):
+            raise DraftModelError(f"a draft model runs whole on one engine, got the shard {engine.shard}")
+        if not (isinstance(max_requests, int) and max_requests >= 1):
+            raise ValueError(f"max_requests must be an integer >= 1, got {max_requests!r}")
+        self.engine, self.max_requests = engine, max_requests
+        self._seen: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        target: ModelConfig,
+        *,
+        engine: str = "auto",
+        target_tokenizer: Tokenizer | None = None,
+        max_requests: int = 16,
+        **options: Any,
+    ) -> DraftModelProposer:
+        """The draft model at `path` (a GGUF file or a Hugging Face folder) on `engine`, checked against the served
+        model's config (and tokenizer, when given): the same vocabulary, or a DraftModelError naming both."""
+        cfg = load_config(path)
+        check_vocabulary(path, cfg, target, target_tokenizer)
+        make = engine_factory(engine, Path(path), **options)
+        return cls(make(Path(path), Shard.whole("draft", cfg.n_layers), cfg), max_requests=max_requests)
+
+    def propose(self, request_id: str, tokens: Sequence[int], k: int) -> Proposal:
+        """Up to `k` greedy tokens of the draft model after `tokens` (fewer near the end of its context)."""
+        if not (isinstance(k, int) and k >= 0):
+            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        tokens = [int(t) for t in tokens]
+        k = min(k, self.engine.config.max_position_embeddings - len(tokens))
+        if k <= 0 or not tokens:
+            return ()
+        with self._lock:
+            try:
+                return self._propose(request_id, tokens, k)
+            except BaseException:
+                self._release(request_id)  # the cache may hold part of a failed step: start afresh next time
+                raise
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            self._release(request_id)
+
+    def __len__(self) -> int:
+        """How many requests hold a draft cache."""
+        return len(self._seen)
+
+    def _propose(self, request_id: str, tokens: list[int], k: int) -> Proposal:
+        seen = self._seen.get(request_id)
+        if seen is None:
+            seen = self._seen[request_id] = []
+            while len(self._seen) > self.max_requests:
+                self._release(next(iter(self._seen)))
+        self._seen.move_to_end(request_id)
+        # keep the longest common prefix, but feed at least the last token: its logits give the first draft
+        keep = min(common_prefix(seen, tokens), len(tokens) - 1)
+        self.engine.rollback(request_id, keep)
+        del seen[keep:]
+        drafts: list[int] = []
+        feed = tokens[keep:]
+        while True:
+            logits = self.engine.forward([StepInput(request_id, tokens=np.array(feed, dtype=np.int64))])[0]
+            seen.extend(feed)
+            drafts.append(int(np.argmax(logits[-1])))  # the lowest id among equal maxima, as greedy sampling
+            if len(drafts) == k:
+                return tuple(drafts)
+            feed = drafts[-1:]
+
+    def _release(self, request_id: str) -> None:
+        if self._seen.pop(request_id, None) is not None:
+            self.engine.release(request_id)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of a and b."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
+
+
+def check_vocabulary(
+    path: str | Path, draft: ModelConfig, target: ModelConfig, target_tokenizer: Tokenizer | None = None
+) -> None:
+    """Refuse a draft model whose token ids do not mean what the served model's do."""
+    if draft.vocab_size != target.vocab_size:
+        raise DraftModelError(
+            f"draft model {path} has a vocabulary of {draft.vocab_size} tokens, the served model {target.vocab_size}: "
+            "a draft model must use the served model's tokenizer (e.g. a smaller model of the same family)"
+        )
+    if target_tokenizer is None:
+        return
+    mine, theirs = Tokenizer.load(path).hf.get_vocab(), target_tokenizer.hf.get_vocab()
+    if mine != theirs:
+        differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda kv: kv[1])[:3]
+        raise DraftModelError(
+            f"draft model {path} has another tokenizer than the served model ({len(mine)} vs {len(theirs)} tokens; "
+            f"first differences {differ}): a draft model must use the served model's tokenizer"
+        )
