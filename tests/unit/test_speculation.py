@@ -1,4 +1,4 @@
-"""Speculative decoding's pure pieces: prompt lookup, the adaptive draft length, and greedy verification.
+"""Speculative decoding's pure pieces: prompt lookup, the adaptive draft length, greedy and constrained verification.
 
 The sampled rule's statistical tests are in test_speculation_sampling.py."""
 
@@ -7,8 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shards.sampling import SamplerState, SamplingParams
+from shards.formats.packaged import resolve_model
+from shards.grammar import Constraint, Matcher, grammar_tokenizer, json_object_grammar
+from shards.sampling import SamplerState, SamplingParams, sample_one
 from shards.speculation import DraftLength, PromptLookup, verify, verify_blocks
+from shards.tokenizer import Tokenizer
 
 # ---------------------------------------------------------------- prompt lookup
 
@@ -221,3 +224,39 @@ def test_blocks_of_several_requests_verify_as_each_alone():
 def test_logits_that_do_not_match_the_drafts_are_refused():
     with pytest.raises(ValueError, match="rows"):
         verify(np.zeros((2, 5), dtype=np.float32), (1, 2), GREEDY, SamplerState())
+
+
+# ---------------------------------------------------------------- grammar-constrained verification
+
+
+def test_a_constrained_request_verifies_to_the_tokens_of_plain_constrained_sampling():
+    """The matcher masks each row before it is sampled and takes each emitted token, as the sampling batcher does;
+    so with drafts that are sometimes right, sometimes wrong and sometimes not allowed by the grammar, a seeded
+    request emits exactly what it emits without speculation."""
+    tok = Tokenizer.load(resolve_model("smollm2")[0])
+    gt = grammar_tokenizer(tok)
+    params = SamplingParams(temperature=1.0, top_k=40, seed=3, constraint=Constraint(json_object_grammar()))
+    logits = np.random.default_rng(5).normal(0, 3, size=(40, tok.vocab_size)).astype(np.float32)  # by position
+
+    plain, state = [], SamplerState.from_seed(3)
+    state.matcher = Matcher(gt, params.constraint)
+    for row in logits[:30]:
+        token = sample_one(state.matcher.apply(row), params, state).token
+        state.matcher.advance(token)
+        plain.append(token)
+
+    spec, state = [], SamplerState.from_seed(3)
+    state.matcher = Matcher(gt, params.constraint)
+    rng = np.random.default_rng(0)
+    while len(spec) < 30:
+        ahead = plain[len(spec) : len(spec) + 3]
+        drafts = tuple(t if rng.random() < 0.7 else int(rng.integers(tok.vocab_size)) for t in ahead)
+        block = verify(logits[len(spec) : len(spec) + len(drafts) + 1], drafts, params, state)
+        spec.extend(r.token for r in block)
+    assert spec[:30] == plain
+
+
+def test_a_constrained_request_without_its_matcher_is_refused():
+    params = SamplingParams(constraint=Constraint(json_object_grammar()))
+    with pytest.raises(ValueError, match="matcher"):
+        verify(np.zeros((1, 4), dtype=np.float32), (), params, SamplerState())
