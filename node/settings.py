@@ -18,10 +18,11 @@ from pathlib import Path
 from discovery.interfaces import default_advertise_host
 from node.core.admission import CoreLimits
 from node.core.scheduler import SchedulerLimits
+from node.core.speculation import SpeculationLimits
 from node.fetch import startup as fetching
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES
 from node.http.api import ApiSettings
-from node.runtime.settings import NodeSettings
+from node.runtime.settings import SPECULATE_CHOICES, NodeSettings
 from node.security import add_key_argument
 from shards.engines.registry import CHOICES, QUANTIZE_CHOICES, engine_class, resolve
 from shards.formats.packaged import DEFAULT_MODEL, DEMO_DIR
@@ -192,6 +193,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=5.0,
         help="last shard: close a sampling batch this long after its first row (0 disables batching)",
     )
+    ap.add_argument(
+        "--speculate",
+        choices=SPECULATE_CHOICES,
+        default="lookup",
+        help="speculative decoding as a request's first node: propose tokens by prompt lookup (default), with a "
+        "draft model (--draft-model), or not at all; the last node verifies them, the output is the same",
+    )
+    ap.add_argument(
+        "--speculate-tokens",
+        type=int,
+        default=SpeculationLimits.max_drafts,
+        help=f"the most tokens proposed per step of a request (default {SpeculationLimits.max_drafts}; fewer "
+        "while they are rejected)",
+    )
+    ap.add_argument(
+        "--draft-model",
+        type=Path,
+        help="with --speculate draft: a small model (GGUF file or folder) with the same tokenizer",
+    )
     add_key_argument(ap)
     fetching.add_fetch_arguments(ap)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -287,6 +307,9 @@ def settings_from_args(args: argparse.Namespace, *, keyed: bool, machine: Machin
         queue_timeout=args.queue_timeout,
         sample_batch_max=args.sample_batch_max,
         sample_batch_window_ms=args.sample_batch_window_ms,
+        speculate=args.speculate,
+        speculation=SpeculationLimits(args.speculate_tokens),
+        draft_model=args.draft_model,
         core=CoreLimits(
             kv_budget=kv_budget,
             kv_value_bytes=kind.kv_value_bytes,

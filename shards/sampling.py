@@ -29,8 +29,11 @@ class SamplingParams:
     seed: int | None = None
     top_logprobs: int | None = None  # None: no logprobs; 0..20: chosen token's logprob plus that many alternatives
     constraint: Constraint | None = None  # a grammar every token must follow (applied by the sampling batcher)
+    speculate: bool = True  # False: the client opted out of speculative decoding (node/core/speculation.py)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.speculate, bool):
+            raise ValueError(f"speculate must be a boolean, got {self.speculate!r}")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
         if not (

@@ -46,12 +46,14 @@ class Release:
 
 @dataclass(frozen=True)
 class Sample:
-    """Sample the next token of a request from its logits row (through the sampling batcher)."""
+    """Sample the next token of a request from its logits row (through the sampling batcher); with `drafts`, verify
+    them: logits hold a row for each of [t, d1..dk], and the result is the accepted drafts and the token after."""
 
     request_id: str
-    logits: np.ndarray  # [vocab]
+    logits: np.ndarray  # [vocab], or [len(drafts) + 1, vocab] with drafts
     params: SamplingParams
     state: SamplerState
+    drafts: tuple[int, ...] = ()
 
 
 Action = Send | Deliver | Release | Sample

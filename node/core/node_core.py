@@ -32,12 +32,14 @@ log = logging.getLogger(__name__)
 
 def malformed_outputs(config: ModelConfig, group: Group, outputs: dict[str, np.ndarray]) -> str | None:
     """What is wrong with a step's outputs, if anything: one float32 array per input, [1, vocab] logits on the
-    last shard, [T, hidden] hidden states elsewhere, every value finite."""
+    last shard (a row for each of [t, d1..dk] for an input with proposals), [T, hidden] hidden states elsewhere,
+    every value finite."""
     for item in group.items:
         out = outputs.get(item.request_id)
         if out is None:
             continue
-        want = (1, config.vocab_size) if group.shard.is_last else (len(item.data), config.hidden_size)
+        rows = len(item.proposals) + 1
+        want = (rows, config.vocab_size) if group.shard.is_last else (len(item.data), config.hidden_size)
         if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != want:
             shape = getattr(out, "shape", type(out).__name__)
             return f"{shape} for request {item.request_id}, expected float32 {list(want)}"
@@ -81,40 +83,60 @@ class NodeCore(RequestBook):
             if item.partial and group.shard.is_last:
                 continue  # more of the prompt to come: nothing to sample yet
             if group.shard.is_last:
-                actions.append(Sample(rid, outputs[rid][-1], req.spec.sampling, req.sampler))
+                logits = outputs[rid] if item.proposals else outputs[rid][-1]
+                actions.append(Sample(rid, logits, req.spec.sampling, req.sampler, item.proposals))
                 if len(req.spec.plan) == 1:
                     self.local_inflight.add(rid)
             else:
                 step = req.next_step
                 to = self._address(step.node_id, step.address)
-                sends[to].append(self._outgoing(req, outputs[rid], item.partial))
+                sends[to].append(self._outgoing(req, outputs[rid], item.partial, item.proposals, item.start))
         return actions + [Send(address, tuple(acts)) for address, acts in sends.items()]
 
-    def sampled(self, results: dict[str, SampleResult | BaseException]) -> list[Action]:
-        """Tokens sampled on the last shard: deliver each to its entry node; continue or end the request."""
+    def sampled(self, results: dict[str, SampleResult | list[SampleResult] | BaseException]) -> list[Action]:
+        """Tokens sampled on the last shard (one, or for an input with proposals the accepted drafts and the token
+        after them): deliver them to the entry node, cut at a stop token or max_tokens; continue or end the
+        request. After proposals the next token goes to the first node with its cache position (`start`), so
+        every node drops the rejected drafts' positions before its next step."""
         actions: list[Action] = []
         to_first: dict[str, list[Activation]] = defaultdict(list)
         for rid, result in results.items():
             req = self.requests.get(rid)
             if req is None:
                 continue
+            drafts = req.drafts
+            if not isinstance(result, BaseException):
+                result = [result] if isinstance(result, SampleResult) else list(result)
+                if (
+                    not 1 <= len(result) <= len(drafts) + 1
+                    or [r.token for r in result[:-1]] != list(drafts)[: len(result) - 1]
+                ):
+                    result = ValueError(f"{len(result)} results do not verify the {len(drafts)} proposals")
             if isinstance(result, BaseException):
                 actions += self.fail(rid, f"node {self.id}: sampling failed: {type(result).__name__}: {result}")
                 continue
-            req.generated += 1
-            spec = req.spec
-            reason = (
-                "stop"
-                if result.token in spec.stop_token_ids
-                else "length"
-                if req.generated >= spec.max_tokens
-                else None
+            spec, reason, emitted = req.spec, None, []
+            for r in result:
+                emitted.append(r)
+                req.generated += 1
+                reason = (
+                    "stop" if r.token in spec.stop_token_ids else "length" if req.generated >= spec.max_tokens else None
+                )
+                if reason is not None:
+                    break
+            if drafts:
+                self.counters["spec_trips"] += 1
+                self.counters["spec_proposed"] += len(drafts)
+                self.counters["spec_accepted"] += len(result) - 1
+            self.counters[f"tokens_per_trip_{len(emitted)}"] += 1
+            actions.append(
+                Deliver(self._entry_address(spec), TokenMessage(rid, tuple(emitted), reason is not None, reason))
             )
-            message = TokenMessage(rid, (result,), reason is not None, reason)
-            actions.append(Deliver(self._entry_address(spec), message))
             if reason is None:
                 first = self._address(spec.first.node_id, spec.first.address)
-                to_first[first].append(self._outgoing(req, np.array([result.token], dtype=np.int64)))
+                start = req.chunk_start + len(result) if drafts else None  # just past the accepted drafts
+                token = np.array([result[-1].token], dtype=np.int64)
+                to_first[first].append(self._outgoing(req, token, start=start))
             else:
                 actions += self.end_request(rid, "finished")
         return actions + [Send(address, tuple(acts)) for address, acts in to_first.items()]
@@ -129,12 +151,19 @@ class NodeCore(RequestBook):
     def _entry_address(self, spec: RequestSpec) -> str:
         return self._address(spec.entry_node_id, spec.entry_address)
 
-    def _outgoing(self, req: RequestState, data: np.ndarray, partial: bool = False) -> Activation:
+    def _outgoing(
+        self,
+        req: RequestState,
+        data: np.ndarray,
+        partial: bool = False,
+        proposals: tuple[int, ...] = (),
+        start: int | None = None,
+    ) -> Activation:
         """The spec goes with the first message to our successor (the first node already has it)."""
         spec = None
         if not req.spec_sent and req.next_step is not None:
             spec, req.spec_sent = req.spec, True
-        return Activation(req.id, data, spec, partial)
+        return Activation(req.id, data, spec, partial, proposals, start)
 
     # -- failures ---------------------------------------------------------------------------------------------
     def fail(

@@ -17,6 +17,7 @@ from node.core.authz import check_caller, predecessor
 from node.core.plan import Busy, PlanError, RequestSpec
 from node.core.requests import Activation, Refusal, RequestState, Tombstones
 from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
+from node.core.speculation import Speculation, check_start, speculates
 from shards.formats.config import ModelConfig
 from shards.shard import Shard
 
@@ -36,11 +37,14 @@ class RequestBook:
         clock: Callable[[], float] = time.monotonic,
         members: Callable[[], Mapping[str, str]] | None = None,
         serves: Callable[[Shard], bool] = lambda shard: True,
+        speculation: Speculation | None = None,
     ):
         """`members`: the nodes this one knows (id -> address, itself included), which plans must stay within;
         None: plans are not checked against membership. `serves`: whether this node holds a shard's weights now
-        (always, unless it fetches them from a peer: node/fetch/follow.py)."""
+        (always, unless it fetches them from a peer: node/fetch/follow.py). `speculation`: the proposals this node
+        makes as the first node of a plan (node/core/speculation.py); None: none."""
         self.id, self.config, self.limits, self.clock = node_id, config, limits, clock
+        self.speculation = speculation
         self.members = members
         self.admission = Admission(node_id, model_id, config, limits, members=members, serves=serves)
         self.requests: dict[str, RequestState] = {}
@@ -80,7 +84,10 @@ class RequestBook:
         self.admission.check_input(True, tokens)
         # a reused prefix is already in the caches: it counts against what the spec declared
         self.admission.check_declared(spec, spec.reuse_positions, len(tokens))
-        self._admit(spec).positions_in = spec.reuse_positions + len(tokens)
+        req = self._admit(spec)
+        req.positions_in = spec.reuse_positions + len(tokens)
+        if self.speculation is not None and speculates(spec.sampling):
+            req.history = [int(t) for t in tokens]  # what the proposer looks up (a reused prefix is not sent)
         self._enqueue(Queued(spec.request_id, tokens))
 
     def accept_activations(self, activations: list[Activation], caller: str | None = None) -> list[Refusal]:
@@ -102,10 +109,18 @@ class RequestBook:
                     req.positions_in = a.spec.reuse_positions
                 else:
                     check_caller(caller, {predecessor(req.spec, req.step_index)}, f"request {a.request_id}")
-                    self.admission.check_declared(req.spec, req.positions_in, len(a.data))
+                start = req.positions_in if a.start is None else a.start
+                check_start(req, start)
+                self.admission.check_declared(req.spec, start, len(a.data))
                 self.admission.check_input(req.shard.is_first, a.data)
-                req.positions_in += len(a.data)
-                self._enqueue(Queued(a.request_id, a.data, a.partial))
+                data, proposals = a.data, a.proposals
+                if req.shard.is_first and req.history is not None and self.speculation is not None:
+                    if proposals or len(data) != 1 or a.partial:
+                        raise PlanError("the first node takes one next token at a time and makes the proposals")
+                    data, proposals = self.speculation.next_input(req, int(data[0]), start, self._step_room())
+                req.drafts, req.chunk_start, req.positions_in = proposals, start, start + len(data)
+                explicit = start if a.start is not None or proposals else None
+                self._enqueue(Queued(a.request_id, data, a.partial, proposals, explicit))
             except PlanError as e:
                 rejected.append(Refusal(a.request_id, str(e), isinstance(e, Busy)))
         return rejected
@@ -126,6 +141,8 @@ class RequestBook:
                 return []
         self.ended.add(request_id)
         self.local_inflight.discard(request_id)
+        if self.speculation is not None:
+            self.speculation.release(request_id)
         if (req := self.requests.pop(request_id, None)) is not None:
             # a counter per reason: only the reasons nodes send (a peer's free text would grow the status map, which
             # peers refuse past 256 keys)
@@ -136,6 +153,11 @@ class RequestBook:
     def _admit(self, spec: RequestSpec) -> RequestState:
         req = self.requests[spec.request_id] = self.admission.admit(spec, self.requests, self.clock())
         return req
+
+    def _step_room(self) -> int:
+        """The most positions one input may bring to a step here (a step's budget, its largest bucket)."""
+        lim = self.queue.limits
+        return min(lim.step_tokens, lim.buckets[-1]) if lim.buckets else lim.step_tokens
 
     def _enqueue(self, item: Queued) -> None:
         self.requests[item.request_id].last_active = self.clock()

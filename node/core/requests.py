@@ -29,6 +29,22 @@ class Activation:
     data: np.ndarray
     spec: RequestSpec | None = None  # travels with a request's first message to each node
     partial: bool = False  # a chunk of the prompt, with more to come: the last node computes it but samples nothing
+    # Speculative decoding (node/core/speculation.py): the draft tokens the last rows are (the last node verifies
+    # them), and the cache position of the first row: every node first rolls the request's cache back to it, which
+    # drops the rejected proposals of the previous trip. None: append at the cache's end.
+    proposals: tuple[int, ...] = ()
+    start: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.start is not None and (not isinstance(self.start, int) or self.start < 0):
+            raise ValueError(f"start must be a cache position >= 0, got {self.start!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.proposals):
+            raise ValueError("proposals must be token ids >= 0")
+        if self.proposals and (len(self.proposals) >= len(self.data) or self.partial or self.start is None):
+            raise ValueError(
+                f"{len(self.proposals)} proposals need more rows than that ({len(self.data)}), an explicit start "
+                "and a complete input (not a prompt chunk)"
+            )
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,12 @@ class RequestState:
     last_active: float = 0.0  # when its last input arrived or its last step ran (the core's clock)
     kv_bytes: int = 0  # KV cache memory reserved for it on this node
     positions_in: int = 0  # positions its inputs brought so far: never more than the spec declared (`positions`)
+    # Speculation (node/core/speculation.py): the proposals of the last input taken and the position of its first
+    # row (a later `start` may only drop those proposals); on the first node, the tokens fed so far (the prompt as
+    # sent, then every accepted token), which the proposer looks up.
+    drafts: tuple[int, ...] = ()
+    chunk_start: int = 0
+    history: list[int] | None = None
 
     @property
     def id(self) -> str:

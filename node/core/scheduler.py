@@ -111,10 +111,18 @@ class Queued:
     request_id: str
     data: np.ndarray  # int64 tokens [T] on the first shard, float32 hidden states [T, hidden] elsewhere
     partial: bool = False  # a prompt chunk with more of the prompt still to come
+    proposals: tuple[int, ...] = ()  # the last rows are these draft tokens, verified on the last node
+    start: int | None = None  # the cache position of the first row (the engine rolls back to it); None: append
 
     @property
     def decode(self) -> bool:
         return len(self.data) == 1 and not self.partial
+
+    @property
+    def stepwise(self) -> bool:
+        """A running stream's step: a decode row, or a decode row with proposals (taken whole, never cut: the last
+        node verifies every proposal at once), scheduled with the decode rows and charged its positions."""
+        return self.decode or bool(self.proposals)
 
 
 @dataclass(frozen=True)
@@ -134,8 +142,8 @@ class StepScheduler:
 
     def observe(self, group: Group, seconds: float) -> None:
         """An engine call of `group` took `seconds`: the costs that size later steps."""
-        decode = sum(1 for item in group.items if item.decode)
-        self.costs.observe(decode, sum(len(item.data) for item in group.items if not item.decode), seconds)
+        decode = sum(1 for item in group.items if item.stepwise)
+        self.costs.observe(decode, sum(len(item.data) for item in group.items if not item.stepwise), seconds)
 
     def push(self, item: Queued) -> None:
         self.queue.append(item)
@@ -157,15 +165,15 @@ class StepScheduler:
             if shard_of(rid) is None:
                 continue
             if (
-                item.decode
+                item.stepwise
                 and rid not in waiting
                 and rid not in taken
                 and rows < lim.max_batch_rows
-                and lim.cost(1) <= budget
+                and lim.cost(len(item.data)) <= budget
             ):
                 chosen.append(item)
                 taken.add(rid)
-                rows, budget = rows + 1, budget - lim.cost(1)
+                rows, budget = rows + 1, budget - lim.cost(len(item.data))
             else:
                 rest.append(item)
                 waiting.add(rid)
@@ -177,7 +185,9 @@ class StepScheduler:
         for item in rest:  # then prompt chunks, oldest first, in what is left of the budget
             rid = item.request_id
             n = 0
-            if not (item.decode or rid in taken or rid in waiting):
+            if item.proposals and not chosen and rid not in waiting:
+                n = len(item.data)  # more than a step's budget here: it runs alone, whole
+            elif not (item.stepwise or rid in taken or rid in waiting):
                 n = lim.chunk(len(item.data), budget)
                 if not n and not chosen:  # never an empty step while something waits
                     n = lim.chunk(len(item.data), lim.step_tokens) or 1
@@ -186,7 +196,11 @@ class StepScheduler:
                 waiting.add(rid)
                 continue
             head, tail = item.data[:n], item.data[n:]
-            chosen.append(Queued(rid, head, partial=len(tail) > 0 or item.partial))
+            chosen.append(
+                Queued(rid, head, len(tail) > 0 or item.partial, item.proposals, item.start)
+                if item.proposals or item.start is not None
+                else Queued(rid, head, partial=len(tail) > 0 or item.partial)
+            )
             taken.add(rid)
             budget -= lim.cost(n)
             if len(tail):

@@ -139,6 +139,7 @@ def encode_sampling(p: SamplingParams) -> pb.Sampling:
         top_logprobs=p.top_logprobs,
         grammar=None if c is None else c.grammar,
         grammar_prefix=() if c is None else c.prefix,
+        no_speculation=not p.speculate,
     )
 
 
@@ -151,6 +152,7 @@ def decode_sampling(m: pb.Sampling) -> SamplingParams:
             seed=m.seed if m.HasField("seed") else None,
             top_logprobs=m.top_logprobs if m.HasField("top_logprobs") else None,
             constraint=_constraint(m),
+            speculate=not m.no_speculation,
         )
     except ValueError as e:  # GrammarError included: an oversized grammar or a bad prefix
         raise WireError(f"invalid sampling: {e}") from e
@@ -280,19 +282,34 @@ def decode_tokens(m: pb.SendResultRequest) -> TokenMessage:
 
 
 def encode_activation(a: Activation) -> pb.TensorEntry:
-    entry = pb.TensorEntry(request_id=a.request_id, tensor=encode_tensor(a.data), partial=a.partial)
+    entry = pb.TensorEntry(
+        request_id=a.request_id, tensor=encode_tensor(a.data), partial=a.partial, proposals=a.proposals, start=a.start
+    )
     if a.spec is not None:
         entry.spec.CopyFrom(encode_spec(a.spec))
     return entry
 
 
 def decode_activation(m: pb.TensorEntry, max_bytes: int) -> Activation:
-    return Activation(
-        _text(m.request_id, "request_id", MAX_REQUEST_ID),
-        decode_tensor(m.tensor, max_bytes),
-        decode_spec(m.spec) if m.HasField("spec") else None,
-        m.partial,
-    )
+    """An activation; its proposals and start (speculative decoding) are checked for shape here: fewer proposals
+    than rows, a start >= 0 with them (whether the start fits the request's cache is the core's and the engine's
+    to say)."""
+    _count(m.proposals, "proposals", MAX_TOKENS_PER_MESSAGE)
+    if any(t < 0 for t in m.proposals) or (m.HasField("start") and m.start < 0):
+        raise WireError("proposals must be token ids >= 0 and start a cache position >= 0")
+    try:
+        return Activation(
+            _text(m.request_id, "request_id", MAX_REQUEST_ID),
+            decode_tensor(m.tensor, max_bytes),
+            decode_spec(m.spec) if m.HasField("spec") else None,
+            m.partial,
+            tuple(int(t) for t in m.proposals),
+            m.start if m.HasField("start") else None,
+        )
+    except ValueError as e:
+        if isinstance(e, WireError):
+            raise
+        raise WireError(f"invalid activation: {e}") from e
 
 
 def encode_refusal(r: Refusal) -> pb.Rejected:

@@ -193,6 +193,7 @@ def _options(body: dict, top_logprobs: int | None, default_max_tokens: int | Non
         top_k=_int(body, "top_k", 0, (1 << 31) - 1) or 0,  # an int32 on the wire
         seed=None if seed is None else seed % (1 << 64),  # OpenAI accepts any integer seed
         top_logprobs=top_logprobs,
+        speculate=_bool(body, "speculative", True),  # an extension: false opts out of speculative decoding
     )
     return Options(
         model,

@@ -27,6 +27,13 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 OUTCOMES = ("stop", "length", "error", "cancelled", "rejected")
 _BATCH_SIZE = re.compile(r"sample_batch_size_(\d+)$")
+_TRIP_TOKENS = re.compile(r"tokens_per_trip_(\d+)$")
+TRIP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
+SPECULATION_METRICS = {
+    "spec_proposed": ("exo_speculative_proposed", "Proposed tokens this node verified as a last node"),
+    "spec_accepted": ("exo_speculative_accepted", "Of those, the tokens accepted (the output is the same either way)"),
+    "spec_trips": ("exo_speculative_trips", "Steps with proposals this node verified"),
+}
 
 
 PREFIX_METRICS = {
@@ -51,6 +58,7 @@ class NodeStatus:
     ended: Mapping[str, int]  # requests it took part in that ended, by reason
     sampling: Mapping[str, int]  # the sampling batcher's counts (sample_items, sample_batch_size_N, ...)
     prefix: Mapping[str, int] = field(default_factory=dict)  # prefix reuse: prefix_hits, prefix_hit_tokens, ...
+    speculation: Mapping[str, int] = field(default_factory=dict)  # spec_proposed, spec_accepted, tokens_per_trip_N
 
 
 class NodeMetrics:
@@ -237,6 +245,15 @@ class _NodeCollector(Collector):
             ended.add_metric([reason], value)
         yield ended
         yield _batch_sizes(stats)
+        for key, (name, doc) in SPECULATION_METRICS.items():
+            yield _counter(name, doc, now.speculation.get(key, 0))
+        yield _sizes(
+            now.speculation,
+            _TRIP_TOKENS,
+            TRIP_BUCKETS,
+            "exo_tokens_per_trip",
+            "Tokens one trip around the ring brought a request, as its last node sent them (speculation: more than 1)",
+        )
         for key, doc in PREFIX_METRICS.items():
             yield _counter(f"exo_{key}", doc, now.prefix.get(key, 0))
         yield _gauge(
@@ -267,12 +284,14 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 def _batch_sizes(stats: Mapping[str, int]) -> HistogramMetricFamily:
     """The batcher's per-size counts (`sample_batch_size_N`) as a histogram: the counts are exact, so is the sum."""
-    sizes = {int(m.group(1)): n for key, n in stats.items() if (m := _BATCH_SIZE.match(key))}
-    buckets = [(str(le), sum(n for size, n in sizes.items() if size <= le)) for le in SIZE_BUCKETS]
+    return _sizes(stats, _BATCH_SIZE, SIZE_BUCKETS, "exo_sampling_batch_size", "Rows per sampling batch")
+
+
+def _sizes(
+    stats: Mapping[str, int], key: re.Pattern, bounds: tuple[int, ...], name: str, doc: str
+) -> HistogramMetricFamily:
+    """Exact per-size counts (keys `key` matches, the size its group) as a histogram."""
+    sizes = {int(m.group(1)): n for k, n in stats.items() if (m := key.match(k))}
+    buckets = [(str(le), sum(n for size, n in sizes.items() if size <= le)) for le in bounds]
     buckets.append(("+Inf", sum(sizes.values())))
-    return HistogramMetricFamily(
-        "exo_sampling_batch_size",
-        "Rows per sampling batch",
-        buckets=buckets,
-        sum_value=sum(size * n for size, n in sizes.items()),
-    )
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=sum(size * n for size, n in sizes.items()))

@@ -25,12 +25,14 @@ from node.core.placement import plan_ring
 from node.core.plan import Busy, PlanError, PlanStep, RequestSpec
 from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
+from node.core.speculation import Speculation
 from node.core.topology import Availability, Capabilities, NodeInfo, PeerLink, Topology
 from node.runtime.entry import Entry
 from node.runtime.loop_monitor import LoopMonitor
 from node.runtime.metrics import NodeMetrics, NodeStatus
 from node.runtime.peers import PeerView
 from node.runtime.pipeline import Pipeline
+from node.runtime.proposers import proposer_for
 from node.runtime.sampling_batcher import SamplingBatcher
 from node.runtime.settings import NodeSettings, ServedModel
 from node.runtime.shard_manager import EngineFactory, ShardManager
@@ -77,6 +79,7 @@ class Node:
             settings.scheduling,
             members=self.view.known,
             serves=lambda shard: availability().can_serve(shard),
+            speculation=Speculation(proposer_for(settings, model), settings.speculation, vocab=model.config.vocab_size),
         )
         self.shards = ShardManager(model.path, model.config, engines)
         self.batcher = SamplingBatcher(
@@ -173,6 +176,7 @@ class Node:
             weights_bytes=self.shards.weights_bytes(),
             ended={k.removeprefix("ended_"): v for k, v in self.core.counters.items() if k.startswith("ended_")},
             sampling=Counter(self.batcher.stats),
+            speculation={k: v for k, v in self.core.counters.items() if k.startswith(("spec_", "tokens_per_trip_"))},
             prefix={
                 **{k: v for k, v in self.counters.items() if k.startswith("prefix_")},
                 "prefix_gone": self.pipeline.counters["prefix_gone"],

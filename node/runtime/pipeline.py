@@ -103,9 +103,13 @@ class Pipeline:
             for rid, _, _ in inputs
             if (spec := requests[rid].spec).reuse_from
         }
+        starts = {i.request_id: i.start for i in group.items if i.start is not None}
+        every_row = frozenset(i.request_id for i in group.items if i.proposals)
         started = time.perf_counter()
         try:
-            outputs, refused, computed = await self.shards.forward(engine, inputs, reuse, self._retain_limit())
+            outputs, refused, computed = await self.shards.forward(
+                engine, inputs, reuse, self._retain_limit(), starts=starts, every_row=every_row
+            )
         except Exception as e:
             log.exception("forward failed")
             for rid, _, _ in inputs:
@@ -142,7 +146,9 @@ class Pipeline:
             elif isinstance(action, Deliver):
                 self._outbox(action.address).put(action.message)
             elif isinstance(action, Sample):
-                item = SampleItem(action.request_id, action.logits, action.params, action.state, engine, self.model_id)
+                item = SampleItem(
+                    action.request_id, action.logits, action.params, action.state, engine, self.model_id, action.drafts
+                )
                 try:
                     samples[action.request_id] = self.batcher.submit(item)
                 except (ValueError, BatcherClosed) as e:

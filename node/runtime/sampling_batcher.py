@@ -10,6 +10,10 @@ Constrained rows (a grammar in their SamplingParams) share the call: their rows 
 first (a masked copy; the mask was computed on the grammar thread while the forward pass ran), and each sampled
 token is then fed to the request's matcher, which starts computing the next mask at once. A request whose
 grammar fails (it can't be built, or rejects a token) fails alone.
+
+Rows with proposals (speculative decoding: node/core/speculation.py) are blocks of k+1 rows [t, d1..dk]: they are
+verified together (shards.speculation.verify_blocks, position by position through the engine's batched sampler)
+and resolve to the list of tokens to emit, the accepted drafts and the token after them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 from shards.engines.base import Engine
 from shards.grammar import GrammarTokenizer, Matcher
 from shards.sampling import SampleResult, SamplerState, SamplingParams
+from shards.speculation import verify_blocks
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,7 @@ class SampleItem:
     state: SamplerState
     engine: Engine
     model_id: str  # rows of different models never share a call
+    drafts: tuple[int, ...] = ()  # proposals to verify: logits then hold len(drafts) + 1 rows
 
     @property
     def group_key(self) -> tuple:
@@ -90,18 +96,23 @@ class SamplingBatcher:
 
     # -- producer side ----------------------------------------------------------------------------------------
     def submit(self, item: SampleItem) -> asyncio.Future:
-        """Queue one row; the future resolves to its SampleResult (or the error that only this request hit)."""
+        """Queue one row (or a block of rows with drafts); the future resolves to its SampleResult, or for a block
+        to the list of results to emit (or to the error that only this request hit)."""
         if self._closed:
             raise BatcherClosed("the sampling batcher is shut down")
         logits = item.logits
         if (
-            logits.ndim != 1
+            logits.ndim != (2 if item.drafts else 1)
+            or (item.drafts and len(logits) != len(item.drafts) + 1)
             or logits.size == 0
             or logits.dtype.kind != "f"
             or np.isnan(logits).any()
             or np.isposinf(logits).any()
         ):
-            raise ValueError(f"request {item.request_id}: logits must be a non-empty finite float vector")
+            raise ValueError(
+                f"request {item.request_id}: logits must be a non-empty finite float vector (a row for each of "
+                "[t, d1..dk] with drafts)"
+            )
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(item, future))
         self.stats["sample_items"] += 1
@@ -169,8 +180,13 @@ class SamplingBatcher:
         """On the executor's thread: sample one group, counting what happened (the loop adds the counts)."""
         counts = _Counts()
         results: list[SampleResult | BaseException | None] = [None] * len(items)
+        blocks = [k for k, item in enumerate(items) if item.drafts]
+        for k, verified in zip(blocks, _verify([items[k] for k in blocks], self.batching, counts)):
+            results[k] = verified
         rows: list[SampleItem] = []
         for k, item in enumerate(items):
+            if item.drafts:
+                continue
             try:
                 rows.append(self._masked(item))
             except Exception as e:  # the grammar can't be built or allows nothing: only this request fails
@@ -178,7 +194,7 @@ class SamplingBatcher:
                 results[k] = e
         sampled = iter(self._sample_rows(rows, counts))
         for k, item in enumerate(items):
-            if results[k] is not None:
+            if results[k] is not None or item.drafts:
                 continue
             result = results[k] = next(sampled)
             if item.params.constraint is not None and isinstance(result, SampleResult):
@@ -233,6 +249,60 @@ class _Counts(Counter):
     def fallback(self, items: list[SampleItem], reason: str) -> None:
         self["sample_fallbacks"] += len(items)
         self.fallbacks.append((items[0], reason))
+
+
+def _verify(items: list[SampleItem], batching: bool, counts: _Counts) -> list[list[SampleResult] | BaseException]:
+    """The blocks of rows with proposals: verified in one go through the engine's batched sampler, or, when that
+    can't be or fails, each alone (sampler states rewound first, so the tokens are the same either way)."""
+    if not items:
+        return []
+    engine = items[0].engine
+    if batching and len(items) > 1 and engine.batched_sampling:
+        snapshots = [i.state.snapshot() for i in items]
+        try:
+            results = verify_blocks(
+                np.concatenate([i.logits for i in items]),
+                [i.drafts for i in items],
+                [i.params for i in items],
+                [i.state for i in items],
+                sample=engine.sample,
+            )
+            for item, block in zip(items, results):
+                _validate_block(block, item)
+            counts["sample_verify_calls"] += 1
+            return results
+        except Exception as e:
+            for item, snap in zip(items, snapshots):
+                item.state.restore(snap)
+            counts.fallback(items, f"batched verification failed: {type(e).__name__}")
+    out: list[list[SampleResult] | BaseException] = []
+    for item in items:
+        sample = engine.sample if engine.batched_sampling else _row_by_row(engine)
+        try:
+            block = verify_blocks(item.logits, [item.drafts], [item.params], [item.state], sample=sample)[0]
+            _validate_block(block, item)
+            counts["sample_verify_calls"] += 1
+            out.append(block)
+        except Exception as e:  # only this request fails
+            counts["sample_errors"] += 1
+            log.warning("verifying proposals failed for request %s: %s", item.request_id, type(e).__name__)
+            out.append(e)
+    return out
+
+
+def _row_by_row(engine: Engine) -> Callable[..., list[SampleResult]]:
+    """An engine without a batched sampler samples each row on its own."""
+    return lambda rows, params, states: [engine.sample_one(r, p, s) for r, p, s in zip(rows, params, states)]
+
+
+def _validate_block(block: object, item: SampleItem) -> None:
+    """1..k+1 valid results whose all but the last repeat the drafts (the accepted ones)."""
+    if not isinstance(block, list) or not 1 <= len(block) <= len(item.drafts) + 1:
+        raise MalformedBatch(f"expected 1 to {len(item.drafts) + 1} results, got {type(block).__name__}")
+    row = dataclasses.replace(item, logits=item.logits[0], drafts=())
+    _validate(block, [row] * len(block))
+    if [r.token for r in block[:-1]] != list(item.drafts[: len(block) - 1]):
+        raise MalformedBatch("the accepted tokens are not the drafts")
 
 
 def _sample_alone(item: SampleItem, counts: _Counts) -> SampleResult | BaseException:

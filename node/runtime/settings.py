@@ -12,11 +12,13 @@ from pathlib import Path
 
 from node.core.admission import CoreLimits
 from node.core.scheduler import SchedulerLimits
+from node.core.speculation import SpeculationLimits
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
 from shards.tokenizer import Tokenizer
 
 DEFAULT_MAX_TENSOR_BYTES = 255 * 1024 * 1024
+SPECULATE_CHOICES = ("lookup", "draft", "off")  # --speculate: where a first node's proposals come from
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,9 @@ class NodeSettings:
     sample_batch_window_ms: float = 5.0  # ... or this long after the batch's first row
     core: CoreLimits = CoreLimits()  # what the core admits: requests, KV-cache budget, idle timeout
     scheduling: SchedulerLimits = SchedulerLimits()  # what one forward pass carries
+    speculate: str = "lookup"  # proposals as a request's first node: prompt lookup, a draft model, or off
+    speculation: SpeculationLimits = SpeculationLimits()  # how many
+    draft_model: Path | None = None  # --draft-model, for speculate="draft"
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -48,6 +53,10 @@ class NodeSettings:
             raise ValueError(f"max_replays must be >= 0, got {self.max_replays} (--max-replays)")
         if self.sample_batch_max < 1 or self.sample_batch_window_ms < 0:
             raise ValueError("--sample-batch-max must be >= 1 and --sample-batch-window-ms >= 0")
+        if self.speculate not in SPECULATE_CHOICES:
+            raise ValueError(f"--speculate must be one of {', '.join(SPECULATE_CHOICES)}, got {self.speculate!r}")
+        if (self.speculate == "draft") != (self.draft_model is not None):
+            raise ValueError("--speculate draft needs --draft-model PATH, and --draft-model needs --speculate draft")
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,9 @@ class ShardManager:
         inputs: list[tuple[str, np.ndarray, int]],
         reuse: dict[str, tuple[str, int]] | None = None,
         retain_limit: int = 0,
+        *,
+        starts: dict[str, int] | None = None,
+        every_row: frozenset[str] = frozenset(),
     ) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
         """One forward pass over (request id, input, most positions it will reach): outputs per request, the
         requests whose input the engine refused (with why), which are left out of the pass instead of failing it,
@@ -73,8 +76,11 @@ class ShardManager:
 
         `reuse`: requests that start from a retained prefix, (finished request, positions); one whose prefix this
         engine no longer holds is refused with a reason that starts with PREFIX_GONE. `retain_limit`: bytes the
-        engine's retained caches may hold now (what reservations leave free); it frees the least recently used first."""
-        return await self.run(_forward, engine, inputs, reuse or {}, retain_limit)
+        engine's retained caches may hold now (what reservations leave free); it frees the least recently used first.
+        `starts`: requests whose cache is first rolled back to that position (speculation: the previous step's
+        rejected proposals); one the engine refuses is refused like a bad input. `every_row`: requests whose
+        logits the last shard returns for every row, not only the last (their proposals are verified)."""
+        return await self.run(_forward, engine, inputs, reuse or {}, retain_limit, starts or {}, every_row)
 
     def release(self, request_id: str, keep: bool = False) -> None:
         """Queue the release of a request's caches in every engine (after any forward already queued); `keep`: a
@@ -125,7 +131,12 @@ PREFIX_GONE = "prefix gone"  # how a refusal for an evicted retained prefix star
 
 
 def _forward(
-    engine: Engine, inputs: list[tuple[str, np.ndarray, int]], reuse: dict[str, tuple[str, int]], retain_limit: int
+    engine: Engine,
+    inputs: list[tuple[str, np.ndarray, int]],
+    reuse: dict[str, tuple[str, int]],
+    retain_limit: int,
+    starts: dict[str, int],
+    every_row: frozenset[str],
 ) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
     started = time.perf_counter()
     items, refused = [], {}
@@ -147,9 +158,23 @@ def _forward(
             else StepInput(rid, hidden=data, max_positions=positions)
         )
         try:
+            if rid in starts:
+                engine.rollback(rid, starts[rid])
             engine.validate([item])
             items.append(item)
         except EngineInputError as e:
             refused[rid] = str(e)
-    outputs = engine.forward(items) if items else []
-    return {item.request_id: out for item, out in zip(items, outputs)}, refused, time.perf_counter() - started
+    return _outputs(engine, items, every_row), refused, time.perf_counter() - started
+
+
+def _outputs(engine: Engine, items: list[StepInput], every_row: frozenset[str]) -> dict[str, np.ndarray]:
+    """One engine call for the step, or on a last shard with inputs to verify, one call returning every row's
+    logits for them and the decode rows (a decode row's one row is its last), and one for the prompt chunks, whose
+    rows but the last nobody needs (a head over 256 rows is costly)."""
+    whole = [i for i in items if i.request_id in every_row or i.length == 1] if engine.shard.is_last else []
+    if not any(i.request_id in every_row for i in whole):
+        whole = []
+    rest = [i for i in items if i.request_id not in {w.request_id for w in whole}]
+    outputs = dict(zip((i.request_id for i in whole), engine.forward(whole, all_logits=True) if whole else []))
+    outputs |= dict(zip((i.request_id for i in rest), engine.forward(rest) if rest else []))
+    return outputs

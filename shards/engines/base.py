@@ -56,6 +56,14 @@ class Engine(ABC):
     def cache_length(self, request_id: str) -> int:
         """Positions already cached for the request (0 if unknown)."""
 
+    def rollback(self, request_id: str, start: int) -> None:
+        """Keep only the request's first `start` cached positions: the next step writes from `start` on (rejected
+        speculative proposals are dropped this way). Never forward and never below 0: EngineInputError otherwise.
+        An engine whose caches can't be cut only takes a `start` at the cache's end."""
+        _check_rollback(self.cache_length(request_id), request_id, start)
+        if start != self.cache_length(request_id):
+            raise EngineInputError(f"engine {self.name} cannot roll a cache back")
+
     @property
     def active_requests(self) -> int:
         """How many requests hold a KV cache."""
@@ -125,6 +133,14 @@ class Engine(ABC):
                 )
 
 
+def _check_rollback(length: int, request_id: str, start: object) -> None:
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= start <= length:
+        raise EngineInputError(
+            f"request {request_id!r}: cannot roll its cache of {length} positions back to {start!r} (a start lies "
+            f"in [0, {length}]: a rollback drops positions, it never skips any)"
+        )
+
+
 def check_input(cfg: ModelConfig, first: bool, data: np.ndarray | None, who: str) -> None:
     """A step's input for a first shard is a non-empty 1-D int array of token ids in the vocabulary; for any other
     shard float32 hidden states [T>0, hidden_size]. The one place these rules live."""
@@ -189,6 +205,12 @@ class BlockEngine(Engine):
     def cache_length(self, request_id: str) -> int:
         cache = self.caches.get(request_id)
         return cache.length if cache else 0
+
+    def rollback(self, request_id: str, start: int) -> None:
+        cache = self.caches.get(request_id)
+        _check_rollback(cache.length if cache else 0, request_id, start)
+        if cache is not None and start < cache.length:
+            cache.truncate(int(start))  # the cells past `start` are rewritten before they are read
 
     @property
     def retained(self) -> RetainedCaches:

@@ -39,7 +39,7 @@ class PlanStep(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "top_logprobs", "grammar", "grammar_prefix")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "top_logprobs", "grammar", "grammar_prefix", "no_speculation")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Sampling(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NO_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -54,7 +55,8 @@ class Sampling(_message.Message):
     top_logprobs: int
     grammar: str
     grammar_prefix: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_prefix: _Optional[_Iterable[int]] = ...) -> None: ...
+    no_speculation: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_prefix: _Optional[_Iterable[int]] = ..., no_speculation: _Optional[bool] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
     __slots__ = ("request_id", "plan", "sampling", "max_tokens", "stop_token_ids", "entry_node_id", "entry_address", "resumed_tokens", "prompt_tokens", "reuse_from", "reuse_positions")
@@ -91,16 +93,20 @@ class SendPromptRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
-    __slots__ = ("request_id", "tensor", "spec", "partial")
+    __slots__ = ("request_id", "tensor", "spec", "partial", "proposals", "start")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tensor: Tensor
     spec: RequestSpec
     partial: bool
-    def __init__(self, request_id: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., partial: _Optional[bool] = ...) -> None: ...
+    proposals: _containers.RepeatedScalarFieldContainer[int]
+    start: int
+    def __init__(self, request_id: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., partial: _Optional[bool] = ..., proposals: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ...) -> None: ...
 
 class SendRequest(_message.Message):
     __slots__ = ("entries", "results")

@@ -1,0 +1,106 @@
+"""Speculative decoding as the core sees it: which rows a request's next step carries, and what a `start` may undo.
+
+The first node of a request's plan holds its prompt and every token fed since, so it is where proposals are made
+(shards/speculation.py: prompt lookup or a draft model, `Proposer`): when a request's next token t comes back from
+the last node, the first node asks for up to k drafts and queues [t, d1..dk] as one input, the drafts named in it
+(`Queued.proposals`) and its first row's cache position explicit (`Queued.start`). The chunk travels the ring like
+any activation; the last node computes logits for all k+1 rows, verifies them (`shards.speculation.verify`, through
+the sampling batcher) and answers the entry with every accepted token and the first node with the next token,
+whose `start` is where that token goes: just past the accepted drafts. Every node rolls the request's cache back
+to `start` before computing, which drops the rejected drafts' positions everywhere a trip later (the engines check
+it again: shards/engines/base.py `rollback`).
+
+A `start` may only drop the proposals of the input taken last (`check_start`): an accepted token's position is
+never undone, and a position never skipped, whatever a peer sends.
+
+How many to propose adapts per request (`DraftLength`: more while they are accepted, none for a while after
+repeated failures), within what the request has left: its accepted run can never pass `max_tokens`, so the cache
+never grows past the positions its reservation holds (`room`), and within a step's budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from node.core.plan import PlanError
+from node.core.requests import RequestState
+from shards.sampling import SamplingParams
+from shards.speculation import DraftLength, Proposer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SpeculationLimits:
+    max_drafts: int = 4  # the most tokens proposed for one step of one request (--speculate-tokens)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_drafts, int) or self.max_drafts < 1:
+            raise ValueError(f"--speculate-tokens must be an integer >= 1, got {self.max_drafts!r}")
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request is given proposals: unless its client opted out, and not under a grammar (the grammar's
+    mask would have to be stepped through every draft; those requests decode one token per trip)."""
+    return params.speculate and params.constraint is None
+
+
+def check_start(req: RequestState, start: int) -> None:
+    """A `start` for the request's next input may drop the proposals of its last input, nothing else: it lies
+    between the end of the positions accepted for sure and the positions sent so far. Raises PlanError otherwise."""
+    low, high = req.positions_in - len(req.drafts), req.positions_in
+    if not low <= start <= high:
+        raise PlanError(
+            f"request {req.id}: start {start} is outside [{low}, {high}] (it may only drop the {len(req.drafts)} "
+            "proposals of the previous input)"
+        )
+
+
+class Speculation:
+    """The first node's proposals for the requests it holds. `proposer` None: no proposals (`--speculate off`)."""
+
+    def __init__(self, proposer: Proposer | None, limits: SpeculationLimits = SpeculationLimits(), *, vocab: int):
+        self.proposer, self.limits, self.vocab = proposer, limits, vocab
+        self.lengths: dict[str, DraftLength] = {}
+
+    def next_input(self, req: RequestState, token: int, start: int, step_room: int) -> tuple[np.ndarray, tuple]:
+        """The request's next token came back, to go at cache position `start` (checked: `check_start`): record
+        the drafts it accepted and the token, tell the request's DraftLength, and return the input to queue,
+        [token, d1..dk], and its drafts. `step_room`: the most positions one step may carry."""
+        accepted = len(req.drafts) - (req.positions_in - start)
+        if req.history is not None:
+            req.history += [*req.drafts[:accepted], token]
+        if req.drafts and (length := self.lengths.get(req.id)) is not None:
+            length.update(len(req.drafts), accepted)
+        drafts: tuple[int, ...] = ()
+        if self.proposer is not None and req.history is not None and speculates(req.spec.sampling):
+            length = self.lengths.get(req.id)
+            if length is None:
+                length = self.lengths[req.id] = DraftLength(self.limits.max_drafts)
+            k = min(length.next(), room(req, start), step_room - 1)
+            if k > 0:
+                try:
+                    proposed = tuple(self.proposer.propose(req.id, req.history, k))[:k]
+                    drafts = tuple(int(t) for t in proposed if 0 <= int(t) < self.vocab)
+                except Exception:  # a proposer gone wrong costs the request its proposals, never its output
+                    log.exception("proposer failed for request %s", req.id)
+                    proposed = ()
+                if len(drafts) != len(proposed):
+                    drafts = ()  # ids outside the vocabulary: propose nothing rather than something half-checked
+        return np.array([token, *drafts], dtype=np.int64), drafts
+
+    def release(self, request_id: str) -> None:
+        """The request ended: forget its draft length and the proposer's state for it."""
+        self.lengths.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
+
+
+def room(req: RequestState, start: int) -> int:
+    """The most drafts a request's step starting at `start` may carry: the token at `start` is generated token
+    g = start - prompt + 1, and g + k + 1 (the drafts and the token after them) may not pass max_tokens; so the
+    step's last position, start + k, stays below the positions the request reserved."""
+    return max(0, req.spec.positions - start - 2)
