@@ -16,4 +16,6 @@ def proposer_for(settings: NodeSettings, model: ServedModel) -> Proposer | None:
         return PromptLookup()
     from shards.draft_model import DraftModelProposer  # loads an engine: only for nodes that ask for it
 
-    return DraftModelProposer.load(settings.draft_model, model.config, engine=settings.engine)
+    return DraftModelProposer.load(
+        settings.draft_model, model.config, engine=settings.engine, target_tokenizer=model.tokenizer
+    )

@@ -1,0 +1,64 @@
+"""Speculative decoding on three real nodes (SmolLM2 on ggml, its file's Q4_1 blocks, `--quantize none`: rows are
+bit-identical however a step batches them): two concurrent requests, one greedy code rewrite that repeats its
+input and one seeded sampled story, give with prompt lookup (the default) the text they give with
+`"speculative": false`, and the proposals were accepted, several tokens a trip."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.support.cluster import Cluster
+from tests.support.http import call_json
+
+pytest.importorskip("ggml", reason="the ggml extra is not installed")
+
+from shards.formats.packaged import DEFAULT_MODEL, resolve_model  # noqa: E402
+
+CODE = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+
+def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item.price < best.price:
+            best = item
+    return best
+"""
+REWRITE = f"Rewrite this code with the variable `items` renamed to `products`:\n\n{CODE}"
+STORY = "Tell me a short story about a lighthouse."
+
+
+def test_three_nodes_give_the_same_text_with_and_without_speculation_for_concurrent_requests():
+    path, model_id = resolve_model(DEFAULT_MODEL)
+    extra = ["--threads", "1", "--quantize", "none"]
+    with Cluster(path, 3, memory_gb=[2, 2, 2], model_id=model_id, engine=None, extra=extra) as c:
+        url = f"{c.nodes[0].api_url}/v1/chat/completions"
+
+        def ask(prompt: str, speculative: bool, **sampling) -> str:
+            body = {
+                "model": model_id,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 40,
+                "speculative": speculative,
+                **sampling,
+            }
+            status, answer = call_json("POST", url, body, timeout=180)
+            assert status == 200, answer
+            return answer["choices"][0]["message"]["content"]
+
+        jobs = [(REWRITE, {"temperature": 0}), (STORY, {"temperature": 0.8, "seed": 5})]
+        with ThreadPoolExecutor(2) as pool:
+            plain = list(pool.map(lambda job: ask(job[0], False, **job[1]), jobs))
+            last = c.self_info()["node2"]["status"]
+            assert last.get("spec_proposed", 0) == 0  # opted out: not one proposal
+            fast = list(pool.map(lambda job: ask(job[0], True, **job[1]), jobs))
+        assert fast == plain
+        last = c.self_info()["node2"]["status"]
+        assert last["spec_accepted"] > 0
+        assert sum(v for k, v in last.items() if k.startswith("tokens_per_trip_") and k != "tokens_per_trip_1") > 0
+        assert set(c.wait_idle().values()) == {0}
