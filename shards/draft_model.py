@@ -67,17 +67,34 @@ class DraftModelProposer:
 
     def propose(self, request_id: str, tokens: Sequence[int], k: int) -> Proposal:
         """Up to `k` greedy tokens of the draft model after `tokens` (fewer near the end of its context)."""
-        if not (isinstance(k, int) and k >= 0):
-            raise ValueError(f"k must be an integer >= 0, got {k!r}")
-        tokens = [int(t) for t in tokens]
-        k = min(k, self.engine.config.max_position_embeddings - len(tokens))
-        if k <= 0 or not tokens:
-            return ()
+        return self.propose_batch([(request_id, tokens, k)])[0]
+
+    def propose_batch(self, items: Sequence[tuple[str, Sequence[int], int]]) -> list[Proposal]:
+        """`propose` for several requests (distinct ids) at once: each draft pass advances all of them in one
+        engine step (the catch-up chunks of different lengths together, then one row per request still drafting),
+        so N requests cost max(k) passes, not N * k. If a step fails, every request of the batch is released (its
+        cache may hold part of the step) and the error is raised: the next proposals start afresh."""
+        ids = [rid for rid, _, _ in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a request appears twice in one batch of proposals: {ids}")
+        if len(ids) > self.max_requests:
+            raise ValueError(
+                f"{len(ids)} requests in one batch of proposals, more than max_requests {self.max_requests}"
+            )
+        context = self.engine.config.max_position_embeddings
+        wanted = []
+        for rid, tokens, k in items:
+            if not (isinstance(k, int) and k >= 0):
+                raise ValueError(f"k must be an integer >= 0, got {k!r}")
+            tokens = [int(t) for t in tokens]
+            wanted.append((rid, tokens, min(k, context - len(tokens)) if tokens else 0))
         with self._lock:
             try:
-                return self._propose(request_id, tokens, k)
+                return self._draft([w for w in wanted if w[2] > 0], {rid: () for rid, _, _ in wanted})
             except BaseException:
-                self._release(request_id)  # the cache may hold part of a failed step: start afresh next time
+                for rid, _, k in wanted:
+                    if k > 0:
+                        self._release(rid)
                 raise
 
     def release(self, request_id: str) -> None:
@@ -88,26 +105,34 @@ class DraftModelProposer:
         """How many requests hold a draft cache."""
         return len(self._seen)
 
-    def _propose(self, request_id: str, tokens: list[int], k: int) -> Proposal:
-        seen = self._seen.get(request_id)
-        if seen is None:
-            seen = self._seen[request_id] = []
-            while len(self._seen) > self.max_requests:
-                self._release(next(iter(self._seen)))
-        self._seen.move_to_end(request_id)
-        # keep the longest common prefix, but feed at least the last token: its logits give the first draft
-        keep = min(common_prefix(seen, tokens), len(tokens) - 1)
-        self.engine.rollback(request_id, keep)
-        del seen[keep:]
-        drafts: list[int] = []
-        feed = tokens[keep:]
-        while True:
-            logits = self.engine.forward([StepInput(request_id, tokens=np.array(feed, dtype=np.int64))])[0]
-            seen.extend(feed)
-            drafts.append(int(np.argmax(logits[-1])))  # the lowest id among equal maxima, as greedy sampling
-            if len(drafts) == k:
-                return tuple(drafts)
-            feed = drafts[-1:]
+    def _draft(self, items: list[tuple[str, list[int], int]], out: dict[str, Proposal]) -> list[Proposal]:
+        feeds: dict[str, list[int]] = {}
+        for rid, tokens, _ in items:
+            seen = self._seen.get(rid)
+            if seen is None:
+                seen = self._seen[rid] = []
+            self._seen.move_to_end(rid)
+            # keep the longest common prefix, but feed at least the last token: its logits give the first draft
+            keep = min(common_prefix(seen, tokens), len(tokens) - 1)
+            self.engine.rollback(rid, keep)
+            del seen[keep:]
+            feeds[rid] = tokens[keep:]
+        while len(self._seen) > self.max_requests:  # the least recently used: not of this batch, moved to the end
+            self._release(next(iter(self._seen)))
+        drafts: dict[str, list[int]] = {rid: [] for rid in feeds}
+        limits = {rid: k for rid, _, k in items}
+        while feeds:
+            batch = [StepInput(rid, tokens=np.array(feed, dtype=np.int64)) for rid, feed in feeds.items()]
+            logits = self.engine.forward(batch)
+            for (rid, feed), row in zip(list(feeds.items()), logits):
+                self._seen[rid].extend(feed)
+                drafts[rid].append(int(np.argmax(row[-1])))  # the lowest id among equal maxima, as greedy sampling
+                if len(drafts[rid]) == limits[rid]:
+                    del feeds[rid]
+                    out[rid] = tuple(drafts[rid])
+                else:
+                    feeds[rid] = drafts[rid][-1:]
+        return list(out.values())
 
     def _release(self, request_id: str) -> None:
         if self._seen.pop(request_id, None) is not None:

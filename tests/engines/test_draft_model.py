@@ -112,3 +112,24 @@ def test_a_shard_is_not_a_draft_model():
 @pytest.mark.parametrize("a, b, n", [([], [1], 0), ([1, 2, 3], [1, 2, 4], 2), ([1, 2], [1, 2, 3], 2), ([5], [6], 0)])
 def test_common_prefix(a, b, n):
     assert common_prefix(a, b) == n
+
+
+def test_a_batch_of_proposals_equals_each_proposed_alone(engine_name):
+    texts = {"a": PROMPT, "b": PROMPT[:7], "c": PROMPT[3:] + [1, 2, 3], "d": PROMPT[:5]}
+    ks = {"a": 4, "b": 1, "c": 3, "d": 0}
+    batched = DraftModelProposer(engine(engine_name))
+    got = batched.propose_batch([(rid, texts[rid], ks[rid]) for rid in texts])
+    assert got == [continuation(engine_name, texts[rid], ks[rid]) if ks[rid] else () for rid in texts]
+    # again, after each text grew by an accepted draft and another token: rolled back and caught up together
+    grown = {rid: texts[rid] + list(got[i][:1]) + [9] for i, rid in enumerate(texts)}
+    again = batched.propose_batch([(rid, grown[rid], 2) for rid in texts])
+    assert again == [continuation(engine_name, grown[rid], 2) for rid in texts]
+
+
+def test_a_batch_with_a_request_twice_or_beyond_max_requests_is_refused():
+    proposer = DraftModelProposer(engine("numpy"), max_requests=2)
+    with pytest.raises(ValueError, match="twice"):
+        proposer.propose_batch([("a", PROMPT, 2), ("a", PROMPT, 2)])
+    with pytest.raises(ValueError, match="max_requests"):
+        proposer.propose_batch([(rid, PROMPT, 2) for rid in "abc"])
+    assert len(proposer) == 0
