@@ -87,7 +87,8 @@ class RequestBook:
         req = self._admit(spec)
         req.positions_in = spec.reuse_positions + len(tokens)
         if self.speculation is not None and speculates(spec.sampling):
-            req.history = [int(t) for t in tokens]  # what the proposer looks up (a reused prefix is not sent)
+            # what the proposer looks up: the prompt, after the text of the finished request whose cache it reuses
+            req.history = self.speculation.kept_text(spec.reuse_from, spec.reuse_positions) + [int(t) for t in tokens]
         self._enqueue(Queued(spec.request_id, tokens))
 
     def accept_activations(self, activations: list[Activation], caller: str | None = None) -> list[Refusal]:
@@ -141,8 +142,9 @@ class RequestBook:
                 return []
         self.ended.add(request_id)
         self.local_inflight.discard(request_id)
+        req = self.requests.get(request_id)
         if self.speculation is not None:
-            self.speculation.release(request_id)
+            self.speculation.release(request_id, req.history if req is not None and reason in KEPT_AFTER else None)
         if (req := self.requests.pop(request_id, None)) is not None:
             # a counter per reason: only the reasons nodes send (a peer's free text would grow the status map, which
             # peers refuse past 256 keys)

@@ -21,6 +21,7 @@ never grows past the positions its reservation holds (`room`), and within a step
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ from shards.sampling import SamplingParams
 from shards.speculation import DraftLength, Proposer
 
 log = logging.getLogger(__name__)
+KEPT_TOKENS = 1 << 20  # tokens of finished requests' texts kept for requests that reuse their caches (4 MB)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class Speculation:
     def __init__(self, proposer: Proposer | None, limits: SpeculationLimits = SpeculationLimits(), *, vocab: int):
         self.proposer, self.limits, self.vocab = proposer, limits, vocab
         self.lengths: dict[str, DraftLength] = {}
+        # The text of finished requests whose caches the node keeps for prefix reuse: a request reusing one gets
+        # only the rest of its prompt, and its proposals are looked up in the whole text. Most recent last, bounded.
+        self.kept: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.kept_tokens = 0
 
     def next_input(self, req: RequestState, token: int, start: int, step_room: int) -> tuple[np.ndarray, tuple]:
         """The request's next token came back, to go at cache position `start` (checked: `check_start`): record
@@ -92,11 +98,27 @@ class Speculation:
                     drafts = ()  # ids outside the vocabulary: propose nothing rather than something half-checked
         return np.array([token, *drafts], dtype=np.int64), drafts
 
-    def release(self, request_id: str) -> None:
-        """The request ended: forget its draft length and the proposer's state for it."""
+    def release(self, request_id: str, text: list[int] | None = None) -> None:
+        """The request ended: forget its draft length and the proposer's state for it; `text`: it finished and its
+        caches are kept for prefix reuse, with these tokens (`kept_text`)."""
         self.lengths.pop(request_id, None)
         if self.proposer is not None:
             self.proposer.release(request_id)
+        if text is not None and len(text) <= KEPT_TOKENS:
+            self.kept[request_id] = np.asarray(text, dtype=np.int32)
+            self.kept_tokens += len(text)
+            while self.kept_tokens > KEPT_TOKENS:
+                self.kept_tokens -= len(self.kept.popitem(last=False)[1])
+
+    def kept_text(self, request_id: str, positions: int) -> list[int]:
+        """The first `positions` tokens of a finished request's text ([] when not kept). The first node never
+        hears of the drafts a request's last trip accepted, so a text may be a few tokens short: those are missing
+        from what proposals are looked up in, never from the output."""
+        text = self.kept.get(request_id) if request_id else None
+        if text is None:
+            return []
+        self.kept.move_to_end(request_id)
+        return text[:positions].tolist()
 
 
 def room(req: RequestState, start: int) -> int:

@@ -232,3 +232,17 @@ def test_a_chunk_with_proposals_larger_than_the_step_budget_runs_alone_never_cut
     s.push(Queued("p", tokens(1, 7, 8, 9), proposals=(7, 8, 9), start=10))
     (group,) = s.take(lambda rid: Shard("llama", 0, 6, 6))
     assert [len(i.data) for i in group.items] == [4] and not s.queue
+
+
+def test_a_request_reusing_a_finished_requests_cache_looks_proposals_up_in_the_whole_text():
+    proposer = Fixed()
+    a = first_node(proposer)
+    a.accept_activations([Activation("r1", tokens(5))])
+    a.end_request("r1", "finished")  # its caches are kept: its text too
+    again = dataclasses.replace(request(), request_id="r2", prompt_tokens=7, reuse_from="r1", reuse_positions=5)
+    a.accept_prompt(again, tokens(6, 7))  # only the rest of the prompt is sent
+    a.queue.queue.clear()
+    a.accept_activations([Activation("r2", tokens(9))])
+    assert proposer.seen[-1] == [1, 2, 3, 4, 5, 6, 7, 9]
+    a.end_request("r2", "failed")  # a failed request's text is not kept
+    assert list(a.speculation.kept) == ["r1"]
