@@ -74,13 +74,27 @@ def test_at_most_max_requests_indexes_are_kept_and_an_evicted_one_is_rebuilt():
     assert lookup.propose("a", [1, 2, 3, 1, 2], 1) == (3,)  # evicted, re-indexed, same answer
 
 
+def test_at_most_max_tokens_are_indexed_in_all_but_the_request_asked_for_always_is():
+    lookup = PromptLookup(max_tokens=15)
+    lookup.propose("a", [1, 2, 3, 1, 2] * 2, 1)
+    lookup.propose("b", [4, 5, 6, 4, 5] * 2, 1)  # 20 tokens: "a" goes
+    assert len(lookup) == 1 and lookup.indexed_tokens == 10
+    assert lookup.propose("c", list(range(30)) + [0, 1], 2) == (2, 3)  # alone beyond the bound: kept, answered
+    assert len(lookup) == 1 and lookup.indexed_tokens == 32
+    lookup.release("c")
+    assert lookup.indexed_tokens == 0
+
+
 def test_text_that_does_not_extend_the_indexed_text_is_reindexed():
     lookup = PromptLookup()
     assert lookup.propose("r", [1, 2, 3, 1, 2], 1) == (3,)
     assert lookup.propose("r", [1, 2, 4, 1, 2], 1) == (4,)  # a replay with other tokens: not the old index
+    assert lookup.indexed_tokens == 5
 
 
-@pytest.mark.parametrize("bad", [dict(min_ngram=0), dict(max_ngram=1, min_ngram=2), dict(max_requests=0)])
+@pytest.mark.parametrize(
+    "bad", [dict(min_ngram=0), dict(max_ngram=1, min_ngram=2), dict(max_requests=0), dict(max_tokens=0)]
+)
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         PromptLookup(**bad)
@@ -99,6 +113,7 @@ def test_the_incremental_index_answers_like_the_brute_force_definition(text, cut
     # growing prefixes (the usual case), then a shorter or divergent text (a replay), then growing again
     for cut in sorted(c for c in cuts if c <= len(text)) + [len(text)]:
         assert lookup.propose("r", text[:cut], k) == brute_force_lookup(text[:cut], k, max_ngram, min_ngram)
+        assert lookup.indexed_tokens == cut
     other = text[::-1]
     assert lookup.propose("r", other, k) == brute_force_lookup(other, k, max_ngram, min_ngram)
 
