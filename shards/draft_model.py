@@ -72,15 +72,12 @@ class DraftModelProposer:
     def propose_batch(self, items: Sequence[tuple[str, Sequence[int], int]]) -> list[Proposal]:
         """`propose` for several requests (distinct ids) at once: each draft pass advances all of them in one
         engine step (the catch-up chunks of different lengths together, then one row per request still drafting),
-        so N requests cost max(k) passes, not N * k. If a step fails, every request of the batch is released (its
-        cache may hold part of the step) and the error is raised: the next proposals start afresh."""
+        so N requests cost max(k) passes, not N * k. At most max_requests are drafted (those already holding a
+        cache first); the others get no proposals this time. If a step fails, every request drafted is released
+        (its cache may hold part of the step) and the error is raised: the next proposals start afresh."""
         ids = [rid for rid, _, _ in items]
         if len(set(ids)) != len(ids):
             raise ValueError(f"a request appears twice in one batch of proposals: {ids}")
-        if len(ids) > self.max_requests:
-            raise ValueError(
-                f"{len(ids)} requests in one batch of proposals, more than max_requests {self.max_requests}"
-            )
         context = self.engine.config.max_position_embeddings
         wanted = []
         for rid, tokens, k in items:
@@ -89,12 +86,14 @@ class DraftModelProposer:
             tokens = [int(t) for t in tokens]
             wanted.append((rid, tokens, min(k, context - len(tokens)) if tokens else 0))
         with self._lock:
+            served = [w for w in wanted if w[2] > 0]
+            if len(served) > self.max_requests:  # the rest get no proposals: those holding a cache first
+                served = sorted(served, key=lambda w: w[0] not in self._seen)[: self.max_requests]
             try:
-                return self._draft([w for w in wanted if w[2] > 0], {rid: () for rid, _, _ in wanted})
+                return self._draft(served, {rid: () for rid, _, _ in wanted})
             except BaseException:
-                for rid, _, k in wanted:
-                    if k > 0:
-                        self._release(rid)
+                for rid, _, _ in served:
+                    self._release(rid)
                 raise
 
     def release(self, request_id: str) -> None:

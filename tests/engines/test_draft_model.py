@@ -126,10 +126,16 @@ def test_a_batch_of_proposals_equals_each_proposed_alone(engine_name):
     assert again == [continuation(engine_name, grown[rid], 2) for rid in texts]
 
 
-def test_a_batch_with_a_request_twice_or_beyond_max_requests_is_refused():
-    proposer = DraftModelProposer(engine("numpy"), max_requests=2)
+def test_a_batch_with_a_request_twice_is_refused():
+    proposer = DraftModelProposer(engine("numpy"))
     with pytest.raises(ValueError, match="twice"):
         proposer.propose_batch([("a", PROMPT, 2), ("a", PROMPT, 2)])
-    with pytest.raises(ValueError, match="max_requests"):
-        proposer.propose_batch([(rid, PROMPT, 2) for rid in "abc"])
     assert len(proposer) == 0
+
+
+def test_beyond_max_requests_the_requests_holding_a_cache_are_drafted_and_the_others_get_nothing():
+    proposer = DraftModelProposer(engine("numpy"), max_requests=2)
+    proposer.propose("c", PROMPT, 2)
+    got = proposer.propose_batch([(rid, PROMPT, 2) for rid in "abc"])
+    assert got == [continuation("numpy", PROMPT, 2), (), continuation("numpy", PROMPT, 2)]
+    assert len(proposer) == 2 and proposer.engine.active_requests == 2
