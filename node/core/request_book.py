@@ -114,14 +114,14 @@ class RequestBook:
                 check_start(req, start)
                 self.admission.check_declared(req.spec, start, len(a.data))
                 self.admission.check_input(req.shard.is_first, a.data)
-                data, proposals = a.data, a.proposals
+                data, proposals, defer = a.data, a.proposals, 0
                 if req.shard.is_first and req.history is not None and self.speculation is not None:
                     if proposals or len(data) != 1 or a.partial:
                         raise PlanError("the first node takes one next token at a time and makes the proposals")
-                    data, proposals = self.speculation.next_input(req, int(data[0]), start, self._step_room())
+                    data, proposals, defer = self.speculation.next_input(req, int(data[0]), start, self._step_room())
                 req.drafts, req.chunk_start, req.positions_in = proposals, start, start + len(data)
                 explicit = start if a.start is not None or proposals else None
-                self._enqueue(Queued(a.request_id, data, a.partial, proposals, explicit))
+                self._enqueue(Queued(a.request_id, data, a.partial, proposals, explicit, defer))
             except PlanError as e:
                 rejected.append(Refusal(a.request_id, str(e), isinstance(e, Busy)))
         return rejected
@@ -155,6 +155,16 @@ class RequestBook:
     def _admit(self, spec: RequestSpec) -> RequestState:
         req = self.requests[spec.request_id] = self.admission.admit(spec, self.requests, self.clock())
         return req
+
+    def proposed(self, item: Queued, drafts: tuple[int, ...]) -> Queued:
+        """A deferred proposer's drafts (checked: `Speculation.draft`) for a queued input about to run (`item`,
+        its `propose` asked for): the input as it runs, with them."""
+        req = self.requests.get(item.request_id)
+        if req is None or not drafts or item.proposals or len(drafts) > item.propose:
+            return item
+        start = req.chunk_start
+        req.drafts, req.positions_in = drafts, start + 1 + len(drafts)
+        return Queued(item.request_id, np.concatenate([item.data, np.asarray(drafts, np.int64)]), False, drafts, start)
 
     def _step_room(self) -> int:
         """The most positions one input may bring to a step here (a step's budget, its largest bucket)."""

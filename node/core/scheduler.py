@@ -113,6 +113,7 @@ class Queued:
     partial: bool = False  # a prompt chunk with more of the prompt still to come
     proposals: tuple[int, ...] = ()  # the last rows are these draft tokens, verified on the last node
     start: int | None = None  # the cache position of the first row (the engine rolls back to it); None: append
+    propose: int = 0  # drafts a deferred proposer (a draft model) is asked for just before the step, off the loop
 
     @property
     def decode(self) -> bool:

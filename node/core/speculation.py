@@ -64,39 +64,69 @@ def check_start(req: RequestState, start: int) -> None:
 class Speculation:
     """The first node's proposals for the requests it holds. `proposer` None: no proposals (`--speculate off`)."""
 
-    def __init__(self, proposer: Proposer | None, limits: SpeculationLimits = SpeculationLimits(), *, vocab: int):
-        self.proposer, self.limits, self.vocab = proposer, limits, vocab
+    def __init__(
+        self,
+        proposer: Proposer | None,
+        limits: SpeculationLimits = SpeculationLimits(),
+        *,
+        vocab: int,
+        deferred: bool = False,
+    ):
+        """`deferred`: the proposer computes (a draft model): it is not called here but by the driver, off the event
+        loop, just before the input's step (`draft`, then the core's `proposed`)."""
+        self.proposer, self.limits, self.vocab, self.deferred = proposer, limits, vocab, deferred
         self.lengths: dict[str, DraftLength] = {}
         # The text of finished requests whose caches the node keeps for prefix reuse: a request reusing one gets
         # only the rest of its prompt, and its proposals are looked up in the whole text. Most recent last, bounded.
         self.kept: OrderedDict[str, np.ndarray] = OrderedDict()
         self.kept_tokens = 0
 
-    def next_input(self, req: RequestState, token: int, start: int, step_room: int) -> tuple[np.ndarray, tuple]:
+    def next_input(self, req: RequestState, token: int, start: int, step_room: int) -> tuple[np.ndarray, tuple, int]:
         """The request's next token came back, to go at cache position `start` (checked: `check_start`): record
         the drafts it accepted and the token, tell the request's DraftLength, and return the input to queue,
-        [token, d1..dk], and its drafts. `step_room`: the most positions one step may carry."""
+        [token, d1..dk], its drafts, and how many drafts to ask a deferred proposer for before its step (0 when
+        the proposer was asked here). `step_room`: the most positions one step may carry."""
         accepted = len(req.drafts) - (req.positions_in - start)
         if req.history is not None:
             req.history += [*req.drafts[:accepted], token]
         if req.drafts and (length := self.lengths.get(req.id)) is not None:
             length.update(len(req.drafts), accepted)
-        drafts: tuple[int, ...] = ()
+        k = 0
         if self.proposer is not None and req.history is not None and speculates(req.spec.sampling):
             length = self.lengths.get(req.id)
             if length is None:
                 length = self.lengths[req.id] = DraftLength(self.limits.max_drafts)
-            k = min(length.next(), room(req, start), step_room - 1)
-            if k > 0:
-                try:
-                    proposed = tuple(self.proposer.propose(req.id, req.history, k))[:k]
-                    drafts = tuple(int(t) for t in proposed if 0 <= int(t) < self.vocab)
-                except Exception:  # a proposer gone wrong costs the request its proposals, never its output
-                    log.exception("proposer failed for request %s", req.id)
-                    proposed = ()
-                if len(drafts) != len(proposed):
-                    drafts = ()  # ids outside the vocabulary: propose nothing rather than something half-checked
-        return np.array([token, *drafts], dtype=np.int64), drafts
+            k = max(0, min(length.next(), room(req, start), step_room - 1))
+        if self.deferred or not k:
+            return np.array([token], dtype=np.int64), (), k
+        (drafts,) = self.draft([(req.id, req.history, k)])
+        return np.array([token, *drafts], dtype=np.int64), drafts, 0
+
+    def draft(self, asks: list[tuple[str, list[int], int]]) -> list[tuple[int, ...]]:
+        """The proposer's drafts for (request, its text, at most k) each, checked: ids in the vocabulary, at most k
+        (a proposer gone wrong costs its requests their proposals, never their output). A proposer that drafts
+        several requests at once (`propose_batch`: a draft model's one engine step per pass) is asked once."""
+        if self.proposer is None or not asks:
+            return [() for _ in asks]
+        try:
+            batch = getattr(self.proposer, "propose_batch", None)
+            if batch is not None and len(asks) > 1:
+                proposed = list(batch(asks))
+            else:
+                proposed = [self.proposer.propose(rid, text, k) for rid, text, k in asks]
+        except Exception:
+            log.exception("proposer failed for requests %s", [rid for rid, _, _ in asks])
+            return [() for _ in asks]
+        return [self._checked(p, k) for p, (_, _, k) in zip(proposed, asks)]
+
+    def _checked(self, proposed: object, k: int) -> tuple[int, ...]:
+        try:
+            drafts = tuple(int(t) for t in proposed)  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            return ()
+        if len(drafts) > k or not all(0 <= t < self.vocab for t in drafts):
+            return ()  # propose nothing rather than something half-checked
+        return drafts
 
     def release(self, request_id: str, text: list[int] | None = None) -> None:
         """The request ended: forget its draft length and the proposer's state for it; `text`: it finished and its

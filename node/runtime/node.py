@@ -79,7 +79,12 @@ class Node:
             settings.scheduling,
             members=self.view.known,
             serves=lambda shard: availability().can_serve(shard),
-            speculation=Speculation(proposer_for(settings, model), settings.speculation, vocab=model.config.vocab_size),
+            speculation=Speculation(
+                proposer_for(settings, model),
+                settings.speculation,
+                vocab=model.config.vocab_size,
+                deferred=settings.speculate == "draft",  # a draft model computes: off the event loop
+            ),
         )
         self.shards = ShardManager(model.path, model.config, engines)
         self.batcher = SamplingBatcher(

@@ -90,6 +90,8 @@ class Pipeline:
             for item in group.items:
                 self.do(self.core.fail(item.request_id, f"node {me} cannot load {group.shard}: {e}"))
             return
+        if any(item.propose for item in group.items):
+            group = await self._proposals(group)
         requests = self.core.requests
         inputs = [
             (i.request_id, i.data, _positions(requests[i.request_id].spec))
@@ -128,6 +130,18 @@ class Pipeline:
             self.do(self.core.fail(rid, f"node {me}: {refused.pop(rid)}", busy=True))
         errors = {rid: f"node {me}: {why}" for rid, why in refused.items()}
         self.do(self.core.step_done(group, outputs, errors), engine)
+
+    async def _proposals(self, group: Group) -> Group:
+        """A deferred proposer's drafts (a draft model) for the group's inputs that asked, computed on the engine
+        thread (never on the event loop), then the group as it runs, with them (node/core/speculation.py)."""
+        core, asks = self.core, []
+        for item in group.items:
+            req = core.requests.get(item.request_id)
+            if item.propose and req is not None and req.history is not None:
+                asks.append((item.request_id, list(req.history), item.propose))
+        drafts = dict(zip((rid for rid, _, _ in asks), await self.shards.run(core.speculation.draft, asks)))
+        items = tuple(core.proposed(item, drafts.get(item.request_id, ())) for item in group.items)
+        return Group(group.shard, group.bucket, items)
 
     def _retain_limit(self) -> int:
         """Bytes finished requests' retained caches may hold: what the requests' reservations leave of the KV

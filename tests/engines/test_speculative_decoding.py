@@ -76,7 +76,13 @@ async def answers(name: str, speculate: str, proposer=None, max_tokens: int = 24
     path = path_of()
     cfg = load_config(path)
     node = Node(
-        NodeSettings(node_id="n0", memory_bytes=1 << 32, engine=engine, speculate=speculate),
+        NodeSettings(
+            node_id="n0",
+            memory_bytes=1 << 32,
+            engine=engine,
+            speculate=speculate,
+            draft_model=path if speculate == "draft" else None,
+        ),
         ServedModel("m", path, cfg, Tokenizer.load(path)),
         address="127.0.0.1:1",  # one node: everything loops back, nothing is dialled
         engines=engine_factory(engine, **options),
@@ -202,3 +208,10 @@ def test_the_last_shard_returns_every_row_for_requests_with_proposals_and_the_la
     outputs, refused, _ = _forward(engine, inputs, {}, 0, {}, frozenset({"p"}))
     assert not refused and outputs["p"].shape == (3, engine.config.vocab_size)
     assert outputs["q"].shape == (1, engine.config.vocab_size)
+
+
+def test_greedy_answers_with_a_draft_model_are_the_answers_without():
+    """The llama fixture drafting for itself (proposals computed on the engine thread before each step)."""
+    want, _ = asyncio.run(answers("numpy", "off"))
+    got, counters = asyncio.run(answers("numpy", "draft"))
+    assert got == want and counters["spec_accepted"] > 0

@@ -246,3 +246,27 @@ def test_a_request_reusing_a_finished_requests_cache_looks_proposals_up_in_the_w
     assert proposer.seen[-1] == [1, 2, 3, 4, 5, 6, 7, 9]
     a.end_request("r2", "failed")  # a failed request's text is not kept
     assert list(a.speculation.kept) == ["r1"]
+
+
+def test_a_deferred_proposer_is_asked_just_before_the_step_and_its_drafts_join_the_input():
+    proposer = Fixed()
+    a = core("a", proposer)
+    a.speculation.deferred = True  # a draft model: asked off the event loop by the driver, not on arrival
+    a.accept_prompt(request(), tokens(1, 2, 3, 4))
+    a.queue.queue.clear()
+    a.accept_activations([Activation("r1", tokens(5))])
+    item = queued(a)
+    assert item.data.tolist() == [5] and item.propose == 2 and proposer.seen == []
+    (drafts,) = a.speculation.draft([("r1", a.requests["r1"].history, item.propose)])
+    ready = a.proposed(item, drafts)
+    assert ready.data.tolist() == [5, 7, 8] and ready.proposals == (7, 8) and ready.start == 4
+    # the next token may drop those proposals, as if they had been made on arrival
+    assert a.accept_activations([Activation("r1", tokens(42), start=5)]) == []
+    assert proposer.seen[-1] == [1, 2, 3, 4, 5]
+
+
+def test_a_deferred_proposer_that_returns_too_many_or_foreign_ids_adds_nothing():
+    a = core("a", Fixed(drafts=(7, 8, 9)))
+    assert a.speculation.draft([("r1", [1, 2], 2)]) == [(7, 8)]  # Fixed cuts to k itself
+    a.speculation.proposer = type("Greedy", (), {"propose": lambda self, r, t, k: (1, 2, 3), "release": print})()
+    assert a.speculation.draft([("r1", [1, 2], 2)]) == [()]
