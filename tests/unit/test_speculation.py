@@ -236,6 +236,29 @@ def test_blocks_of_several_requests_verify_as_each_alone():
         at += n
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    blocks=st.lists(
+        st.tuples(st.integers(0, 4), st.sampled_from([0.0, 0.7, 1.0]), st.integers(0, 8), st.integers(0, 99)),
+        min_size=1,
+        max_size=5,
+    ),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_any_mix_of_blocks_verifies_together_as_each_alone(blocks, seed):
+    rng = np.random.default_rng(seed)
+    vocab = 6  # small: drafts are often right
+    params = [SamplingParams(temperature=t, top_k=k, seed=s) for _, t, k, s in blocks]
+    logits = rng.normal(0, 2, size=(sum(n + 1 for n, *_ in blocks), vocab)).astype(np.float32)
+    drafts = [tuple(int(x) for x in rng.integers(0, vocab, n)) for n, *_ in blocks]
+    together = verify_blocks(logits, drafts, params, [SamplerState.from_seed(p.seed) for p in params])
+    at = 0
+    for d, p, got in zip(drafts, params, together):
+        assert got == verify(logits[at : at + len(d) + 1], d, p, SamplerState.from_seed(p.seed))
+        assert 1 <= len(got) <= len(d) + 1 and [r.token for r in got[:-1]] == list(d[: len(got) - 1])
+        at += len(d) + 1
+
+
 def test_logits_that_do_not_match_the_drafts_are_refused():
     with pytest.raises(ValueError, match="rows"):
         verify(np.zeros((2, 5), dtype=np.float32), (1, 2), GREEDY, SamplerState())
