@@ -1,9 +1,11 @@
-"""Drafts from a small model with the served model's tokenizer (--draft-model), run whole on the entry node.
+"""Drafts from a small model with the served model's tokenizer (--draft-model), run whole on the node that
+proposes (the first node of a request's plan).
 
 For each request the draft model keeps its own KV cache of the tokens it has seen. A proposal rolls that cache back
 to the longest common prefix with the request's tokens (the accepted drafts stay, the rejected ones go), feeds the
-missing tokens in one pass, then drafts greedily, one single-row pass per further token. Greedy drafts are the
-point-mass proposals `shards.speculation.verify` accepts exactly, whatever the draft model computes.
+missing tokens (in chunks of at most `chunk` positions), then drafts greedily, one single-row pass per further
+token. Greedy drafts are the point-mass proposals `shards.speculation.verify` accepts exactly, whatever the draft
+model computes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class DraftModelProposer:
     used one is released to make room (it is re-fed from scratch at its next proposal), so the draft model's memory
     stays bounded even if a release is missed. Calls are serialised by a lock: the engine is not thread-safe.
     """
+
+    chunk = 512  # the most positions of one request fed in one step (a long prompt is fed over several)
 
     def __init__(self, engine: Engine, *, max_requests: int = 16):
         if not (engine.shard.is_first and engine.shard.is_last):
@@ -96,6 +100,19 @@ class DraftModelProposer:
                     self._release(rid)
                 raise
 
+    def prefill(self, request_id: str, tokens: Sequence[int]) -> None:
+        """Feed `tokens` now (e.g. the prompt, while the served model computes its first token), so the first
+        proposal only feeds what follows. Beyond the draft model's context: nothing is fed."""
+        tokens = [int(t) for t in tokens]
+        if not tokens or len(tokens) > self.engine.config.max_position_embeddings:
+            return
+        with self._lock:
+            try:
+                self._draft([(request_id, tokens, 0)], {})
+            except BaseException:
+                self._release(request_id)
+                raise
+
     def release(self, request_id: str) -> None:
         with self._lock:
             self._release(request_id)
@@ -105,27 +122,33 @@ class DraftModelProposer:
         return len(self._seen)
 
     def _draft(self, items: list[tuple[str, list[int], int]], out: dict[str, Proposal]) -> list[Proposal]:
+        """Bring each request's cache to its tokens and draft k tokens after them (k = 0: only feed them)."""
         feeds: dict[str, list[int]] = {}
-        for rid, tokens, _ in items:
+        for rid, tokens, k in items:
             seen = self._seen.get(rid)
             if seen is None:
                 seen = self._seen[rid] = []
             self._seen.move_to_end(rid)
-            # keep the longest common prefix, but feed at least the last token: its logits give the first draft
-            keep = min(common_prefix(seen, tokens), len(tokens) - 1)
+            # keep the longest common prefix, but to draft feed at least the last token: its logits give the first
+            keep = common_prefix(seen, tokens) if k == 0 else min(common_prefix(seen, tokens), len(tokens) - 1)
             self.engine.rollback(rid, keep)
             del seen[keep:]
-            feeds[rid] = tokens[keep:]
+            if tokens[keep:]:
+                feeds[rid] = tokens[keep:]
         while len(self._seen) > self.max_requests:  # the least recently used: not of this batch, moved to the end
             self._release(next(iter(self._seen)))
         drafts: dict[str, list[int]] = {rid: [] for rid in feeds}
         limits = {rid: k for rid, _, k in items}
         while feeds:
-            batch = [StepInput(rid, tokens=np.array(feed, dtype=np.int64)) for rid, feed in feeds.items()]
+            batch = [StepInput(rid, tokens=np.array(feed[: self.chunk], dtype=np.int64)) for rid, feed in feeds.items()]
             logits = self.engine.forward(batch)
             for (rid, feed), row in zip(list(feeds.items()), logits):
-                self._seen[rid].extend(feed)
-                drafts[rid].append(int(np.argmax(row[-1])))  # the lowest id among equal maxima, as greedy sampling
+                self._seen[rid].extend(feed[: self.chunk])
+                if len(feed) > self.chunk:
+                    feeds[rid] = feed[self.chunk :]
+                    continue
+                if limits[rid]:
+                    drafts[rid].append(int(np.argmax(row[-1])))  # the lowest id among equal maxima, as greedy
                 if len(drafts[rid]) == limits[rid]:
                     del feeds[rid]
                     out[rid] = tuple(drafts[rid])

@@ -139,3 +139,25 @@ def test_beyond_max_requests_the_requests_holding_a_cache_are_drafted_and_the_ot
     got = proposer.propose_batch([(rid, PROMPT, 2) for rid in "abc"])
     assert got == [continuation("numpy", PROMPT, 2), (), continuation("numpy", PROMPT, 2)]
     assert len(proposer) == 2 and proposer.engine.active_requests == 2
+
+
+def test_a_prefilled_prompt_is_not_fed_again_and_drafts_are_unchanged(engine_name):
+    proposer = DraftModelProposer(engine(engine_name))
+    proposer.prefill("r", PROMPT)
+    assert proposer.engine.cache_length("r") == len(PROMPT)
+    proposer.prefill("r", PROMPT)  # nothing new: nothing fed, nothing rolled back
+    assert proposer.engine.cache_length("r") == len(PROMPT)
+    first = continuation(engine_name, PROMPT, 1)
+    assert proposer.propose("r", PROMPT + list(first), 3) == continuation(engine_name, PROMPT + list(first), 3)
+    proposer.release("r")
+    assert proposer.engine.active_requests == 0
+
+
+def test_a_long_text_is_fed_in_chunks_with_the_same_drafts(engine_name):
+    proposer = DraftModelProposer(engine(engine_name))
+    proposer.chunk = 6  # PROMPT's 20 tokens in 4 steps
+    assert proposer.propose("r", PROMPT, 4) == continuation(engine_name, PROMPT, 4)
+    assert proposer.propose_batch([("a", PROMPT[:13], 2), ("b", PROMPT[:3], 2)]) == [
+        continuation(engine_name, PROMPT[:13], 2),
+        continuation(engine_name, PROMPT[:3], 2),
+    ]
