@@ -152,6 +152,20 @@ class Backend(ABC):
     @abstractmethod
     def silu(self, x: Array) -> Array: ...
 
+    # Gemma's operations (formats/block_config.py), called only for a model whose flags ask for them: every backend
+    # here implements them (EagerBackend once for numpy, MLX and tinygrad; ggml in ggml/gemma_ops.py).
+    def gelu_tanh(self, x: Array) -> Array:
+        """GELU in its tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Gemma's GeGLU gate)."""
+        raise NotImplementedError(f"the {self.name} backend has no gelu_tanh (Gemma's GeGLU)")
+
+    def scale(self, x: Array, factor: float) -> Array:
+        """x times a float32 scalar (Gemma's embedding scale)."""
+        raise NotImplementedError(f"the {self.name} backend has no scale (Gemma's embedding scale)")
+
+    def softcap(self, x: Array, cap: float) -> Array:
+        """cap * tanh(x / cap): values squashed smoothly into (-cap, cap) (Gemma's logit soft-capping)."""
+        raise NotImplementedError(f"the {self.name} backend has no softcap (Gemma's logit soft-capping)")
+
     @abstractmethod
     def concat(self, xs: list[Array], axis: int) -> Array: ...
 
@@ -174,10 +188,12 @@ class Backend(ABC):
         unless the weights' rows say otherwise (ggml, llama GGUFs)."""
 
     @abstractmethod
-    def attention(self, q: Array, keys: Array, values: Array, mask: Array | None, scale: float) -> Array:
+    def attention(
+        self, q: Array, keys: Array, values: Array, mask: Array | None, scale: float, softcap: float | None = None
+    ) -> Array:
         """Grouped-query attention of one request: q [T, heads, hd] against keys/values [kv_heads, cells, hd],
-        `mask` in the backend's form (see shards/engines/masks.py) or None when every cell may be seen.
-        -> [T, heads*hd]"""
+        `mask` in the backend's form (see shards/engines/masks.py) or None when every cell may be seen; with
+        `softcap`, the scaled scores are soft-capped before the mask and the softmax (Gemma 2). -> [T, heads*hd]"""
 
 
 class EagerBackend(Backend):
@@ -198,7 +214,19 @@ class EagerBackend(Backend):
     @abstractmethod
     def where(self, mask: Array, x: Array, fill: float) -> Array: ...
 
+    @abstractmethod
+    def tanh(self, x: Array) -> Array: ...
+
     # -- composite operations, written once ---------------------------------------------------------------------
+    def gelu_tanh(self, x: Array) -> Array:
+        return 0.5 * x * (1.0 + self.tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
+
+    def scale(self, x: Array, factor: float) -> Array:
+        return x * factor
+
+    def softcap(self, x: Array, cap: float) -> Array:
+        return self.tanh(x * (1.0 / cap)) * cap
+
     def rotary(self, positions: np.ndarray, inv_freq: np.ndarray) -> tuple[Array, Array]:
         """cos and sin tables [N, 1, hd/2] (see `rotary_tables`)."""
         return tuple(self.array(t) for t in rotary_tables(positions, inv_freq))
@@ -210,7 +238,9 @@ class EagerBackend(Backend):
         x1, x2 = x[..., :half], x[..., half:]
         return self.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-    def attention(self, q: Array, keys: Array, values: Array, mask: Array | None, scale: float) -> Array:
+    def attention(
+        self, q: Array, keys: Array, values: Array, mask: Array | None, scale: float, softcap: float | None = None
+    ) -> Array:
         """`mask` [1, group*T, cells] (True = may attend), as `masks.allowed` makes it. -> [T, heads*hd]"""
         t, nh, hd = q.shape
         nkv = keys.shape[0]
@@ -218,6 +248,8 @@ class EagerBackend(Backend):
         # Query heads sharing a kv head are adjacent: [T, nkv, group, hd] -> [nkv, group*T, hd], one matmul per kv head.
         qg = self.transpose(q.reshape(t, nkv, group, hd), (1, 2, 0, 3)).reshape(nkv, group * t, hd)
         scores = (qg @ self.transpose(keys, (0, 2, 1))) * scale
+        if softcap is not None:
+            scores = self.softcap(scores, softcap)
         if mask is not None:
             scores = self.where(mask, scores, float("-inf"))
         ctx = self.softmax(scores) @ values  # [nkv, group*T, hd]

@@ -63,6 +63,9 @@ class MlxBackend(EagerBackend, EagerMoE):
     def where(self, mask: mx.array, x: mx.array, fill: float) -> mx.array:
         return mx.where(mask, x, fill)
 
+    def tanh(self, x: mx.array) -> mx.array:
+        return mx.tanh(x)
+
     def take_rows(self, x: mx.array, rows: np.ndarray) -> mx.array:
         return x[mx.array(rows)]
 

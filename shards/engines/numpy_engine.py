@@ -64,6 +64,9 @@ class NumpyBackend(EagerBackend, NumpyMoE):
     def where(self, mask: np.ndarray, x: np.ndarray, fill: float) -> np.ndarray:
         return np.where(mask, x, np.float32(fill))
 
+    def tanh(self, x: np.ndarray) -> np.ndarray:
+        return np.tanh(x)
+
 
 class NumpyEngine(BlockEngine):
     name = "numpy"

@@ -19,7 +19,7 @@ from shards.engines.masks import CausalMasks, allowed
 from shards.engines.step import Packing, StepInput
 from shards.formats.config import ModelConfig
 from shards.shard import Shard
-from shards.transformer import ShardModel, Step
+from shards.transformer import ShardModel, Sliding, Step
 
 
 class EngineParts(Protocol):
@@ -59,6 +59,11 @@ class EagerRunner(Runner):
         self.group = cfg.n_heads // cfg.n_kv_heads
         self.inv_freq = np.asarray(cfg.rope.inv_freq(cfg.head_dim))
         self.masks = CausalMasks(True, False, bool)
+        window = cfg.block.sliding  # sliding-window layers (Gemma): their masks, and their own rotary if they have one
+        self.window_masks = None if window is None else CausalMasks(True, False, bool, window=window.size)
+        self.local_inv_freq = (
+            None if window is None or window.rope is None else np.asarray(window.rope.inv_freq(cfg.head_dim))
+        )
 
     def cache(self, cache: RequestCache | None, item: StepInput, end: int) -> RequestCache:
         if cache is not None:
@@ -70,14 +75,16 @@ class EagerRunner(Runner):
 
     def step(self, p: Packing) -> Step:
         ops = self.ops
-        masks = [allowed(self.masks, s, n, self.group) for s, n in zip(p.starts, p.lengths)]
-        return Step(
-            p.bounds,
-            p.starts,
-            p.positions,
-            ops.rotary(p.positions, self.inv_freq),
-            [None if m is None else ops.array(m) for m in masks],
-        )
+        rotary = ops.rotary(p.positions, self.inv_freq)
+        sliding = None
+        if self.window_masks is not None:
+            local = rotary if self.local_inv_freq is None else ops.rotary(p.positions, self.local_inv_freq)
+            sliding = Sliding(self.masks_of(self.window_masks, p), local)
+        return Step(p.bounds, p.starts, p.positions, rotary, self.masks_of(self.masks, p), sliding)
+
+    def masks_of(self, masks: CausalMasks, p: Packing) -> list:
+        made = [allowed(masks, s, n, self.group) for s, n in zip(p.starts, p.lengths)]
+        return [None if m is None else self.ops.array(m) for m in made]
 
     def run(self, x: np.ndarray, p: Packing, caches: list[RequestCache], all_logits: bool) -> np.ndarray:
         ops, shard = self.ops, self.engine.shard

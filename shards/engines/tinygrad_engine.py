@@ -7,8 +7,8 @@ position, so decode steps are captured once per (batch size, capacities) with Ti
 being compiled for every step. Prompt chunks are padded to length buckets (16/64/256) and attend over the cache's
 whole capacity with a mask from the true lengths, so a prefill is captured once per (requests, bucket,
 capacities): a new prompt length no longer compiles new kernels. Both are `TinyJitRunner`, the engine's runner for
-`BlockEngine.run`; other shapes (every row's logits, chunks of several buckets) run eagerly. Activations leave as
-numpy float32.
+`BlockEngine.run`; other shapes (every row's logits, chunks of several buckets) and models with sliding-window
+layers run eagerly. Activations leave as numpy float32.
 """
 
 from __future__ import annotations
@@ -111,6 +111,9 @@ class TinygradBackend(EagerBackend):
     def where(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
         return mask.where(x, fill)
 
+    def tanh(self, x: Tensor) -> Tensor:
+        return x.tanh()
+
     def take_rows(self, x: Tensor, rows) -> Tensor:
         return x[rows if isinstance(rows, Tensor) else Tensor(rows.astype(np.int32))]
 
@@ -135,7 +138,9 @@ class TinyJitRunner(EagerRunner):
         return cache
 
     def run(self, x: np.ndarray, p: Packing, caches: list[RequestCache], all_logits: bool) -> np.ndarray:
-        if all_logits:
+        # Sliding-window layers (Gemma) run eagerly: their masks hide cells behind the window in decode steps too,
+        # which the captured decode (no mask, symbolic length) does not take.
+        if all_logits or self.engine.config.block.sliding is not None:
             return super().run(x, p, caches, all_logits)
         if max(p.lengths) > 1:
             buckets = {next((b for b in self.buckets if b >= n), None) for n in p.lengths}

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
+from shards.formats.block_config import BlockConfig, BlockConfigError, hf_block
 from shards.formats.moe_config import MoEConfig, MoEConfigError, hf_moe
 from shards.formats.refusals import missing_feature
 
@@ -30,6 +31,9 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     # the Llama block with q/k/v and gate/up stored fused (read apart: formats/fused_layout.py)
     "Phi3ForCausalLM": "phi3",
+    # GeGLU, sandwich norms, soft-capping, sliding-window layers: flags of the same block (formats/block_config.py)
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 
@@ -135,6 +139,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     moe: MoEConfig | None = None  # a mixture of experts' routing and sizes; None for a dense model
+    block: BlockConfig = BlockConfig()  # how the block departs from Llama's (Gemma), as flags the one block reads
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -182,9 +187,11 @@ class ModelConfig:
             # Phi-3 attends within a sliding window: up to its width that is plain causal attention, which is what
             # the engines compute, so the context stops there.
             max_positions = min(max_positions, r.pos_int("sliding_window", default=max_positions))
+        rope, local_rope = _ropes(raw, r, source)
         try:
             moe = hf_moe(model_type, raw, n_layers, source)
-        except MoEConfigError as e:
+            block = hf_block(model_type, raw, n_layers, local_rope=local_rope, source=source)
+        except (MoEConfigError, BlockConfigError) as e:
             raise ConfigError(str(e)) from None
         return cls(
             model_type=model_type,
@@ -197,15 +204,16 @@ class ModelConfig:
             n_kv_heads=n_kv,
             head_dim=head_dim,
             rms_norm_eps=r.pos_float("rms_norm_eps", default=1e-6),
-            rope=_rope(raw, r, source),
+            rope=rope,
             max_position_embeddings=max_positions,
             tie_word_embeddings=r.boolean("tie_word_embeddings", default=False),
             # Qwen2 always carries q/k/v biases; Llama/Mistral only when attention_bias says so.
             attention_bias=model_type in ("qwen2", "qwen2moe") or r.boolean("attention_bias", default=False),
-            qk_norm=model_type in ("qwen3", "qwen3moe"),
+            qk_norm=model_type in ("qwen3", "qwen3moe", "gemma3"),
             bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
             eos_token_ids=token_id_list(eos, f"{source}: eos_token_id"),
             moe=moe,
+            block=block,
         )
 
 
@@ -218,6 +226,23 @@ def _check_phi3(raw: dict[str, Any], source: str) -> None:
         raise ConfigError(
             f"{source}: partial rotary embeddings (partial_rotary_factor {factor}, Phi-4-mini style) are not supported"
         )
+
+
+def _ropes(raw: dict[str, Any], r: _Reader, source: str) -> tuple[RopeConfig, RopeConfig | None]:
+    """The rotary embedding of global layers, and of sliding-window layers when it differs (Gemma 3): transformers 5
+    writes one rope_parameters object per layer type; older Gemma 3 configs a rope_local_base_freq."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        kinds = {k: raw | {"rope_parameters": params.get(k) or {}, "rope_theta": None} for k in params}
+        if set(kinds) - {"full_attention", "sliding_attention"}:
+            raise ConfigError(
+                f"{source}: rope_parameters by layer type knows full_attention and sliding_attention only"
+            )
+        glob = _rope(kinds.get("full_attention", raw | {"rope_parameters": {}}), r, source)
+        local = kinds.get("sliding_attention")
+        return glob, None if local is None else _rope(local, r, source)
+    local_base = raw.get("rope_local_base_freq")
+    return _rope(raw, r, source), None if local_base is None else RopeConfig(theta=r.pos_float("rope_local_base_freq"))
 
 
 def token_id_list(value: Any, where: str) -> tuple[int, ...]:
@@ -235,7 +260,8 @@ def _rope(raw: dict[str, Any], r: _Reader, source: str) -> RopeConfig:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ConfigError(f"{source}: rope_parameters/rope_scaling must be an object, got {params!r}")
-    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    theta = raw.get("rope_theta")
+    theta = params.get("rope_theta", 10000.0) if theta is None else theta
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
     kind = params.get("rope_type", params.get("type", "default"))

@@ -20,12 +20,21 @@ def row_slice(name: str, start: int, stop: int, rows: int) -> str:
     return f"{name}[{start}:{stop}/{rows}]"
 
 
-def row_slice_source(name: str, shape: tuple[int, ...]):
-    """For a `row_slice` name: ({stored name: its shape}, how to cut the wanted rows from it); else None."""
+def parse_row_slice(name: str, shape: tuple[int, ...]) -> tuple[str, int, int, int] | None:
+    """(stored name, start, stop, its rows) of a `row_slice` name that gives `shape`; None for any other name."""
     m = _SLICE.match(name)
     if m is None:
         return None
     base, start, stop, rows = m["base"], int(m["start"]), int(m["stop"]), int(m["rows"])
     if stop - start != shape[0] or not 0 <= start < stop <= rows:
         raise ValueError(f"{name}: rows {start}:{stop} of {rows} do not give shape {shape}")
+    return base, start, stop, rows
+
+
+def row_slice_source(name: str, shape: tuple[int, ...]):
+    """For a `row_slice` name: ({stored name: its shape}, how to cut the wanted rows from it); else None."""
+    cut = parse_row_slice(name, shape)
+    if cut is None:
+        return None
+    base, start, stop, rows = cut
     return {base: (rows, *shape[1:])}, lambda t: np.ascontiguousarray(t[base][start:stop])

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from shards.formats.block_config import gguf_block
 from shards.formats.config import ModelConfig, RopeConfig
+from shards.formats.fused_layout import parse_row_slice, row_slice
 from shards.formats.gguf_file import GGUFError, GGUFFile, TensorInfo, open_gguf
 from shards.formats.gguf_moe import LAYER_NAMES as MOE_LAYER_NAMES
 from shards.formats.gguf_moe import LLAMA_WITH_EXPERTS, MOE_ARCHITECTURES, gguf_moe
@@ -28,6 +30,9 @@ ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
     **MOE_ARCHITECTURES,
 }
 
@@ -47,8 +52,12 @@ LAYER_NAMES = {
     "v_bias": "attn_v.bias",
     "q_norm": "attn_q_norm.weight",
     "k_norm": "attn_k_norm.weight",
+    "attn_out_norm": "post_attention_norm.weight",
+    "ffn_out_norm": "post_ffw_norm.weight",
     **MOE_LAYER_NAMES,
 }
+# Phi-3's fused tensors (read as row ranges, as from its Hugging Face folder): Hugging Face name -> GGUF name
+FUSED = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
 EMBED, NORM, HEAD = "token_embd.weight", "output_norm.weight", "output.weight"
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: one float32 divisor per rotary pair
 
@@ -62,6 +71,8 @@ def gguf_config(path: str | Path) -> ModelConfig:
             f"{f.path}: unsupported architecture {arch!r}; supported: {sorted(ARCHITECTURES)}" + missing_feature(arch)
         )
     model_type, hf_arch = ARCHITECTURES[arch]
+    if "rope_factors_long.weight" in f.tensors:
+        raise GGUFError(f"{f.path}: LongRoPE (rope_factors_long/short, Phi-3's 128k models) is not supported")
 
     def pos(key: str, default: object = None) -> int:
         value = f.get_int(f"{arch}.{key}") if default is None else f.get_int(f"{arch}.{key}", default)
@@ -89,6 +100,12 @@ def gguf_config(path: str | Path) -> ModelConfig:
     moe = gguf_moe(f, arch, pos("block_count"))
     if moe is not None and arch == "llama":
         hf_arch = LLAMA_WITH_EXPERTS
+    # llama.cpp's sliding-window layers rotate with rope.freq_base_swa (Gemma 3: 10000 when absent, unscaled)
+    swa_base = f"{arch}.rope.freq_base_swa"
+    local_rope = RopeConfig(theta=f.get_float(swa_base, 10000.0)) if f.has(swa_base) or arch == "gemma3" else None
+    block = gguf_block(
+        f, arch, n_layers=pos("block_count"), hidden=hidden, n_heads=n_heads, head_dim=head_dim, local_rope=local_rope
+    )
     cfg_eos = [
         f.get_int(k)
         for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -106,13 +123,14 @@ def gguf_config(path: str | Path) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=f.get_float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         rope=_rope(f, arch),
-        max_position_embeddings=pos("context_length", 4096),
+        max_position_embeddings=_context(f, arch, pos("context_length", 4096)),
         tie_word_embeddings=HEAD not in f.tensors,
         attention_bias=f"blk.0.{LAYER_NAMES['q_bias']}" in f.tensors,
         qk_norm=f"blk.0.{LAYER_NAMES['q_norm']}" in f.tensors,
         bos_token_id=f.get_int("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(cfg_eos)),
         moe=moe,
+        block=block,
     )
     # Check every tensor of the whole model now (presence, type, shape; no data is read), so that a file we cannot
     # run is refused at start-up, not when some node first loads its shard in the middle of a request. (First that
@@ -129,10 +147,18 @@ def gguf_config(path: str | Path) -> ModelConfig:
     if not (cfg.rms_norm_eps > 0 and math.isfinite(cfg.rms_norm_eps)):
         raise GGUFError(f"{f.path}: layer_norm_rms_epsilon must be a positive number, not {cfg.rms_norm_eps}")
     for name, _, shape in _hf_shapes(cfg, Shard.whole("check", cfg.n_layers)):
-        if name not in f.tensors:
+        cut = parse_row_slice(name, shape)
+        if (name if cut is None else cut[0]) not in f.tensors:
             raise GGUFError(_missing(f, arch, name))
-        quantized(f, f.tensor(name), shape)
+        stored(f, name, shape)
     return cfg
+
+
+def _context(f: GGUFFile, arch: str, context: int) -> int:
+    """Phi-3 attends within a sliding window in every layer: up to its width that is plain causal attention, so the
+    context stops there, as for its Hugging Face folders (llama.cpp ignores the window; 0: none, Phi-4)."""
+    window = f.get_int(f"{arch}.attention.sliding_window", 0) if arch == "phi3" else 0
+    return min(context, window) if window > 0 else context
 
 
 # tensors of layouts that reuse a supported general.architecture but compute differently -> the feature they mean
@@ -225,8 +251,13 @@ def _hf_shapes(cfg: ModelConfig, shard: Shard) -> list[tuple[str, str, tuple[int
     """(GGUF tensor name, where it goes, expected Hugging Face shape) for everything the shard needs."""
     wanted = []
     for i in range(shard.start_layer, shard.end_layer):
-        for field, (_, shape) in layer_tensor_shapes(cfg, i).items():
-            wanted.append((f"blk.{i}.{LAYER_NAMES[field]}", f"{i}.{field}", shape))
+        for field, (hf_name, shape) in layer_tensor_shapes(cfg, i).items():
+            cut = parse_row_slice(hf_name, shape)  # Phi-3's fused q/k/v and gate/up: row ranges of the GGUF's too
+            name = f"blk.{i}.{LAYER_NAMES[field]}"
+            if cut is not None:
+                base, start, stop, rows = cut
+                name = row_slice(f"blk.{i}.{FUSED[base.removeprefix(f'model.layers.{i}.')]}", start, stop, rows)
+            wanted.append((name, f"{i}.{field}", shape))
     embed_shape = (cfg.vocab_size, cfg.hidden_size)
     if shard.is_first:
         wanted.append((EMBED, "embed_tokens", embed_shape))
@@ -254,7 +285,7 @@ def load_shard_tensors(
     by_name: dict[str, np.ndarray | QuantizedTensor] = {}
     for name, key, shape in _hf_shapes(cfg, shard):
         if name not in by_name:
-            q = quantized(f, f.tensor(name), shape)
+            q = stored(f, name, shape)
             if (
                 unpermute
                 and rope_pairs_interleaved(cfg)
@@ -271,6 +302,17 @@ def rope_pairs_interleaved(cfg: ModelConfig) -> bool:
     """Whether a GGUF file of this model stores Q/K rows permuted for rope over adjacent pairs (llama.cpp's
     converter does so for the `llama` architecture), rather than Hugging Face's rotate-half halves."""
     return cfg.model_type == "llama"
+
+
+def stored(f: GGUFFile, name: str, shape: tuple[int, ...]) -> QuantizedTensor:
+    """The tensor `name` as stored, checked against `shape`; a row-range name (formats.fused_layout) gives those
+    rows of its tensor (raw rows: whole blocks, exact for every type)."""
+    cut = parse_row_slice(name, shape)
+    if cut is None:
+        return quantized(f, f.tensor(name), shape)
+    base, start, stop, rows = cut
+    whole = quantized(f, f.tensor(base), (rows, *shape[1:]))
+    return QuantizedTensor(name, whole.ggml_type, shape, whole.data[start:stop])
 
 
 def quantized(f: GGUFFile, info: TensorInfo, shape: tuple[int, ...]) -> QuantizedTensor:

@@ -4,8 +4,9 @@ that "unsupported architecture" says what is missing rather than leaving the use
 from __future__ import annotations
 
 MLA = "multi-head latent attention (compressed, decoupled-rope KV)"
-GEMMA = "Gemma's GeGLU feed-forward, extra pre/post norms, +1 norm weights, logit soft-capping and alternating sliding-window attention"
-PHI3_GGUF = "Phi-3's fused attn_qkv and ffn_up tensors in GGUF form (its Hugging Face folders are supported)"
+GEMMA3_VISION = (
+    "Gemma 3's vision tower (its text model runs: Gemma3ForCausalLM, or a GGUF made by llama.cpp's converter)"
+)
 GPT_OSS = "attention sinks, alternating sliding windows, biased clamped-SwiGLU experts and MXFP4 weights"
 
 # Hugging Face architecture or GGUF general.architecture -> what it needs that exo-node does not implement
@@ -14,12 +15,7 @@ MISSING_FEATURES = {
     "DeepseekV3ForCausalLM": MLA,
     "KimiK2ForCausalLM": MLA,
     "deepseek2": MLA,
-    "Gemma2ForCausalLM": GEMMA,
-    "Gemma3ForCausalLM": GEMMA,
-    "Gemma3ForConditionalGeneration": GEMMA,
-    "gemma2": GEMMA,
-    "gemma3": GEMMA,
-    "phi3": PHI3_GGUF,
+    "Gemma3ForConditionalGeneration": GEMMA3_VISION,
     "GptOssForCausalLM": GPT_OSS,
     "gpt-oss": GPT_OSS,
     "OlmoeForCausalLM": "OLMoE's q/k norms over all heads at once",

@@ -39,6 +39,8 @@ class LayerWeights:
     v_bias: np.ndarray | None = None
     q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None
+    attn_out_norm: np.ndarray | None = None  # Gemma: norms of the attention's and the feed-forward's outputs
+    ffn_out_norm: np.ndarray | None = None
     # a mixture-of-experts layer (shards/moe.py): router [E, h]; experts stacked [E, ff, h] (down: [E, h, ff])
     router: np.ndarray | None = None
     experts_gate: np.ndarray | None = None
@@ -98,6 +100,12 @@ def layer_tensor_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[str, tuple[
             "gate_proj": (p + "mlp.gate_proj.weight", (inter, h)),
             "up_proj": (p + "mlp.up_proj.weight", (inter, h)),
             "down_proj": (p + "mlp.down_proj.weight", (h, inter)),
+        }
+    if cfg.block.sandwich_norms:  # Gemma's names: its post_attention_layernorm normalises the attention's output
+        spec |= {
+            "post_norm": (p + "pre_feedforward_layernorm.weight", (h,)),
+            "attn_out_norm": (p + "post_attention_layernorm.weight", (h,)),
+            "ffn_out_norm": (p + "post_feedforward_layernorm.weight", (h,)),
         }
     if cfg.attention_bias:
         spec |= {

@@ -1,6 +1,8 @@
 """Phi-3: the Llama block with q/k/v and gate/up stored fused, read apart (shards/formats/fused_layout.py) so every
-engine runs it unchanged; a tiny random checkpoint by transformers (tests/fixtures/make_moe_reference.py)."""
+engine runs it unchanged; a tiny random checkpoint by transformers (tests/fixtures/make_moe_reference.py) and the
+GGUF llama.cpp's converter made of it (make_phi3_gguf.py: `attn_qkv`, and `ffn_up` holding gate and up)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 
 from shards.engines.registry import engine_class, installed
 from shards.formats.config import ConfigError, ModelConfig
+from shards.formats.loader import load_config
 from shards.generate import chain_forward, generate
 from shards.shard import Shard
 from tests.support.models import FIXTURES
@@ -18,21 +21,29 @@ GOLDEN = json.loads((FIXTURES / "moe" / "golden.json").read_text())["phi3"]
 RAW = json.loads((PHI3 / "config.json").read_text())
 
 
-def make(engine: str, start: int = 0, end: int = 3):
-    cfg = ModelConfig.from_dir(PHI3)
-    return engine_class(engine)(PHI3, Shard("phi3", start, end, cfg.n_layers), cfg)
+def make(engine: str, start: int = 0, end: int = 3, source=PHI3):
+    cfg = load_config(source)
+    return engine_class(engine)(source, Shard("phi3", start, end, cfg.n_layers), cfg)
 
 
 # numpy and ggml: what is Phi-3's own is in the loader, engine-agnostic (tinygrad's captures cost a minute here)
+@pytest.mark.parametrize("source", [PHI3, PHI3.with_suffix(".gguf")], ids=["folder", "gguf"])
 @pytest.mark.parametrize("engine", [e for e in ("numpy", "ggml") if e in installed()])
-def test_logits_equal_transformers_and_three_shards_equal_one(engine):
+def test_logits_equal_transformers_and_three_shards_equal_one(engine, source):
     prompt = np.array(GOLDEN["prompt_ids"])
-    logits = chain_forward([make(engine)], "r", prompt, all_logits=True)
+    logits = chain_forward([make(engine, source=source)], "r", prompt, all_logits=True)
     assert np.abs(logits - np.asarray(GOLDEN["logits"], np.float32)).max() < atol(engine)  # observed 3e-6 / 8e-3
-    split = chain_forward([make(engine, i, i + 1) for i in range(3)], "r", prompt, all_logits=True)
+    split = chain_forward([make(engine, i, i + 1, source) for i in range(3)], "r", prompt, all_logits=True)
     assert np.abs(split - logits).max() <= regrouped_atol(engine)
     if exact(engine):
-        assert [r.token for r in generate([make(engine)], GOLDEN["prompt_ids"], 16)] == GOLDEN["greedy_ids"]
+        tokens = [r.token for r in generate([make(engine, source=source)], GOLDEN["prompt_ids"], 16)]
+        assert tokens == GOLDEN["greedy_ids"]
+
+
+def test_a_gguf_says_what_its_folder_says():
+    """Its sliding window caps the context as the folder's does; its fused tensors are read as the same rows."""
+    gguf, folder = load_config(PHI3.with_suffix(".gguf")), ModelConfig.from_dir(PHI3)
+    assert dataclasses.replace(gguf, rms_norm_eps=folder.rms_norm_eps) == folder  # (eps: float32 in a GGUF)
 
 
 def test_the_context_stops_at_the_sliding_window():

@@ -37,3 +37,21 @@ def test_the_eager_mask_repeats_rows_for_each_query_head_of_a_group_and_a_single
 def test_a_mask_of_nothing_is_refused():
     with pytest.raises(ValueError, match="length >= 1"):
         CausalMasks(True, False, bool)(0, 0, 4)
+
+
+@pytest.mark.parametrize("window", [1, 5, 300])
+@pytest.mark.parametrize("start,length,span", CASES)
+def test_a_sliding_window_shows_each_row_its_last_window_cells_only(window, start, length, span):
+    """Row p sees cells p-W+1 .. p (transformers' and llama.cpp's count), in every engine's values."""
+    rows = (start + np.arange(length))[:, None]
+    want = expected(start, length, span) & (np.arange(span)[None, :] > rows - window)
+    assert np.array_equal(CausalMasks(True, False, bool, window=window)(start, length, span), want)
+    f16 = CausalMasks(np.float16(0), np.float16(-np.inf), np.float16, window=window)(start, length, span)
+    assert np.array_equal(f16 == 0, want) and np.all(np.isneginf(f16[f16 != 0]))
+
+
+def test_a_single_position_past_the_window_needs_a_mask_and_one_within_it_none():
+    masks = CausalMasks(True, False, bool, window=4)
+    assert allowed(masks, 3, 1, 2) is None  # position 3 sees cells 0..3: all of them
+    m = allowed(masks, 4, 1, 2)
+    assert m.shape == (1, 2, 5) and m[0].tolist() == [[False, True, True, True, True]] * 2

@@ -1,0 +1,181 @@
+"""How a model's blocks depart from the Llama block, as flags the one shared block reads (mlx-lm's style): Gemma 2
+and Gemma 3 are the Llama block with a GeGLU feed-forward, norms on the attention and feed-forward outputs, scaled
+embeddings, a query scale of their own, soft-capped logits, and layers that attend within a sliding window.
+
+Read from a Hugging Face config.json (`hf_block`) or from GGUF metadata (`gguf_block`, as llama.cpp reads it). Kept
+apart from formats.config so that the dense Llama config stays the common case (defaults: the Llama block), and so
+that one frozen value holds every such fact an engine or a loader needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from shards.formats.gguf_file import GGUFError, GGUFFile
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+# Hugging Face hidden_activation / hidden_act -> ours (Gemma's "gelu_pytorch_tanh" is the tanh approximation)
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+GEMMA_TYPES = ("gemma2", "gemma3")
+
+
+class BlockConfigError(ValueError):
+    """The block's flags are missing or inconsistent (formats.config re-raises it as a ConfigError)."""
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """`layers` attend to their last `size` positions only (a row at position p sees cells p-size+1 .. p, as both
+    transformers and llama.cpp count); `rope`, when set, is those layers' own rotary embedding (Gemma 3's local
+    base), else they share the model's."""
+
+    size: int
+    layers: frozenset[int]
+    rope: Any = None  # a formats.config.RopeConfig (formats.config imports this module, not the reverse)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise BlockConfigError(f"sliding window must be a positive integer, got {self.size!r}")
+        if not self.layers or not all(isinstance(i, int) and i >= 0 for i in self.layers):
+            raise BlockConfigError(f"sliding-window layers must be non-negative layer indices, got {self.layers!r}")
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """Defaults are the Llama block. `norm_offset` is what a checkpoint's norm weights need added before use
+    (Gemma's Hugging Face weights w multiply by 1 + w; its GGUF files store 1 + w already): the block adds it as it
+    takes the weights (shards/transformer.py `norm`), so loaders hand out weights as stored."""
+
+    activation: str = "silu"  # the gated feed-forward's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    sandwich_norms: bool = False  # RMSNorm on the attention's and the feed-forward's outputs too (Gemma 2/3)
+    embed_scale: float = 1.0  # the first shard multiplies looked-up embeddings by this
+    query_scale: float | None = None  # what q.k is multiplied by; None: 1/sqrt(head_dim)
+    attn_softcap: float | None = None  # attention scores become cap * tanh(scores / cap)
+    final_softcap: float | None = None  # so do the logits
+    norm_offset: float = 0.0
+    sliding: SlidingWindow | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise BlockConfigError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        for name in ("embed_scale", "query_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, float) and math.isfinite(value) and value > 0):
+                raise BlockConfigError(f"{name} must be a positive finite float, got {value!r}")
+
+    def sliding_layer(self, layer: int) -> bool:
+        return self.sliding is not None and layer in self.sliding.layers
+
+
+def embed_scale(hidden: int, dtype: Any) -> float:
+    """sqrt(hidden) as transformers computes it: in the activations' dtype. A bfloat16 checkpoint (how Gemma is
+    published, and what transformers runs it in) rounds it to bfloat16 (sqrt(3072) = 55.43 -> 55.5); otherwise it is
+    the float32 value, which is also what llama.cpp uses for every GGUF."""
+    value = np.float32(math.sqrt(hidden))
+    return float(value.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else value)
+
+
+def _positive(raw: dict[str, Any], key: str, source: str) -> float | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or not math.isfinite(value):
+        raise BlockConfigError(f"{source}: {key} must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def hf_block(model_type: str, raw: dict[str, Any], n_layers: int, *, local_rope: Any, source: str) -> BlockConfig:
+    """The block flags of a Hugging Face config.json (the Llama block for anything but Gemma 2/3)."""
+    if model_type not in GEMMA_TYPES:
+        return BlockConfig()
+    act = raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh"))
+    if act not in HF_ACTIVATIONS:
+        raise BlockConfigError(
+            f"{source}: hidden_activation {act!r} is not supported (supported: {sorted(HF_ACTIVATIONS)})"
+        )
+    if raw.get("use_bidirectional_attention"):
+        raise BlockConfigError(f"{source}: bidirectional attention (an embedding model) is not supported")
+    head_dim = raw.get("head_dim")
+    scalar = _positive(raw, "query_pre_attn_scalar", source) or (float(head_dim) if isinstance(head_dim, int) else None)
+    sliding = None
+    window = raw.get("sliding_window")
+    if window is not None:
+        types = raw.get("layer_types")
+        if types is None:  # older configs: Gemma 2 alternates from layer 0, Gemma 3 has 5 local layers : 1 global
+            pattern = raw.get(
+                "sliding_window_pattern", raw.get("_sliding_window_pattern", 2 if model_type == "gemma2" else 6)
+            )
+            if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+                raise BlockConfigError(f"{source}: sliding_window_pattern must be a positive integer, got {pattern!r}")
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+        if (
+            not isinstance(types, list)
+            or len(types) != n_layers
+            or not set(types) <= {"sliding_attention", "full_attention"}
+        ):
+            raise BlockConfigError(
+                f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each of the "
+                f"{n_layers} layers, got {types!r}"
+            )
+        layers = frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
+        sliding = SlidingWindow(window, layers, local_rope) if layers else None
+    return BlockConfig(
+        activation=HF_ACTIVATIONS[act],
+        sandwich_norms=True,
+        embed_scale=embed_scale(raw["hidden_size"], raw.get("dtype", raw.get("torch_dtype"))),
+        query_scale=None if scalar is None else scalar**-0.5,
+        attn_softcap=_positive(raw, "attn_logit_softcapping", source),
+        final_softcap=_positive(raw, "final_logit_softcapping", source),
+        norm_offset=1.0,
+        sliding=sliding,
+    )
+
+
+def gguf_block(
+    f: GGUFFile, arch: str, *, n_layers: int, hidden: int, n_heads: int, head_dim: int, local_rope: Any
+) -> BlockConfig:
+    """The block flags of a GGUF file, read as llama.cpp reads them: the converter has added Gemma's +1 to the norm
+    weights already; the query scale is 1/sqrt(head_dim) except for the 27B models (Gemma 2's 46 layers, Gemma 3's
+    62), which use 1/sqrt(hidden / heads); the sliding-window pattern is `attention.sliding_window_pattern` when
+    the file has it, else Gemma 2's every other layer from 0 and Gemma 3's 5 local : 1 global."""
+    if arch not in GEMMA_TYPES:
+        return BlockConfig()
+    big = n_layers == (46 if arch == "gemma2" else 62)
+    pattern_key = f"{arch}.attention.sliding_window_pattern"
+    window = f.get_int(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else 0)
+    sliding = None
+    if window > 0:
+        try:
+            pattern = f.get_int(pattern_key, 2 if arch == "gemma2" else 6)
+        except GGUFError:
+            raise GGUFError(
+                f"{f.path}: {pattern_key} must be one integer (a per-layer list is not supported)"
+            ) from None
+        if pattern < 1:
+            raise GGUFError(f"{f.path}: {pattern_key} must be positive, got {pattern}")
+        layers = frozenset(i for i in range(n_layers) if i % pattern < pattern - 1)
+        sliding = SlidingWindow(window, layers, local_rope) if layers else None
+
+    def cap(key: str) -> float | None:
+        value = f.get_float(f"{arch}.{key}", 0.0)
+        if not (math.isfinite(value) and value >= 0):
+            raise GGUFError(f"{f.path}: {arch}.{key} must be a non-negative number, got {value}")
+        return value or None
+
+    try:
+        return BlockConfig(
+            activation="gelu_tanh",
+            sandwich_norms=True,
+            embed_scale=embed_scale(hidden, "float32"),  # llama.cpp: sqrtf
+            query_scale=(hidden / n_heads if big else head_dim) ** -0.5,
+            attn_softcap=cap("attn_logit_softcapping") if arch == "gemma2" else None,
+            final_softcap=cap("final_logit_softcapping"),
+            sliding=sliding,
+        )
+    except BlockConfigError as e:
+        raise GGUFError(f"{f.path}: {e}") from None
