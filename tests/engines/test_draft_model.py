@@ -4,6 +4,8 @@ another vocabulary is refused. On the tiny fixture models, on numpy and ggml."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -29,9 +31,15 @@ def engine(name: str, path=DRAFT):
     return engine_class(name)(path, Shard.whole("draft", cfg.n_layers), cfg)
 
 
+@functools.cache
+def reference(name: str):
+    return engine(name)
+
+
 def continuation(name: str, tokens, k: int) -> tuple[int, ...]:
-    """The draft model's greedy continuation by plain generation on a fresh engine."""
-    return tuple(r.token for r in generate([engine(name)], tokens, k))
+    """The draft model's greedy continuation by plain generation (on an engine of its own, which generate leaves
+    without caches)."""
+    return tuple(r.token for r in generate([reference(name)], tokens, k))
 
 
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 512, 20)]
