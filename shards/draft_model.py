@@ -117,6 +117,15 @@ class DraftModelProposer:
         with self._lock:
             self._release(request_id)
 
+    def close(self) -> None:
+        """Release every request and free the engine (ggml's memory at once; others when collected)."""
+        with self._lock:
+            for rid in list(self._seen):
+                self._release(rid)
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()
+
     def __len__(self) -> int:
         """How many requests hold a draft cache."""
         return len(self._seen)

@@ -66,9 +66,11 @@ def test_release_frees_the_cache_and_at_most_max_requests_are_kept(engine_name):
         proposer.propose(rid, PROMPT, 2)
     assert len(proposer) == 2 and proposer.engine.active_requests == 2  # "a" was evicted, its cache freed
     assert proposer.propose("a", PROMPT, 3) == continuation(engine_name, PROMPT, 3)  # and re-fed from scratch
-    for rid in "abc":
+    for rid in "ab":
         proposer.release(rid)
     proposer.release("never-seen")
+    assert len(proposer) == 1 and proposer.engine.active_requests == 1
+    proposer.close()  # releases the rest
     assert len(proposer) == 0 and proposer.engine.active_requests == 0
 
 
