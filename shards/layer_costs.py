@@ -9,20 +9,61 @@ layers are equal, and the cluster's established splits (and the operators' expec
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from shards.formats.config import ModelConfig
 
 
 def layer_costs(cfg: ModelConfig) -> tuple[int, ...] | None:
     """Parameters of each layer, the embedding counted with the first and the head with the last; None for a dense
     model (split by layer count)."""
-    if cfg.moe is None:
-        return None
+    return None if cfg.moe is None else layer_params(cfg)
+
+
+def layer_params(cfg: ModelConfig) -> tuple[int, ...]:
+    """Parameters of each layer of any model, dense or not, the embedding with the first and the head with the
+    last."""
     h = cfg.hidden_size
     attention = h * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * h + 2 * h
     dense = 3 * h * cfg.intermediate_size
-    sparse = cfg.moe.expert_params(h)
-    costs = [attention + (sparse if cfg.moe.sparse(i) else dense) for i in range(cfg.n_layers)]
+    if cfg.moe is None:
+        costs = [attention + dense] * cfg.n_layers
+    else:
+        sparse = cfg.moe.expert_params(h)
+        costs = [attention + (sparse if cfg.moe.sparse(i) else dense) for i in range(cfg.n_layers)]
     table = cfg.vocab_size * h
     costs[0] += table
     costs[-1] += table + h  # the head (the embedding again when tied: the last node holds its own copy) and norm
     return tuple(costs)
+
+
+def kv_bytes_per_layer(cfg: ModelConfig, tokens: int, value_bytes: int) -> int:
+    """Bytes of one layer's KV cache for `tokens` positions: keys and values of every KV head."""
+    return 2 * cfg.n_kv_heads * cfg.head_dim * value_bytes * tokens
+
+
+def layer_footprints(
+    cfg: ModelConfig, *, bytes_per_param: float, kv_tokens: int, kv_value_bytes: int
+) -> tuple[int, ...]:
+    """Bytes each layer needs on the node that holds it: its weights (its parameters at the model's bytes per
+    parameter, embedding and head with the first and last) plus its KV cache for `kv_tokens` positions. A node
+    holding more layers needs KV room in proportion: every layer it holds keeps its own keys and values."""
+    if bytes_per_param <= 0 or kv_tokens < 0 or kv_value_bytes <= 0:
+        raise ValueError("footprints need bytes_per_param > 0, kv_tokens >= 0, kv_value_bytes > 0")
+    kv = kv_bytes_per_layer(cfg, kv_tokens, kv_value_bytes)
+    return tuple(round(p * bytes_per_param) + kv for p in layer_params(cfg))
+
+
+def file_bytes_per_param(path: str | Path, cfg: ModelConfig) -> float | None:
+    """The model's weight files' bytes per parameter (GGUF or safetensors as stored; a node quantizing on load
+    holds other sizes), or None when there are none on disk yet (a node still fetching them)."""
+    from shards.formats.loader import SPLIT_NAME, open_model
+
+    src = open_model(path)
+    if src.gguf is not None:  # the file, with its split siblings
+        m = SPLIT_NAME.match(src.gguf.name)
+        files = sorted(src.root.glob(f"{m.group('prefix')}-*-of-*.gguf")) if m else [src.gguf]
+    else:
+        files = sorted(src.root.glob("*.safetensors"))
+    total = sum(p.stat().st_size for p in files if p.is_file())
+    return total / sum(layer_params(cfg)) if total else None

@@ -40,6 +40,25 @@ def partition(
     return [(node_id, Shard(model_id, s, e, n_layers)) for node_id, s, e in ranges]
 
 
+def check_memory(ring: Sequence[tuple[str, Shard]], nodes: Sequence[NodeCapacity], footprints: Sequence[int]) -> None:
+    """Raise PartitionError naming every node whose planned layers (their weights and KV cache, `footprints` from
+    shards/layer_costs.py) exceed the memory it reports, with what it would need: a plan is never made that a node
+    cannot hold. Nodes reporting no memory (0) are not judged."""
+    memory = {n.node_id: n.memory_bytes for n in nodes}
+    over = []
+    for node_id, shard in ring:
+        need = sum(footprints[shard.start_layer : shard.end_layer])
+        if memory.get(node_id, 0) > 0 and need > memory[node_id]:
+            over.append(
+                f"node {node_id} would hold layers {shard.start_layer}-{shard.end_layer - 1}: "
+                f"{need / 2**30:.2f} GiB of weights and KV cache, over its {memory[node_id] / 2**30:.2f} GiB"
+            )
+    if over:
+        raise PartitionError(
+            "; ".join(over) + " (add nodes, give the node more memory with --memory-gb, or pin it fewer layers)"
+        )
+
+
 def _weighted_ranges(
     nodes: Sequence[NodeCapacity], n_layers: int, costs: Sequence[int] | None = None
 ) -> list[tuple[str, int, int]]:

@@ -39,7 +39,7 @@ from node.runtime.shard_manager import EngineFactory, ShardManager
 from node.runtime.transport import Transport, TransportError
 from shards.formats.config import ModelConfig
 from shards.grammar import grammar_tokenizer
-from shards.layer_costs import layer_costs
+from shards.layer_costs import file_bytes_per_param, layer_costs, layer_footprints
 from shards.partition import PartitionError
 from shards.sampling import SamplingParams
 from shards.shard import Shard
@@ -70,6 +70,7 @@ class Node:
             )
         self.settings, self.model, self.address, self.availability = settings, model, address, availability
         self.id = settings.node_id
+        self._footprints: tuple[int, ...] | None = None  # layer_footprints, once the files are on disk
         self.view = PeerView(self.id, address)
         self.core = NodeCore(
             self.id,
@@ -207,12 +208,30 @@ class Node:
         """Each layer's size where layers differ (a mixture of experts), for placement by bytes."""
         return layer_costs(self.config)
 
+    @property
+    def layer_footprints(self) -> tuple[int, ...] | None:
+        """Each layer's bytes on the node that holds it: weights (at the files' bytes per parameter) and the KV cache
+        of one request of the model's whole context, so no plan gives a node more than the memory it reports (None
+        until this node holds all the files). Worked out once: it reads the files' sizes."""
+        if self._footprints is None and self.availability().complete:
+            bpp = file_bytes_per_param(self.model.path, self.config)
+            if bpp is not None:
+                self._footprints = layer_footprints(
+                    self.config,
+                    bytes_per_param=bpp,
+                    kv_tokens=self.config.max_position_embeddings,
+                    kv_value_bytes=self.settings.core.kv_value_bytes,
+                )
+        return self._footprints
+
     def make_plan(self, excluded: Collection[str] = ()) -> tuple[PlanStep, ...]:
         """Partition the layers over this node and the peers serving the same model, leaving out `excluded` nodes
         (and this node while it drains), and nodes for layers they don't hold yet (node/core/placement.py)."""
         nodes = {n.node_id: n for n in self.ring_members() if n.node_id not in excluded}
         try:
-            ring = plan_ring(list(nodes.values()), self.model_id, self.config.n_layers, self.layer_costs)
+            ring = plan_ring(
+                list(nodes.values()), self.model_id, self.config.n_layers, self.layer_costs, self.layer_footprints
+            )
         except PartitionError as e:
             raise PlanError(str(e)) from None
         return tuple(PlanStep(node_id, nodes[node_id].address, shard) for node_id, shard in ring)
