@@ -277,7 +277,7 @@ def _verify(items: list[SampleItem], batching: bool, counts: _Counts) -> list[li
             counts.fallback(items, f"batched verification failed: {type(e).__name__}")
     out: list[list[SampleResult] | BaseException] = []
     for item in items:
-        sample = engine.sample if engine.batched_sampling else _row_by_row(engine)
+        sample = _row_by_row(engine)  # the fallback: as plain rows fall back to sample_one
         try:
             block = verify_blocks(item.logits, [item.drafts], [item.params], [item.state], sample=sample)[0]
             _validate_block(block, item)
