@@ -80,6 +80,18 @@ def embed_scale(hidden: int, dtype: Any) -> float:
     return float(value.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else value)
 
 
+# transformers' defaults for the fields a Gemma config.json may leave out (Gemma2Config, Gemma3TextConfig)
+HF_DEFAULTS = {
+    "gemma2": {
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "gemma3": {"query_pre_attn_scalar": 256, "sliding_window": 4096},
+}
+
+
 def _positive(raw: dict[str, Any], key: str, source: str) -> float | None:
     value = raw.get(key)
     if value is None:
@@ -100,8 +112,8 @@ def hf_block(model_type: str, raw: dict[str, Any], n_layers: int, *, local_rope:
         )
     if raw.get("use_bidirectional_attention"):
         raise BlockConfigError(f"{source}: bidirectional attention (an embedding model) is not supported")
-    head_dim = raw.get("head_dim")
-    scalar = _positive(raw, "query_pre_attn_scalar", source) or (float(head_dim) if isinstance(head_dim, int) else None)
+    raw = HF_DEFAULTS[model_type] | raw  # (an explicit null stays null: no window, no cap)
+    scalar = _positive(raw, "query_pre_attn_scalar", source)
     sliding = None
     window = raw.get("sliding_window")
     if window is not None:

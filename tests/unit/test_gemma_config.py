@@ -52,6 +52,14 @@ def test_a_gguf_says_what_its_folder_says_but_the_norm_offset_the_converter_appl
         assert (gguf.rope, gguf.qk_norm) == (hf.rope, hf.qk_norm)
 
 
+def test_fields_a_config_leaves_out_take_transformers_defaults_and_an_explicit_null_stays_off():
+    omitted = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "query_pre_attn_scalar")
+    b = ModelConfig.from_dict({k: v for k, v in raw("gemma2").items() if k not in omitted}).block
+    assert (b.attn_softcap, b.final_softcap, b.sliding.size, b.query_scale) == (50.0, 30.0, 4096, 256**-0.5)
+    b = ModelConfig.from_dict(raw("gemma2") | {k: None for k in omitted}).block
+    assert (b.attn_softcap, b.final_softcap, b.sliding, b.query_scale) == (None, None, None, None)
+
+
 def test_the_embedding_scale_is_rounded_as_transformers_rounds_it():
     """In the activations' dtype: bfloat16 for Gemma's published checkpoints; float32 otherwise (and in llama.cpp)."""
     assert embed_scale(3072, "bfloat16") == 55.5 and abs(embed_scale(3072, "float32") - 55.4256) < 1e-4
