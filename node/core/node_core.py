@@ -24,6 +24,7 @@ from node.core.plan import RequestSpec
 from node.core.request_book import RequestBook
 from node.core.requests import Activation, Refusal, RequestState, TokenMessage
 from node.core.scheduler import Group
+from node.core.speculation import MAX_DRAFTS
 from shards.formats.config import ModelConfig
 from shards.sampling import SampleResult
 
@@ -128,7 +129,7 @@ class NodeCore(RequestBook):
                 self.counters["spec_trips"] += 1
                 self.counters["spec_proposed"] += len(drafts)
                 self.counters["spec_accepted"] += len(result) - 1
-            self.counters[f"tokens_per_trip_{len(emitted)}"] += 1
+            self.counters[f"tokens_per_trip_{min(len(emitted), MAX_DRAFTS + 1)}"] += 1  # a bounded set of keys
             actions.append(
                 Deliver(self._entry_address(spec), TokenMessage(rid, tuple(emitted), reason is not None, reason))
             )

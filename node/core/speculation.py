@@ -32,6 +32,7 @@ from shards.sampling import SamplingParams
 from shards.speculation import DraftLength, Proposer
 
 log = logging.getLogger(__name__)
+MAX_DRAFTS = 32  # proposals per trip at most: more is never accepted in practice, and counters stay few
 KEPT_TOKENS = 1 << 20  # tokens of finished requests' texts kept for requests that reuse their caches (4 MB)
 
 
@@ -40,8 +41,8 @@ class SpeculationLimits:
     max_drafts: int = 4  # the most tokens proposed for one step of one request (--speculate-tokens)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_drafts, int) or self.max_drafts < 1:
-            raise ValueError(f"--speculate-tokens must be an integer >= 1, got {self.max_drafts!r}")
+        if not isinstance(self.max_drafts, int) or not 1 <= self.max_drafts <= MAX_DRAFTS:
+            raise ValueError(f"--speculate-tokens must be an integer in [1, {MAX_DRAFTS}], got {self.max_drafts!r}")
 
 
 def speculates(params: SamplingParams) -> bool:

@@ -270,3 +270,22 @@ def test_a_deferred_proposer_that_returns_too_many_or_foreign_ids_adds_nothing()
     assert a.speculation.draft([("r1", [1, 2], 2)]) == [(7, 8)]  # Fixed cuts to k itself
     a.speculation.proposer = type("Greedy", (), {"propose": lambda self, r, t, k: (1, 2, 3), "release": print})()
     assert a.speculation.draft([("r1", [1, 2], 2)]) == [()]
+
+
+@pytest.mark.parametrize("k", [0, 33, 2.5])
+def test_the_proposals_per_trip_are_bounded(k):
+    with pytest.raises(ValueError, match="--speculate-tokens must be an integer in"):
+        SpeculationLimits(k)
+
+
+def test_the_speculation_flags_reach_the_node_settings_and_nonsense_is_refused_naming_the_flag():
+    from tests.unit.test_settings import settings
+
+    node = settings().node
+    assert (node.speculate, node.speculation.max_drafts, node.draft_model) == ("lookup", 4, None)
+    node = settings("--speculate", "draft", "--draft-model", "/m.gguf", "--speculate-tokens", "6").node
+    assert (node.speculate, node.speculation.max_drafts, str(node.draft_model)) == ("draft", 6, "/m.gguf")
+    assert settings("--speculate", "off").node.speculate == "off"
+    for flags in (["--speculate", "draft"], ["--draft-model", "/m.gguf"]):
+        with pytest.raises(ValueError, match="--speculate draft needs --draft-model"):
+            settings(*flags)
