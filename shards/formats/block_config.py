@@ -92,6 +92,41 @@ HF_DEFAULTS = {
 }
 
 
+# Gemma3TextConfig's defaults: a vision-and-text checkpoint's text_config writes only what differs from them
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "tie_word_embeddings": True,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+}
+
+
+def gemma3_text(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The config of a Gemma3ForConditionalGeneration's language model, as a Gemma3ForCausalLM config: its
+    text_config over Gemma3TextConfig's defaults, with the ids and dtype the outer config names. Its vision tower is
+    never loaded (formats.hf reads the language model's tensors under their text-only names)."""
+    text = raw.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise BlockConfigError(f"{source}: text_config must be an object, got {text!r}")
+    outer = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "dtype", "torch_dtype") if raw.get(k) is not None}
+    if "rope_parameters" in text or "rope_scaling" in text or "rope_theta" in text:  # not mixed with the defaults
+        defaults = {k: v for k, v in GEMMA3_TEXT_DEFAULTS.items() if k not in ("rope_theta", "rope_local_base_freq")}
+    else:
+        defaults = GEMMA3_TEXT_DEFAULTS
+    return defaults | outer | text | {"architectures": ["Gemma3ForCausalLM"]}
+
+
 def _positive(raw: dict[str, Any], key: str, source: str) -> float | None:
     value = raw.get(key)
     if value is None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
-from shards.formats.block_config import BlockConfig, BlockConfigError, hf_block
+from shards.formats.block_config import BlockConfig, BlockConfigError, gemma3_text, hf_block
 from shards.formats.moe_config import MoEConfig, MoEConfigError, hf_moe
 from shards.formats.refusals import missing_feature
 
@@ -156,6 +156,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        if raw.get("architectures") == ["Gemma3ForConditionalGeneration"]:  # its language model, without the vision
+            try:
+                raw = gemma3_text(raw, source)
+            except BlockConfigError as e:
+                raise ConfigError(str(e)) from None
         r = _Reader(raw, source)
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) if isinstance(archs, list) else None

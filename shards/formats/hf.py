@@ -22,6 +22,9 @@ from shards.progress import Progress
 from shards.shard import Shard
 
 HF_CONFIG = "config.json"  # its presence makes a folder a Hugging Face model folder (formats.loader)
+# A vision-and-text checkpoint's language model (Gemma 3's Gemma3ForConditionalGeneration): its tensors, under
+# transformers 5's and 4's prefixes, are read under the names a text-only checkpoint gives them; the rest is not read.
+TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.": ""}
 ALLOWED_DTYPES = {"F32", "F16", "BF16"}
 
 
@@ -79,6 +82,11 @@ class Checkpoint:
                 raise WeightsError(f"{single}: cannot read safetensors header ({e})") from None
         else:
             raise WeightsError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+        self.stored: dict[str, str] = {}  # a text-only name -> the name a vision-and-text checkpoint stores it under
+        for name in list(self.where):
+            prefix = next((p for p in TEXT_PREFIXES if name.startswith(p)), None)
+            if prefix is not None and (alias := TEXT_PREFIXES[prefix] + name[len(prefix) :]) not in self.where:
+                self.where[alias], self.stored[alias] = self.where[name], name
 
     def _inside(self, fname: str, index: Path) -> Path:
         path = (self.dir / fname).resolve()
@@ -114,9 +122,10 @@ class Checkpoint:
                 with safe_open(path, framework="numpy") as f:
                     present = set(f.keys())
                     for name in names:
-                        if name not in present:
-                            raise WeightsError(f"{path}: tensor {name!r} listed in the index but not in the file")
-                        out[name] = _read_tensor(f, path, name, wanted[name])
+                        stored = self.stored.get(name, name)
+                        if stored not in present:
+                            raise WeightsError(f"{path}: tensor {stored!r} listed in the index but not in the file")
+                        out[name] = _read_tensor(f, path, stored, wanted[name])
                         advance(out[name].nbytes)
             except WeightsError:
                 raise

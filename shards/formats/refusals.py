@@ -4,9 +4,6 @@ that "unsupported architecture" says what is missing rather than leaving the use
 from __future__ import annotations
 
 MLA = "multi-head latent attention (compressed, decoupled-rope KV)"
-GEMMA3_VISION = (
-    "Gemma 3's vision tower (its text model runs: Gemma3ForCausalLM, or a GGUF made by llama.cpp's converter)"
-)
 GPT_OSS = "attention sinks, alternating sliding windows, biased clamped-SwiGLU experts and MXFP4 weights"
 
 # Hugging Face architecture or GGUF general.architecture -> what it needs that exo-node does not implement
@@ -15,7 +12,6 @@ MISSING_FEATURES = {
     "DeepseekV3ForCausalLM": MLA,
     "KimiK2ForCausalLM": MLA,
     "deepseek2": MLA,
-    "Gemma3ForConditionalGeneration": GEMMA3_VISION,
     "GptOssForCausalLM": GPT_OSS,
     "gpt-oss": GPT_OSS,
     "OlmoeForCausalLM": "OLMoE's q/k norms over all heads at once",

@@ -11,6 +11,8 @@ from functools import cache
 
 import numpy as np
 import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from shards.engines.registry import engine_class
 from shards.engines.step import StepInput
@@ -97,3 +99,33 @@ def test_query_pre_attn_scalar_sets_the_attention_scale(tmp_path):
     )
     assert np.abs(got - golden()["gemma2_qscale.logits"]).max() < 1e-4
     assert np.abs(got - golden()["gemma2.logits"]).max() > 0.05
+
+
+@pytest.mark.parametrize(
+    "prefix", ["model.language_model.", "language_model.model."], ids=["transformers5", "transformers4"]
+)
+def test_gemma3_with_its_vision_tower_runs_its_language_model(tmp_path, prefix):
+    """A Gemma3ForConditionalGeneration folder (Gemma 3 4B and up): the text_config over Gemma3TextConfig's defaults,
+    the language model's tensors under either transformers' prefix, the vision tower never read."""
+    raw = json.loads((GEMMA / "gemma3" / "config.json").read_text())
+    text = {k: v for k, v in raw.items() if k not in ("architectures", "hidden_activation", "rms_norm_eps", "dtype")}
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "dtype": "float16",
+        "text_config": text,
+        "vision_config": {"hidden_size": 8},
+    }
+    with safe_open(GEMMA / "gemma3" / "model.safetensors", framework="numpy") as f:
+        tensors = {prefix + k.removeprefix("model."): f.get_tensor(k) for k in f.keys()}
+    tensors["model.vision_tower.patch_embedding.weight"] = np.zeros((8, 3), np.float16)
+    folder = tmp_path / "gemma3mm"
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_dir(folder)
+    assert cfg == ModelConfig.from_dir(GEMMA / "gemma3")
+    got = chain_forward(
+        [engine_class("numpy")(folder, Shard.whole("m", cfg.n_layers), cfg)], "r", golden()["prompt"], all_logits=True
+    )
+    assert np.abs(got - golden()["gemma3.logits"]).max() < atol("numpy")
