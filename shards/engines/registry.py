@@ -25,6 +25,8 @@ ENGINES = {
 CHOICES = [*ENGINES, "auto"]
 # --quantize: the ggml engine's quantize-on-load types (here, so the flag exists without ggml installed)
 QUANTIZE_CHOICES = ("q8_0", "q4_0", "q4_k", "f16", "none")
+# --float-matmul: how the ggml engine keeps F16/F32 weights batch-invariant (shards/engines/ggml/gemm_rows.py)
+FLOAT_MATMUL_CHOICES = ("pad", "rowwise", "fast")
 
 
 class EngineUnavailable(ValueError):
@@ -66,7 +68,9 @@ def engine_factory(
     given = {k: v for k, v in options.items() if v is not None}
     refused = sorted(set(given) - set(getattr(cls, "options", ())))
     if refused:
-        raise ValueError(f"--{refused[0]} is an option of the ggml engine; this node's engine is {resolve(name)}")
+        raise ValueError(
+            f"--{refused[0].replace('_', '-')} is an option of the ggml engine; this node's engine is {resolve(name)}"
+        )
     if model_dir is not None and hasattr(cls, "check_options"):
         cls.check_options(model_dir, **given)
     if model_dir is not None:
