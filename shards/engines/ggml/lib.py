@@ -171,17 +171,21 @@ def repack_buffer_type() -> int | None:
 
 
 def repack_supported(ggml_type: int, ne: tuple[int, ...]) -> bool:
-    """Would CPU_REPACK take a matmul weight of this type and shape on this CPU and build? Placing one it has no
-    kernel for segfaults (Q4_1, Q8_0, Q6_K here), and one whose rows don't interleave aborts. llama.cpp's probe: a
-    dummy mul_mat whose weight claims a zero-size CPU_REPACK buffer, asked through ggml_backend_dev_supports_op."""
+    """Would CPU_REPACK take a matmul weight of this type and shape (2-D, or 3-D stacked experts for mul_mat_id) on
+    this CPU and build? Placing one it has no kernel for segfaults (Q4_1, Q8_0, Q6_K here), and one whose rows don't
+    interleave aborts. llama.cpp's probe: a dummy mul_mat (mul_mat_id) whose weight claims a zero-size CPU_REPACK
+    buffer, asked through ggml_backend_dev_supports_op."""
     buft = repack_buffer_type()
-    if buft is None or len(ne) != 2:
+    if buft is None or len(ne) not in (2, 3):
         return False
     dev = g.ggml_backend_dev_by_type(g.GGML_BACKEND_DEVICE_TYPE_CPU)
-    ctx, buf = Context(3), g.ggml_backend_buft_alloc_buffer(buft, 0)
+    ctx, buf = Context(4), g.ggml_backend_buft_alloc_buffer(buft, 0)
     try:
         w = ctx.new(ggml_type, ne)
-        op = g.ggml_mul_mat(ctx.ctx, w, ctx.new(F32, (ne[0], 8)))
+        if len(ne) == 3:  # stacked experts: the mul_mat_id a MoE layer runs (2 of them for each of 8 rows)
+            op = g.ggml_mul_mat_id(ctx.ctx, w, ctx.new(F32, (ne[0], 2, 8)), ctx.new(I32, (2, 8)))
+        else:
+            op = g.ggml_mul_mat(ctx.ctx, w, ctx.new(F32, (ne[0], 8)))
         w.contents.buffer = buf  # claims residency, allocates nothing
         return bool(g.ggml_backend_dev_supports_op(dev, op))
     finally:
