@@ -3,8 +3,10 @@
 concurrent requests; and after rejected proposals each engine's cache for the request holds what a plain run's
 holds: the same length, the same contents where the engine shows them (numpy), the same next logits.
 
-numpy runs the llama fixture; ggml the packaged SmolLM2 on its file's own Q4_1 blocks (`--quantize none`), whose
-rows are bit-identical however they are batched (tests/engines/test_ggml_invariance.py)."""
+numpy and MLX run the llama fixture; ggml the packaged SmolLM2 on its file's own Q4_1 blocks
+(`--quantize none`), whose rows are bit-identical however they are batched (tests/engines/test_ggml_invariance.py).
+(The default F16 weights are not batch-invariant on ggml yet: not parametrised. tinygrad is left out: its kernel
+cache is a SQLite connection bound to the first thread that used it, and each node here has its own engine thread.)"""
 
 from __future__ import annotations
 
@@ -36,11 +38,24 @@ def _smollm2():
 ENGINES = {  # name -> (model path, engine, options, exact)
     "numpy": (lambda: LLAMA, "numpy", {}, False),
     "ggml-q4_1": (_smollm2, "ggml", {"quantize": "none", "threads": 1}, True),
+    "mlx": (lambda: LLAMA, "mlx", {}, False),
 }
+NEEDS = {"ggml-q4_1": "ggml", "mlx": "mlx"}  # the extra each engine needs
 
 
 def _engine_params():
-    return [pytest.param(name, id=name) for name in ENGINES]
+    return [pytest.param(name, id=name, marks=_needs(name)) for name in ENGINES]
+
+
+def _needs(name: str) -> list:
+    module = NEEDS.get(name)
+    if module is None:
+        return []
+    try:
+        __import__(module)
+    except ImportError:
+        return [pytest.mark.skip(reason=f"the {module} extra is not installed")]
+    return []
 
 
 class Oracle:
@@ -142,7 +157,7 @@ def feed(engine, rid, tokens, all_logits=False):
     return engine.forward([StepInput(rid, tokens=np.asarray(tokens, np.int64), max_positions=64)], all_logits)[0]
 
 
-@pytest.mark.parametrize("name", list(ENGINES))
+@pytest.mark.parametrize("name", _engine_params())
 def test_after_rejected_proposals_the_cache_is_a_plain_runs(name):
     engine, exact = make(name)
     prompt = prompts(engine.config.vocab_size)[2][:12]
@@ -163,6 +178,7 @@ def test_after_rejected_proposals_the_cache_is_a_plain_runs(name):
         np.testing.assert_array_equal(got, want)
     else:
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    if name == "numpy":  # its layer caches are numpy slabs: compare the cached keys and values themselves
         n = engine.cache_length("plain")
         for a, b in zip(engine.caches["plain"].layers, engine.caches["spec"].layers):
             np.testing.assert_allclose(a.k[:, :n], b.k[:, :n], rtol=1e-5, atol=1e-5)
