@@ -6,7 +6,9 @@ without speculation for reference; optionally a draft model (`--draft PATH`) on 
         [--node-args "--threads 1"] [--draft PATH] [--json out.json]
 
 Decode speed is completion tokens after the first over the time from the first to the last streamed piece (prefill
-excluded); "accepted" is the last node's accepted/proposed counts over the run. Without speculation a request is
+excluded); "accepted" is the last node's accepted/proposed counts over the run; "same text" compares each run's
+answer with one node's without speculation (on F16 weights, SmolLM2's default, ggml's rows are not bit-identical
+however a step batches them, so a near-tie may go the other way). Without speculation a request is
 sent with `"speculative": false`, which makes no proposals at all (the same as `--speculate off`).
 """
 
@@ -85,10 +87,11 @@ class Run:
     tokens: int
     proposed: int
     accepted: int
+    text: str
 
 
-def stream(api_url: str, model: str, prompt: str, tokens: int, speculative: bool) -> tuple[int, float]:
-    """(completion tokens, seconds from the first streamed piece to the last) of one greedy stream."""
+def stream(api_url: str, model: str, prompt: str, tokens: int, speculative: bool) -> tuple[int, float, str]:
+    """(completion tokens, seconds from the first streamed piece to the last, text) of one greedy stream."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -102,7 +105,7 @@ def stream(api_url: str, model: str, prompt: str, tokens: int, speculative: bool
         f"{api_url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
     first = last = None
-    used = 0
+    used, text = 0, ""
     with urllib.request.urlopen(req, timeout=1200) as r:
         for line in r:
             if not line.startswith(b"data: {"):
@@ -110,10 +113,12 @@ def stream(api_url: str, model: str, prompt: str, tokens: int, speculative: bool
             event = json.loads(line[6:])
             if event.get("usage"):
                 used = event["usage"]["completion_tokens"]
-            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+            piece = "".join(c.get("delta", {}).get("content") or "" for c in event.get("choices", []))
+            if piece:
                 last = time.perf_counter()
                 first = first or last
-    return used, (last - first) if first and last else 0.0
+                text += piece
+    return used, (last - first) if first and last else 0.0, text
 
 
 def counts(c: Cluster) -> tuple[int, int]:
@@ -126,14 +131,14 @@ def measure(c: Cluster, setup: str, model: str, args, modes: tuple[bool, ...]) -
     stream(c.nodes[0].api_url, model, "Hello", 8, False)  # warm-up: engines loaded, graphs built
     for name, prompt in PROMPTS.items():
         for speculative in modes:
-            rates, n = [], 0
+            rates, n, text = [], 0, ""
             p0, a0 = counts(c)
             for _ in range(args.repeats):
-                n, seconds = stream(c.nodes[0].api_url, model, prompt, args.tokens, speculative)
+                n, seconds, text = stream(c.nodes[0].api_url, model, prompt, args.tokens, speculative)
                 rates.append((n - 1) / seconds if seconds else 0.0)
             p1, a1 = counts(c)
-            run = Run(setup, name, speculative, statistics.median(rates), n, p1 - p0, a1 - a0)
-            print(json.dumps(asdict(run)), flush=True)
+            run = Run(setup, name, speculative, statistics.median(rates), n, p1 - p0, a1 - a0, text)
+            print(json.dumps({k: v for k, v in asdict(run).items() if k != "text"}), flush=True)
             runs.append(run)
     return runs
 
@@ -160,13 +165,13 @@ def main() -> None:
         with Cluster(path, n, memory_gb=memory, model_id=model, engine=None, extra=extra + flags) as c:
             runs += measure(c, setup, model, args, modes)
     print(f"load after: {os.getloadavg()}", flush=True)
-    base = {r.prompt: r.tok_s for r in runs if r.setup == "1 node" and not r.speculative}
-    print(f"\n{'setup':28} {'prompt':8} {'spec':5} {'tok/s':>7} {'vs 1 node':>9} {'accepted':>12}")
+    base = {r.prompt: r for r in runs if r.setup == "1 node" and not r.speculative}
+    print(f"\n{'setup':28} {'prompt':8} {'spec':5} {'tok/s':>7} {'vs 1 node':>9} {'accepted':>12} same text")
     for r in runs:
         share = f"{r.accepted}/{r.proposed}" if r.proposed else "-"
         print(
             f"{r.setup:28} {r.prompt:8} {'on' if r.speculative else 'off':5} {r.tok_s:7.1f} "
-            f"{r.tok_s / base[r.prompt]:8.2f}x {share:>12}"
+            f"{r.tok_s / base[r.prompt].tok_s:8.2f}x {share:>12} {r.text == base[r.prompt].text}"
         )
     if args.json:
         with open(args.json, "w") as f:

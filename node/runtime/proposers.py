@@ -16,6 +16,8 @@ def proposer_for(settings: NodeSettings, model: ServedModel) -> Proposer | None:
         return PromptLookup()
     from shards.draft_model import DraftModelProposer  # loads an engine: only for nodes that ask for it
 
+    # a draft model is chosen small and fast: on ggml it runs on the blocks its file stores, never requantized up
+    options = {"quantize": "none"} if settings.engine == "ggml" else {}
     return DraftModelProposer.load(
-        settings.draft_model, model.config, engine=settings.engine, target_tokenizer=model.tokenizer
+        settings.draft_model, model.config, engine=settings.engine, target_tokenizer=model.tokenizer, **options
     )
