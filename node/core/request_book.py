@@ -166,6 +166,15 @@ class RequestBook:
         req.drafts, req.positions_in = drafts, start + 1 + len(drafts)
         return Queued(item.request_id, np.concatenate([item.data, np.asarray(drafts, np.int64)]), False, drafts, start)
 
+    def draft_prefills(self, group: Group) -> list[tuple[str, list[int]]]:
+        """After a first-shard step: the requests whose whole prompt it just computed, with their text, for a
+        deferred proposer to prefill (`Speculation.prefill`); [] unless this node drafts with a model."""
+        spec = self.speculation
+        if spec is None or not spec.deferred or not group.shard.is_first:
+            return []
+        done = [i.request_id for i in group.items if not (i.stepwise or i.partial)]
+        return [(rid, list(req.history)) for rid in done if (req := self.requests.get(rid)) and req.history]
+
     def _step_room(self) -> int:
         """The most positions one input may bring to a step here (a step's budget, its largest bucket)."""
         lim = self.queue.limits

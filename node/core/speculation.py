@@ -120,6 +120,16 @@ class Speculation:
             return [() for _ in asks]
         return [self._checked(p, k) for p, (_, _, k) in zip(proposed, asks)]
 
+    def prefill(self, asks: list[tuple[str, list[int]]]) -> None:
+        """Feed a deferred proposer that can (a draft model's `prefill`) each (request, its prompt) now, while the
+        served model computes the first token, so its first proposal feeds only what follows (off the loop)."""
+        feed = getattr(self.proposer, "prefill", None)
+        for rid, text in asks if feed is not None else ():
+            try:
+                feed(rid, text)
+            except Exception:  # only the first proposal's cost: it feeds the prompt itself
+                log.exception("draft prefill failed for request %s", rid)
+
     def _checked(self, proposed: object, k: int) -> tuple[int, ...]:
         try:
             drafts = tuple(int(t) for t in proposed)  # type: ignore[attr-defined]

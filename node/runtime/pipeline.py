@@ -130,6 +130,8 @@ class Pipeline:
             self.do(self.core.fail(rid, f"node {me}: {refused.pop(rid)}", busy=True))
         errors = {rid: f"node {me}: {why}" for rid, why in refused.items()}
         self.do(self.core.step_done(group, outputs, errors), engine)
+        if prefills := self.core.draft_prefills(group):  # a draft model reads the prompts while the ring computes
+            self.spawn(self.shards.run(self.core.speculation.prefill, prefills))
 
     async def _proposals(self, group: Group) -> Group:
         """A deferred proposer's drafts (a draft model) for the group's inputs that asked, computed on the engine

@@ -289,3 +289,21 @@ def test_the_speculation_flags_reach_the_node_settings_and_nonsense_is_refused_n
     for flags in (["--speculate", "draft"], ["--draft-model", "/m.gguf"]):
         with pytest.raises(ValueError, match="--speculate draft needs --draft-model"):
             settings(*flags)
+
+
+def test_a_deferred_proposer_prefills_each_prompt_once_its_last_chunk_ran():
+    class Prefilling(Fixed):
+        def prefill(self, request_id, tokens):
+            self.seen.append(("prefill", request_id, list(tokens)))
+
+    proposer = Prefilling()
+    a = core("a", proposer)
+    a.speculation.deferred = True
+    a.accept_prompt(request(), tokens(1, 2, 3, 4))
+    (group,) = a.take_batch()
+    asks = a.draft_prefills(group)
+    assert asks == [("r1", [1, 2, 3, 4])]
+    a.speculation.prefill(asks)
+    assert proposer.seen == [("prefill", "r1", [1, 2, 3, 4])]
+    a.speculation.deferred = False  # proposals made on arrival: nothing to prefill
+    assert a.draft_prefills(group) == []
