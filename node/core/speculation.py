@@ -112,7 +112,8 @@ class Speculation:
         try:
             batch = getattr(self.proposer, "propose_batch", None)
             if batch is not None and len(asks) > 1:
-                proposed = list(batch(asks))
+                size = getattr(self.proposer, "max_requests", len(asks))  # a batch it can hold at once
+                proposed = [p for i in range(0, len(asks), size) for p in batch(asks[i : i + size])]
             else:
                 proposed = [self.proposer.propose(rid, text, k) for rid, text, k in asks]
         except Exception:

@@ -307,3 +307,18 @@ def test_a_deferred_proposer_prefills_each_prompt_once_its_last_chunk_ran():
     assert proposer.seen == [("prefill", "r1", [1, 2, 3, 4])]
     a.speculation.deferred = False  # proposals made on arrival: nothing to prefill
     assert a.draft_prefills(group) == []
+
+
+def test_a_batching_proposer_is_asked_in_batches_it_can_hold():
+    class Batching(Fixed):
+        max_requests = 2
+
+        def propose_batch(self, asks):
+            assert len(asks) <= self.max_requests
+            self.seen.append([rid for rid, _, _ in asks])
+            return [self.drafts[:k] for _, _, k in asks]
+
+    proposer = Batching()
+    a = core("a", proposer)
+    drafts = a.speculation.draft([(f"r{i}", [1, 2], 2) for i in range(5)])
+    assert drafts == [(7, 8)] * 5 and proposer.seen == [["r0", "r1"], ["r2", "r3"], ["r4"]]
