@@ -17,7 +17,7 @@ from node.core.authz import check_caller, predecessor
 from node.core.plan import Busy, PlanError, RequestSpec
 from node.core.requests import Activation, Refusal, RequestState, Tombstones
 from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
-from node.core.speculation import Speculation, check_start, speculates
+from node.core.speculation import Speculation, check_start
 from shards.formats.config import ModelConfig
 from shards.shard import Shard
 
@@ -86,8 +86,9 @@ class RequestBook:
         self.admission.check_declared(spec, spec.reuse_positions, len(tokens))
         req = self._admit(spec)
         req.positions_in = spec.reuse_positions + len(tokens)
-        if self.speculation is not None and speculates(spec.sampling):
+        if self.speculation is not None and self.speculation.proposer is not None:
             # what the proposer looks up: the prompt, after the text of the finished request whose cache it reuses
+            # (kept for requests without proposals too: a later one may reuse their cache)
             req.history = self.speculation.kept_text(spec.reuse_from, spec.reuse_positions) + [int(t) for t in tokens]
         self._enqueue(Queued(spec.request_id, tokens))
 

@@ -248,6 +248,19 @@ def test_a_request_reusing_a_finished_requests_cache_looks_proposals_up_in_the_w
     assert list(a.speculation.kept) == ["r1"]
 
 
+def test_a_request_that_opted_out_still_leaves_its_text_for_one_reusing_its_cache():
+    proposer = Fixed()
+    a = first_node(proposer, sampling=SamplingParams(temperature=0, speculate=False))
+    a.accept_activations([Activation("r1", tokens(5))])
+    assert queued(a).proposals == ()
+    a.end_request("r1", "finished")
+    again = dataclasses.replace(request(), request_id="r2", prompt_tokens=7, reuse_from="r1", reuse_positions=5)
+    a.accept_prompt(again, tokens(6, 7))
+    a.queue.queue.clear()
+    a.accept_activations([Activation("r2", tokens(9))])
+    assert proposer.seen == [[1, 2, 3, 4, 5, 6, 7, 9]]
+
+
 def test_a_deferred_proposer_is_asked_just_before_the_step_and_its_drafts_join_the_input():
     proposer = Fixed()
     a = core("a", proposer)
