@@ -3,10 +3,12 @@
 Written as llama.cpp's converter writes a `qwen3moe`: experts stacked in 3-D `blk.N.ffn_{gate,up,down}_exps`, the
 router `ffn_gate_inp` and the norms (q/k norms too) in F32, every other matrix (embedding and output included) in
 Q4_K, quantized by ggml's reference quantizer; a SentencePiece-style vocabulary (bench/ggml_models.py's) so both
-runtimes load it. Default shape (383M parameters, 36M active per token): hidden 1024, 6 layers, 16/4 heads of 64,
-32 experts of 512, 4 per token, vocab 32000.
+runtimes load it. Shapes: SHAPE (383M parameters, 86M active per token with the output head: hidden 1024, 6 layers, 16/4 heads of 64,
+32 experts of 512, 4 per token, vocab 32000) and SHAPE_1B (1.0B parameters, 178M active: 12 layers of 32 experts of
+768, the rest the same; ~570 MB, 1-3 minutes to make on 2 cores). Made once into CACHE (/tmp/exo-node-bench by
+default, or $EXO_BENCH_MOE_CACHE: never the repository) and reused.
 
-    uv run python -m bench.moe_model       # -> ~/.cache/exo-node-bench/random-qwen3moe-6x32x512-q4_k.gguf
+    uv run python -m bench.moe_model [--1b]   # -> /tmp/exo-node-bench/random-qwen3moe-6x32x512-q4_k.gguf
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from bench.ggml_models import CACHE
-
+CACHE = Path(os.environ.get("EXO_BENCH_MOE_CACHE", "/tmp/exo-node-bench"))
 SHAPE = dict(hidden=1024, layers=6, heads=16, kv_heads=4, head_dim=64, experts=32, used=4, expert_ff=512, vocab=32000)
+SHAPE_1B = {**SHAPE, "layers": 12, "expert_ff": 768}
 
 
 def random_qwen3moe(seed: int = 0, **shape) -> Path:
@@ -96,5 +98,20 @@ def random_qwen3moe(seed: int = 0, **shape) -> Path:
     return path
 
 
+def parameters(**shape) -> tuple[int, int]:
+    """(all, active per token) parameters of a shape."""
+    s = {**SHAPE, **shape}
+    h, hd = s["hidden"], s["head_dim"]
+    attention = h * hd * (2 * s["heads"] + 2 * s["kv_heads"]) + s["experts"] * h
+    expert = 3 * h * s["expert_ff"]
+    tables = 2 * s["vocab"] * h
+    return (
+        s["layers"] * (attention + s["experts"] * expert) + tables,
+        s["layers"] * (attention + s["used"] * expert) + tables // 2,
+    )
+
+
 if __name__ == "__main__":
-    print(random_qwen3moe())
+    import sys
+
+    print(random_qwen3moe(**(SHAPE_1B if "--1b" in sys.argv else {})))
