@@ -19,7 +19,7 @@ import numpy as np
 
 from shards.engines.ggml.lib import F32, QUANTIZE_TYPES, g, quantize
 
-TYPES = {"f32": F32, **{k: int(v) for k, v in QUANTIZE_TYPES.items()}, "q4_1": 3}
+TYPES = {"f32": F32, "bf16": 30, **{k: int(v) for k, v in QUANTIZE_TYPES.items()}, "q4_1": 3}
 
 
 class Matmul:

@@ -6,8 +6,8 @@ one row with its vec_dot kernel, which sums each dot product in another order. t
 per output, filled over the inner dimension in the same order whatever tile the output falls in and whichever thread
 computes it, so among steps of 2 rows and more a row's result is the same; a lone row's differs in the last bits
 (1e-6 on one projection, up to 0.05 in SmolLM2's logits through 30 layers). Measured by `bench/ggml_matmul_rows.py`
-on x86-64 (AVX2, FMA, F16C): F16 and F32 weights, batches of 1..70 rows, 1-4 threads: every row of every batch of
-2+ equals itself in a batch of 2, and differs from itself alone. Quantized weights (Q4_0, Q4_1, Q8_0, Q4_K) give a
+on x86-64 (AVX2, FMA, F16C): F16, BF16 and F32 weights, batches of 1..70 rows, 1-4 threads: every row of every
+batch of 2+ equals itself in a batch of 2, and differs from itself alone. Quantized weights (Q4_0, Q4_1, Q8_0, Q4_K) give a
 row the same numbers alone and in any batch, so they need nothing. Two ways to give every row one kernel:
 
 - `pad` (the default): a float weight gets at least MIN_FLOAT_ROWS rows, a shorter step padded with zero rows whose
@@ -15,8 +15,9 @@ row the same numbers alone and in any batch, so they need nothing. Two ways to g
   2 rows (measured +40% CPU per SmolLM2 F16 decode step at batch 1, bench/bench_float_rows.py).
 - `rowwise`: a step of 2+ rows is handed to ggml already converted to the weight's dot-product type (F16 for F16)
   and strided (each row followed by a gap), which tinyBLAS declines: every row takes the 1-row vec_dot kernel, with
-  the same numbers as a lone row (ggml's F32->F16 copy rounds as its matmul's own conversion does). 1-row steps run
-  as ggml runs them; prefill and batches cost more (measured: prefill x2, batch-8 decode +33%).
+  the same numbers as a lone row (ggml's F32->F16 copy rounds as its matmul's own conversion does; checked for F16
+  and F32 by tests/engines/test_ggml_invariance.py, not for BF16). 1-row steps run as ggml runs them; prefill and
+  batches cost more (measured: prefill x1.9, batch-8 decode +32%).
 - `fast`: ggml's own choice per step; not batch-invariant on float weights.
 
 Where tinyBLAS declines a shape anyway (an output count not a multiple of 4, an inner dimension not a multiple of
