@@ -12,7 +12,7 @@ row the same numbers alone and in any batch, so they need nothing. Two ways to g
 
 - `pad` (the default): a float weight gets at least MIN_FLOAT_ROWS rows, a shorter step padded with zero rows whose
   outputs are dropped: every row takes tinyBLAS. Prefill and batches run as ggml runs them; a 1-row step multiplies
-  2 rows (measured +40% CPU per SmolLM2 F16 decode step at batch 1, bench/bench_float_rows.py).
+  2 rows (measured 1.7x CPU per SmolLM2 F16 decode step at batch 1, under load: bench/bench_float_rows.py).
 - `rowwise`: a step of 2+ rows is handed to ggml already converted to the weight's dot-product type (F16 for F16)
   and strided (each row followed by a gap), which tinyBLAS declines: every row takes the 1-row vec_dot kernel, with
   the same numbers as a lone row (ggml's F32->F16 copy rounds as its matmul's own conversion does; checked for F16
