@@ -105,11 +105,10 @@ def ours_speed(path: Path, threads: int) -> dict:
 
 def python_cost(e) -> dict:
     """Per-step Python time with the computation itself stubbed out (graphs already built), and what building a
-    new graph costs (an 8-request decode layout, not computed)."""
+    new graph costs (an 8-request decode shape, not computed)."""
     import ggml.ggml as g
 
-    from shards.engines.ggml.cache import span_for
-    from shards.engines.ggml.graph import Graph, Layout
+    from shards.engines.ggml.graph import Graph
 
     ids = [f"c{i}" for i in range(8)]
     e.forward([StepInput(r, tokens=np.arange(8), max_positions=2048) for r in ids])
@@ -125,10 +124,10 @@ def python_cost(e) -> dict:
             out[f"python_us_b{n}"] = (time.perf_counter() - t0) / 100 * 1e6
     finally:
         g.ggml_backend_graph_compute = compute
-    caches = [e.caches[r] for r in ids]
-    layout = Layout(tuple(ids), (1,) * 8, tuple(span_for(c.length + 1, c.capacity) for c in caches), "last")
+    steps = [StepInput(r, tokens=np.array([5])) for r in ids]
+    shape = e.runner.shape(e.pack(steps), [e.caches[r] for r in ids], False)
     t0 = time.perf_counter()
-    Graph(e.ops, e.model, layout, caches, True, e.config.hidden_size).free()
+    Graph(e.ops, e.model, shape, e.pool, first=True, hidden=e.config.hidden_size).free()
     out["graph_build_ms_b8"] = (time.perf_counter() - t0) * 1e3
     return out
 

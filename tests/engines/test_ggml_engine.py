@@ -245,20 +245,26 @@ def test_quantize_is_refused_for_other_engines():
 
 
 # -- graphs and caches ------------------------------------------------------------------------------------------------
-def test_decode_steps_reuse_one_graph_and_release_frees_caches_and_graphs():
+def test_decode_steps_reuse_one_graph_whichever_requests_and_release_frees_their_cells():
     engine = make(LLAMA)
     engine.forward([StepInput("a", tokens=np.arange(5), max_positions=40), StepInput("b", tokens=np.arange(3))])
     graphs = dict(engine.graphs.graphs)
     for t in range(3):
         engine.forward([StepInput("a", tokens=np.array([t])), StepInput("b", tokens=np.array([t]))])
-    decode = [graph for layout, graph in engine.graphs.graphs.items() if layout not in graphs]
+    decode = [graph for shape, graph in engine.graphs.graphs.items() if shape not in graphs]
     assert len(decode) == 1  # three steps, one graph
     assert engine.cache_bytes() == 2 * 2 * 6 * (40 + 256) * 2 * 16  # K+V, 6 layers, 2 kv heads x 16, F16
     engine.release("a")
-    assert all("a" not in layout.request_ids for layout in engine.graphs.graphs)
     assert engine.cache_bytes() == 2 * 2 * 6 * 256 * 2 * 16
+    builds = engine.graphs.builds
+    engine.forward([StepInput("c", tokens=np.arange(4), max_positions=40)])
+    engine.forward([StepInput("c", tokens=np.array([1])), StepInput("b", tokens=np.array([1]))])
+    assert engine.graphs.builds == builds + 1  # c's prefill is a new shape; c beside b decodes in a's graph
+    assert engine.caches["c"].start == 1  # first fit: c took the cells a gave back (cell 0 is the scratch cell)
     engine.release("b")
-    assert engine.cache_bytes() == 0 and not engine.graphs.graphs and engine.active_requests == 0
+    engine.release("c")
+    assert engine.cache_bytes() == 0 and engine.active_requests == 0
+    assert engine.pool.free_ranges == [(1, engine.pool.cells)]  # every cell back but the scratch cell
 
 
 def test_a_cache_without_reservation_grows_and_keeps_its_contents(monkeypatch):

@@ -21,12 +21,16 @@ import math
 import numpy as np
 
 from shards.engines.backend import Backend
+from shards.engines.ggml.gemm_rows import DEFAULT as FLOAT_MATMUL
+from shards.engines.ggml.gemm_rows import plan
+from shards.engines.ggml.gemma_ops import GemmaOps, SlidingRotary
 from shards.engines.ggml.lib import F32, I32, Context, GgmlError, Tensor, g
 from shards.engines.ggml.moe import GExperts, GgmlMoE
 from shards.engines.ggml.placement import GgmlWeights, GWeight
 from shards.formats.config import ModelConfig
 
 ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
+SPLIT_KV_CELLS = 512  # from this many cells on, ggml splits a single query row's cells across threads (ops.cpp)
 
 
 class GArray:
@@ -95,18 +99,27 @@ def nocopy_strides(old: tuple[int, ...], strides: tuple[int, ...], new: tuple[in
     return tuple(out)
 
 
-class GgmlBackend(GgmlWeights, Backend, GgmlMoE):
+class GgmlBackend(GgmlWeights, GemmaOps, Backend, GgmlMoE):
     """Builds ggml graphs for the shared model. `ctx` is the context of the graph being built (set by the engine);
     weights live in their own context and CPU buffers for the backend's lifetime (placed by GgmlWeights,
     shards/engines/ggml/placement.py)."""
 
     name = "ggml"
 
-    def __init__(self, cfg: ModelConfig, n_layers: int, repack: bool = True, interleaved_rope: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        n_layers: int,
+        repack: bool = True,
+        interleaved_rope: bool = False,
+        *,
+        float_matmul: str = FLOAT_MATMUL,
+    ):
         # At most ~12 tensors per layer (q/k/v and gate/up as parts when their types differ, norms, biases, q/k
         # norms) plus embedding, norm, head and rope factors; MoE: router, 3 expert stacks, shared expert.
         super().__init__((24 if cfg.moe else 16) * n_layers + 8, repack)
         self.ctx: Context | None = None
+        self.float_matmul = float_matmul  # how float weights stay batch-invariant (gemm_rows.py)
         self.head_dim, self.theta = cfg.head_dim, cfg.rope.theta
         # Rotate-half pairs (i, i + hd/2) for Hugging Face's Q/K layout (NEOX mode); adjacent pairs (NORMAL) for
         # the Q/K rows of llama-architecture GGUF files left in llama.cpp's permuted order
@@ -116,6 +129,7 @@ class GgmlBackend(GgmlWeights, Backend, GgmlMoE):
         default = 1.0 / (cfg.rope.theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
         factors = (default / np.asarray(cfg.rope.inv_freq(cfg.head_dim))).astype(np.float32)
         self.freq_factors = None if np.all(factors == 1.0) else self._upload(F32, factors.shape, [factors], "rope")
+        self.local_rope = self.sliding_rope(cfg)  # Gemma 3's local layers rotate with their own base (gemma_ops.py)
 
     def nbytes(self, x) -> int:
         return x.nbytes if isinstance(x, (GWeight, GExperts)) else int(g.ggml_nbytes(x.t))
@@ -199,11 +213,29 @@ class GgmlBackend(GgmlWeights, Backend, GgmlMoE):
     # -- operations of the shared block -----------------------------------------------------------------------------
     def linear(self, x: GArray, w: GWeight, bias: GWeight | None = None) -> GArray:
         expect(len(x.shape) == 2 and x.shape[1] == int(w.tensor.contents.ne[0]), f"linear: input {x.shape}")
-        outs = [self.wrap(self.node(g.ggml_mul_mat, t, x.t), (x.shape[0], rows)) for t, rows in w.parts]
+        outs = [self.matmul(x, t, rows, ggml_type) for (t, rows), ggml_type in zip(w.parts, w.ggml_types)]
         y = outs[0] if len(outs) == 1 else self.concat(outs, axis=-1)
         if bias is not None:
             y = self.wrap(self.node(g.ggml_add, y.t, bias.tensor), y.shape)
         return y
+
+    def matmul(self, x: GArray, t: Tensor, rows: int, ggml_type: int) -> GArray:
+        """x [n, in] times one weight tensor [rows, in], in a way that gives each row of a float weight the numbers
+        it gets alone, beside others, or in a prefill (`float_matmul`, shards/engines/ggml/gemm_rows.py): zero rows
+        padded on (their outputs dropped), or the rows handed over in the weight's type and strided."""
+        n, k = x.shape
+        how, pad = plan(ggml_type, n, self.float_matmul)
+        if how != "plain":
+            x = self.contiguous(x)
+        if how == "pad":
+            padded = self.node(g.ggml_pad, x.t, 0, pad, 0, 0)
+            return self.wrap(self.node(g.ggml_mul_mat, t, padded), (n + pad, rows))[:n]
+        if how == "strided":
+            wide = self.node(g.ggml_pad, x.t, 8, 0, 0, 0)  # [n, k + 8]: a gap after each row
+            if ggml_type != F32:
+                wide = self.node(g.ggml_cast, wide, ggml_type)
+            x = self.wrap(self.node(g.ggml_view_2d, wide, k, n, wide.contents.nb[1], 0), (n, k))
+        return self.wrap(self.node(g.ggml_mul_mat, t, x.t), (n, rows))
 
     def embedding(self, table: GWeight, ids: GArray) -> GArray:
         expect(len(ids.shape) == 1 and ids.t.contents.type == I32 and not table.repacked, f"embedding: {ids.shape}")
@@ -244,19 +276,22 @@ class GgmlBackend(GgmlWeights, Backend, GgmlMoE):
         expect(len(positions.shape) == 1 and positions.t.contents.type == I32, f"rotary: {positions.shape}")
         return positions
 
-    def rope(self, x: GArray, rotary: GArray) -> GArray:
+    def rope(self, x: GArray, rotary: GArray | SlidingRotary) -> GArray:
         """Rotary embedding of x [N, heads, hd] (NEOX or NORMAL pairs, see __init__) at the rows' positions
-        `rotary` (I32 [N], see `rotary`)."""
+        `rotary` (I32 [N], see `rotary`; a sliding-window layer's own base: gemma_ops.SlidingRotary)."""
+        theta, factors = self.theta, self.freq_factors
+        if isinstance(rotary, SlidingRotary):
+            rotary, theta, factors = rotary.positions, rotary.theta, rotary.factors
         expect(len(x.shape) == 3 and x.shape[2] == self.head_dim and rotary.shape == (x.shape[0],), f"rope: {x.shape}")
         t = self.node(
             g.ggml_rope_ext,
             x.t,
             rotary.t,
-            self.freq_factors,
+            factors,
             self.head_dim,
             self.rope_mode,
             self.rope_ctx,
-            self.theta,
+            theta,
             1.0,
             0.0,
             1.0,
@@ -265,28 +300,41 @@ class GgmlBackend(GgmlWeights, Backend, GgmlMoE):
         )
         return self.wrap(t, x.shape)
 
-    def attention(self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float) -> GArray:
-        """Flash attention of one request: q [T, heads, hd] against keys/values [kv_heads, cells, hd] (F16 cache
-        views), `mask` F16 [T, cells] (0 visible, -inf not). -> [T, heads*hd]
+    def attention(
+        self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float, softcap: float | None = None
+    ) -> GArray:
+        """Flash attention of a step's rows: q [T, heads, hd] against keys/values [kv_heads, cells, hd] (F16 cache
+        views), `mask` F16 [T, cells] (0 visible, -inf not: ggml skips -inf cells outright). -> [T, heads*hd]
 
-        In blocks of at most ATTENTION_ROWS query rows: ggml's CPU flash attention computes a larger block (64 rows
-        and up) with another kernel, in another order, so a row prefilled among many would differ from the same
-        row decoded alone (by up to 1.4 in SmolLM2's logits). In blocks, a row's result is the same however its
-        prompt was chunked, whatever runs beside it, and after a replay that prefills generated tokens."""
+        Every row's result is computed by one kernel, ggml's row-at-a-time online softmax, whatever the step: so
+        a row's numbers are the same however its prompt was chunked, whatever runs beside it, and after a replay
+        that prefills generated tokens. ggml's CPU flash attention takes two other kernels, which compute in
+        another order (by up to 1.4 in SmolLM2's logits): a tiled one for 64 query rows and more (so rows go in
+        balanced blocks of at most ATTENTION_ROWS), and one that splits the cells across threads for a single row
+        over SPLIT_KV_CELLS cells and more (so a lone row is attended beside a copy of itself)."""
         t, nh, hd = q.shape
         nkv, cells, khd = keys.shape
         expect(khd == hd and values.shape == keys.shape and nh % nkv == 0, f"attention: {q.shape}, {keys.shape}")
         expect(mask is None or mask.shape == (t, cells), f"attention: mask {None if mask is None else mask.shape}")
         if t > ATTENTION_ROWS and mask is not None:
+            n = -(-t // ATTENTION_ROWS)  # blocks of t//n or t//n + 1 rows: none below 16 (a lone row: see above)
+            bounds = [i * (t // n) + min(i, t % n) for i in range(n + 1)]
             return self.concat(
-                [
-                    self.attention(q[s : s + ATTENTION_ROWS], keys, values, mask[s : s + ATTENTION_ROWS], scale)
-                    for s in range(0, t, ATTENTION_ROWS)
-                ],
+                [self.attention(q[a:b], keys, values, mask[a:b], scale, softcap) for a, b in zip(bounds, bounds[1:])],
                 axis=0,
             )
+        if t == 1 and cells >= SPLIT_KV_CELLS:
+            twice = self.attention(
+                self.concat([q, q], axis=0),
+                keys,
+                values,
+                None if mask is None else self.concat([mask, mask], axis=0),
+                scale,
+                softcap,
+            )
+            return twice[:1]
         qp = self.node(g.ggml_permute, q.t, 0, 2, 1, 3)  # ne [hd, T, heads], what flash attention reads
         out = self.node(
-            g.ggml_flash_attn_ext, qp, keys.t, values.t, None if mask is None else mask.t, scale, 0.0, 0.0
+            g.ggml_flash_attn_ext, qp, keys.t, values.t, None if mask is None else mask.t, scale, 0.0, softcap or 0.0
         )  # ne [hd, heads, T], contiguous
         return self.view(self.wrap(out, (t, nh, hd)), (t, nh * hd), c_strides((t, nh * hd), 4))

@@ -8,10 +8,12 @@ quantized CPU kernels on up to `threads` threads: fewer while other processes ke
 Matmul weights of the types ggml's CPU_REPACK buffer has kernels for on this CPU (per llama.cpp's own probe: Q4_0,
 Q4_K here) are placed there; everything else, and always the embedding table, in plain CPU memory.
 
-A step runs as every engine's does (`BlockEngine.run`); this engine's runner, `GraphRunner`, gives each batch layout
-(see shards/engines/ggml/graph.py) one compute graph, built by running the shared model on the ggml backend the
-first time the layout is seen and re-run afterwards; KV caches are F16 per request and layer
-(shards/engines/ggml/cache.py). Every input is validated before ggml sees it: a ggml assertion would abort the process.
+A step runs as every engine's does (`BlockEngine.run`); this engine's runner, `GraphRunner`, gives each step shape
+(rows, window of KV cells, output: shards/engines/ggml/graph.py) one compute graph, built by running the shared model
+on the ggml backend the first time the shape is seen and re-run afterwards, whichever requests the step carries. KV
+caches are F16 cells of one pool shared by every request, each owning a contiguous range
+(shards/engines/ggml/cells.py), and the whole step attends once per layer through a mask. Every input is validated
+before ggml sees it: a ggml assertion would abort the process.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import numpy as np
 
 from shards.engines.base import BlockEngine, EngineInputError, Packing, StepInput
 from shards.engines.ggml.backend import GgmlBackend
-from shards.engines.ggml.cache import RequestKV, span_for
-from shards.engines.ggml.graph import Graph, GraphCache, Layout
+from shards.engines.ggml.cells import SCRATCH_CELL, CellPool, CellRange
+from shards.engines.ggml.gemm_rows import DEFAULT as FLOAT_MATMUL
+from shards.engines.ggml.graph import Graph, GraphCache, Shape, padded_rows, window_for
 from shards.engines.ggml.lib import default_threads, g
+from shards.engines.ggml.sliding import SlidingWindows
 from shards.engines.ggml.threads import ThreadGovernor
 from shards.engines.ggml.weights import QUANTIZE_CHOICES, load_ggml_shard_weights
 from shards.engines.masks import CausalMasks
+from shards.engines.registry import FLOAT_MATMUL_CHOICES
 from shards.engines.runner import Runner
 from shards.formats.config import ModelConfig
 from shards.formats.gguf_model import rope_pairs_interleaved
@@ -38,11 +43,12 @@ from shards.transformer import ShardModel
 
 log = logging.getLogger(__name__)
 MIN_CAPACITY = 256  # a request without a reservation starts with this many positions and doubles
+INITIAL_CELLS = 4096  # the cell pool's first size (virtual until written); it doubles when a range does not fit
 
 
 class GgmlEngine(BlockEngine):
     name = "ggml"
-    options = ("threads", "quantize")  # engine options this engine takes (node flags --threads, --quantize)
+    options = ("threads", "quantize", "float_matmul")  # engine options it takes (node flags --threads, ...)
     kv_value_bytes = 2  # F16 cache
 
     def __init__(
@@ -54,14 +60,15 @@ class GgmlEngine(BlockEngine):
         quantize: str | None = None,
         repack: bool = True,
         adapt_threads: bool = True,
+        float_matmul: str | None = None,
     ):
-        self.check_options(model_dir, threads, quantize)
+        self.check_options(model_dir, threads, quantize, float_matmul)
         self.config = cfg = config or open_model(model_dir).config
         self.shard = shard
         self.threads = threads = default_threads() if threads is None else threads
         # a llama GGUF's Q/K rows stay in llama.cpp's order, rotated as llama.cpp rotates them (ggml_weights.py)
         interleaved = open_model(model_dir).format == "gguf" and rope_pairs_interleaved(cfg)
-        self.ops = GgmlBackend(cfg, shard.layer_count, repack, interleaved)
+        self.ops = GgmlBackend(cfg, shard.layer_count, repack, interleaved, float_matmul=float_matmul or FLOAT_MATMUL)
         try:
             self.model = ShardModel(self.ops, cfg, load_ggml_shard_weights(model_dir, cfg, shard, quantize, threads))
         except BaseException:
@@ -81,7 +88,13 @@ class GgmlEngine(BlockEngine):
         g.ggml_backend_cpu_set_n_threads(self.backend, threads)
         self.step_threads = threads  # what the backend is set to; the governor lowers it while others load the CPUs
         self.governor = ThreadGovernor(threads, adapt=adapt_threads)
-        self.caches: dict[str, RequestKV] = {}
+        try:
+            self.pool = CellPool(len(self.model.layers), cfg.n_kv_heads, cfg.head_dim, INITIAL_CELLS)
+        except BaseException:
+            g.ggml_backend_free(self.backend)
+            self.ops.free()
+            raise
+        self.caches: dict[str, CellRange] = {}
         self.runner = GraphRunner(self)
 
     def make_backend(self) -> GgmlBackend:
@@ -92,8 +105,12 @@ class GgmlEngine(BlockEngine):
         return self.runner.graphs
 
     @staticmethod
-    def check_options(model_dir: str | Path, threads: int | None = None, quantize: str | None = None) -> None:
+    def check_options(
+        model_dir: str | Path, threads: int | None = None, quantize: str | None = None, float_matmul: str | None = None
+    ) -> None:
         """Refuse bad options at start-up rather than when a shard first loads."""
+        if float_matmul is not None and float_matmul not in FLOAT_MATMUL_CHOICES:
+            raise ValueError(f"--float-matmul must be one of {', '.join(FLOAT_MATMUL_CHOICES)}, got {float_matmul!r}")
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise ValueError(f"--threads must be a positive integer, got {threads!r}")
         if quantize is not None and quantize not in QUANTIZE_CHOICES:
@@ -109,6 +126,7 @@ class GgmlEngine(BlockEngine):
             for rid in list(self.caches):
                 self.caches.pop(rid).free()
             self.retained.clear()
+            self.pool.free()
             g.ggml_backend_free(self.backend)
             self.backend = None
             self.ops.free()
@@ -121,45 +139,80 @@ class GgmlEngine(BlockEngine):
 
 
 class GraphRunner(Runner):
-    """Steps through graphs built once per batch layout, caches sized from reservations, F16 additive masks."""
+    """Steps through graphs built once per step shape (shards/engines/ggml/graph.py) over the engine's cell pool
+    (shards/engines/ggml/cells.py): each request's cells sized from its reservation, the step's rows, cells and
+    mask set as inputs."""
 
     def __init__(self, engine: GgmlEngine):
         self.engine, self.config = engine, engine.config
         self.graphs = GraphCache()
+        self.generation = engine.pool.generation
         self.masks = CausalMasks(np.float16(0), np.float16(-np.inf), np.float16)
+        self.sliding = SlidingWindows.for_shard(engine.config, engine.shard)  # Gemma's window masks (ggml/sliding.py)
 
-    def cache(self, cache: RequestKV | None, item: StepInput, end: int) -> RequestKV:
-        """Sized from the reservation when it is known, else doubled as needed (its graphs dropped: they point at
-        the old memory)."""
+    def cache(self, cache: CellRange | None, item: StepInput, end: int) -> CellRange:
+        """Sized from the reservation when it is known, else doubled as needed (moved to a larger range)."""
         cfg = self.config
         if cache is None:
             capacity = item.max_positions if item.max_positions and item.max_positions >= end else MIN_CAPACITY
-            capacity = min(max(capacity, end), cfg.max_position_embeddings)
-            cache = RequestKV(len(self.engine.model.layers), cfg.n_kv_heads, cfg.head_dim, capacity)
+            cache = CellRange(self.engine.pool, min(max(capacity, end), cfg.max_position_embeddings))
         elif end > cache.capacity:
-            self.graphs.drop(item.request_id)
             cache.grow(min(max(end, 2 * cache.capacity), cfg.max_position_embeddings))
         if end > cache.capacity:  # unreachable while validate() bounds positions; ggml would abort on it
             raise EngineInputError(f"request {item.request_id!r}: {end} positions exceed its cache of {cache.capacity}")
         return cache
 
-    def run(self, x: np.ndarray, p: Packing, caches: list[RequestKV], all_logits: bool) -> np.ndarray:
-        e, starts, lengths = self.engine, p.starts, tuple(p.lengths)
+    def shape(self, p: Packing, caches: list[CellRange], all_logits: bool) -> Shape:
+        e = self.engine
         output = "hidden" if not e.shard.is_last else ("all" if all_logits else "last")
-        spans = tuple(span_for(s + n, c.capacity) for s, n, c in zip(starts, lengths, caches))
-        layout = Layout(p.request_ids, lengths, spans, output)
-        graph = self.graphs.get(layout)
+        end = max(c.start + s + n for c, s, n in zip(caches, p.starts, p.lengths))
+        outputs = padded_rows(len(caches)) if output == "last" else 0
+        return Shape(padded_rows(p.bounds[-1]), window_for(end, e.pool.cells), output, outputs)
+
+    def run(self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool) -> np.ndarray:
+        e, rows, n = self.engine, p.bounds[-1], len(caches)
+        if e.pool.generation != self.generation:  # the pool moved (it grew): every graph points at the old tensors
+            self.graphs.clear()
+            self.generation = e.pool.generation
+        shape = self.shape(p, caches, all_logits)
+        graph = self.graphs.get(shape)
         if graph is None:
-            graph = Graph(e.ops, e.model, layout, caches, e.shard.is_first, self.config.hidden_size)
+            model = e.model if self.sliding is None else self.sliding.builder(e.model, e.ops)
+            graph = Graph(e.ops, model, shape, e.pool, first=e.shard.is_first, hidden=self.config.hidden_size)
+            if self.sliding is not None:
+                self.sliding.attach(graph, model)
             self.graphs.put(graph)
+        self.fill(graph, x, p, caches)
+        if self.sliding is not None:
+            self.sliding.fill(graph, [graph.mask_np])
+        hidden = None
         if not e.shard.is_first:
-            x = np.ascontiguousarray(x, dtype=np.float32)
-        masks = [self.masks(s, n, span) for s, n, span in zip(starts, lengths, spans)]
+            hidden = np.zeros((shape.rows, self.config.hidden_size), dtype=np.float32)
+            hidden[:rows] = x
+        out_ids = None
+        if shape.output == "last":
+            out_ids = np.zeros(shape.outputs, dtype=np.int32)
+            out_ids[:n] = np.asarray(p.bounds[1:], dtype=np.int32) - 1
         threads = e.governor.threads()
         if threads != e.step_threads:
             g.ggml_backend_cpu_set_n_threads(e.backend, threads)
             e.step_threads = threads
-        return graph.run(e.backend, x, p.positions, masks)
+        out = graph.run(e.backend, hidden, out_ids)
+        return out[:n] if shape.output == "last" else out[:rows]
 
-    def drop(self, request_id: str) -> None:
-        self.graphs.drop(request_id)
+    def fill(self, graph: Graph, x: np.ndarray, p: Packing, caches: list[CellRange]) -> None:
+        """The step's rows into the graph's inputs: tokens, positions and cells (padding rows: token 0, position 0,
+        the scratch cell), and the mask: -inf but for each row's own request's cells up to its position."""
+        rows, padded = p.bounds[-1], graph.shape.rows
+        ints, mask = graph.ints_np, graph.mask_np
+        at = 0
+        if graph.first:
+            ints[:rows], ints[rows:padded] = x, 0
+            at = padded
+        ints[at : at + rows], ints[at + rows : at + padded] = p.positions, 0
+        starts = np.repeat(np.asarray([c.start for c in caches], dtype=np.int32), p.lengths)
+        ints[at + padded : at + padded + rows] = starts + p.positions
+        ints[at + padded + rows :] = SCRATCH_CELL
+        mask.fill(-np.inf)
+        for i, (c, s, n) in enumerate(zip(caches, p.starts, p.lengths)):
+            mask[p.bounds[i] : p.bounds[i + 1], c.start : c.start + s + n] = self.masks(s, n, s + n)

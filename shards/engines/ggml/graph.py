@@ -1,11 +1,19 @@
-"""Compute graphs of the ggml engine: built once per batch layout by running the shared model, then re-run.
+"""Compute graphs of the ggml engine: one per step shape, built by running the shared model once, then re-run.
 
-A `Layout` is what fixes a graph's shape and the tensors it touches: which requests (their caches are baked in),
-how many rows each brings, how many cache cells each attends (its span), and which logits come out. The first step
-with a layout runs `ShardModel` on the ggml backend to build the graph (a few ms for a 30-layer model) and gives it
-its own compute buffer; every later step with the same layout only copies in the inputs (tokens or hidden rows,
-positions, masks) and computes: tens of microseconds of Python per step. `GraphRunner` is the engine's runner for
-`BlockEngine.run`: it makes and grows the caches, finds or builds the step's graph and runs it.
+A `Shape` is all that fixes a graph: how many rows (padded, see `padded_rows`), how many KV cells attention reads
+(the window [0, window) of the engine's cell pool, shards/engines/ggml/cells.py: `window_for`) and
+which outputs come out. Which requests a step carries, where their cells are and what each row may see are inputs:
+every row's token (or hidden row), position and cell (where ggml_set_rows writes its keys and values), and one F16
+mask [rows, window] that is 0 on the cells of the row's own request at or before its position and -inf everywhere
+else. So the whole step attends once per layer (in blocks of rows: GgmlBackend.attention), the graph has the same
+few nodes per layer however many requests it carries, and a new mix of requests reuses the graph of its shape.
+
+Exactness: ggml's CPU flash attention skips every -inf cell outright (`if (mv == -INFINITY) continue;` in
+ggml-cpu/ops.cpp), so a row's result is the online softmax over exactly its own request's cells, in cell order:
+the same numbers whichever other requests share the window, and wherever the request's range lies in the pool.
+
+The first step of a shape builds its graph (a few ms) and gives it its own compute buffer; later steps copy the
+inputs and compute. Graphs are kept least recently used first out, at most `GraphCache.limit`.
 """
 
 from __future__ import annotations
@@ -15,67 +23,102 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shards.engines.ggml.backend import ATTENTION_ROWS, GArray, GgmlBackend
-from shards.engines.ggml.cache import GraphKV, RequestKV
+from shards.engines.backend import KVCache
+from shards.engines.ggml.backend import ATTENTION_ROWS, GArray, GgmlBackend, expect
+from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.lib import F16, F32, I32, Context, GgmlError, cpu_buffer_type, g
 from shards.transformer import ShardModel, Step
 
+WINDOW_STEP = 256  # the fewest cells a step attends (llama.cpp pads its KV view to 256 too)
+OUTPUTS = ("hidden", "last", "all")
+PAD_FROM = 64  # steps of this many rows and more are padded to a multiple of 8 rows
+
+
+def padded_rows(n: int) -> int:
+    """Rows a step of n rows runs with: n below PAD_FROM rows, else a multiple of 8 (at most 7 rows, 11%, of
+    padding). A graph costs a few ms to build (7-16 ms for SmolLM2's 30 layers), so small steps keep their exact
+    size rather than pay for padding rows in every matmul; large ones, mostly prompt chunks of any size, share a
+    few shapes."""
+    if n < 1:
+        raise ValueError(f"a step has at least one row, not {n}")
+    return n if n < PAD_FROM else -(-n // 8) * 8
+
+
+def window_for(end: int, cells: int) -> int:
+    """Cells a step attends when its requests' cells end at `end`: WINDOW_STEP, or the power of two above `end`
+    (at most the pool). A window past the cells in use only adds -inf cells the kernel skips, while a few
+    windows mean a few graphs as requests come and go."""
+    return min(cells, max(WINDOW_STEP, 1 << (end - 1).bit_length()))
+
 
 @dataclass(frozen=True)
-class Layout:
-    request_ids: tuple[str, ...]
-    lengths: tuple[int, ...]  # rows per request
-    spans: tuple[int, ...]  # cache cells each request attends
-    output: str  # "hidden" (not the last shard), "last" (each request's last row's logits) or "all" (every row's)
+class Shape:
+    rows: int  # padded rows
+    window: int  # cells attended: [0, window) of the pool
+    output: str  # "hidden" (not the last shard), "last" (chosen rows' logits) or "all" (every row's)
+    outputs: int  # rows of logits for "last" (padded like rows), else 0
+
+    def __post_init__(self):
+        if self.rows < 1 or self.window < 1 or self.output not in OUTPUTS:
+            raise ValueError(f"bad graph shape {self}")
+        if (self.output == "last") != (self.outputs > 0):
+            raise ValueError(f"a graph has logits rows exactly when its output is 'last': {self}")
+
+
+class PoolKV(KVCache):
+    """One layer of the cell pool as the graph sees it: `update_and_fetch` writes the step's keys and values at
+    the rows' cells (an input) and returns views of the window's cells."""
+
+    def __init__(self, ops: GgmlBackend, pool: CellPool, layer: int, cells: GArray, window: int):
+        self.ops, self.pool, self.layer, self.cells, self.window = ops, pool, layer, cells, window
+
+    def update_and_fetch(self, k, v, start):
+        ops, pool = self.ops, self.pool
+        t = k.shape[0]
+        k_rows, v_rows = ops.reshape(k, (t, pool.width)), ops.reshape(v, (t, pool.width))
+        expect(self.cells.shape == (t,) and k_rows.strides[-1] == v_rows.strides[-1] == 4, f"kv rows {k.shape}")
+        # set_rows returns a view of the cells that depends on the write: reading through it orders the read after it
+        k_all = ops.wrap(
+            ops.node(g.ggml_set_rows, pool.k[self.layer], k_rows.t, self.cells.t), (pool.cells, pool.width)
+        )
+        v_all = ops.wrap(
+            ops.node(g.ggml_set_rows, pool.v[self.layer], v_rows.t, self.cells.t), (pool.cells, pool.width)
+        )
+        heads, hd = k.shape[1], k.shape[2]
+        shape, strides = (heads, self.window, hd), (hd * 2, pool.row, 2)
+        return ops.view(k_all, shape, strides), ops.view(v_all, shape, strides)
 
     @property
-    def rows(self) -> int:
-        return sum(self.lengths)
+    def nbytes(self) -> int:
+        return self.window * self.pool.row * 2
 
 
 class Graph:
-    def __init__(
-        self,
-        ops: GgmlBackend,
-        model: ShardModel,
-        layout: Layout,
-        caches: list[RequestKV],
-        first: bool,
-        hidden_size: int,
-    ):
-        n, rows, layers = len(layout.lengths), layout.rows, len(model.layers)
-        self.layout = layout
-        # Room for every tensor the build creates: ~40 per layer plus ~12 per request and layer (measured 38 + 11n
-        # for Qwen3 with q/k norms and biases-free fused weights), with margin; overflowing raises before ggml would.
-        # Attention in blocks of ATTENTION_ROWS query rows (backend.py): ~6 more tensors per block and layer.
-        blocks = sum(-(-t // ATTENTION_ROWS) for t in layout.lengths)
-        self.ctx = Context(64 + layers * (96 + 16 * n + 6 * blocks) + 8 * n, graph=True)  # MoE: ~20 + top-k more
+    """A step's graph over the pool's tensors. Inputs: `ints` (tokens on a first shard, then positions, then cells,
+    each [rows]), hidden rows on other shards, the mask [rows, window] and, for 'last', which rows give logits."""
+
+    def __init__(self, ops: GgmlBackend, model: ShardModel, shape: Shape, pool: CellPool, *, first: bool, hidden: int):
+        rows, layers = shape.rows, len(model.layers)
+        self.shape, self.first = shape, first
+        blocks = -(-rows // ATTENTION_ROWS) + 1
+        # ~40 tensors per layer (measured 38 for Qwen3 with q/k norms), 8 per attention block and layer, MoE ~20 + top-k
+        self.ctx = Context(64 + layers * (96 + 8 * blocks), graph=True)
         ops.ctx = self.ctx
         try:
-            # Few inputs, so a step makes few copies: token ids and positions share one I32 tensor, every
-            # request's mask lives in one F16 tensor; the graph reads views of them.
-            self.first = first
-            self.ints = ops.input(I32, (2 * rows if first else rows,))
-            self.ints_np = np.empty(2 * rows if first else rows, dtype=np.int32)
-            x = ops.view(self.ints, (rows,), (4,)) if first else ops.input(F32, (rows, hidden_size))
+            n_ints = (3 if first else 2) * rows
+            self.ints = ops.input(I32, (n_ints,))
+            self.ints_np = np.zeros(n_ints, dtype=np.int32)
+            at = rows if first else 0
+            x = ops.view(self.ints, (rows,), (4,)) if first else ops.input(F32, (rows, hidden))
             self.hidden = None if first else x
-            positions = ops.view(self.ints, (rows,), (4,), 4 * rows if first else 0)
-            sizes = [t * span for t, span in zip(layout.lengths, layout.spans)]
-            self.mask_at = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-            self.mask = ops.input(F16, (self.mask_at[-1],))
-            self.mask_np = np.empty(self.mask_at[-1], dtype=np.float16)
-            masks = [
-                ops.view(self.mask, (t, span), (2 * span, 2), 2 * at)
-                for t, span, at in zip(layout.lengths, layout.spans, self.mask_at)
-            ]
-            bounds = np.concatenate([[0], np.cumsum(layout.lengths)]).tolist()
-            out_ids = ops.input(I32, (n,)) if layout.output == "last" else None
-            bound = []
-            for r, cache in enumerate(caches):
-                pos = ops.view(positions, (layout.lengths[r],), (4,), 4 * bounds[r])
-                bound.append([GraphKV(ops, layer, pos, layout.spans[r]) for layer in cache.layers])
-            step = Step(bounds, [c.length for c in caches], positions, ops.rotary(positions), masks)
-            out: GArray = ops.contiguous(model(x, step, bound, out_ids))
+            positions = ops.view(self.ints, (rows,), (4,), 4 * at)
+            cells = ops.view(self.ints, (rows,), (4,), 4 * (at + rows))
+            self.mask = ops.input(F16, (rows, shape.window))
+            self.mask_np = np.empty((rows, shape.window), dtype=np.float16)
+            self.out_ids = ops.input(I32, (shape.outputs,)) if shape.output == "last" else None
+            kv = [[PoolKV(ops, pool, layer, cells, shape.window) for layer in range(layers)]]
+            step = Step((0, rows), (0,), positions, ops.rotary(positions), (self.mask,))
+            out: GArray = ops.contiguous(model(x, step, kv, self.out_ids))
         except BaseException:  # a failed build (context full, a shape check): its context's memory goes back now
             self.ctx.free()
             raise
@@ -85,29 +128,22 @@ class Graph:
         self.out, self.out_shape = out.t, out.shape
         self.gf = self.ctx.graph()
         g.ggml_build_forward_expand(self.gf, out.t)
+        self.nodes = int(g.ggml_graph_n_nodes(self.gf))
         self.galloc = g.ggml_gallocr_new(cpu_buffer_type())
         if not self.galloc or not g.ggml_gallocr_alloc_graph(self.galloc, self.gf):
             self.free()
             raise MemoryError("ggml could not allocate the compute buffer of a graph")
         self.compute_bytes = int(g.ggml_gallocr_get_buffer_size(self.galloc, 0))
-        if out_ids is not None:  # fixed by the layout: set once, kept (inputs are never overwritten)
-            last = np.asarray(bounds[1:], dtype=np.int32) - 1
-            g.ggml_backend_tensor_set(out_ids.t, last.ctypes.data, 0, last.nbytes)
 
-    def run(self, backend: int, x: np.ndarray, positions: np.ndarray, masks: list[np.ndarray]) -> np.ndarray:
-        """Set the inputs and compute. x: token ids (any int dtype; checked by the engine) or float32 hidden rows;
-        positions and masks exactly as the layout says (ggml copies bytes and checks nothing)."""
-        ints, mask, at = self.ints_np, self.mask_np, self.mask_at
-        if self.first:
-            rows = len(x)
-            ints[:rows], ints[rows:] = x, positions
-        else:
-            ints[:] = positions
-            g.ggml_backend_tensor_set(self.hidden.t, x.ctypes.data, 0, x.nbytes)
-        for i, m in enumerate(masks):
-            mask[at[i] : at[i + 1]] = m.reshape(-1)
-        g.ggml_backend_tensor_set(self.ints.t, ints.ctypes.data, 0, ints.nbytes)
-        g.ggml_backend_tensor_set(self.mask.t, mask.ctypes.data, 0, mask.nbytes)
+    def run(self, backend: int, hidden: np.ndarray | None, out_ids: np.ndarray | None) -> np.ndarray:
+        """Compute with `ints_np` and `mask_np` as the caller filled them (ggml copies bytes and checks nothing:
+        the caller checks every value), `hidden` float32 [rows, hidden] on a non-first shard."""
+        if hidden is not None:
+            g.ggml_backend_tensor_set(self.hidden.t, hidden.ctypes.data, 0, hidden.nbytes)
+        if out_ids is not None:
+            g.ggml_backend_tensor_set(self.out_ids.t, out_ids.ctypes.data, 0, out_ids.nbytes)
+        g.ggml_backend_tensor_set(self.ints.t, self.ints_np.ctypes.data, 0, self.ints_np.nbytes)
+        g.ggml_backend_tensor_set(self.mask.t, self.mask_np.ctypes.data, 0, self.mask_np.nbytes)
         status = g.ggml_backend_graph_compute(backend, self.gf)
         if status != 0:
             raise GgmlError(f"ggml graph compute failed with status {status}")
@@ -123,27 +159,24 @@ class Graph:
 
 
 class GraphCache:
-    """Built graphs by layout, least recently used dropped beyond `limit`; graphs of a released (or grown) request
-    are dropped at once, since they point at its caches."""
+    """Built graphs by shape, least recently used dropped beyond `limit`; `builds` counts every graph built."""
 
-    def __init__(self, limit: int = 8):
+    def __init__(self, limit: int = 16):
         self.limit = limit
-        self.graphs: OrderedDict[Layout, Graph] = OrderedDict()
+        self.graphs: OrderedDict[Shape, Graph] = OrderedDict()
+        self.builds = 0
 
-    def get(self, layout: Layout) -> Graph | None:
-        graph = self.graphs.get(layout)
+    def get(self, shape: Shape) -> Graph | None:
+        graph = self.graphs.get(shape)
         if graph is not None:
-            self.graphs.move_to_end(layout)
+            self.graphs.move_to_end(shape)
         return graph
 
     def put(self, graph: Graph) -> None:
-        self.graphs[graph.layout] = graph
+        self.builds += 1
+        self.graphs[graph.shape] = graph
         while len(self.graphs) > self.limit:
             self.graphs.popitem(last=False)[1].free()
-
-    def drop(self, request_id: str) -> None:
-        for layout in [lay for lay in self.graphs if request_id in lay.request_ids]:
-            self.graphs.pop(layout).free()
 
     def clear(self) -> None:
         while self.graphs:

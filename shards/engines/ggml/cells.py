@@ -1,0 +1,175 @@
+"""KV cells of the ggml engine: every request's keys and values in one pair of F16 tensors per layer (llama.cpp's
+unified KV cache), each request owning a contiguous range of cells.
+
+Per layer one K and one V tensor [cells, kv_heads*head_dim] (a cell is one position of one request), all in one
+anonymous mapping: zero until written and backed by RAM only where written; a range given back is returned to
+the kernel (MADV_DONTNEED) and reads as zeros again. A request's range is its reservation (StepInput.max_positions),
+taken first fit from the low end so the cells in use stay packed and the window a step attends stays small; a
+request without a reservation starts small and moves to a larger range when it outgrows it. When no free range is
+large enough the pool doubles (its tensors move: `generation` says so, and every graph built on the old ones goes).
+
+Cell 0 belongs to no request: rows that only pad a step to its graph's size (shards/engines/ggml/graph.py) write
+there, and no row ever attends it.
+
+Because the graphs attend through a mask, not through per-request tensors, a step's graph depends only on its
+shape (rows, window of cells, output), never on which requests it carries. A `CellRange` is the engine's
+RequestCache: length, commit and truncate as every engine's, nbytes its range, free gives the range back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+from shards.engines.backend import RequestCache
+from shards.engines.ggml.lib import F16, Context, MappedBuffer, Tensor
+
+SCRATCH_CELL = 0  # where padding rows write; in no request's range
+PAGE = mmap.PAGESIZE
+
+
+class CellPool:
+    """Every layer's K and V cells, and which ranges of cells are free (sorted, disjoint, merged [start, end))."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, cells: int):
+        if n_layers < 1 or n_kv_heads < 1 or head_dim < 1 or cells < 2:
+            raise ValueError(f"a cell pool needs layers, heads, head_dim >= 1 and >= 2 cells, got {cells} cells")
+        self.n_layers, self.width = n_layers, n_kv_heads * head_dim
+        self.row = self.width * 2  # bytes of one cell of one tensor (F16)
+        self.position_bytes = 2 * n_layers * self.row  # what one cell costs across K and V of every layer
+        self.generation = 0
+        self.ctx, self.mem = None, None
+        self._map(cells)
+        self.free_ranges: list[tuple[int, int]] = [(SCRATCH_CELL + 1, cells)]
+
+    def _map(self, cells: int) -> None:
+        """Tensors of `cells` cells, each starting on a page (so a range's pages can be given back per tensor)."""
+        stride = -(-cells * self.row // PAGE) * PAGE
+        ctx = Context(2 * self.n_layers)
+        try:
+            mem = MappedBuffer(2 * self.n_layers * stride)
+        except BaseException:
+            ctx.free()
+            raise
+        try:
+            tensors = []
+            for i in range(2 * self.n_layers):
+                t = ctx.new(F16, (self.width, cells))
+                mem.place(t, i * stride)
+                tensors.append(t)
+        except BaseException:
+            mem.free()
+            ctx.free()
+            raise
+        self.cells, self.stride, self.ctx, self.mem = cells, stride, ctx, mem
+        self.k: list[Tensor] = tensors[0::2]
+        self.v: list[Tensor] = tensors[1::2]
+
+    @property
+    def used_end(self) -> int:
+        """One past the highest cell any range holds (the pool's tail beyond it is free)."""
+        last = self.free_ranges[-1] if self.free_ranges else None
+        return last[0] if last and last[1] == self.cells else self.cells
+
+    def allocate(self, n: int) -> int:
+        """The first cell of a free range of n cells, the lowest that fits; the pool doubles when none does."""
+        if n < 1:
+            raise ValueError(f"a cell range holds at least one cell, not {n}")
+        while True:
+            for i, (start, end) in enumerate(self.free_ranges):
+                if end - start >= n:
+                    if end - start == n:
+                        del self.free_ranges[i]
+                    else:
+                        self.free_ranges[i] = (start + n, end)
+                    return start
+            self.grow(max(2 * self.cells, self.used_end + n))
+
+    def release(self, start: int, n: int) -> None:
+        """Give cells [start, start+n) back, merged with free neighbours; the whole pages of the merged free range
+        go back to the kernel."""
+        end = start + n
+        if self.mem is None:  # the pool itself is gone (its engine closed): nothing is left to give back
+            return
+        if start <= SCRATCH_CELL or end > self.cells or n < 1:
+            raise ValueError(f"cells [{start}, {end}) are not a range of this pool of {self.cells}")
+        ranges, at = self.free_ranges, 0
+        while at < len(ranges) and ranges[at][0] < start:
+            at += 1
+        if (at and ranges[at - 1][1] > start) or (at < len(ranges) and ranges[at][0] < end):
+            raise ValueError(f"cells [{start}, {end}) are already free")
+        if at < len(ranges) and ranges[at][0] == end:
+            end = ranges.pop(at)[1]
+        if at and ranges[at - 1][1] == start:
+            at -= 1
+            start = ranges.pop(at)[0]
+        ranges.insert(at, (start, end))
+        self._discard(start, end)
+
+    def _discard(self, start: int, end: int) -> None:
+        """Return the whole pages of cells [start, end) of every tensor to the kernel (they read as zeros after)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        first, last = -(-start * self.row // PAGE) * PAGE, end * self.row // PAGE * PAGE
+        if last > first:
+            for i in range(2 * self.n_layers):
+                self.mem.map.madvise(mmap.MADV_DONTNEED, i * self.stride + first, last - first)
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Cells [src, src+n) to [dst, dst+n) in every tensor (ranges that do not overlap)."""
+        if n > 0:
+            for t in self.k + self.v:
+                base = t.contents.data
+                ctypes.memmove(base + dst * self.row, base + src * self.row, n * self.row)
+
+    def move(self, start: int, n: int, keep: int, new_n: int) -> int:
+        """A range of n cells (its first `keep` in use) moved to a new range of new_n cells; its first cell."""
+        new = self.allocate(new_n)  # may grow the pool: the old range's cells move with it, same indices
+        self.copy(start, new, keep)
+        self.release(start, n)
+        return new
+
+    def grow(self, cells: int) -> None:
+        """Move every tensor into a mapping of `cells` cells (the cells in use copied, at the same indices)."""
+        old_ctx, old_mem, old = self.ctx, self.mem, self.k + self.v
+        used, old_cells = self.used_end, self.cells
+        self._map(cells)
+        for src, dst in zip(old, self.k + self.v):
+            ctypes.memmove(dst.contents.data, src.contents.data, used * self.row)
+        old_mem.free()
+        old_ctx.free()
+        if self.free_ranges and self.free_ranges[-1][1] == old_cells:
+            self.free_ranges[-1] = (self.free_ranges[-1][0], cells)
+        else:
+            self.free_ranges.append((old_cells, cells))
+        self.generation += 1
+
+    def free(self) -> None:
+        if self.mem is not None:
+            self.mem.free()
+            self.ctx.free()
+            self.mem = self.ctx = None
+
+
+class CellRange(RequestCache):
+    """One request's cells [start, start+capacity) in every layer of a pool; `length` of them hold its positions
+    (position p in cell start+p)."""
+
+    def __init__(self, pool: CellPool, capacity: int):
+        super().__init__([])
+        self.start = pool.allocate(capacity)
+        self.pool, self.capacity = pool, capacity
+
+    def grow(self, capacity: int) -> None:
+        """Move to a range of `capacity` cells, keeping the positions held."""
+        self.start = self.pool.move(self.start, self.capacity, self.length, capacity)
+        self.capacity = capacity
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.pool.position_bytes if self.pool is not None else 0
+
+    def free(self) -> None:
+        if self.pool is not None:
+            self.pool.release(self.start, self.capacity)
+            self.pool = None
