@@ -2,6 +2,7 @@
 engine's usual step?
 
     uv run python -m bench.bench_burst [--requests 64] [--tokens 24] [--threads 1] [--runs 1] [--engine auto]
+        [--node-args "--quantize none"]
 
 Each run starts one node (the packaged SmolLM2, the default engine unless --engine), sends --requests streaming
 chat requests at once (greedy, different prompts, --tokens each) the moment it is ready, and reports: the wall
@@ -16,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import time
 
 import aiohttp
@@ -104,10 +106,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--engine", default=None)
+    p.add_argument("--node-args", default="", help='more node flags, e.g. "--quantize none"')
     args = p.parse_args()
     path, model_id = resolve_model(DEFAULT_MODEL)
     for run in range(args.runs):
-        with Cluster(path, 1, model_id=model_id, engine=args.engine, extra=["--threads", str(args.threads)]) as c:
+        with Cluster(
+            path,
+            1,
+            model_id=model_id,
+            engine=args.engine,
+            extra=["--threads", str(args.threads), *shlex.split(args.node_args)],
+        ) as c:
             print(
                 json.dumps({"run": run} | asyncio.run(burst(c.nodes[0].api_url, model_id, args.requests, args.tokens))),
                 flush=True,
