@@ -1,7 +1,7 @@
 """Speculative decoding on three real nodes (SmolLM2 on ggml, its file's Q4_1 blocks, `--quantize none`: rows are
 bit-identical however a step batches them): two concurrent requests, one greedy code rewrite that repeats its
 input and one seeded sampled story, give with prompt lookup (the default) the text they give with
-`"speculative": false`, and the proposals were accepted, several tokens a trip."""
+`"speculative": false`, and the proposals were accepted, several tokens a trip (also in /metrics)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -9,6 +9,7 @@ import pytest
 
 from tests.support.cluster import Cluster
 from tests.support.http import call_json
+from tests.support.metrics import scrape, value
 
 pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
@@ -61,4 +62,8 @@ def test_three_nodes_give_the_same_text_with_and_without_speculation_for_concurr
         last = c.self_info()["node2"]["status"]
         assert last["spec_accepted"] > 0
         assert sum(v for k, v in last.items() if k.startswith("tokens_per_trip_") and k != "tokens_per_trip_1") > 0
+        samples = scrape(c.nodes[2].api_url)  # the same counts, as Prometheus reads them
+        assert value(samples, "exo_speculative_accepted_total") == last["spec_accepted"]
+        assert value(samples, "exo_speculative_proposed_total") == last["spec_proposed"]
+        assert value(samples, "exo_tokens_per_trip_sum") > value(samples, "exo_tokens_per_trip_count") > 0
         assert set(c.wait_idle().values()) == {0}
