@@ -335,3 +335,16 @@ def test_a_batching_proposer_is_asked_in_batches_it_can_hold():
     a = core("a", proposer)
     drafts = a.speculation.draft([(f"r{i}", [1, 2], 2) for i in range(5)])
     assert drafts == [(7, 8)] * 5 and proposer.seen == [["r0", "r1"], ["r2", "r3"], ["r4"]]
+
+
+def test_the_http_opt_out_is_a_boolean_extension_field_carried_in_the_sampling_parameters():
+    from node.http.schema import ApiError, parse_chat
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat(body).options.sampling.speculate is True
+    assert parse_chat(body | {"speculative": False}).options.sampling.speculate is False
+    with pytest.raises(ApiError) as e:
+        parse_chat(body | {"speculative": "no"})
+    assert e.value.status == 400 and e.value.param == "speculative"
+    sampling = wire.decode_sampling(wire.encode_sampling(SamplingParams(temperature=0, speculate=False)))
+    assert sampling.speculate is False  # and it travels to every node of the plan
