@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.support.cluster import Cluster
-from tests.support.http import call_json
+from tests.support.http import call_json, stream_completion
 from tests.support.metrics import scrape, value
 
 pytest.importorskip("ggml", reason="the ggml extra is not installed")
@@ -67,3 +67,23 @@ def test_three_nodes_give_the_same_text_with_and_without_speculation_for_concurr
         assert value(samples, "exo_speculative_proposed_total") == last["spec_proposed"]
         assert value(samples, "exo_tokens_per_trip_sum") > value(samples, "exo_tokens_per_trip_count") > 0
         assert set(c.wait_idle().values()) == {0}
+
+
+def test_a_speculating_stream_whose_last_node_is_killed_is_replayed_with_the_same_text():
+    """Replay stays exact with proposals in flight: the new plan prefills prompt + generated tokens and verifies
+    with the same rule (greedy here; seeded streams: tests/cluster/test_replay_ggml.py, speculation on too)."""
+    path, model_id = resolve_model(DEFAULT_MODEL)
+    extra = ["--threads", "1", "--quantize", "none"]
+    body = {"model": model_id, "prompt": REWRITE, "max_tokens": 48, "temperature": 0}
+    with Cluster(path, 3, memory_gb=[2, 2, 2], model_id=model_id, engine=None, extra=extra) as c:
+        url = f"{c.nodes[0].api_url}/v1/completions"
+        reference = "".join(e.text for e in stream_completion(url, body, timeout=180))
+        events = []
+        for event in stream_completion(url, body, timeout=180):
+            events.append(event)
+            if len(events) == 6:
+                c.nodes[2].proc.kill()
+        assert [e.error for e in events if e.error] == [] and "".join(e.text for e in events) == reference
+        info = c.self_info()
+        assert info["node0"]["status"]["replays"] == 1
+        assert sum(node["status"].get("spec_accepted", 0) for node in info.values()) > 0  # it speculated after
