@@ -94,7 +94,7 @@ def test_a_lone_row_over_many_cells_equals_the_same_row_prefilled_or_beside_othe
     e.forward([StepInput("lone", tokens=tokens[:-1], max_positions=41)])  # cells 231..271: across the threads' halves
     whole = e.forward([StepInput("whole", tokens=tokens, max_positions=41)], all_logits=True)[0][-1]
     lone_step = [StepInput("lone", tokens=tokens[-1:])]
-    assert e.runner.shape(e.pack(lone_step), [e.caches["lone"]], False).window >= SPLIT_KV_CELLS
+    assert e.runner.shape(e.pack(lone_step), [e.caches["lone"]], False).groups[0].cells >= SPLIT_KV_CELLS
     lone = e.forward(lone_step)[0][0]
     e.forward([StepInput("busy", tokens=tokens[:-1], max_positions=41), StepInput("x", tokens=tokens[:9])])
     beside = e.forward([StepInput("x", tokens=tokens[9:10]), StepInput("busy", tokens=tokens[-1:])])[1][0]

@@ -27,7 +27,7 @@ from shards.engines.base import BlockEngine, EngineInputError, Packing, StepInpu
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import SCRATCH_CELL, CellPool, CellRange
 from shards.engines.ggml.gemm_rows import DEFAULT as FLOAT_MATMUL
-from shards.engines.ggml.graph import Graph, GraphCache, Shape, padded_rows, window_for
+from shards.engines.ggml.graph import WINDOW_STEP, Graph, GraphCache, Group, Shape, padded_rows, window_for
 from shards.engines.ggml.lib import default_threads, g
 from shards.engines.ggml.sliding import SlidingWindows
 from shards.engines.ggml.threads import ThreadGovernor
@@ -163,18 +163,46 @@ class GraphRunner(Runner):
         return cache
 
     def shape(self, p: Packing, caches: list[CellRange], all_logits: bool) -> Shape:
-        e = self.engine
+        return self.layout(p, caches, all_logits)[0]
+
+    def layout(self, p: Packing, caches: list[CellRange], all_logits: bool) -> tuple[Shape, list[int], list[int]]:
+        """The step's shape, and for each request its attention group and first row in it. Decode rows (one
+        position each) attend together over [0, window) with the window of every decode row of the step
+        (`window_for`: their graph is the same whichever requests they are); a prompt chunk attends its own
+        request's cells only (256-cell bounds), so a long chunk does not scan every other request's cells (its
+        graph is built for the step: a few ms beside the chunk's compute). Padding rows join the last decode group."""
+        e, cells = self.engine, self.engine.pool.cells
         output = "hidden" if not e.shard.is_last else ("all" if all_logits else "last")
-        end = max(c.start + s + n for c, s, n in zip(caches, p.starts, p.lengths))
+        ends = [c.start + s + 1 for c, s, n in zip(caches, p.starts, p.lengths) if n == 1]
+        decode = window_for(max(ends, default=1), cells)
+        groups: list[list] = []  # [decode?, rows, lo, cells]
+        member, first = [], []
+        for c, s, n in zip(caches, p.starts, p.lengths):
+            if n == 1 and groups and groups[-1][0]:
+                groups[-1][1] += 1
+            elif n == 1:
+                groups.append([True, 1, 0, decode])
+            else:
+                lo = c.start // WINDOW_STEP * WINDOW_STEP
+                groups.append([False, n, lo, min(cells, -(-(c.start + s + n) // WINDOW_STEP) * WINDOW_STEP) - lo])
+            member.append(len(groups) - 1)
+            first.append(groups[-1][1] - n)
+        rows = padded_rows(p.bounds[-1])
+        if rows > p.bounds[-1]:
+            if groups[-1][0]:
+                groups[-1][1] += rows - p.bounds[-1]
+            else:
+                groups.append([True, rows - p.bounds[-1], 0, decode])
         outputs = padded_rows(len(caches)) if output == "last" else 0
-        return Shape(padded_rows(p.bounds[-1]), window_for(end, e.pool.cells), output, outputs)
+        shape = Shape(rows, tuple(Group(n, lo, w) for _, n, lo, w in groups), output, outputs)
+        return shape, member, first
 
     def run(self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool) -> np.ndarray:
         e, rows, n = self.engine, p.bounds[-1], len(caches)
         if e.pool.generation != self.generation:  # the pool moved (it grew): every graph points at the old tensors
             self.graphs.clear()
             self.generation = e.pool.generation
-        shape = self.shape(p, caches, all_logits)
+        shape, member, first = self.layout(p, caches, all_logits)
         graph = self.graphs.get(shape)
         if graph is None:
             model = e.model if self.sliding is None else self.sliding.builder(e.model, e.ops)
@@ -182,9 +210,9 @@ class GraphRunner(Runner):
             if self.sliding is not None:
                 self.sliding.attach(graph, model)
             self.graphs.put(graph)
-        self.fill(graph, x, p, caches)
+        self.fill(graph, x, p, caches, member, first)
         if self.sliding is not None:
-            self.sliding.fill(graph, [graph.mask_np])
+            self.sliding.fill(graph, graph.masks_np)
         hidden = None
         if not e.shard.is_first:
             hidden = np.zeros((shape.rows, self.config.hidden_size), dtype=np.float32)
@@ -200,11 +228,13 @@ class GraphRunner(Runner):
         out = graph.run(e.backend, hidden, out_ids)
         return out[:n] if shape.output == "last" else out[:rows]
 
-    def fill(self, graph: Graph, x: np.ndarray, p: Packing, caches: list[CellRange]) -> None:
+    def fill(
+        self, graph: Graph, x: np.ndarray, p: Packing, caches: list[CellRange], member: list[int], first: list[int]
+    ) -> None:
         """The step's rows into the graph's inputs: tokens, positions and cells (padding rows: token 0, position 0,
-        the scratch cell), and the mask: -inf but for each row's own request's cells up to its position."""
+        the scratch cell), and each group's mask: -inf but for each row's own request's cells up to its position."""
         rows, padded = p.bounds[-1], graph.shape.rows
-        ints, mask = graph.ints_np, graph.mask_np
+        ints = graph.ints_np
         at = 0
         if graph.first:
             ints[:rows], ints[rows:padded] = x, 0
@@ -213,6 +243,8 @@ class GraphRunner(Runner):
         starts = np.repeat(np.asarray([c.start for c in caches], dtype=np.int32), p.lengths)
         ints[at + padded : at + padded + rows] = starts + p.positions
         ints[at + padded + rows :] = SCRATCH_CELL
-        mask.fill(-np.inf)
-        for i, (c, s, n) in enumerate(zip(caches, p.starts, p.lengths)):
-            mask[p.bounds[i] : p.bounds[i + 1], c.start : c.start + s + n] = self.masks(s, n, s + n)
+        graph.mask_np.fill(-np.inf)
+        groups = graph.shape.groups
+        for c, s, n, gi, r in zip(caches, p.starts, p.lengths, member, first):
+            lo = c.start - groups[gi].lo
+            graph.masks_np[gi][r : r + n, lo : lo + s + n] = self.masks(s, n, s + n)

@@ -52,15 +52,26 @@ def window_for(end: int, cells: int) -> int:
 
 
 @dataclass(frozen=True)
+class Group:
+    """Consecutive rows that attend together, over cells [lo, lo + cells) of the pool."""
+
+    rows: int
+    lo: int
+    cells: int
+
+
+@dataclass(frozen=True)
 class Shape:
     rows: int  # padded rows
-    window: int  # cells attended: [0, window) of the pool
+    groups: tuple[Group, ...]  # the rows, in order, by the cells they attend
     output: str  # "hidden" (not the last shard), "last" (chosen rows' logits) or "all" (every row's)
     outputs: int  # rows of logits for "last" (padded like rows), else 0
 
     def __post_init__(self):
-        if self.rows < 1 or self.window < 1 or self.output not in OUTPUTS:
+        if self.rows < 1 or self.output not in OUTPUTS or sum(gr.rows for gr in self.groups) != self.rows:
             raise ValueError(f"bad graph shape {self}")
+        if any(gr.rows < 1 or gr.lo < 0 or gr.cells < 1 for gr in self.groups):
+            raise ValueError(f"bad attention groups {self.groups}")
         if (self.output == "last") != (self.outputs > 0):
             raise ValueError(f"a graph has logits rows exactly when its output is 'last': {self}")
 
@@ -69,8 +80,8 @@ class PoolKV(KVCache):
     """One layer of the cell pool as the graph sees it: `update_and_fetch` writes the step's keys and values at
     the rows' cells (an input) and returns views of the window's cells."""
 
-    def __init__(self, ops: GgmlBackend, pool: CellPool, layer: int, cells: GArray, window: int):
-        self.ops, self.pool, self.layer, self.cells, self.window = ops, pool, layer, cells, window
+    def __init__(self, ops: GgmlBackend, pool: CellPool, layer: int, cells: GArray, group: Group):
+        self.ops, self.pool, self.layer, self.cells, self.group = ops, pool, layer, cells, group
 
     def update_and_fetch(self, k, v, start):
         ops, pool = self.ops, self.pool
@@ -84,25 +95,28 @@ class PoolKV(KVCache):
         v_all = ops.wrap(
             ops.node(g.ggml_set_rows, pool.v[self.layer], v_rows.t, self.cells.t), (pool.cells, pool.width)
         )
-        heads, hd = k.shape[1], k.shape[2]
-        shape, strides = (heads, self.window, hd), (hd * 2, pool.row, 2)
-        return ops.view(k_all, shape, strides), ops.view(v_all, shape, strides)
+        heads, hd, gr = k.shape[1], k.shape[2], self.group
+        shape, strides, at = (heads, gr.cells, hd), (hd * 2, pool.row, 2), gr.lo * pool.row
+        return ops.view(k_all, shape, strides, at), ops.view(v_all, shape, strides, at)
 
     @property
     def nbytes(self) -> int:
-        return self.window * self.pool.row * 2
+        return self.group.cells * self.pool.row * 2
 
 
 class Graph:
     """A step's graph over the pool's tensors. Inputs: `ints` (tokens on a first shard, then positions, then cells,
-    each [rows]), hidden rows on other shards, the mask [rows, window] and, for 'last', which rows give logits."""
+    each [rows]), hidden rows on other shards, the masks (one [rows, cells] per group, in one input) and, for
+    'last', which rows give logits."""
 
     def __init__(self, ops: GgmlBackend, model: ShardModel, shape: Shape, pool: CellPool, *, first: bool, hidden: int):
         rows, layers = shape.rows, len(model.layers)
         self.shape, self.first = shape, first
-        blocks = -(-rows // ATTENTION_ROWS) + 1
-        # ~40 tensors per layer (measured 38 for Qwen3 with q/k norms), 8 per attention block and layer, MoE ~20 + top-k
-        self.ctx = Context(64 + layers * (96 + 8 * blocks), graph=True)
+        blocks = sum(-(-gr.rows // ATTENTION_ROWS) + 1 for gr in shape.groups)
+        # ~40 tensors per layer (measured 38 for Qwen3 with q/k norms), 8 per attention block and 6 per group and
+        # layer, 8 per group, MoE ~20 + top-k
+        n = len(shape.groups)
+        self.ctx = Context(64 + 8 * n + layers * (96 + 8 * blocks + 6 * n), graph=True)
         ops.ctx = self.ctx
         try:
             n_ints = (3 if first else 2) * rows
@@ -113,11 +127,25 @@ class Graph:
             self.hidden = None if first else x
             positions = ops.view(self.ints, (rows,), (4,), 4 * at)
             cells = ops.view(self.ints, (rows,), (4,), 4 * (at + rows))
-            self.mask = ops.input(F16, (rows, shape.window))
-            self.mask_np = np.empty((rows, shape.window), dtype=np.float16)
+            sizes = [gr.rows * gr.cells for gr in shape.groups]
+            at_mask = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
+            self.mask = ops.input(F16, (at_mask[-1],))
+            mask_np = np.empty(at_mask[-1], dtype=np.float16)
+            self.masks_np = [  # each group's mask [rows, cells]: views of the one input's host copy
+                mask_np[a:b].reshape(gr.rows, gr.cells) for gr, a, b in zip(shape.groups, at_mask, at_mask[1:])
+            ]
+            self.mask_np = mask_np
+            masks = [
+                ops.view(self.mask, (gr.rows, gr.cells), (2 * gr.cells, 2), 2 * a)
+                for gr, a in zip(shape.groups, at_mask)
+            ]
+            bounds = np.concatenate([[0], np.cumsum([gr.rows for gr in shape.groups])]).astype(int).tolist()
             self.out_ids = ops.input(I32, (shape.outputs,)) if shape.output == "last" else None
-            kv = [[PoolKV(ops, pool, layer, cells, shape.window) for layer in range(layers)]]
-            step = Step((0, rows), (0,), positions, ops.rotary(positions), (self.mask,))
+            kv = []
+            for gr, b in zip(shape.groups, bounds):
+                rows_cells = ops.view(cells, (gr.rows,), (4,), 4 * b)
+                kv.append([PoolKV(ops, pool, layer, rows_cells, gr) for layer in range(layers)])
+            step = Step(bounds, (0,) * len(shape.groups), positions, ops.rotary(positions), tuple(masks))
             out: GArray = ops.contiguous(model(x, step, kv, self.out_ids))
         except BaseException:  # a failed build (context full, a shape check): its context's memory goes back now
             self.ctx.free()
