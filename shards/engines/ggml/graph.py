@@ -1,19 +1,22 @@
 """Compute graphs of the ggml engine: one per step shape, built by running the shared model once, then re-run.
 
-A `Shape` is all that fixes a graph: how many rows (padded, see `padded_rows`), how many KV cells attention reads
-(the window [0, window) of the engine's cell pool, shards/engines/ggml/cells.py: `window_for`) and
-which outputs come out. Which requests a step carries, where their cells are and what each row may see are inputs:
-every row's token (or hidden row), position and cell (where ggml_set_rows writes its keys and values), and one F16
-mask [rows, window] that is 0 on the cells of the row's own request at or before its position and -inf everywhere
-else. So the whole step attends once per layer (in blocks of rows: GgmlBackend.attention), the graph has the same
-few nodes per layer however many requests it carries, and a new mix of requests reuses the graph of its shape.
+A `Shape` is all that fixes a graph: how many rows (padded, see `padded_rows`), how the rows attend (`Group`s of
+consecutive rows, each over a range of cells of the engine's pool, shards/engines/ggml/cells.py) and which outputs
+come out. Decode rows, one position of one request each, form groups over the window [0, window) (`window_for`) of
+every decode row of the step, so a decode step's graph is the same whichever requests it carries; a prompt chunk
+forms a group over its own request's cells, so a long chunk does not scan every other request's cells (a step with
+chunks builds its graph, a few ms beside the chunk's compute). Which requests a step carries, where their cells are
+and what each row may see are inputs: every row's token (or hidden row), position and cell (where ggml_set_rows
+writes its keys and values), and per group an F16 mask [rows, cells] that is 0 on the cells of the row's own request
+at or before its position and -inf everywhere else. So a step attends once per group and layer (in blocks of rows:
+GgmlBackend.attention) and the graph has the same few nodes per layer however many requests decode in it.
 
 Exactness: ggml's CPU flash attention skips every -inf cell outright (`if (mv == -INFINITY) continue;` in
 ggml-cpu/ops.cpp), so a row's result is the online softmax over exactly its own request's cells, in cell order:
-the same numbers whichever other requests share the window, and wherever the request's range lies in the pool.
+the same numbers whichever other requests share the group, and wherever the request's range lies in the pool.
 
-The first step of a shape builds its graph (a few ms) and gives it its own compute buffer; later steps copy the
-inputs and compute. Graphs are kept least recently used first out, at most `GraphCache.limit`.
+The first step of a shape builds its graph (7-16 ms for SmolLM2's 30 layers) and gives it its own compute buffer;
+later steps copy the inputs and compute. Graphs are kept least recently used first out, at most `GraphCache.limit`.
 """
 
 from __future__ import annotations
