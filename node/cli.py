@@ -114,7 +114,9 @@ async def run(args: argparse.Namespace) -> int:
     model_path, model_id = located if isinstance(located, tuple) else (None, located)
     # Engine options are vetted against a model here now; a fetched one's once it has arrived.
     quantize = default_quantize(model_id, resolve_engine(settings.node.engine), args.quantize)
-    engines = engine_factory(settings.node.engine, model_path, threads=args.threads, quantize=quantize)
+    engines = engine_factory(
+        settings.node.engine, model_path, threads=args.threads, quantize=quantize, float_matmul=args.float_matmul
+    )
     tls = key.tls(node_id) if key else None  # a ValueError for a node id that cannot go in a certificate
     # The largest message a peer may send is what the model implies (a fetched model's is known only later: the
     # default then). gRPC reads a message whole before any check, so this is the bound on what a peer makes us hold.

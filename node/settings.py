@@ -24,7 +24,7 @@ from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES
 from node.http.api import ApiSettings
 from node.runtime.settings import SPECULATE_CHOICES, NodeSettings
 from node.security import add_key_argument
-from shards.engines.registry import CHOICES, QUANTIZE_CHOICES, engine_class, resolve
+from shards.engines.registry import CHOICES, FLOAT_MATMUL_CHOICES, QUANTIZE_CHOICES, engine_class, resolve
 from shards.formats.packaged import DEFAULT_MODEL, DEMO_DIR
 
 DEMO_MODEL = DEMO_DIR  # the bundled demo model (--model exo-demo)
@@ -94,6 +94,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=QUANTIZE_CHOICES,
         help="ggml engine: quantize a model's weight matrices as they load, a Hugging Face model's or "
         "a GGUF's (default: none, except the packaged smollm2: f16)",
+    )
+    ap.add_argument(
+        "--float-matmul",
+        choices=FLOAT_MATMUL_CHOICES,
+        help="ggml engine, F16/F32 weights: pad (default: batch-invariant, exact replay; 1-row steps cost more), "
+        "rowwise (batch-invariant; prefill and batches cost more), fast (not batch-invariant): docs/operations.md",
     )
     ap.add_argument("--max-tokens", type=int, default=1024, help="cap on tokens generated per request")
     ap.add_argument("--memory-gb", type=float, help="memory to report for partitioning (default: available RAM)")

@@ -3,10 +3,10 @@
 concurrent requests; and after rejected proposals each engine's cache for the request holds what a plain run's
 holds: the same length, the same contents where the engine shows them (numpy), the same next logits.
 
-numpy and MLX run the llama fixture; ggml the packaged SmolLM2 on its file's own Q4_1 blocks
-(`--quantize none`), whose rows are bit-identical however they are batched (tests/engines/test_ggml_invariance.py).
-(The default F16 weights are not batch-invariant on ggml yet: not parametrised. tinygrad is left out: its kernel
-cache is a SQLite connection bound to the first thread that used it, and each node here has its own engine thread.)"""
+numpy and MLX run the llama fixture; ggml the packaged SmolLM2 as a node runs it by default (F16,
+`--float-matmul pad`) and on its file's own Q4_1 blocks (`--quantize none`), whose rows are bit-identical however
+they are batched (tests/engines/test_ggml_invariance.py). (tinygrad is left out: its kernel cache is a SQLite
+connection bound to the first thread that used it, and each node here has its own engine thread.)"""
 
 from __future__ import annotations
 
@@ -37,10 +37,11 @@ def _smollm2():
 
 ENGINES = {  # name -> (model path, engine, options, exact)
     "numpy": (lambda: LLAMA, "numpy", {}, False),
+    "ggml-default": (_smollm2, "ggml", {"quantize": "f16", "threads": 1}, True),
     "ggml-q4_1": (_smollm2, "ggml", {"quantize": "none", "threads": 1}, True),
     "mlx": (lambda: LLAMA, "mlx", {}, False),
 }
-NEEDS = {"ggml-q4_1": "ggml", "mlx": "mlx"}  # the extra each engine needs
+NEEDS = {"ggml-default": "ggml", "ggml-q4_1": "ggml", "mlx": "mlx"}  # the extra each engine needs
 
 
 def _engine_params():
