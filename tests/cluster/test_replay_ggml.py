@@ -1,10 +1,12 @@
-"""Replay is exact on the ggml engine computing on a file's quantized blocks (SmolLM2's Q4_1, `--quantize none`):
-the last node killed after 70 tokens, the entry replays prompt + 70 generated tokens as one prefill (past the 64
-rows where ggml's own attention kernel changes), and a seeded stream's text is the undisturbed run's, character
-for character. (With F16 or F32 weights, the packaged SmolLM2's default F16 included, ggml's matrix products depend
-on a step's row count, and it is not: docs/operations.md#failures-and-replay.) Real exo-node processes."""
+"""Replay and batching are exact on the ggml engine, as a node runs the packaged SmolLM2 by default (requantized to
+F16 on load) and on its file's own Q4_1 blocks (`--quantize none`): the last node killed after 70 tokens, the entry
+replays prompt + 70 generated tokens as one prefill (past the 64 rows where ggml's own attention kernel changes),
+and a seeded stream's text is the undisturbed run's, character for character; seeded requests beside 7 others give
+the texts they give alone. (ggml's matmul sums a lone row of a float weight in another order than a batch's rows:
+the engine pads those steps, shards/engines/ggml/gemm_rows.py.) Real exo-node processes."""
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -17,9 +19,11 @@ pytest.importorskip("ggml", reason="the ggml extra is not installed")
 from shards.formats.packaged import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 KILL_AFTER = 70
+WEIGHTS = {"default": [], "q4_1": ["--quantize", "none"]}  # the packaged default (F16), the file's own blocks
 
 
-def test_the_last_node_killed_after_70_tokens_is_replayed_on_ggml_and_a_seeded_text_is_unchanged(capsys):
+@pytest.mark.parametrize("weights", list(WEIGHTS))
+def test_the_last_node_killed_after_70_tokens_is_replayed_on_ggml_and_a_seeded_text_is_unchanged(weights, capsys):
     path, model_id = resolve_model(DEFAULT_MODEL)
     body = {
         "model": model_id,
@@ -29,7 +33,7 @@ def test_the_last_node_killed_after_70_tokens_is_replayed_on_ggml_and_a_seeded_t
         "seed": 11,
     }
     with Cluster(
-        path, 3, memory_gb=[2, 2, 2], model_id=model_id, engine=None, extra=["--threads", "1", "--quantize", "none"]
+        path, 3, memory_gb=[2, 2, 2], model_id=model_id, engine=None, extra=["--threads", "1", *WEIGHTS[weights]]
     ) as c:
         url = f"{c.nodes[0].api_url}/v1/completions"
         reference = "".join(e.text for e in stream_completion(url, body, timeout=120))
@@ -45,6 +49,31 @@ def test_the_last_node_killed_after_70_tokens_is_replayed_on_ggml_and_a_seeded_t
         assert c.self_info()["node0"]["status"]["replays"] == 1
         report(
             capsys,
-            f"ggml SmolLM2 Q4_1, kill -9 of the last node after {KILL_AFTER} tokens: replayed, seeded text "
+            f"ggml SmolLM2 {weights}, kill -9 of the last node after {KILL_AFTER} tokens: replayed, seeded text "
             f"identical ({len(reference)} characters)",
         )
+
+
+def test_eight_seeded_requests_at_once_give_the_texts_each_gives_alone_on_the_default_engine(capsys):
+    path, model_id = resolve_model(DEFAULT_MODEL)
+    bodies = [
+        {
+            "model": model_id,
+            "prompt": f"Story {i}: the {word} walked into the village and",
+            "max_tokens": 40,
+            "temperature": 0.9,
+            "seed": 100 + i,
+        }
+        for i, word in enumerate(["miller", "knight", "fox", "stranger", "child", "merchant", "monk", "soldier"])
+    ]
+    with Cluster(path, 1, model_id=model_id, engine=None, extra=["--threads", "1"]) as c:
+        url = f"{c.nodes[0].api_url}/v1/completions"
+
+        def text(body):
+            return "".join(e.text for e in stream_completion(url, body, timeout=120))
+
+        alone = [text(body) for body in bodies]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            together = list(pool.map(text, bodies))
+        assert together == alone
+        report(capsys, "ggml SmolLM2 default: 8 seeded requests at once, texts identical to each alone")
