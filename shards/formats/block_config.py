@@ -22,6 +22,8 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 # Hugging Face hidden_activation / hidden_act -> ours (Gemma's "gelu_pytorch_tanh" is the tanh approximation)
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 GEMMA_TYPES = ("gemma2", "gemma3")
+# model types whose every layer attends within `sliding_window` when the config sets one, as transformers does
+ALL_SLIDING_TYPES = ("mistral", "mixtral", "phi3")
 
 
 class BlockConfigError(ValueError):
@@ -137,7 +139,10 @@ def _positive(raw: dict[str, Any], key: str, source: str) -> float | None:
 
 
 def hf_block(model_type: str, raw: dict[str, Any], n_layers: int, *, local_rope: Any, source: str) -> BlockConfig:
-    """The block flags of a Hugging Face config.json (the Llama block for anything but Gemma 2/3)."""
+    """The block flags of a Hugging Face config.json (the Llama block for anything but Gemma 2/3, with a sliding
+    window over every layer for Mistral v0.1, Mixtral and Phi-3 when their config sets one)."""
+    if model_type in ALL_SLIDING_TYPES and raw.get("sliding_window") is not None:
+        return BlockConfig(sliding=SlidingWindow(raw["sliding_window"], frozenset(range(n_layers))))
     if model_type not in GEMMA_TYPES:
         return BlockConfig()
     act = raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh"))
@@ -190,6 +195,9 @@ def gguf_block(
     weights already; the query scale is 1/sqrt(head_dim) except for the 27B models (Gemma 2's 46 layers, Gemma 3's
     62), which use 1/sqrt(hidden / heads); the sliding-window pattern is `attention.sliding_window_pattern` when
     the file has it, else Gemma 2's every other layer from 0 and Gemma 3's 5 local : 1 global."""
+    if arch == "phi3":  # every layer within the window, as transformers computes Phi-3 (llama.cpp ignores it)
+        window = f.get_int("phi3.attention.sliding_window", 0)  # 0: none (Phi-4)
+        return BlockConfig(sliding=SlidingWindow(window, frozenset(range(n_layers)))) if window > 0 else BlockConfig()
     if arch not in GEMMA_TYPES:
         return BlockConfig()
     big = n_layers == (46 if arch == "gemma2" else 62)

@@ -189,9 +189,6 @@ class ModelConfig:
         max_positions = r.pos_int("max_position_embeddings", default=4096)
         if model_type == "phi3":
             _check_phi3(raw, source)
-            # Phi-3 attends within a sliding window: up to its width that is plain causal attention, which is what
-            # the engines compute, so the context stops there.
-            max_positions = min(max_positions, r.pos_int("sliding_window", default=max_positions))
         rope, local_rope = _ropes(raw, r, source)
         try:
             moe = hf_moe(model_type, raw, n_layers, source)

@@ -123,7 +123,7 @@ def gguf_config(path: str | Path) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=f.get_float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         rope=_rope(f, arch),
-        max_position_embeddings=_context(f, arch, pos("context_length", 4096)),
+        max_position_embeddings=pos("context_length", 4096),
         tie_word_embeddings=HEAD not in f.tensors,
         attention_bias=f"blk.0.{LAYER_NAMES['q_bias']}" in f.tensors,
         qk_norm=f"blk.0.{LAYER_NAMES['q_norm']}" in f.tensors,
@@ -152,13 +152,6 @@ def gguf_config(path: str | Path) -> ModelConfig:
             raise GGUFError(_missing(f, arch, name))
         stored(f, name, shape)
     return cfg
-
-
-def _context(f: GGUFFile, arch: str, context: int) -> int:
-    """Phi-3 attends within a sliding window in every layer: up to its width that is plain causal attention, so the
-    context stops there, as for its Hugging Face folders (llama.cpp ignores the window; 0: none, Phi-4)."""
-    window = f.get_int(f"{arch}.attention.sliding_window", 0) if arch == "phi3" else 0
-    return min(context, window) if window > 0 else context
 
 
 # tensors of layouts that reuse a supported general.architecture but compute differently -> the feature they mean

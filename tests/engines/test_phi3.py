@@ -46,10 +46,22 @@ def test_a_gguf_says_what_its_folder_says():
     assert dataclasses.replace(gguf, rms_norm_eps=folder.rms_norm_eps) == folder  # (eps: float32 in a GGUF)
 
 
-def test_the_context_stops_at_the_sliding_window():
-    """Within its window Phi-3's attention is plain causal attention, which the engines compute; beyond, not."""
-    assert ModelConfig.from_dict(RAW).max_position_embeddings == 128
-    assert ModelConfig.from_dict(RAW | {"sliding_window": None}).max_position_embeddings == 256
+@pytest.mark.parametrize("source", [PHI3, PHI3.with_suffix(".gguf")], ids=["folder", "gguf"])
+@pytest.mark.parametrize("engine", [e for e in ("numpy", "ggml") if e in installed()])
+def test_every_layer_attends_within_the_sliding_window_as_in_transformers(tmp_path, engine, source):
+    """With its window (8) shorter than the prompt (12), transformers' logits (tests/fixtures/make_phi3_window.py)."""
+    cfg = load_config(source)
+    assert cfg.block.sliding.size == 128 and cfg.block.sliding.layers == {0, 1, 2}
+    assert cfg.max_position_embeddings == 256  # the window is a mask: the context is the model's
+    windowed = dataclasses.replace(
+        cfg, block=dataclasses.replace(cfg.block, sliding=dataclasses.replace(cfg.block.sliding, size=8))
+    )
+    with np.load(FIXTURES / "moe" / "phi3_window8.npz") as z:
+        prompt, reference = z["prompt"], z["logits"]
+    engine_ = engine_class(engine)(source, Shard.whole("w", cfg.n_layers), windowed)
+    got = chain_forward([engine_], "r", prompt, all_logits=True)
+    assert np.abs(got - reference).max() < atol(engine)
+    assert ModelConfig.from_dict(RAW | {"sliding_window": None}).block.sliding is None
 
 
 def test_partial_rotary_and_longrope_are_refused_naming_them():

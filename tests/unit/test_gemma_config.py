@@ -93,3 +93,10 @@ def test_gpt_oss_is_refused_naming_what_it_needs(tmp_path):
     path = rewrite(GEMMA / "gemma2.gguf", tmp_path / "o.gguf", replace={"general.architecture": ("gpt-oss", V.STRING)})
     with pytest.raises(GGUFError, match="gpt-oss needs attention sinks"):
         load_config(path)
+
+
+def test_mistral_v01_attends_within_its_window_in_every_layer_as_transformers_does():
+    base = json.loads((FIXTURES / "llama" / "config.json").read_text()) | {"architectures": ["MistralForCausalLM"]}
+    cfg = ModelConfig.from_dict(base | {"sliding_window": 4096})
+    assert cfg.block.sliding.size == 4096 and cfg.block.sliding.layers == set(range(cfg.n_layers))
+    assert ModelConfig.from_dict(base | {"sliding_window": None}).block.sliding is None  # Mistral v0.2 and later
