@@ -61,7 +61,7 @@ def run(n: int, args) -> dict:
     live = list(range(n))
     prefill, out = timed(engine, [prompt(i) for i in live])
     last = {i: int(np.argmax(o[-1])) for i, o in zip(live, out)}
-    phases = {}
+    phases, nodes = {}, None
     for phase in ("steady", "churn"):
         before, times = builds[0], []
         for step in range(args.tokens):
@@ -79,8 +79,8 @@ def run(n: int, args) -> dict:
             "step_ms_worst": round(1e3 * max(times), 1),
             "graphs_built": builds[0] - before,
         }
-    decode = [gr for gr in engine.runner.graphs.graphs.values() if gr.out_shape[0] in (n, 8 * -(-n // 8))]
-    nodes = max((int(g.ggml_graph_n_nodes(gr.gf)) for gr in decode), default=None)
+        if phase == "steady":  # the graph the last decode step ran (the most recently used)
+            nodes = int(g.ggml_graph_n_nodes(list(engine.runner.graphs.graphs.values())[-1].gf))
     engine.close()
     return {
         "requests": n,

@@ -44,6 +44,7 @@ from shards.transformer import ShardModel
 log = logging.getLogger(__name__)
 MIN_CAPACITY = 256  # a request without a reservation starts with this many positions and doubles
 INITIAL_CELLS = 4096  # the cell pool's first size (virtual until written); it doubles when a range does not fit
+OWN_GROUP_ROWS = 64  # a prompt chunk of this many rows attends its own cells (GraphRunner.layout)
 
 
 class GgmlEngine(BlockEngine):
@@ -166,22 +167,22 @@ class GraphRunner(Runner):
         return self.layout(p, caches, all_logits)[0]
 
     def layout(self, p: Packing, caches: list[CellRange], all_logits: bool) -> tuple[Shape, list[int], list[int]]:
-        """The step's shape, and for each request its attention group and first row in it. Decode rows (one
-        position each) attend together over [0, window) with the window of every decode row of the step
-        (`window_for`: their graph is the same whichever requests they are); a prompt chunk attends its own
-        request's cells only (256-cell bounds), so a long chunk does not scan every other request's cells (its
-        graph is built for the step: a few ms beside the chunk's compute). Padding rows join the last decode group."""
+        """The step's shape, and for each request its attention group and first row in it. Decode rows and short
+        prompt chunks attend together over [0, window) (`window_for` their cells: a decode step's graph is the same
+        whichever requests it carries); a chunk of OWN_GROUP_ROWS rows or more attends its own request's cells only
+        (256-cell bounds), so its many rows do not scan every other request's cells (its graph is built for the
+        step: ~25 ms more per such chunk, beside its compute). Padding rows join the last shared group."""
         e, cells = self.engine, self.engine.pool.cells
         output = "hidden" if not e.shard.is_last else ("all" if all_logits else "last")
-        ends = [c.start + s + 1 for c, s, n in zip(caches, p.starts, p.lengths) if n == 1]
-        decode = window_for(max(ends, default=1), cells)
-        groups: list[list] = []  # [decode?, rows, lo, cells]
+        ends = [c.start + s + n for c, s, n in zip(caches, p.starts, p.lengths) if n < OWN_GROUP_ROWS]
+        shared = window_for(max(ends, default=1), cells)
+        groups: list[list] = []  # [shared?, rows, lo, cells]
         member, first = [], []
         for c, s, n in zip(caches, p.starts, p.lengths):
-            if n == 1 and groups and groups[-1][0]:
-                groups[-1][1] += 1
-            elif n == 1:
-                groups.append([True, 1, 0, decode])
+            if n < OWN_GROUP_ROWS and groups and groups[-1][0]:
+                groups[-1][1] += n
+            elif n < OWN_GROUP_ROWS:
+                groups.append([True, n, 0, shared])
             else:
                 lo = c.start // WINDOW_STEP * WINDOW_STEP
                 groups.append([False, n, lo, min(cells, -(-(c.start + s + n) // WINDOW_STEP) * WINDOW_STEP) - lo])
@@ -192,7 +193,7 @@ class GraphRunner(Runner):
             if groups[-1][0]:
                 groups[-1][1] += rows - p.bounds[-1]
             else:
-                groups.append([True, rows - p.bounds[-1], 0, decode])
+                groups.append([True, rows - p.bounds[-1], 0, shared])
         outputs = padded_rows(len(caches)) if output == "last" else 0
         shape = Shape(rows, tuple(Group(n, lo, w) for _, n, lo, w in groups), output, outputs)
         return shape, member, first
