@@ -10,7 +10,7 @@ blocks on both (exo serves this file as F16 unless told otherwise, so --exo-args
 
 Two measurements per server:
 - streams: N concurrent streaming chat requests (greedy, --tokens each, different prompts), started together;
-  aggregate tok/s = all tokens / wall time from the first request to the last token; per-stream tok/s = each
+  aggregate tok/s = all tokens (the usage each stream reports) / wall time from the first request to the last token; per-stream tok/s = each
   stream's tokens after its first / the time between its first and last token, averaged.
 - multi-turn: one conversation (a ~120-token system prompt, --turns user turns, answers of up to --answer tokens),
   each turn resending the whole conversation; the time to first token of every turn. With prefix reuse (llama-
@@ -61,8 +61,15 @@ async def stream_chat(
     session: aiohttp.ClientSession, url: str, model: str, messages: list[dict], max_tokens: int
 ) -> dict:
     """One streaming chat completion: when it was sent, each content chunk's arrival, and the text."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    sent, stamps, text = time.perf_counter(), [], []
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},  # a chunk may carry several tokens (speculative decoding)
+    }
+    sent, stamps, text, tokens = time.perf_counter(), [], [], None
     async with session.post(f"{url}/v1/chat/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:300]}")
@@ -70,12 +77,15 @@ async def stream_chat(
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            choices = event.get("choices") or [{}]
             piece = (choices[0].get("delta") or {}).get("content")
             if piece:
                 stamps.append(time.perf_counter())
                 text.append(piece)
-    return {"sent": sent, "stamps": stamps, "text": "".join(text)}
+    return {"sent": sent, "stamps": stamps, "text": "".join(text), "tokens": tokens or len(stamps)}
 
 
 async def concurrent(url: str, model: str, streams: int, tokens: int) -> dict:
@@ -95,8 +105,10 @@ async def concurrent(url: str, model: str, streams: int, tokens: int) -> dict:
             )
         )
     end = max(r["stamps"][-1] for r in runs if r["stamps"])
-    chunks = sum(len(r["stamps"]) for r in runs)
-    per_stream = [(len(r["stamps"]) - 1) / (r["stamps"][-1] - r["stamps"][0]) for r in runs if len(r["stamps"]) > 2]
+    # tokens from each stream's usage (one content chunk may carry several tokens); a server that sends no usage
+    # is counted by its chunks
+    chunks = sum(r["tokens"] for r in runs)
+    per_stream = [(r["tokens"] - 1) / (r["stamps"][-1] - r["stamps"][0]) for r in runs if len(r["stamps"]) > 2]
     return {
         "streams": streams,
         "aggregate": chunks / (end - start),

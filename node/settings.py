@@ -214,6 +214,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "while they are rejected)",
     )
     ap.add_argument(
+        "--speculate-max-requests",
+        type=int,
+        default=SpeculationLimits.max_requests,
+        help=f"propose only while this node holds at most this many requests (default "
+        f"{SpeculationLimits.max_requests}: beside many decoding requests, draft rows cost the batch compute)",
+    )
+    ap.add_argument(
         "--draft-model",
         type=Path,
         help="with --speculate draft: a small model (GGUF file or folder) with the same tokenizer",
@@ -314,7 +321,7 @@ def settings_from_args(args: argparse.Namespace, *, keyed: bool, machine: Machin
         sample_batch_max=args.sample_batch_max,
         sample_batch_window_ms=args.sample_batch_window_ms,
         speculate=args.speculate,
-        speculation=SpeculationLimits(args.speculate_tokens),
+        speculation=SpeculationLimits(args.speculate_tokens, args.speculate_max_requests),
         draft_model=args.draft_model,
         core=CoreLimits(
             kv_budget=kv_budget,

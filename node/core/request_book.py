@@ -119,7 +119,9 @@ class RequestBook:
                 if req.shard.is_first and req.history is not None and self.speculation is not None:
                     if proposals or len(data) != 1 or a.partial:
                         raise PlanError("the first node takes one next token at a time and makes the proposals")
-                    data, proposals, defer = self.speculation.next_input(req, int(data[0]), start, self._step_room())
+                    data, proposals, defer = self.speculation.next_input(
+                        req, int(data[0]), start, self._step_room(), held=len(self.requests)
+                    )
                 req.drafts, req.chunk_start, req.positions_in = proposals, start, start + len(data)
                 explicit = start if a.start is not None or proposals else None
                 self._enqueue(Queued(a.request_id, data, a.partial, proposals, explicit, defer))

@@ -112,6 +112,26 @@ def test_a_request_that_opted_out_gets_no_proposals():
     assert queued(a).proposals == () and proposer.seen == []
 
 
+def test_a_node_holding_more_requests_than_the_limit_proposes_nothing_until_it_holds_fewer():
+    """Beside many decoding requests, draft rows are compute the whole batch pays for: none past the limit."""
+    proposer = Fixed()
+    a = core("a", proposer)
+    a.speculation.limits = SpeculationLimits(3, max_requests=2)
+    for rid in ("r1", "r2", "r3"):
+        a.accept_prompt(dataclasses.replace(request(), request_id=rid), tokens(1, 2, 3, 4))
+    a.queue.queue.clear()
+    a.accept_activations([Activation("r1", tokens(5))])
+    assert queued(a).proposals == () and proposer.seen == []
+    a.end_request("r3", "cancelled")
+    a.accept_activations([Activation("r2", tokens(5))])
+    assert queued(a).proposals == (7, 8)
+
+
+def test_the_request_limit_of_speculation_is_a_positive_integer():
+    with pytest.raises(ValueError, match="--speculate-max-requests must be an integer >= 1"):
+        SpeculationLimits(4, max_requests=0)
+
+
 def test_ending_a_request_releases_its_proposer_state():
     proposer = Fixed()
     a = first_node(proposer)
