@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mappi
 import numpy as np
 
 from node.core.node_core import NodeCore
-from node.core.placement import plan_ring
 from node.core.plan import Busy, PlanError, PlanStep, RequestSpec
 from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
@@ -32,6 +31,7 @@ from node.runtime.loop_monitor import LoopMonitor
 from node.runtime.metrics import NodeMetrics, NodeStatus
 from node.runtime.peers import PeerView
 from node.runtime.pipeline import Pipeline
+from node.runtime.planning import LayerFootprints, make_plan
 from node.runtime.proposers import proposer_for
 from node.runtime.sampling_batcher import SamplingBatcher
 from node.runtime.settings import NodeSettings, ServedModel
@@ -39,8 +39,7 @@ from node.runtime.shard_manager import EngineFactory, ShardManager
 from node.runtime.transport import Transport, TransportError
 from shards.formats.config import ModelConfig
 from shards.grammar import grammar_tokenizer
-from shards.layer_costs import file_bytes_per_param, layer_costs, layer_footprints
-from shards.partition import PartitionError
+from shards.layer_costs import layer_costs
 from shards.sampling import SamplingParams
 from shards.shard import Shard
 from shards.tokenizer import Tokenizer
@@ -70,7 +69,7 @@ class Node:
             )
         self.settings, self.model, self.address, self.availability = settings, model, address, availability
         self.id = settings.node_id
-        self._footprints: tuple[int, ...] | None = None  # layer_footprints, once the files are on disk
+        self._footprints = LayerFootprints(model.path, model.config, settings.core.kv_value_bytes, availability)
         self.view = PeerView(self.id, address)
         self.core = NodeCore(
             self.id,
@@ -173,23 +172,7 @@ class Node:
         )
 
     def status(self) -> NodeStatus:
-        return NodeStatus(
-            active_requests=self._active_requests(),
-            peers=len(self.view.peers()),
-            peers_joined=self.view.counters["peers_joined"],
-            peers_left=self.view.counters["peers_left"],
-            kv_cache_bytes=self.shards.cache_bytes(),
-            weights_bytes=self.shards.weights_bytes(),
-            ended={k.removeprefix("ended_"): v for k, v in self.core.counters.items() if k.startswith("ended_")},
-            sampling=Counter(self.batcher.stats),
-            speculation={k: v for k, v in self.core.counters.items() if k.startswith(("spec_", "tokens_per_trip_"))},
-            prefix={
-                **{k: v for k, v in self.counters.items() if k.startswith("prefix_")},
-                "prefix_gone": self.pipeline.counters["prefix_gone"],
-                "prefix_evictions": self.shards.retained_evictions(),
-                "retained_bytes": self.shards.retained_bytes(),
-            },
-        )
+        return status_of(self)
 
     def _active_requests(self) -> int:
         return self.core.active + self.entry.active + self.shards.active_requests
@@ -210,31 +193,20 @@ class Node:
 
     @property
     def layer_footprints(self) -> tuple[int, ...] | None:
-        """Each layer's bytes on the node that holds it: weights (at the files' bytes per parameter) and the KV cache
-        of one request of the model's whole context, so no plan gives a node more than the memory it reports (None
-        until this node holds all the files). Worked out once: it reads the files' sizes."""
-        if self._footprints is None and self.availability().complete:
-            bpp = file_bytes_per_param(self.model.path, self.config)
-            if bpp is not None:
-                self._footprints = layer_footprints(
-                    self.config,
-                    bytes_per_param=bpp,
-                    kv_tokens=self.config.max_position_embeddings,
-                    kv_value_bytes=self.settings.core.kv_value_bytes,
-                )
-        return self._footprints
+        """Each layer's bytes with its KV cache, once this node holds the files (node/runtime/planning.py)."""
+        return self._footprints()
 
     def make_plan(self, excluded: Collection[str] = ()) -> tuple[PlanStep, ...]:
-        """Partition the layers over this node and the peers serving the same model, leaving out `excluded` nodes
-        (and this node while it drains), and nodes for layers they don't hold yet (node/core/placement.py)."""
-        nodes = {n.node_id: n for n in self.ring_members() if n.node_id not in excluded}
-        try:
-            ring = plan_ring(
-                list(nodes.values()), self.model_id, self.config.n_layers, self.layer_costs, self.layer_footprints
-            )
-        except PartitionError as e:
-            raise PlanError(str(e)) from None
-        return tuple(PlanStep(node_id, nodes[node_id].address, shard) for node_id, shard in ring)
+        """A plan over this node and the peers serving the same model, less `excluded` nodes (and this node while
+        it drains), and nodes for layers they don't hold yet (node/runtime/planning.py)."""
+        return make_plan(
+            self.ring_members(),
+            excluded,
+            self.model_id,
+            n_layers=self.config.n_layers,
+            costs=self.layer_costs,
+            footprints=self.layer_footprints,
+        )
 
     def generate(self, prompt: list[int], sampling: SamplingParams, max_tokens: int) -> AsyncIterator[TokenMessage]:
         """Run one request, with this node as its entry (node/runtime/entry.py)."""
@@ -350,3 +322,24 @@ class _Loopback:
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)  # health_check, forget, close
+
+
+def status_of(node: Node) -> NodeStatus:
+    """What /metrics and the status page show of a node: its parts' counters, gathered."""
+    return NodeStatus(
+        active_requests=node._active_requests(),
+        peers=len(node.view.peers()),
+        peers_joined=node.view.counters["peers_joined"],
+        peers_left=node.view.counters["peers_left"],
+        kv_cache_bytes=node.shards.cache_bytes(),
+        weights_bytes=node.shards.weights_bytes(),
+        ended={k.removeprefix("ended_"): v for k, v in node.core.counters.items() if k.startswith("ended_")},
+        sampling=Counter(node.batcher.stats),
+        speculation={k: v for k, v in node.core.counters.items() if k.startswith(("spec_", "tokens_per_trip_"))},
+        prefix={
+            **{k: v for k, v in node.counters.items() if k.startswith("prefix_")},
+            "prefix_gone": node.pipeline.counters["prefix_gone"],
+            "prefix_evictions": node.shards.retained_evictions(),
+            "retained_bytes": node.shards.retained_bytes(),
+        },
+    )
