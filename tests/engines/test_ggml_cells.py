@@ -131,12 +131,32 @@ def burst(e: GgmlEngine, run: int) -> list[tuple[int, float]]:
     return steps
 
 
+def test_a_range_holds_what_its_request_has_and_doubles_up_to_its_reservation_with_the_same_numbers():
+    """A decode step attends one window over every request's range, so a range sized by its reservation (a request
+    without max_tokens reserves the node's cap) made every row scan that many masked cells: 8 requests of 64
+    positions with 1,200-cell reservations cost 1.6x the CPU of 128-cell ones. A range starts at what the request
+    holds (at least 256 cells) and doubles as it grows, never past its reservation, and moving changes no bit."""
+    big, small = smollm2(layers=LAYERS), smollm2(layers=LAYERS)
+    prompt = np.arange(10) + 100
+    big.forward([StepInput("r", tokens=prompt, max_positions=2000)])
+    small.forward([StepInput("r", tokens=prompt, max_positions=300)])
+    assert big.caches["r"].capacity == small.caches["r"].capacity == 256
+    chunk = (np.arange(250) % 50) + 200
+    a = big.forward([StepInput("r", tokens=chunk)])[0]  # 260 positions: moved to a range of 512
+    b = small.forward([StepInput("r", tokens=chunk)])[0]  # capped by its reservation: 300
+    assert big.caches["r"].capacity == 512 and small.caches["r"].capacity == 300
+    assert np.array_equal(a, b)
+    for e in (big, small):
+        e.close()
+
+
 def test_64_requests_at_a_fresh_engine_cost_steps_like_its_own_and_build_a_handful_of_graphs():
     """Issue #28 item 5: a burst at a fresh node took 2.6-23.5 s per step, when every new set of requests meant a
     new graph (21,805 nodes for 64 requests). Now graphs are per shape: the engine's own cost of a 64-row step,
     measured first on a warm graph, bounds every step of three bursts (graph builds included), the first two on
-    one fresh engine, the third on another; a burst builds a handful of graphs and the same burst again, every
-    request new, builds none."""
+    one fresh engine, the third on another; a burst builds a handful of graphs (the same on a fresh engine), and the
+    same burst again, every request new, fewer (ranges that grew left the pool's free cells laid out otherwise, so
+    a few windows differ)."""
     e = smollm2(layers=LAYERS)
     e.forward([StepInput(f"w{i}", tokens=np.arange(2) + 100, max_positions=12) for i in range(64)])
     e.forward([StepInput(f"w{i}", tokens=np.array([7])) for i in range(64)])  # builds the 64-row decode graph
@@ -158,5 +178,5 @@ def test_64_requests_at_a_fresh_engine_cost_steps_like_its_own_and_build_a_handf
         assert not engine.caches and engine.cache_bytes() == 0
         worst = max(seconds / max(1.0, rows / 64) for rows, seconds in steps)
         assert worst < 10 * unit, f"run {run}: a step took {worst:.3f} s per 64 rows; a warm 64-row step {unit:.3f} s"
-    assert builds[0] == builds[2] <= 16 and builds[0] < len(steps) and builds[1] == 0, (builds, len(steps))
+    assert builds[0] == builds[2] <= 16 and builds[0] < len(steps) and builds[1] < builds[0], (builds, len(steps))
     engine.close()

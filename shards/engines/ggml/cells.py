@@ -3,10 +3,10 @@ unified KV cache), each request owning a contiguous range of cells.
 
 Per layer one K and one V tensor [cells, kv_heads*head_dim] (a cell is one position of one request), all in one
 anonymous mapping: zero until written and backed by RAM only where written; a range given back is returned to
-the kernel (MADV_DONTNEED) and reads as zeros again. A request's range is its reservation (StepInput.max_positions),
-taken first fit from the low end so the cells in use stay packed and the window a step attends stays small; a
-request without a reservation starts small and moves to a larger range when it outgrows it. When no free range is
-large enough the pool doubles (its tensors move: `generation` says so, and every graph built on the old ones goes).
+the kernel (MADV_DONTNEED) and reads as zeros again. A request's range holds what it has now (at least 256 cells),
+taken first fit from the low end so the cells in use stay packed and the window a step attends stays small, and
+moves to a range twice as large when it outgrows it, up to its reservation (StepInput.max_positions). When no
+free range is large enough the pool doubles (its tensors move: `generation` says so, and every graph built on the old ones goes).
 
 Cell 0 belongs to no request: rows that only pad a step to its graph's size (shards/engines/ggml/graph.py) write
 there, and no row ever attends it.
@@ -159,6 +159,7 @@ class CellRange(RequestCache):
         super().__init__([])
         self.start = pool.allocate(capacity)
         self.pool, self.capacity = pool, capacity
+        self.limit = capacity  # the most cells it may grow to (its reservation, where the engine knows one)
 
     def grow(self, capacity: int) -> None:
         """Move to a range of `capacity` cells, keeping the positions held."""
