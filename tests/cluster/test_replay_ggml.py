@@ -1,5 +1,6 @@
 """Replay and batching are exact on the ggml engine, as a node runs the packaged SmolLM2 by default (requantized to
-F16 on load) and on its file's own Q4_1 blocks (`--quantize none`): the last node killed after 70 tokens, the entry
+F16 on load; the file's own Q4_1 blocks are replayed exactly in tests/cluster/test_speculation_cluster.py, and are
+batch-invariant in tests/engines/test_ggml_invariance.py): the last node killed after 70 tokens, the entry
 replays prompt + 70 generated tokens as one prefill (past the 64 rows where ggml's own attention kernel changes),
 and a seeded stream's text is the undisturbed run's, character for character; seeded requests beside 7 others give
 the texts they give alone. (ggml's matmul sums a lone row of a float weight in another order than a batch's rows:
@@ -19,11 +20,9 @@ pytest.importorskip("ggml", reason="the ggml extra is not installed")
 from shards.formats.packaged import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 KILL_AFTER = 70
-WEIGHTS = {"default": [], "q4_1": ["--quantize", "none"]}  # the packaged default (F16), the file's own blocks
 
 
-@pytest.mark.parametrize("weights", list(WEIGHTS))
-def test_the_last_node_killed_after_70_tokens_is_replayed_on_ggml_and_a_seeded_text_is_unchanged(weights, capsys):
+def test_the_last_node_killed_after_70_tokens_is_replayed_on_the_default_engine_and_a_seeded_text_is_unchanged(capsys):
     path, model_id = resolve_model(DEFAULT_MODEL)
     body = {
         "model": model_id,
@@ -32,9 +31,7 @@ def test_the_last_node_killed_after_70_tokens_is_replayed_on_ggml_and_a_seeded_t
         "temperature": 0.8,
         "seed": 11,
     }
-    with Cluster(
-        path, 3, memory_gb=[2, 2, 2], model_id=model_id, engine=None, extra=["--threads", "1", *WEIGHTS[weights]]
-    ) as c:
+    with Cluster(path, 3, memory_gb=[2, 2, 2], model_id=model_id, engine=None, extra=["--threads", "1"]) as c:
         url = f"{c.nodes[0].api_url}/v1/completions"
         reference = "".join(e.text for e in stream_completion(url, body, timeout=120))
         events, killed = [], None
@@ -49,7 +46,7 @@ def test_the_last_node_killed_after_70_tokens_is_replayed_on_ggml_and_a_seeded_t
         assert c.self_info()["node0"]["status"]["replays"] == 1
         report(
             capsys,
-            f"ggml SmolLM2 {weights}, kill -9 of the last node after {KILL_AFTER} tokens: replayed, seeded text "
+            f"ggml SmolLM2 default engine (F16), kill -9 of the last node after {KILL_AFTER} tokens: replayed, seeded text "
             f"identical ({len(reference)} characters)",
         )
 
