@@ -169,6 +169,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "many decode steps' time (measured as it runs), so a long prompt never freezes the streams",
     )
     ap.add_argument(
+        "--micro-batches",
+        type=int,
+        default=SchedulerLimits.micro_batches,
+        help="on a ring of several nodes, split the decoding requests in this many batches that follow each other "
+        "round the ring, so every node computes at once (default 0: one per node of the ring; 1: one batch)",
+    )
+    ap.add_argument(
         "--kv-memory-gb",
         type=float,
         help="KV cache memory this node may reserve for requests (default: 40%% of the available memory); "
@@ -309,6 +316,8 @@ def settings_from_args(args: argparse.Namespace, *, keyed: bool, machine: Machin
     kv_budget = int(args.kv_memory_gb * 2**30) if args.kv_memory_gb is not None else int(0.4 * machine.available_memory)
     if not 0 < args.kv_entry_share <= 1:
         raise ValueError(f"--kv-entry-share must be in (0, 1], got {args.kv_entry_share}")
+    if args.micro_batches < 0:
+        raise ValueError(f"--micro-batches must be 0 (one per node of the ring) or more, got {args.micro_batches}")
     node = NodeSettings(
         node_id=node_id,
         memory_bytes=int(args.memory_gb * 2**30) if args.memory_gb is not None else machine.available_memory,
@@ -330,7 +339,12 @@ def settings_from_args(args: argparse.Namespace, *, keyed: bool, machine: Machin
             kv_entry_share=args.kv_entry_share,
         ),
         scheduling=SchedulerLimits(
-            args.step_tokens, args.max_batch_rows, args.prefill_chunk, kind.prefill_buckets, args.max_stall
+            args.step_tokens,
+            args.max_batch_rows,
+            args.prefill_chunk,
+            kind.prefill_buckets,
+            args.max_stall,
+            args.micro_batches,
         ),
     )
     advertise = args.advertise_host or (host if host not in ("0.0.0.0", "::", "") else machine.lan_host)

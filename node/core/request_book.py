@@ -199,8 +199,11 @@ class RequestBook:
         self.local_inflight.clear()
 
     def take_batch(self) -> list[Group]:
-        """The next forward pass, as groups of inputs that share an engine call (see node/core/scheduler.py)."""
-        return self.queue.take(lambda rid: req.shard if (req := self.requests.get(rid)) else None)
+        """The next forward pass, as groups of inputs that share an engine call (see node/core/scheduler.py), its
+        decode rows a micro-batch of the requests held here on rings of several stages."""
+        ringed = [len(req.spec.plan) for req in self.requests.values() if len(req.spec.plan) > 1]
+        cap = self.queue.limits.micro_batch_rows(len(ringed), max(ringed, default=1))
+        return self.queue.take(lambda rid: req.shard if (req := self.requests.get(rid)) else None, cap)
 
     @property
     def active(self) -> int:

@@ -15,6 +15,13 @@ rows alone, by what this node measured its own steps to cost (`StepCosts`): on a
 30-100 decode steps' time, so a fixed budget would still freeze every running stream for the length of the chunk.
 When nothing is decoding, prefill gets the whole budget. At least `MIN_PREFILL` positions (or the smallest bucket)
 go in each step, so a prompt always advances.
+
+Micro-batches: on a ring of S > 1 stages, a step takes at most ceil(R / M) decode rows (`micro_batch_rows`), where R
+counts the requests this node holds on such rings and M is `micro_batches` (0: S). Why: the rows of one step travel
+the ring together, so with one batch only one stage computes at a time and every other waits for it (three nodes
+ran at half one node's speed). Split in M, the batches follow each other round the ring and every stage computes;
+each node applies the same cap, so batches that queue up behind a slower stage do not merge again. Results do not
+change: a row's numbers never depend on the rows beside it (the engines are batch-invariant; tested).
 """
 
 from __future__ import annotations
@@ -38,10 +45,13 @@ class SchedulerLimits:
     prefill_chunk: int = 256  # longest piece of a prompt one forward pass prefills for a request
     buckets: tuple[int, ...] | None = None  # the engine's length buckets; None: any length is fine
     max_stall: float = 2.0  # a step with decode rows and prefill: at most this many decode-only steps' time
+    micro_batches: int = 0  # batches in flight round a ring of several stages; 0: one per stage (see the module)
 
     def __post_init__(self) -> None:
         if min(self.step_tokens, self.max_batch_rows, self.prefill_chunk) < 1:
             raise ValueError("step tokens, batch rows and prefill chunk must all be >= 1")
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 0:
+            raise ValueError(f"micro_batches must be an integer >= 0 (0: one per stage), got {self.micro_batches!r}")
         if not self.max_stall > 1:
             raise ValueError(f"the stall limit must be above 1 (a decode step's own time), got {self.max_stall}")
         if self.buckets is not None:
@@ -61,6 +71,14 @@ class SchedulerLimits:
         if length == 1:
             return 1
         return next((b for b in self.buckets if b >= length), self.buckets[-1])
+
+    def micro_batch_rows(self, requests: int, stages: int) -> int | None:
+        """The most decode rows one step takes when this node holds `requests` requests on rings of `stages`
+        stages (the longest): ceil(requests / micro-batches), None (no cap) on a one-stage ring or with one batch."""
+        batches = self.micro_batches or stages
+        if stages <= 1 or batches <= 1 or requests <= 1:
+            return None
+        return -(-requests // batches)
 
     def cost(self, length: int) -> int:
         return self.bucket(length) or length
@@ -152,11 +170,13 @@ class StepScheduler:
     def __len__(self) -> int:
         return len(self.queue)
 
-    def take(self, shard_of: Callable[[str], Shard | None]) -> list[Group]:
+    def take(self, shard_of: Callable[[str], Shard | None], max_rows: int | None = None) -> list[Group]:
         """The next forward pass. `shard_of` says which shard a request runs on (None: it ended; its inputs are
-        dropped). Always takes something when anything is queued."""
+        dropped); `max_rows` caps its decode rows below `max_batch_rows` (a micro-batch: `micro_batch_rows`).
+        Always takes something when anything is queued."""
         lim = self.limits
         budget, rows = lim.step_tokens, 0
+        row_cap = lim.max_batch_rows if max_rows is None else max(1, min(max_rows, lim.max_batch_rows))
         chosen: list[Queued] = []
         taken: set[str] = set()  # requests with an input in this step
         waiting: set[str] = set()  # requests with an earlier input still queued: their later inputs wait too
@@ -169,7 +189,7 @@ class StepScheduler:
                 item.stepwise
                 and rid not in waiting
                 and rid not in taken
-                and rows < lim.max_batch_rows
+                and rows < row_cap
                 and lim.cost(len(item.data)) <= budget
             ):
                 chosen.append(item)

@@ -81,6 +81,9 @@ class Pipeline:
                     log.exception("pipeline step failed")
                     for item in group.items:
                         self.do(core.fail(item.request_id, f"node {core.id}: internal error: {e}"))
+            # the pass's rows are all in the sampling batch: sample now, not after the window (the next pass, a
+            # micro-batch or a prompt chunk, takes longer than the window anyway)
+            self.batcher.flush()
 
     async def _run(self, group: Group) -> None:
         me = self.core.id

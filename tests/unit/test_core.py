@@ -20,7 +20,10 @@ from shards.shard import Shard
 from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
 
 
-def core(node_id, scheduling=SchedulerLimits(), **limits):
+ONE_BATCH = SchedulerLimits(micro_batches=1)  # these tests batch a ring's rows together (micro-batches: test_microbatches)
+
+
+def core(node_id, scheduling=ONE_BATCH, **limits):
     return NodeCore(node_id, "llama", CFG, CoreLimits(**limits), scheduling)
 
 
@@ -150,7 +153,7 @@ def test_a_batch_skips_ended_requests_and_groups_by_shard():
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_marked_partial_until_the_last():
-    a = core("a", SchedulerLimits(step_tokens=64, prefill_chunk=32))
+    a = core("a", SchedulerLimits(step_tokens=64, prefill_chunk=32, micro_batches=1))
     a.accept_prompt(sized("r1", 70, 3), tokens(*range(70)))
     chunks = []
     while a.queue:
