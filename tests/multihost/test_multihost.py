@@ -41,7 +41,9 @@ def peers_seen(lan, i) -> set[str]:
     return {n["node_id"] for n in call(lan, i, "/v1/topology")["nodes"]}
 
 
-def start_hosts(lan, n: int, key, first: int = 0, extra=()) -> list[subprocess.Popen]:
+def start_hosts(lan, n: int, key, first: int = 0, extra=(), per_host=None) -> list[subprocess.Popen]:
+    """Hosts first..first+n-1, started together (their imports overlap) and returned once each serves its API;
+    `per_host[i]`: host i's own extra arguments."""
     procs = []
     for i in range(first, first + n):
         key_args = ["--cluster-key-file", str(key)] if key else ["--host", "0.0.0.0"]
@@ -60,6 +62,7 @@ def start_hosts(lan, n: int, key, first: int = 0, extra=()) -> list[subprocess.P
                     "numpy",
                     *key_args,
                     *extra,
+                    *(per_host or {}).get(i, ()),
                 ),
                 cwd=ROOT,
                 stdout=subprocess.PIPE,

@@ -117,18 +117,19 @@ def captured_request(lan, key, tmp_path) -> tuple[bytes, bytes]:
     shards = {0: "4:6", 1: "0:2", 2: "2:4"}
     procs = []
     try:
-        for i in range(3):
-            procs += start_hosts(lan, 1, key, first=i, extra=["--shard", shards[i]])
+        procs = start_hosts(lan, 3, key, per_host={i: ["--shard", s] for i, s in shards.items()})
         wait_until(lambda: peers_seen(lan, 0) == MEMBERS, 30, "host0 to see the members", interval=0.2)
         capture = subprocess.Popen(
-            ["ip", "netns", "exec", lan.switch, sys.executable, "-m", "tests.support.capture", "any", "8", str(out)],
+            ["ip", "netns", "exec", lan.switch, sys.executable, "-m", "tests.support.capture", "any", "30", str(out)],
             cwd=ROOT,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         assert capture.stdout.readline().strip() == "capturing"
         body = {"model": "llama", "messages": [{"role": "user", "content": content}], "max_tokens": 8}
         assert call(lan, 0, "/v1/chat/completions", body)["usage"]["completion_tokens"] > 0
+        capture.stdin.close()  # the answer is back: every hop of the request has crossed the bridge
         capture.wait(timeout=30)
     finally:
         stop_hosts(procs)

@@ -2,6 +2,9 @@
 
     python -m tests.support.capture IFACE SECONDS OUT     # IFACE "any": every interface of the namespace
 
+It stops after SECONDS, or as soon as its standard input closes (the test closes it once the traffic it wants to
+see has crossed, instead of waiting out a guessed window); frames already queued on the socket are kept.
+
 (On a bridge, frames forwarded from port to port never reach the bridge device itself: capture the ports, "any".)
 
 A raw AF_PACKET socket, so no tcpdump is needed: the test asserts what the bytes on the wire do and don't contain.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
 import time
 
 
@@ -19,14 +23,22 @@ def main(iface: str, seconds: float, out: str) -> None:
     if iface != "any":
         sock.bind((iface, 0))
     sock.settimeout(0.2)
+    told = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), told.set()), daemon=True).start()  # returns at EOF
     print("capturing", flush=True)
     end = time.monotonic() + seconds
     with open(out, "wb") as f:
-        while time.monotonic() < end:
+        while time.monotonic() < end and not told.is_set():
             try:
                 f.write(sock.recv(65535))
             except TimeoutError:
                 pass
+        sock.setblocking(False)
+        while True:  # what crossed before the stop is still queued: keep it
+            try:
+                f.write(sock.recv(65535))
+            except BlockingIOError:
+                break
 
 
 if __name__ == "__main__":
