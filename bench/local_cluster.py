@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 READY_GRPC = re.compile(r"exo-node (\S+): gRPC listening on (\S+)")
 READY_API = re.compile(r"exo-node (\S+): API listening on (\S+)")
+LEAVE_GRACE = 2.0  # seconds a stopping node has to leave on its own (an idle one takes ~1.5)
 
 
 def free_port() -> int:
@@ -196,8 +197,17 @@ class Cluster:
         return counts
 
     def __exit__(self, *exc) -> None:
+        """SIGTERM every node; one still draining after LEAVE_GRACE seconds gets the second SIGTERM that cuts its
+        drain short (node/cli.py's `drain`): a node whose send to a dead or frozen peer is pending would otherwise
+        wait for that call's deadline (~10 s) before it exits. Tests of a node's own drain signal it themselves."""
         for node in self.nodes:
             if node.proc.poll() is None:
+                node.proc.terminate()
+        deadline = time.monotonic() + LEAVE_GRACE
+        for node in self.nodes:
+            try:
+                node.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 node.proc.terminate()
         for node in self.nodes:
             try:
