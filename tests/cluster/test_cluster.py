@@ -19,12 +19,26 @@ def loaded_shards(cluster: Cluster) -> dict[str, list[str]]:
     return {node_id: info["loaded"] for node_id, info in cluster.self_info().items()}
 
 
-def test_three_pinned_nodes_equal_one_process():
-    with Cluster(MODEL, 3, shards=["0:2", "2:4", "4:6"]) as c:
-        assert_matches_reference(c, PROMPTS[0])
-        assert_matches_reference(c, PROMPTS[1], node=c.nodes[2])  # any node can be the entry
-        assert loaded_shards(c) == {"node0": ["llama[0:2/6]"], "node1": ["llama[2:4/6]"], "node2": ["llama[4:6/6]"]}
-        assert set(c.wait_idle().values()) == {0}
+def statuses(cluster: Cluster) -> dict[str, dict[str, int]]:
+    return {node_id: info["status"] for node_id, info in cluster.self_info().items()}
+
+
+def grown(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """What each node's counters gained between two reads (the session's shared cluster served others before)."""
+    return {
+        node: {k: v - before[node].get(k, 0) for k, v in counters.items() if isinstance(v, int)}
+        for node, counters in after.items()
+    }
+
+
+# Tests on the pinned 3-node cluster that leave it as they found it share the session's `live_cluster` (conftest:
+# 0:2 / 2:4 / 4:6, an API on every node) and read its counters as differences.
+def test_three_pinned_nodes_equal_one_process(live_cluster):
+    c = live_cluster
+    assert_matches_reference(c, PROMPTS[0])
+    assert_matches_reference(c, PROMPTS[1], node=c.nodes[2])  # any node can be the entry
+    assert loaded_shards(c) == {"node0": ["llama[0:2/6]"], "node1": ["llama[2:4/6]"], "node2": ["llama[4:6/6]"]}
+    assert set(c.wait_idle().values()) == {0}
 
 
 def test_automatic_partitioning_weights_layers_by_memory():
@@ -74,31 +88,32 @@ def test_a_dead_node_fails_the_request_quickly_and_cleanly():
         assert c.active_requests()["node0"] == 0 or c.wait_idle()["node0"] == 0
 
 
-def test_client_disconnect_cancels_the_request_on_every_node():
+def test_client_disconnect_cancels_the_request_on_every_node(live_cluster):
     import json
     import urllib.request
 
-    with Cluster(MODEL, 3, shards=["0:2", "2:4", "4:6"]) as c:
-        body = json.dumps(
-            {
-                "model": "llama",
-                "messages": [{"role": "user", "content": "go on"}],
-                "max_tokens": 200,
-                "temperature": 0.8,
-                "seed": 1,
-                "stream": True,
-            }
-        ).encode()
-        req = urllib.request.Request(
-            f"{c.nodes[0].api_url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        response = urllib.request.urlopen(req, timeout=30)
-        assert response.readline().startswith(b"data: ")
-        response.close()  # the client goes away mid-stream
-        assert set(c.wait_idle().values()) == {0}
-        statuses = [info["status"] for info in c.self_info().values()]
-        assert all(s.get("ended_cancelled", 0) + s.get("ended_finished", 0) <= 1 for s in statuses)
-        assert any(s.get("ended_cancelled") for s in statuses)
+    c = live_cluster
+    before = statuses(c)
+    body = json.dumps(
+        {
+            "model": "llama",
+            "messages": [{"role": "user", "content": "go on"}],
+            "max_tokens": 200,
+            "temperature": 0.8,
+            "seed": 1,
+            "stream": True,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{c.nodes[0].api_url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    response = urllib.request.urlopen(req, timeout=30)
+    assert response.readline().startswith(b"data: ")
+    response.close()  # the client goes away mid-stream
+    assert set(c.wait_idle().values()) == {0}
+    gained = grown(before, statuses(c)).values()
+    assert all(s.get("ended_cancelled", 0) + s.get("ended_finished", 0) <= 1 for s in gained)
+    assert any(s.get("ended_cancelled") for s in gained)
 
 
 def test_sigterm_stops_a_node_cleanly():
@@ -109,7 +124,7 @@ def test_sigterm_stops_a_node_cleanly():
         assert c.nodes[0].proc.wait(timeout=15) == 0
 
 
-def test_eight_concurrent_streams_batch_their_sampling_and_equal_sequential_runs():
+def test_eight_concurrent_streams_batch_their_sampling_and_equal_sequential_runs(live_cluster):
     import openai
 
     def stream(client, i):
@@ -123,17 +138,18 @@ def test_eight_concurrent_streams_batch_their_sampling_and_equal_sequential_runs
         )
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
-    with Cluster(MODEL, 3, shards=["0:2", "2:4", "4:6"]) as c:
-        client = openai.OpenAI(base_url=f"{c.nodes[0].api_url}/v1", api_key="x", max_retries=0)
-        sequential = [stream(client, i) for i in range(8)]
-        with ThreadPoolExecutor(8) as pool:
-            concurrent = list(pool.map(lambda i: stream(client, i), range(8)))
-        assert concurrent == sequential
-        last = c.self_info()["node2"]["status"]  # node2 holds the last layers: it samples
-        sizes = {int(k.rsplit("_", 1)[1]): v for k, v in last.items() if k.startswith("sample_batch_size_")}
-        assert max(sizes) > 1, sizes
-        assert last.get("sample_fallbacks", 0) == 0
-        assert set(c.wait_idle().values()) == {0}
+    c = live_cluster
+    client = openai.OpenAI(base_url=f"{c.nodes[0].api_url}/v1", api_key="x", max_retries=0)
+    before = statuses(c)
+    sequential = [stream(client, i) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        concurrent = list(pool.map(lambda i: stream(client, i), range(8)))
+    assert concurrent == sequential
+    last = grown(before, statuses(c))["node2"]  # node2 holds the last layers: it samples
+    sizes = {int(k.rsplit("_", 1)[1]): v for k, v in last.items() if k.startswith("sample_batch_size_") and v}
+    assert max(sizes) > 1, sizes
+    assert last.get("sample_fallbacks", 0) == 0
+    assert set(c.wait_idle().values()) == {0}
 
 
 def test_manual_discovery_file_and_wait_for_peers(tmp_path):
