@@ -203,7 +203,10 @@ class RequestBook:
         decode rows a micro-batch of the requests held here on rings of several stages."""
         ringed = [len(req.spec.plan) for req in self.requests.values() if len(req.spec.plan) > 1]
         cap = self.queue.limits.micro_batch_rows(len(ringed), max(ringed, default=1))
-        return self.queue.take(lambda rid: req.shard if (req := self.requests.get(rid)) else None, cap)
+        groups = self.queue.take(lambda rid: req.shard if (req := self.requests.get(rid)) else None, cap)
+        if self.queue.held_back and cap is not None:
+            self.counters["micro_batch_passes"] += 1  # a pass that left decode rows to the next micro-batch
+        return groups
 
     @property
     def active(self) -> int:

@@ -158,6 +158,7 @@ class StepScheduler:
         self.limits = limits
         self.queue: deque[Queued] = deque()
         self.costs = StepCosts()
+        self.held_back = 0  # decode rows the last pass left for the next because of its row cap (micro-batches)
 
     def observe(self, group: Group, seconds: float) -> None:
         """An engine call of `group` took `seconds`: the costs that size later steps."""
@@ -181,10 +182,13 @@ class StepScheduler:
         taken: set[str] = set()  # requests with an input in this step
         waiting: set[str] = set()  # requests with an earlier input still queued: their later inputs wait too
         rest: deque[Queued] = deque()
+        self.held_back = 0
         for item in self.queue:  # decode rows first
             rid = item.request_id
             if shard_of(rid) is None:
                 continue
+            if item.stepwise and rows >= row_cap and rid not in waiting and rid not in taken:
+                self.held_back += 1
             if (
                 item.stepwise
                 and rid not in waiting

@@ -145,7 +145,9 @@ def test_eight_concurrent_streams_batch_their_sampling_and_equal_sequential_runs
     with ThreadPoolExecutor(8) as pool:
         concurrent = list(pool.map(lambda i: stream(client, i), range(8)))
     assert concurrent == sequential
-    last = grown(before, statuses(c))["node2"]  # node2 holds the last layers: it samples
+    counters = grown(before, statuses(c))
+    assert counters["node0"].get("micro_batch_passes", 0) > 0  # the streams went round in micro-batches
+    last = counters["node2"]  # node2 holds the last layers: it samples
     sizes = {int(k.rsplit("_", 1)[1]): v for k, v in last.items() if k.startswith("sample_batch_size_") and v}
     assert max(sizes) > 1, sizes
     assert last.get("sample_fallbacks", 0) == 0

@@ -42,6 +42,7 @@ def test_a_ring_of_three_takes_its_decoding_requests_in_three_batches_in_arrival
     b = core("b")
     decoding(b, 8)
     assert passes(b) == [["r0", "r1", "r2"], ["r3", "r4", "r5"], ["r6", "r7"]]
+    assert b.counters["micro_batch_passes"] == 2  # the passes that left rows to the next (a status counter)
 
 
 def test_batches_that_queued_up_behind_a_slow_stage_do_not_merge_again():
