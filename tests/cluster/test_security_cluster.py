@@ -131,11 +131,15 @@ def test_a_keyed_cluster_serves_exactly_and_nodes_without_the_key_stay_out(key_f
         assert_matches_reference(c, "The capital of France is", 16)
         write_key_file(tmp_path / "other.key")
         peers = ",".join(f"127.0.0.1:{p}" for p in c.ports)
-        for foreign in (["--cluster-key-file", str(tmp_path / "other.key")], []):
-            with Cluster(MODEL, 1, per_node=[foreign + ["--peers", peers]]) as d:
-                time.sleep(3)  # several membership rounds, both ways
-                assert [n["node_id"] for n in d.topology()["nodes"]] == ["node0"]
-                assert len(c.topology()["nodes"]) == 3
+        # both strangers at once, one with another key and one with none: each a lone node0 of its own
+        with (
+            Cluster(MODEL, 1, per_node=[["--cluster-key-file", str(tmp_path / "other.key"), "--peers", peers]]) as d,
+            Cluster(MODEL, 1, per_node=[["--peers", peers]]) as e,
+        ):
+            time.sleep(3)  # several membership rounds, both ways
+            for stranger in (d, e):
+                assert [n["node_id"] for n in stranger.topology()["nodes"]] == ["node0"]
+            assert len(c.topology()["nodes"]) == 3
         assert_matches_reference(c, "Hello there, how are you?", 16)
 
 
