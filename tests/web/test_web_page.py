@@ -199,14 +199,14 @@ def test_a_peer_that_leaves_drops_out_of_the_view_with_an_event(cluster, page):
 
 
 def test_a_node_fetching_its_layers_shows_its_progress_then_the_layers_it_holds(tmp_path):
-    """node1 starts with only the model's id and fetches its layers from node0, which uploads slowly (0.25 Mbit/s)
+    """node1 starts with only the model's id and fetches its layers from node0, which uploads slowly (0.5 Mbit/s)
     so that the fetch lasts a few seconds; the page shows it going, then what node1 holds."""
     fetching = ["--model", "llama", "--models-dir", str(tmp_path / "node1"), "--wait-for-peers", "1"]
     with (
         Cluster(
             FIXTURES / "llama",
             2,
-            per_node=[["--max-upload-mbps", "0.25"], fetching],
+            per_node=[["--max-upload-mbps", "0.5"], fetching],
             model_id="llama",
             memory_gb=[1, 1],
         ) as c,
