@@ -24,7 +24,8 @@ KILL_AFTER = 12  # stream events read before the failure is injected
 
 
 def body(**overrides):
-    return {"model": "llama", "prompt": PROMPT, "max_tokens": 200, "temperature": 0} | overrides
+    """100 tokens (~80 stream events, ~190 characters greedy): the failure lands after 12, the rest follows it."""
+    return {"model": "llama", "prompt": PROMPT, "max_tokens": 100, "temperature": 0} | overrides
 
 
 def url(c, node=0):
@@ -60,7 +61,7 @@ def three_nodes(**kw):
 @pytest.mark.parametrize("victim,seeded", [(1, False), (2, True)], ids=["middle-greedy", "last-seeded"])
 def test_a_killed_node_mid_stream_is_replayed_and_the_text_is_unchanged(victim, seeded, capsys):
     with three_nodes() as c:
-        sampling = {"temperature": 0.8, "seed": 3} if seeded else {}  # seed 3: 200 tokens without eos
+        sampling = {"temperature": 0.8, "seed": 3} if seeded else {}  # seed 3: 100 tokens without eos
         reference, text, resumed, errors = run_interrupted(c, lambda: c.nodes[victim].proc.kill(), **sampling)
         assert errors == [] and text == reference
         assert resumed < 5
