@@ -1,7 +1,10 @@
 """A real multi-host cluster: hosts on a private bridge, a cluster key, UDP discovery and nothing else configured.
 
 Without a cluster key a node's gRPC listens on loopback only, so every cluster here shares a key (which also makes
-it the test of a secured cluster: mutual TLS between hosts, signed announcements)."""
+it the test of a secured cluster: mutual TLS between hosts, signed announcements).
+
+A host whose link goes down mid-request is routed around with the text unchanged: tests/multihost/
+test_multihost_exact.py (link-cut) shows it on the default engine with a seeded text, the replay counted."""
 
 import json
 import signal
@@ -126,53 +129,6 @@ def test_three_hosts_find_each_other_serve_and_survive_a_death(capsys, key):
                 print(
                     f"\n[multihost] all 3 nodes joined {join_time:.1f}s after start ({join:.1f}s after ready); "
                     f"dead node evicted in {eviction:.1f}s"
-                )
-        finally:
-            stop_hosts(procs)
-
-
-def test_a_host_whose_link_goes_down_mid_request_is_routed_around(capsys, key):
-    body = {
-        "model": "llama",
-        "prompt": "Once upon a time, in a land far away, there lived",
-        "max_tokens": 200,
-        "temperature": 0,
-    }
-    with netns.PrivateLan(3, subnet=78) as lan:
-        procs = start_hosts(lan, 3, key)
-        try:
-            wait_until(
-                lambda: peers_seen(lan, 0) == {"host0", "host1", "host2"}, 30, "host0 to see all three", interval=0.2
-            )
-            expected = call(lan, 0, "/v1/completions", body)["choices"][0]["text"]
-            # all three carry layers (host0 hears of its peers' loaded shards at their next health check)
-            wait_until(
-                lambda: (
-                    {n["node_id"] for n in call(lan, 0, "/v1/topology")["nodes"] if n["loaded"]}
-                    == {"host0", "host1", "host2"}
-                ),
-                10,
-                "all three hosts to report loaded layers",
-                interval=0.2,
-            )
-            answer = {}
-
-            def ask():
-                started = time.monotonic()
-                answer["body"], answer["seconds"] = call(lan, 0, "/v1/completions", body), time.monotonic() - started
-
-            asker = threading.Thread(target=ask)
-            asker.start()
-            time.sleep(0.3)
-            netns.sh("ip", "-n", lan.hosts[1], "link", "set", "eth0", "down")  # host1 drops off the network
-            asker.join(timeout=60)
-            assert answer["body"]["choices"][0]["text"] == expected
-            assert answer["seconds"] < 15
-            status = call(lan, 0, "/v1/topology")["nodes"][0]["status"]
-            with capsys.disabled():
-                print(
-                    f"\n[multihost] link of host1 cut mid-request: answered in {answer['seconds']:.1f}s "
-                    f"after {status.get('replays', 0)} replay(s), text identical"
                 )
         finally:
             stop_hosts(procs)
