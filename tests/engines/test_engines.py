@@ -42,7 +42,13 @@ def test_logits_match_transformers(engine_name, model):
     assert np.abs(logits - np.asarray(g["logits"], np.float32)).max() < atol(engine_name)
 
 
-@pytest.mark.parametrize("model", MODELS)
+# tinygrad decodes through a captured step at a symbolic position: llama and qwen3 (q/k norms, its own head_dim)
+# take it; what qwen2 adds (q/k/v biases, tied embeddings) does not depend on the position and is checked on
+# tinygrad by test_logits_match_transformers (and its decode on qwen2 by the shard chain test, against the whole).
+GREEDY = [(e, m) for e in ENGINE_NAMES for m in MODELS if e != "tinygrad" or m != "qwen2"]
+
+
+@pytest.mark.parametrize("engine_name, model", GREEDY)
 def test_greedy_tokens_match_transformers(engine_name, model):
     g = golden(model)
     tokens = [r.token for r in generate([make(engine_name, model)], g["prompt_ids"], 32)]
