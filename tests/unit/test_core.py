@@ -19,8 +19,9 @@ from shards.sampling import SampleResult
 from shards.shard import Shard
 from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
 
-
-ONE_BATCH = SchedulerLimits(micro_batches=1)  # these tests batch a ring's rows together (micro-batches: test_microbatches)
+ONE_BATCH = SchedulerLimits(
+    micro_batches=1
+)  # these tests batch a ring's rows together (micro-batches: test_microbatches)
 
 
 def core(node_id, scheduling=ONE_BATCH, **limits):
