@@ -44,7 +44,7 @@ from shards.transformer import ShardModel
 log = logging.getLogger(__name__)
 MIN_CAPACITY = 256  # a request without a reservation starts with this many positions and doubles
 INITIAL_CELLS = 4096  # the cell pool's first size (virtual until written); it doubles when a range does not fit
-OWN_GROUP_ROWS = 16  # a prompt chunk of this many rows attends its own cells (GraphRunner.layout)
+OWN_GROUP_ROWS = 64  # a prompt chunk of this many rows attends its own cells (GraphRunner.layout)
 
 
 class GgmlEngine(BlockEngine):

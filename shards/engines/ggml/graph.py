@@ -4,10 +4,8 @@ A `Shape` is all that fixes a graph: how many rows (padded, see `padded_rows`), 
 consecutive rows, each over a range of cells of the engine's pool, shards/engines/ggml/cells.py) and which outputs
 come out. Decode rows, one position of one request each, form groups over the window [0, window) (`window_for`) of
 every decode row (and short prompt chunk) of the step, so a decode step's graph is the same whichever requests it
-carries; a prompt chunk of 16 rows or more (`OWN_GROUP_ROWS`) forms a group over its own request's cells, so its many
-rows do not scan every other request's cells (a step with such chunks builds its graph, a few ms beside the chunk's
-compute: at 16 short prompts of ~40 tokens in one pass the shared window made each row check 4,096 masks per head
-and layer, and the pass took ~20% longer). Which requests a step carries, where their cells are
+carries; a prompt chunk of 64 rows or more forms a group over its own request's cells, so its many rows do not scan
+every other request's cells (a step with such chunks builds its graph, a few ms beside the chunk's compute). Which requests a step carries, where their cells are
 and what each row may see are inputs: every row's token (or hidden row), position and cell (where ggml_set_rows
 writes its keys and values), and per group an F16 mask [rows, cells] that is 0 on the cells of the row's own request
 at or before its position and -inf everywhere else. So a step attends once per group and layer (in blocks of rows:
