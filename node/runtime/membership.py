@@ -11,6 +11,9 @@ from typing import Protocol
 from node.core.topology import NodeInfo
 from node.runtime.transport import Transport, TransportError
 
+STARTUP_PROBE = 0.2  # seconds between rounds while a proposed peer has never answered, early on
+STARTUP_WINDOW = 30.0  # seconds after start during which such a peer is probed that often
+
 log = logging.getLogger(__name__)
 
 
@@ -57,6 +60,7 @@ class Membership:
         self.reached: set[str] = set()  # the addresses that answered the last round: the transport may keep these
         self.answered: dict[str, NodeInfo] = {}  # address -> what it said the last time it answered
         self.missed: dict[str, int] = {}  # address -> checks timed out in a row since
+        self.proposed: list[str] = []  # the addresses the discoveries proposed last round
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()
 
@@ -78,13 +82,22 @@ class Membership:
             await self._changed.wait()
 
     async def _loop(self) -> None:
+        started = asyncio.get_running_loop().time()
         while True:
             await self.refresh()
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self.pause(asyncio.get_running_loop().time() - started))
+
+    def pause(self, since_start: float) -> float:
+        """Seconds until the next round: `interval`, or STARTUP_PROBE in the first STARTUP_WINDOW seconds while a
+        proposed address has never answered. Why: nodes of a cluster start within a second or two of each other,
+        and a peer that is not up yet at one round waited a whole interval for the next, so a cluster took up to
+        an interval longer to form than its slowest node took to start."""
+        unheard = any(a not in self.answered for a in self.proposed)
+        return min(self.interval, STARTUP_PROBE) if unheard and since_start < STARTUP_WINDOW else self.interval
 
     async def refresh(self) -> None:
         candidates = [a for d in self.discoveries for a in d.candidates()]
-        addresses = [a for a in dict.fromkeys(candidates) if a != self.self_address]
+        addresses = self.proposed = [a for a in dict.fromkeys(candidates) if a != self.self_address]
         infos = [
             self._tolerate(a, result)
             for a, result in zip(addresses, await asyncio.gather(*(self._check(a) for a in addresses)))
