@@ -214,7 +214,8 @@ class Entry:
     async def _run(self, attempt: _Attempt) -> AsyncIterator[TokenMessage]:
         while True:
             try:
-                message = await asyncio.wait_for(attempt.inbox.get(), self.request_timeout)
+                async with asyncio.timeout(self.request_timeout):  # no task per token, as wait_for makes
+                    message = await attempt.inbox.get()
             except TimeoutError:
                 raise GenerationError(f"no token within {self.request_timeout:g}s") from None
             if isinstance(message, Exception):

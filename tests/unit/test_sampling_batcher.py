@@ -223,3 +223,22 @@ def test_window_0_or_max_1_disables_batching():
             await b.close()
 
     run(go())
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("at", [0, 5, 9])
+def test_a_row_with_one_nan_or_plus_inf_anywhere_is_refused_and_minus_inf_is_a_masked_token(bad, at):
+    async def go():
+        engine, b = NoBatch(), SamplingBatcher(8, LONG)
+        logits = np.linspace(-1, 1, 10, dtype=np.float32)
+        logits[at] = bad
+        with pytest.raises(ValueError, match="finite"):
+            b.submit(SampleItem("bad", logits, params(0), SamplerState(), engine, "m"))
+        masked = np.linspace(-1, 1, 10, dtype=np.float32)
+        masked[at] = -np.inf
+        future = b.submit(SampleItem("masked", masked, params(0), SamplerState(), engine, "m"))
+        b.flush()
+        assert (await asyncio.wait_for(future, 30)).token != at
+        await b.close()
+
+    run(go())

@@ -82,3 +82,19 @@ def test_template_errors_are_clear(tmp_path):
     (d / "chat_template.jinja").unlink()
     with pytest.raises(TokenizerError, match="no chat template"):
         Tokenizer(d).render_chat([{"role": "user", "content": "x"}])
+
+
+def test_the_chat_template_is_compiled_once_and_again_only_when_it_changes(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(FIXTURES / "qwen2", d)
+    (d / "chat_template.jinja").write_text("{% for m in messages %}<{{ m.content }}>{% endfor %}")
+    tok = Tokenizer(d)
+    compiled = tok._compiled_template()
+    assert tok.render_chat([{"role": "user", "content": "a"}]) == "<a>"
+    assert tok.render_chat([{"role": "user", "content": "b"}]) == "<b>"
+    assert tok._compiled_template() is compiled  # jinja2's compile costs ~10 ms a request on a small CPU
+    tok.chat_template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    assert tok.render_chat([{"role": "user", "content": "c"}]) == "[c]"
+    with pytest.raises(TokenizerError, match="only user turns"):  # the sandbox's globals come with every compile
+        tok.chat_template = "{{ raise_exception('only user turns') }}"
+        tok.render_chat([{"role": "user", "content": "x"}])
