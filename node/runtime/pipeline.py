@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+import numpy as np
+
 from node.core.actions import Action, Deliver, Release, Sample, Send
 from node.core.node_core import NodeCore
 from node.core.plan import RequestSpec
@@ -50,7 +52,7 @@ class Pipeline:
         transport that loops those back); `spawn` runs a coroutine as a task the node owns (and cancels on stop)."""
         self.core, self.shards, self.batcher, self.transport = core, shards, batcher, transport
         self.model_id, self.metrics, self.spawn = model_id, metrics, spawn
-        self.counters: Counter[str] = Counter()  # forward_us_total, step_us_total
+        self.counters: Counter[str] = Counter()  # forward_us_total, step_us_total, presampled_rows
         self._wake = asyncio.Event()
         self._outboxes: dict[str, Outbox] = {}
 
@@ -110,10 +112,12 @@ class Pipeline:
         }
         starts = {i.request_id: i.start for i in group.items if i.start is not None}
         every_row = frozenset(i.request_id for i in group.items if i.proposals)
+        presampled = Presampled()
+        then = self._presampler(group, engine, presampled) if group.shard.is_last else None
         started = time.perf_counter()
         try:
             outputs, refused, computed = await self.shards.forward(
-                engine, inputs, reuse, self._retain_limit(), starts=starts, every_row=every_row
+                engine, inputs, reuse, self._retain_limit(), starts=starts, every_row=every_row, then=then
             )
         except Exception as e:
             log.exception("forward failed")
@@ -132,7 +136,8 @@ class Pipeline:
             self.counters["prefix_gone"] += 1
             self.do(self.core.fail(rid, f"node {me}: {refused.pop(rid)}", busy=True))
         errors = {rid: f"node {me}: {why}" for rid, why in refused.items()}
-        self.do(self.core.step_done(group, outputs, errors), engine)
+        self.batcher.record(presampled.counts)
+        self.do(self.core.step_done(group, outputs, errors), engine, presampled)
         if prefills := self.core.draft_prefills(group):  # a draft model reads the prompts while the ring computes
             self.spawn(self.shards.run(self.core.speculation.prefill, prefills))
 
@@ -148,6 +153,32 @@ class Pipeline:
         items = tuple(core.proposed(item, drafts.get(item.request_id, ())) for item in group.items)
         return Group(group.shard, group.bucket, items)
 
+    def _presampler(self, group: Group, engine: Engine, into: Presampled) -> Callable[[dict], None] | None:
+        """What samples the pass's rows on the engine thread as soon as its logits exist (`into` gets the results):
+        the rows the core will ask to sample, with the parameters and sampler states their requests hold now. The
+        core still decides (`step_done`); a row it doesn't ask for is dropped (its request ended meanwhile)."""
+        asks = []
+        for item in group.items:
+            req = self.core.requests.get(item.request_id)
+            if req is not None and not item.partial:
+                asks.append((item.request_id, item.proposals, req.spec.sampling, req.sampler))
+        if not asks or self.batcher.closed:
+            return None
+
+        def then(outputs: dict) -> None:
+            try:
+                items = [
+                    SampleItem(rid, out if drafts else out[-1], params, state, engine, self.model_id, drafts)
+                    for rid, drafts, params, state in asks
+                    if isinstance(out := outputs.get(rid), np.ndarray) and out.ndim == 2 and len(out)
+                ]
+                into.results, into.counts = self.batcher.sample_now(items)
+                into.states = {rid: state for rid, _, _, state in asks}
+            except Exception:  # the rows take the batcher's own path, which reports what is wrong
+                log.exception("sampling the pass's rows on the engine thread failed")
+
+        return then
+
     def _retain_limit(self) -> int:
         """Bytes finished requests' retained caches may hold: what the requests' reservations leave of the KV
         budget (RETAIN_WITHOUT_BUDGET without one), so retained caches give way before admission refuses anyone."""
@@ -155,8 +186,11 @@ class Pipeline:
         return RETAIN_WITHOUT_BUDGET if budget is None else max(0, budget - self.core.kv_reserved)
 
     # -- carrying out the core's actions ----------------------------------------------------------------------
-    def do(self, actions: list[Action], engine: Engine | None = None) -> None:
+    def do(self, actions: list[Action], engine: Engine | None = None, presampled: Presampled | None = None) -> None:
+        """`presampled`: the pass's rows sampled on the engine thread (`_presampler`); a Sample action for one of
+        them takes its result (same request, same sampler state) instead of going through the batcher."""
         samples: dict[str, asyncio.Future] = {}
+        done: dict[str, object] = {}
         for action in actions:
             if isinstance(action, Release):
                 self.shards.release(action.request_id, keep=action.keep)
@@ -165,6 +199,9 @@ class Pipeline:
             elif isinstance(action, Deliver):
                 self._outbox(action.address).put(action.message)
             elif isinstance(action, Sample):
+                if presampled is not None and presampled.has(action.request_id, action.state):
+                    done[action.request_id] = presampled.results[action.request_id]
+                    continue
                 item = SampleItem(
                     action.request_id, action.logits, action.params, action.state, engine, self.model_id, action.drafts
                 )
@@ -176,6 +213,9 @@ class Pipeline:
             if not self.core.queue:
                 self.batcher.flush()  # no more forward passes queued here: nothing else can join this batch
             self.spawn(self._sampled(samples))
+        if done:
+            self.counters["presampled_rows"] += len(done)
+            self.do(self.core.sampled(done))  # type: ignore[arg-type]
 
     async def _sampled(self, futures: dict[str, asyncio.Future]) -> None:
         results = await asyncio.gather(*futures.values(), return_exceptions=True)
@@ -209,6 +249,19 @@ class Pipeline:
                 self.do(self.core.deliver_failed(address, message, str(e)))
             return
         self.do(self.core.refused(address, refused))
+
+
+class Presampled:
+    """A pass's rows sampled on the engine thread: results and sampler states by request, and the batcher's counts
+    (empty until the sampling ran)."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, object] = {}
+        self.states: dict[str, object] = {}
+        self.counts: list = []  # the batches, for SamplingBatcher.record
+
+    def has(self, request_id: str, state: object) -> bool:
+        return request_id in self.results and self.states.get(request_id) is state
 
 
 def _wire_size(item: Activation | TokenMessage) -> int:

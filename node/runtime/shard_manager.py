@@ -69,6 +69,7 @@ class ShardManager:
         *,
         starts: dict[str, int] | None = None,
         every_row: frozenset[str] = frozenset(),
+        then: Callable[[dict[str, np.ndarray]], None] | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
         """One forward pass over (request id, input, most positions it will reach): outputs per request, the
         requests whose input the engine refused (with why), which are left out of the pass instead of failing it,
@@ -79,8 +80,10 @@ class ShardManager:
         engine's retained caches may hold now (what reservations leave free); it frees the least recently used first.
         `starts`: requests whose cache is first rolled back to that position (speculation: the previous step's
         rejected proposals); one the engine refuses is refused like a bad input. `every_row`: requests whose
-        logits the last shard returns for every row, not only the last (their proposals are verified)."""
-        return await self.run(_forward, engine, inputs, reuse or {}, retain_limit, starts or {}, every_row)
+        logits the last shard returns for every row, not only the last (their proposals are verified). `then`:
+        called with the outputs on the engine thread right after the pass (the pipeline samples there), never
+        raising."""
+        return await self.run(_forward, engine, inputs, reuse or {}, retain_limit, starts or {}, every_row, then)
 
     def release(self, request_id: str, keep: bool = False) -> None:
         """Queue the release of a request's caches in every engine (after any forward already queued); `keep`: a
@@ -137,6 +140,7 @@ def _forward(
     retain_limit: int,
     starts: dict[str, int],
     every_row: frozenset[str],
+    then: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
     started = time.perf_counter()
     items, refused = [], {}
@@ -164,7 +168,11 @@ def _forward(
             items.append(item)
         except EngineInputError as e:
             refused[rid] = str(e)
-    return _outputs(engine, items, every_row), refused, time.perf_counter() - started
+    outputs = _outputs(engine, items, every_row)
+    computed = time.perf_counter() - started
+    if then is not None:
+        then(outputs)
+    return outputs, refused, computed
 
 
 def _outputs(engine: Engine, items: list[StepInput], every_row: frozenset[str]) -> dict[str, np.ndarray]:

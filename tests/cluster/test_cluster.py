@@ -151,6 +151,8 @@ def test_eight_concurrent_streams_batch_their_sampling_and_equal_sequential_runs
     sizes = {int(k.rsplit("_", 1)[1]): v for k, v in last.items() if k.startswith("sample_batch_size_") and v}
     assert max(sizes) > 1, sizes
     assert last.get("sample_fallbacks", 0) == 0
+    # every row was sampled on the engine thread right after its pass (Pipeline._presampler), none went round
+    assert last.get("presampled_rows") == last["sample_items"] > 0
     assert set(c.wait_idle().values()) == {0}
 
 

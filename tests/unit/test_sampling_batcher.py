@@ -242,3 +242,40 @@ def test_a_row_with_one_nan_or_plus_inf_anywhere_is_refused_and_minus_inf_is_a_m
         await b.close()
 
     run(go())
+
+
+@pytest.mark.parametrize("engine_kind", [Recording, NoBatch])
+def test_sampling_a_pass_where_it_ran_gives_what_the_batch_would_and_counts_the_same(engine_kind):
+    """The pipeline samples a pass's rows on the engine thread (sample_now), not through submit and flush: same
+    tokens, logprobs and counters, and a row submit would refuse is left for submit to refuse."""
+
+    async def go():
+        engine = engine_kind()
+        logits = rows(6, 300, seed=3)
+        logits[4, 7] = np.nan
+        through_batch, now = SamplingBatcher(8, LONG), SamplingBatcher(8, LONG)
+        its = items(engine, logits, fresh_states(6))
+        good = [it for k, it in enumerate(its) if k != 4]
+        expected = await sample_all(through_batch, good, flush=True)
+        results, counts = now.sample_now(items(engine, logits, fresh_states(6)))
+        now.record(counts)
+        assert sorted(results) == ["r0", "r1", "r2", "r3", "r5"]  # r4's NaN: left to submit, which refuses it
+        assert [results[it.request_id] for it in good] == expected
+        assert now.stats == through_batch.stats
+        await through_batch.close()
+        await now.close()
+
+    run(go())
+
+
+def test_a_pass_of_more_rows_than_a_batch_holds_is_sampled_in_batches_of_max_batch():
+    async def go():
+        engine, b = Recording(), SamplingBatcher(4, LONG)
+        results, batches = b.sample_now(items(engine, rows(10, 200), fresh_states(10)))
+        b.record(batches)
+        assert len(results) == 10 and engine.calls == [4, 4, 2]
+        assert b.stats["sample_batch_size_4"] == 2 and b.stats["sample_batch_size_2"] == 1
+        assert b.stats["sample_items"] == 10 and b.stats["sample_batches"] == 3
+        await b.close()
+
+    run(go())
