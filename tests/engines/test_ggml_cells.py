@@ -15,8 +15,8 @@ pytest.importorskip("ggml", reason="the ggml extra is not installed")
 from shards.engines.base import StepInput
 from shards.engines.ggml.backend import SPLIT_KV_CELLS
 from shards.engines.ggml.cells import CellPool
-from shards.engines.ggml.engine import GgmlEngine
-from shards.engines.ggml.graph import padded_rows
+from shards.engines.ggml.engine import SPAN_CELLS, GgmlEngine
+from shards.engines.ggml.graph import WINDOW_STEP, padded_rows
 from shards.formats.loader import load_config
 from shards.shard import Shard
 from tests.support.gguf_util import smollm2_path
@@ -100,6 +100,34 @@ def test_a_lone_row_over_many_cells_equals_the_same_row_prefilled_or_beside_othe
     beside = e.forward([StepInput("x", tokens=tokens[9:10]), StepInput("busy", tokens=tokens[-1:])])[1][0]
     assert np.array_equal(lone, whole) and np.array_equal(beside, whole)
     e.close()
+
+
+def test_sixteen_decode_rows_attend_in_groups_of_neighbours_with_the_numbers_each_gets_alone():
+    """A row scans every cell of its group's span (the masked ones skipped, but each looked at): one group over 16
+    requests of ~170 cells made each row scan 4,096 cells. Rows now attend in groups of neighbouring requests
+    spanning at most SPAN_CELLS (+ alignment), a decode step's shape is the same step after step (no graph built),
+    and every row's logits are bit for bit those of its request decoding alone."""
+    e, alone = smollm2(layers=LAYERS), smollm2(layers=LAYERS)
+    rng = np.random.default_rng(16)
+    prompts = [rng.integers(100, 5000, 40) for _ in range(16)]
+    for i, prompt in enumerate(prompts):
+        e.forward([StepInput(f"r{i}", tokens=prompt, max_positions=170)])
+        alone.forward([StepInput(f"r{i}", tokens=prompt, max_positions=170)])
+    steps = [[StepInput(f"r{i}", tokens=np.array([7 + i + 50 * k])) for i in range(16)] for k in range(2)]
+    shape = e.runner.shape(e.pack(steps[0]), [e.caches[f"r{i}"] for i in range(16)], False)
+    assert len(shape.groups) > 1 and all(gr.cells <= SPAN_CELLS + 2 * WINDOW_STEP for gr in shape.groups)
+    scanned = sum(gr.rows * gr.cells for gr in shape.groups)
+    assert scanned <= 16 * 4096 // 3, f"rows scan {scanned} cells in all, {shape.groups}"  # one group: 16 x 4,096
+    together = e.forward(steps[0])
+    builds = e.graphs.builds
+    together += e.forward(steps[1])
+    assert e.graphs.builds == builds  # the second decode step runs the first one's graph
+    for k in range(2):
+        for i in range(16):
+            mine = alone.forward([steps[k][i]])[0]
+            assert np.array_equal(mine, together[16 * k + i]), (k, i)
+    for engine in (e, alone):
+        engine.close()
 
 
 # -- a burst at a fresh engine ----------------------------------------------------------------------------------------

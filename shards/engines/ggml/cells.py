@@ -4,7 +4,7 @@ unified KV cache), each request owning a contiguous range of cells.
 Per layer one K and one V tensor [cells, kv_heads*head_dim] (a cell is one position of one request), all in one
 anonymous mapping: zero until written and backed by RAM only where written; a range given back is returned to
 the kernel (MADV_DONTNEED) and reads as zeros again. A request's range holds what it has now (at least 256 cells),
-taken first fit from the low end so the cells in use stay packed and the window a step attends stays small, and
+taken first fit from the low end so the cells in use stay packed and the spans a step attends stay small, and
 moves to a range twice as large when it outgrows it, up to its reservation (StepInput.max_positions). When no
 free range is large enough the pool doubles (its tensors move: `generation` says so, and every graph built on the old ones goes).
 
@@ -12,7 +12,7 @@ Cell 0 belongs to no request: rows that only pad a step to its graph's size (sha
 there, and no row ever attends it.
 
 Because the graphs attend through a mask, not through per-request tensors, a step's graph depends only on its
-shape (rows, window of cells, output), never on which requests it carries. A `CellRange` is the engine's
+shape (rows, its groups' spans of cells, output), never on which requests it carries. A `CellRange` is the engine's
 RequestCache: length, commit and truncate as every engine's, nbytes its range, free gives the range back.
 """
 

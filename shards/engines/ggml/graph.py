@@ -2,14 +2,15 @@
 
 A `Shape` is all that fixes a graph: how many rows (padded, see `padded_rows`), how the rows attend (`Group`s of
 consecutive rows, each over a range of cells of the engine's pool, shards/engines/ggml/cells.py) and which outputs
-come out. Decode rows, one position of one request each, form groups over the window [0, window) (`window_for`) of
-every decode row (and short prompt chunk) of the step, so a decode step's graph is the same whichever requests it
-carries; a prompt chunk of 64 rows or more forms a group over its own request's cells, so its many rows do not scan
-every other request's cells (a step with such chunks builds its graph, a few ms beside the chunk's compute). Which requests a step carries, where their cells are
-and what each row may see are inputs: every row's token (or hidden row), position and cell (where ggml_set_rows
-writes its keys and values), and per group an F16 mask [rows, cells] that is 0 on the cells of the row's own request
-at or before its position and -inf everywhere else. So a step attends once per group and layer (in blocks of rows:
-GgmlBackend.attention) and the graph has the same few nodes per layer however many requests decode in it.
+come out. Decode rows (and short prompt chunks) form groups of neighbouring requests, each over the span of its
+requests' ranges (GraphRunner.layout in shards/engines/ggml/engine.py), so a row scans few cells that are not its
+own and a decode step's graph stays the same while the same requests decode; a prompt chunk of 64 rows or more
+forms a group over its own request's cells (a step with such chunks builds its graph, a few ms beside the chunk's
+compute). Which requests a step carries, where their cells are and what each row may see are inputs: every row's
+token (or hidden row), position and cell (where ggml_set_rows writes its keys and values), and per group an F16 mask
+[rows, cells] that is 0 on the cells of the row's own request at or before its position and -inf everywhere else.
+So a step attends once per group and layer (in blocks of rows: GgmlBackend.attention) and the graph has a few nodes
+per layer however many requests decode in it.
 
 Exactness: ggml's CPU flash attention skips every -inf cell outright (`if (mv == -INFINITY) continue;` in
 ggml-cpu/ops.cpp), so a row's result is the online softmax over exactly its own request's cells, in cell order:
@@ -32,7 +33,7 @@ from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.lib import F16, F32, I32, Context, GgmlError, cpu_buffer_type, g
 from shards.transformer import ShardModel, Step
 
-WINDOW_STEP = 256  # the fewest cells a step attends (llama.cpp pads its KV view to 256 too)
+WINDOW_STEP = 256  # spans of cells start and end on multiples of this (llama.cpp pads its KV view to 256 too)
 OUTPUTS = ("hidden", "last", "all")
 PAD_FROM = 64  # steps of this many rows and more are padded to a multiple of 8 rows
 
@@ -45,13 +46,6 @@ def padded_rows(n: int) -> int:
     if n < 1:
         raise ValueError(f"a step has at least one row, not {n}")
     return n if n < PAD_FROM else -(-n // 8) * 8
-
-
-def window_for(end: int, cells: int) -> int:
-    """Cells a step attends when its requests' cells end at `end`: WINDOW_STEP, or the power of two above `end`
-    (at most the pool). A window past the cells in use only adds -inf cells the kernel skips, while a few
-    windows mean a few graphs as requests come and go."""
-    return min(cells, max(WINDOW_STEP, 1 << (end - 1).bit_length()))
 
 
 @dataclass(frozen=True)
@@ -81,7 +75,7 @@ class Shape:
 
 class PoolKV(KVCache):
     """One layer of the cell pool as the graph sees it: `update_and_fetch` writes the step's keys and values at
-    the rows' cells (an input) and returns views of the window's cells."""
+    the rows' cells (an input) and returns views of the group's span of cells."""
 
     def __init__(self, ops: GgmlBackend, pool: CellPool, layer: int, cells: GArray, group: Group):
         self.ops, self.pool, self.layer, self.cells, self.group = ops, pool, layer, cells, group
