@@ -23,7 +23,7 @@ import llama_cpp
 import llama_cpp.llama_cpp as C
 import numpy as np
 
-N_SEQ = 8
+N_SEQ = 16
 
 
 def load(path: str, threads: int, extra_bufts: bool, n_ctx: int = 2048) -> llama_cpp.Llama:
@@ -94,16 +94,16 @@ def speed(args) -> dict:
         tok = int(r.logits(-1).argmax())
         steps.append(time.perf_counter() - t0)
     out = {"decode1": 1 / statistics.median(steps)}
-    # decode, 8 streams: each a 64-token context, then 32 steps of 8 rows
-    r.clear()
-    r.decode([(int(t), i, s, i == 63) for s in range(N_SEQ) for i, t in enumerate(rng.integers(100, hi, 64))])
-    toks, steps = [int(r.logits(64 * s + 63).argmax()) for s in range(N_SEQ)], []
-    for i in range(32):
-        t0 = time.perf_counter()
-        r.decode([(toks[s], 64 + i, s, True) for s in range(N_SEQ)])
-        toks = [int(r.logits(s).argmax()) for s in range(N_SEQ)]
-        steps.append(time.perf_counter() - t0)
-    out["decode8"] = N_SEQ / statistics.median(steps)
+    for n in (8, 16):  # decode, n streams: each a 64-token context, then 32 steps of n rows
+        r.clear()
+        r.decode([(int(t), i, s, i == 63) for s in range(n) for i, t in enumerate(rng.integers(100, hi, 64))])
+        toks, steps = [int(r.logits(64 * s + 63).argmax()) for s in range(n)], []
+        for i in range(32):
+            t0 = time.perf_counter()
+            r.decode([(toks[s], 64 + i, s, True) for s in range(n)])
+            toks = [int(r.logits(s).argmax()) for s in range(n)]
+            steps.append(time.perf_counter() - t0)
+        out[f"decode{n}"] = n / statistics.median(steps)
     # prefill: 256 tokens in one batch, logits of the last row; best of 3 after a warm-up
     times = []
     for k in range(4):
