@@ -35,7 +35,7 @@ def ours_logits(path: str, ids_file: str, out: str, chunk: int, repack: bool) ->
     from shards.engines.base import StepInput
     from shards.engines.ggml.engine import GgmlEngine
     from shards.formats.loader import load_config
-    from shards.shard import Shard
+    from shards.model.shard import Shard
 
     ids = np.asarray(json.loads(Path(ids_file).read_text()), dtype=np.int64)
     cfg = load_config(Path(path))
@@ -86,7 +86,7 @@ def models(which: list[str]) -> dict[str, tuple[Path, list[int]]]:
     out = {}
     if "smollm2" in which:
         from shards.formats.packaged import resolve_model
-        from shards.tokenizer import Tokenizer
+        from shards.formats.tokenizer import Tokenizer
 
         path = resolve_model("smollm2")[0]
         tok = Tokenizer.load(path)

@@ -31,7 +31,7 @@ from shards.engines.base import StepInput
 from shards.engines.registry import engine_class
 from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 MODEL_ID = "smollm2-135m-instruct"
 STORY = (

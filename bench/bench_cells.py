@@ -29,7 +29,7 @@ from shards.engines.base import StepInput
 from shards.engines.ggml.engine import GgmlEngine
 from shards.formats.loader import load_config
 from shards.formats.packaged import DEFAULT_MODEL, resolve_model
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 
 def counting_builds(engine: GgmlEngine) -> list[int]:

@@ -35,7 +35,7 @@ from bench.local_cluster import Cluster
 from bench.random_model import write_random_llama
 from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
-from shards.progress import Progress, track
+from shards.formats.progress import Progress, track
 
 NODES = (1, 2, 3, 4)
 STREAMS = (1, 2, 4, 8, 16)

@@ -23,8 +23,8 @@ from bench.random_model import write_random_llama
 from shards.engines.base import StepInput
 from shards.engines.registry import engine_class
 from shards.formats.loader import load_config
-from shards.progress import Progress
-from shards.shard import Shard
+from shards.formats.progress import Progress
+from shards.model.shard import Shard
 
 
 def decode_rate(engine, batch: int, steps: int, context: int, progress: Progress) -> float:

@@ -28,7 +28,7 @@ from bench.random_model import write_random_llama
 from node.fetch.layout import build_manifest
 from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 PROMPT = "Write a haiku about the sea."
 

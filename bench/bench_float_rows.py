@@ -24,7 +24,7 @@ from shards.engines.ggml.engine import GgmlEngine
 from shards.engines.registry import FLOAT_MATMUL_CHOICES
 from shards.formats.loader import load_config
 from shards.formats.packaged import DEFAULT_MODEL, default_quantize, resolve_model
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 BASE = "fast"
 

@@ -140,7 +140,7 @@ def python_cost(e) -> dict:
 
 def ours_top(path: Path, tokens: list[int], name: str, out: str) -> dict:
     """Teacher-forced top-5 ids and logits per position (the llama.cpp harness's `logits`)."""
-    from shards.generate import chain_forward
+    from shards.reference.generate import chain_forward
 
     rows = chain_forward([engine(path, os.cpu_count() or 1, name=name)], "r", np.array(tokens), all_logits=True)
     top = np.argsort(-rows, axis=-1)[:, :5]
@@ -149,7 +149,7 @@ def ours_top(path: Path, tokens: list[int], name: str, out: str) -> dict:
 
 
 def ours_greedy(path: Path, tokens: list[int], n: int, name: str, eos: list[int]) -> dict:
-    from shards.generate import generate
+    from shards.reference.generate import generate
 
     return {
         "tokens": [
@@ -175,7 +175,7 @@ def speed_rounds(models: dict[str, Path], threads: list[int], rounds: int, llama
 
 
 def agreement(models: dict[str, Path], llama: str, work: Path) -> dict:
-    from shards.tokenizer import Tokenizer
+    from shards.formats.tokenizer import Tokenizer
 
     out = {}
     for name, path in models.items():
@@ -211,7 +211,7 @@ def agreement(models: dict[str, Path], llama: str, work: Path) -> dict:
 
 
 def chats(path: Path, llama: str, work: Path) -> list[dict]:
-    from shards.tokenizer import Tokenizer
+    from shards.formats.tokenizer import Tokenizer
 
     tok, rows = Tokenizer.load(path), []
     eos = list(tok.eos_token_ids)

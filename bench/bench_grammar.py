@@ -2,7 +2,7 @@
 
     uv run python -m bench.bench_grammar [--engine ggml] [--streams 8]
 
-1. On the entry: time to compile and check a 20-field schema against SmolLM2's vocabulary (shards/grammar.py),
+1. On the entry: time to compile and check a 20-field schema against SmolLM2's vocabulary (shards/decoding/grammar.py),
    and to build a request's matcher; per token, a mask (computed on the grammar thread) and its application.
 2. On a live single node serving the packaged SmolLM2: decode tok/s of a constrained stream vs an unconstrained
    one, alone and with `--streams` concurrent streams of the same kind, and the time to first token of a request
@@ -24,12 +24,12 @@ import numpy as np
 
 from bench.local_cluster import ROOT, Cluster
 from node.runtime.sampling_batcher import SampleItem, SamplingBatcher
+from shards.decoding.grammar import Constraint, Matcher, grammar_tokenizer, json_schema_grammar
+from shards.decoding.sampling import SamplerState, SamplingParams
 from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.packaged import resolve_model
-from shards.grammar import Constraint, Matcher, grammar_tokenizer, json_schema_grammar
-from shards.sampling import SamplerState, SamplingParams
-from shards.shard import Shard
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
 
 MODEL = "smollm2-135m-instruct"
 FIELDS = 20

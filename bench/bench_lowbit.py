@@ -55,9 +55,9 @@ def default_model(quantize: str) -> dict:
     from shards.engines.ggml.engine import GgmlEngine
     from shards.formats.loader import load_config
     from shards.formats.packaged import resolve_model
-    from shards.generate import generate
-    from shards.shard import Shard
-    from shards.tokenizer import Tokenizer
+    from shards.formats.tokenizer import Tokenizer
+    from shards.model.shard import Shard
+    from shards.reference.generate import generate
 
     path = resolve_model("smollm2")[0]
     cfg, tok = load_config(path), Tokenizer.load(path)

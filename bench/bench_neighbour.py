@@ -30,7 +30,7 @@ def decode(seconds: float, adapt: bool) -> dict:
     from shards.engines.ggml.engine import GgmlEngine
     from shards.formats.loader import load_config
     from shards.formats.packaged import resolve_model
-    from shards.shard import Shard
+    from shards.model.shard import Shard
 
     path = resolve_model("smollm2")[0]
     cfg = load_config(path)

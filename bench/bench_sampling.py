@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from node.runtime.sampling_batcher import SampleItem, SamplingBatcher
+from shards.decoding.sampling import SamplerState, SamplingParams, sample_one, sample_rows
 from shards.engines.numpy_engine import NumpyEngine
-from shards.sampling import SamplerState, SamplingParams, sample_one, sample_rows
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 N = 8
 KINDS = {

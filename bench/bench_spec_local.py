@@ -17,16 +17,16 @@ import time
 
 import numpy as np
 
-from shards.draft_model import DraftModelProposer
+from shards.decoding.draft_model import DraftModelProposer
+from shards.decoding.sampling import SamplerState, SamplingParams
+from shards.decoding.speculation import DraftLength, PromptLookup, verify
 from shards.engines.ggml.engine import GgmlEngine
 from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
-from shards.generate import generate
-from shards.sampling import SamplerState, SamplingParams
-from shards.shard import Shard
-from shards.spec_generate import SpeculationStats, speculative_generate
-from shards.speculation import DraftLength, PromptLookup, verify
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
+from shards.reference.generate import generate
+from shards.reference.spec_generate import SpeculationStats, speculative_generate
 
 CODE = '''def summarize(items, threshold=0.5):
     """Group the items by kind and report the ones above the threshold."""

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from shards.formats.loader import load_config
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 ROOT = Path(__file__).resolve().parent.parent
 REF = ROOT / "bench" / "llamacpp_ref.py"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from node.core.requests import Activation, TokenMessage
-from shards.sampling import SamplerState, SamplingParams
+from shards.decoding.sampling import SamplerState, SamplingParams
 
 # Why a request ended, as entries and nodes say it (EndRequest.reason) and as the ended_* counters count it
 END_REASONS = frozenset({"finished", "cancelled", "busy", "failed", "replayed", "expired"})

@@ -15,10 +15,10 @@ import numpy as np
 from node.core.authz import check_plan_members
 from node.core.plan import Busy, PlanError, RequestSpec
 from node.core.requests import RequestState
+from shards.decoding.sampling import SamplerState
 from shards.engines.base import EngineInputError, check_input
 from shards.formats.config import ModelConfig
-from shards.sampling import SamplerState
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from node.core.request_book import RequestBook
 from node.core.requests import Activation, Refusal, RequestState, TokenMessage
 from node.core.scheduler import Group
 from node.core.speculation import MAX_DRAFTS
+from shards.decoding.sampling import SampleResult
 from shards.formats.config import ModelConfig
-from shards.sampling import SampleResult
 
 log = logging.getLogger(__name__)
 

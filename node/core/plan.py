@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass
 
 from discovery.address import parse_address
-from shards.sampling import SamplingParams
-from shards.shard import Shard
+from shards.decoding.sampling import SamplingParams
+from shards.model.shard import Shard
 
 MAX_REQUEST_ID = 128
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]+$")

@@ -19,7 +19,7 @@ from node.core.requests import Activation, Refusal, RequestState, Tombstones
 from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
 from node.core.speculation import Speculation, check_start
 from shards.formats.config import ModelConfig
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 
 class RequestBook:

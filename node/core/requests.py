@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from node.core.plan import PlanStep, RequestSpec
-from shards.sampling import SampleResult, SamplerState
-from shards.shard import Shard
+from shards.decoding.sampling import SampleResult, SamplerState
+from shards.model.shard import Shard
 
 
 class GenerationError(RuntimeError):

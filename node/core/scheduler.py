@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 MIN_PREFILL = 16  # prompt positions a step beside decode rows always carries, however slow prefill is
 EWMA = 0.2  # weight of the newest step in the cost estimates: smooths noise, follows a growing context

@@ -1,10 +1,10 @@
 """Speculative decoding as the core sees it: which rows a request's next step carries, and what a `start` may undo.
 
 The first node of a request's plan holds its prompt and every token fed since, so it is where proposals are made
-(shards/speculation.py: prompt lookup or a draft model, `Proposer`): when a request's next token t comes back from
+(shards/decoding/speculation.py: prompt lookup or a draft model, `Proposer`): when a request's next token t comes back from
 the last node, the first node asks for up to k drafts and queues [t, d1..dk] as one input, the drafts named in it
 (`Queued.proposals`) and its first row's cache position explicit (`Queued.start`). The chunk travels the ring like
-any activation; the last node computes logits for all k+1 rows, verifies them (`shards.speculation.verify`, through
+any activation; the last node computes logits for all k+1 rows, verifies them (`shards.decoding.speculation.verify`, through
 the sampling batcher) and answers the entry with every accepted token and the first node with the next token,
 whose `start` is where that token goes: just past the accepted drafts. Every node rolls the request's cache back
 to `start` before computing, which drops the rejected drafts' positions everywhere a trip later (the engines check
@@ -28,8 +28,8 @@ import numpy as np
 
 from node.core.plan import PlanError
 from node.core.requests import RequestState
-from shards.sampling import SamplingParams
-from shards.speculation import DraftLength, Proposer
+from shards.decoding.sampling import SamplingParams
+from shards.decoding.speculation import DraftLength, Proposer
 
 log = logging.getLogger(__name__)
 MAX_DRAFTS = 32  # proposals per trip at most: more is never accepted in practice, and counters stay few

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from node.fetch.local_copy import LocalCopy
 from node.fetch.manifest import Manifest
 from node.runtime.transport import Transport, TransportError
-from shards.progress import Progress
+from shards.formats.progress import Progress
 
 log = logging.getLogger(__name__)
 MAX_CORRUPT = 5  # times one piece may fail its check before the fetch is given up (and retried later)

@@ -1,6 +1,6 @@
 """Keeps a fetching node holding the layers the cluster assigns it.
 
-Every node computes the same target ring over all members (node/core/placement.py); this node's part of it is its
+Every node computes the same target ring over all members (node/core/placement/ring.py); this node's part of it is its
 target. When the target needs pieces the copy lacks, they are fetched; when the target changes (a node joins or
 leaves) the fetch in progress stops (what it verified stays) and the new target's pieces are fetched. A target
 must hold still for `settle` seconds first, so nodes joining one after the other don't start a fetch per join.
@@ -16,12 +16,12 @@ import time
 from collections import Counter
 from typing import Protocol
 
-from node.core.placement import target_ring
+from node.core.placement.partition import PartitionError
+from node.core.placement.ring import target_ring
 from node.core.topology import Availability, NodeInfo
 from node.fetch.fetcher import Fetcher, FetchError
 from node.fetch.local_copy import DiskError, LocalCopy
-from shards.partition import PartitionError
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 log = logging.getLogger(__name__)
 RETRY_S = (5.0, 60.0)  # after a failed fetch: first wait, longest wait

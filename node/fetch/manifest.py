@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 MAX_PIECE = 64 << 20  # the most bytes one piece may have: what a fetching node holds in memory per piece in flight
 MAX_FILES = 256

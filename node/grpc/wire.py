@@ -19,9 +19,9 @@ import numpy as np
 from node.core.plan import MAX_REQUEST_ID, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.grpc.generated import node_service_pb2 as pb
-from shards.grammar import Constraint
-from shards.sampling import MAX_TOP_LOGPROBS, SampleResult, SamplingParams
-from shards.shard import Shard
+from shards.decoding.grammar import Constraint
+from shards.decoding.sampling import MAX_TOP_LOGPROBS, SampleResult, SamplingParams
+from shards.model.shard import Shard
 
 # Caps on repeated fields and strings: far above anything legitimate, low enough that a hostile message
 # cannot make a node do unbounded work or hold unbounded state.

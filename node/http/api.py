@@ -28,7 +28,7 @@ from node.http.prompt import PromptEncoder
 from node.http.schema import ApiError, ChatRequest, CompletionRequest, Options, parse_chat, parse_completion, read_json
 from node.http.tools import ToolError, prompt_inputs
 from node.runtime.node import Node
-from shards.grammar import Constraint, GrammarError, grammar_tokenizer
+from shards.decoding.grammar import Constraint, GrammarError, grammar_tokenizer
 
 log = logging.getLogger(__name__)
 CREATED = int(time.time())

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from node.runtime.node import Node
-from shards.sampling import SamplingParams
+from shards.decoding.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import asyncio
 from typing import Any
 
 from node.http.schema import ApiError
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
 
 MAX_CONCURRENT = 2  # tokenizations at once; more wait their turn (each keeps a core busy)
 

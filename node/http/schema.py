@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from node.http.tools import Structure, ToolError, check_tool_messages, parse_structure, parse_tool_calls
-from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from shards.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 BODY_TIMEOUT_S = 30
 MAX_STOPS = 4

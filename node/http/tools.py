@@ -4,7 +4,7 @@
 Tool calls are written Hermes/Qwen style, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`: a chat
 template that knows that format (Qwen2/2.5/3) renders the tools itself; any other model is told about the tools in
 a system message of ours (`generic_messages`). Either way the reply's calls are constrained by a grammar
-(shards/grammar.py): under "required" or a named function the reply is calls only; under "auto" the model writes
+(shards/decoding/grammar.py): under "required" or a named function the reply is calls only; under "auto" the model writes
 free text and the grammar takes over once it starts a call. Everything here is pure: parsing, rendering, and the
 `ToolCallParser` that splits the generated text into content and calls as it streams.
 """
@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from shards.grammar import (
+from shards.decoding.grammar import (
     TOOL_CLOSE,
     TOOL_OPEN,
     GrammarError,

@@ -30,14 +30,14 @@ from node.core.plan import PlanStep, RequestSpec
 from node.core.prefix_cache import PrefixIndex
 from node.core.requests import GenerationError, Overloaded, TokenMessage
 from node.runtime.transport import Transport, TransportError
-from shards.sampling import SamplingParams
+from shards.decoding.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 def _resumed(sampling: SamplingParams, history: list[int]) -> SamplingParams:
     """A replay's sampling: a grammar constraint carries the tokens generated so far, which the new sampling
-    node's fresh matcher consumes before sampling (shards/grammar.py), so the grammar continues exactly."""
+    node's fresh matcher consumes before sampling (shards/decoding/grammar.py), so the grammar continues exactly."""
     if sampling.constraint is None or not history:
         return sampling
     return dataclasses.replace(sampling, constraint=dataclasses.replace(sampling.constraint, prefix=tuple(history)))

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mappi
 import numpy as np
 
 from node.core.node_core import NodeCore
+from node.core.placement.layer_costs import layer_costs
 from node.core.plan import Busy, PlanError, PlanStep, RequestSpec
 from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
@@ -37,12 +38,11 @@ from node.runtime.sampling_batcher import SamplingBatcher
 from node.runtime.settings import NodeSettings, ServedModel
 from node.runtime.shard_manager import EngineFactory, ShardManager
 from node.runtime.transport import Transport, TransportError
+from shards.decoding.grammar import grammar_tokenizer
+from shards.decoding.sampling import SamplingParams
 from shards.formats.config import ModelConfig
-from shards.grammar import grammar_tokenizer
-from shards.layer_costs import layer_costs
-from shards.sampling import SamplingParams
-from shards.shard import Shard
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
 
 PREFIX_INDEX_POSITIONS = 1 << 16  # token positions of finished requests the entry remembers for prefix reuse
 

@@ -1,17 +1,17 @@
 """A request's plan as the entry node makes it: the layers split over the nodes serving the model (by each layer's
-bytes where layers differ), never giving a node more than the memory it reports (node/core/placement.py)."""
+bytes where layers differ), never giving a node more than the memory it reports (node/core/placement/ring.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from node.core.placement import plan_ring
+from node.core.placement.layer_costs import file_bytes_per_param, layer_footprints
+from node.core.placement.partition import PartitionError
+from node.core.placement.ring import plan_ring
 from node.core.plan import PlanError, PlanStep
 from node.core.topology import Availability, NodeInfo
 from shards.formats.config import ModelConfig
-from shards.layer_costs import file_bytes_per_param, layer_footprints
-from shards.partition import PartitionError
 
 
 class LayerFootprints:

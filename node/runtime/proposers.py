@@ -5,7 +5,7 @@ the node loads from `--draft-model`, or none. The proposals are made where a req
 from __future__ import annotations
 
 from node.runtime.settings import NodeSettings, ServedModel
-from shards.speculation import PromptLookup, Proposer
+from shards.decoding.speculation import PromptLookup, Proposer
 
 
 def proposer_for(settings: NodeSettings, model: ServedModel) -> Proposer | None:
@@ -14,7 +14,7 @@ def proposer_for(settings: NodeSettings, model: ServedModel) -> Proposer | None:
         return None
     if settings.speculate == "lookup":
         return PromptLookup()
-    from shards.draft_model import DraftModelProposer  # loads an engine: only for nodes that ask for it
+    from shards.decoding.draft_model import DraftModelProposer  # loads an engine: only for nodes that ask for it
 
     # a draft model is chosen small and fast: on ggml it runs on the blocks its file stores, never requantized up
     options = {"quantize": "none"} if settings.engine == "ggml" else {}

@@ -12,7 +12,7 @@ token is then fed to the request's matcher, which starts computing the next mask
 grammar fails (it can't be built, or rejects a token) fails alone.
 
 Rows with proposals (speculative decoding: node/core/speculation.py) are blocks of k+1 rows [t, d1..dk]: they are
-verified together (shards.speculation.verify_blocks, position by position through the engine's batched sampler)
+verified together (shards.decoding.speculation.verify_blocks, position by position through the engine's batched sampler)
 and resolve to the list of tokens to emit, the accepted drafts and the token after them.
 """
 
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shards.decoding.grammar import GrammarTokenizer, Matcher
+from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
+from shards.decoding.speculation import verify_blocks
 from shards.engines.base import Engine
-from shards.grammar import GrammarTokenizer, Matcher
-from shards.sampling import SampleResult, SamplerState, SamplingParams
-from shards.speculation import verify_blocks
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from node.core.scheduler import SchedulerLimits
 from node.core.speculation import SpeculationLimits
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
 
 DEFAULT_MAX_TENSOR_BYTES = 255 * 1024 * 1024
 SPECULATE_CHOICES = ("lookup", "draft", "off")  # --speculate: where a first node's proposals come from

@@ -14,7 +14,7 @@ import numpy as np
 
 from shards.engines.base import Engine, EngineInputError, StepInput
 from shards.formats.config import ModelConfig
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 log = logging.getLogger(__name__)
 

@@ -156,9 +156,9 @@ def greedy_sample(out: Path, prompt: str, n: int = 64) -> str:
     """Continue `prompt` greedily with the project's own engine on the exported (bf16) folder."""
     from shards.engines.numpy_engine import NumpyEngine
     from shards.formats.config import ModelConfig
-    from shards.generate import generate
-    from shards.shard import Shard
-    from shards.tokenizer import Tokenizer as ExoTokenizer
+    from shards.formats.tokenizer import Tokenizer as ExoTokenizer
+    from shards.model.shard import Shard
+    from shards.reference.generate import generate
 
     cfg, etok = ModelConfig.from_dir(out), ExoTokenizer(out)
     engine = NumpyEngine(out, Shard.whole("exo-demo", cfg.n_layers), cfg)

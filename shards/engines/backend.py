@@ -1,4 +1,4 @@
-"""What an engine supplies to the shared Llama block (shards/transformer.py): its array operations and its KV caches.
+"""What an engine supplies to the shared Llama block (shards/model/transformer.py): its array operations and its KV caches.
 
 The block is written once over a `Backend`: the operations it calls, and nothing else, so every backend implements
 all of its contract. Arrays are the library's own type; shapes below are in numpy order. Arithmetic the libraries

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import numpy as np
 
+from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams, sample_one, sample_rows
 from shards.engines.backend import Backend, RequestCache
 from shards.engines.retained import RetainedCaches
 from shards.engines.runner import EagerRunner, Runner
 from shards.engines.step import Packing, StepInput
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_shard_weights
-from shards.sampling import SampleResult, SamplerState, SamplingParams, sample_one, sample_rows
-from shards.shard import Shard
-from shards.transformer import ShardModel
+from shards.model.shard import Shard
+from shards.model.transformer import ShardModel
 
 
 class EngineInputError(ValueError):
@@ -160,7 +160,7 @@ def check_input(cfg: ModelConfig, first: bool, data: np.ndarray | None, who: str
 
 
 class BlockEngine(Engine):
-    """An engine made of a backend's array operations, the shared model (shards/transformer.py) and a runner that
+    """An engine made of a backend's array operations, the shared model (shards/model/transformer.py) and a runner that
     carries out each step (shards/engines/runner.py). Subclasses supply `make_backend` and `make_runner`; one whose
     weights load differently (ggml) sets the same attributes in its own __init__."""
 

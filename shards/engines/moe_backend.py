@@ -1,7 +1,7 @@
-"""What a backend adds to run mixture-of-experts layers (shards/moe.py), and the numpy implementation.
+"""What a backend adds to run mixture-of-experts layers (shards/model/moe.py), and the numpy implementation.
 
 `MoEBackend` is separate from `Backend` because not every engine has it: a backend that is not one refuses MoE
-models when their first layer is built (shards/moe.py says which engines can). The contract: `experts` converts a
+models when their first layer is built (shards/model/moe.py says which engines can). The contract: `experts` converts a
 layer's stacked expert matrices once; `moe` routes rows by their router logits and sums the chosen experts' SwiGLU
 outputs weighted by their router probabilities, every row of every request of the step in one call, so that a batch
 costs one pass over each expert it uses (not one per row).

@@ -12,8 +12,8 @@ from typing import Any
 from shards.engines.base import Engine
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
-from shards.moe import check_engine
-from shards.shard import Shard
+from shards.model.moe import check_engine
+from shards.model.shard import Shard
 
 # name -> (module, class, extra that installs it)
 ENGINES = {

@@ -18,8 +18,8 @@ from shards.engines.backend import EagerBackend, RequestCache
 from shards.engines.masks import CausalMasks, allowed
 from shards.engines.step import Packing, StepInput
 from shards.formats.config import ModelConfig
-from shards.shard import Shard
-from shards.transformer import ShardModel, Sliding, Step
+from shards.model.shard import Shard
+from shards.model.transformer import ShardModel, Sliding, Step
 
 
 class EngineParts(Protocol):

@@ -23,7 +23,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
 from shards.engines.backend import EagerBackend, KVCache, RequestCache, rotary_tables
 from shards.engines.base import BlockEngine, Packing, StepInput
 from shards.engines.runner import EagerRunner
-from shards.transformer import Step
+from shards.model.transformer import Step
 
 MIN_CAPACITY = 256
 

@@ -51,7 +51,7 @@ class SlidingWindow:
 class BlockConfig:
     """Defaults are the Llama block. `norm_offset` is what a checkpoint's norm weights need added before use
     (Gemma's Hugging Face weights w multiply by 1 + w; its GGUF files store 1 + w already): the block adds it as it
-    takes the weights (shards/transformer.py `norm`), so loaders hand out weights as stored."""
+    takes the weights (shards/model/transformer.py `norm`), so loaders hand out weights as stored."""
 
     activation: str = "silu"  # the gated feed-forward's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU)
     sandwich_norms: bool = False  # RMSNorm on the attention's and the feed-forward's outputs too (Gemma 2/3)

@@ -25,7 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
-    # mixtures of experts (shards/moe.py): the same attention, a routed feed-forward (formats/moe_config.py)
+    # mixtures of experts (shards/model/moe.py): the same attention, a routed feed-forward (formats/moe_config.py)
     "Qwen3MoeForCausalLM": "qwen3moe",
     "Qwen2MoeForCausalLM": "qwen2moe",
     "MixtralForCausalLM": "mixtral",

@@ -23,7 +23,7 @@ from shards.formats.gguf_moe import LLAMA_WITH_EXPERTS, MOE_ARCHITECTURES, gguf_
 from shards.formats.quant import SUPPORTED_TYPES, Q, QuantizedTensor, unpermute_order
 from shards.formats.refusals import missing_feature
 from shards.formats.weights import LayerWeights, ShardWeights, layer_tensor_shapes
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 # GGUF general.architecture -> (ModelConfig.model_type, Hugging Face architecture). Mistral files say `llama`.
 ARCHITECTURES = {

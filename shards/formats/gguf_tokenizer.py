@@ -61,7 +61,7 @@ PRE_TOKENIZERS = {
 
 @dataclass(frozen=True)
 class GGUFTokenizer:
-    """What shards.tokenizer.Tokenizer needs from a GGUF file."""
+    """What shards.formats.tokenizer.Tokenizer needs from a GGUF file."""
 
     hf: Tokenizer
     bos_token: str | None

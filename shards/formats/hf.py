@@ -17,9 +17,9 @@ from safetensors import safe_open
 
 from shards.formats.config import ModelConfig
 from shards.formats.moe_layout import expand
+from shards.formats.progress import Progress
 from shards.formats.weights import LayerWeights, ShardWeights, WeightsError, layer_tensor_shapes
-from shards.progress import Progress
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 HF_CONFIG = "config.json"  # its presence makes a folder a Hugging Face model folder (formats.loader)
 # A vision-and-text checkpoint's language model (Gemma 3's Gemma3ForConditionalGeneration): its tensors, under

@@ -22,7 +22,7 @@ from shards.formats.gguf_file import SPLIT_NAME, GGUFError
 from shards.formats.gguf_model import gguf_config, load_gguf_shard_weights
 from shards.formats.hf import HF_CONFIG, load_hf_shard_weights
 from shards.formats.weights import ShardWeights
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 FORMATS = ("gguf", "safetensors")  # the names fetch manifests use too
 GGUF_SUFFIX = ".gguf"

@@ -14,7 +14,7 @@ import numpy as np
 from shards.formats.config import ModelConfig
 from shards.formats.fused_layout import row_slice
 from shards.formats.moe_layout import moe_tensor_shapes
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 
 class WeightsError(ValueError):
@@ -41,7 +41,7 @@ class LayerWeights:
     k_norm: np.ndarray | None = None
     attn_out_norm: np.ndarray | None = None  # Gemma: norms of the attention's and the feed-forward's outputs
     ffn_out_norm: np.ndarray | None = None
-    # a mixture-of-experts layer (shards/moe.py): router [E, h]; experts stacked [E, ff, h] (down: [E, h, ff])
+    # a mixture-of-experts layer (shards/model/moe.py): router [E, h]; experts stacked [E, ff, h] (down: [E, h, ff])
     router: np.ndarray | None = None
     experts_gate: np.ndarray | None = None
     experts_up: np.ndarray | None = None

@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from shards.grammar import closed_objects
+from shards.decoding.grammar import closed_objects
 from tests.support.cluster import Cluster
 from tests.support.gguf_util import smollm2_path
 from tests.support.http import stream_completion

@@ -11,9 +11,9 @@ from pathlib import Path
 from node.fetch.layout import build_manifest
 from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.loader import load_config
-from shards.generate import generate
-from shards.shard import Shard
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
+from shards.reference.generate import generate
 from tests.conftest import FIXTURES
 from tests.support.cluster import ROOT, Cluster
 

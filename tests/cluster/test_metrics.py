@@ -8,7 +8,7 @@ import json
 import numpy as np
 from prometheus_client import generate_latest
 
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.support.http import post, raw
 from tests.support.metrics import parse, scrape, value
 from tests.support.polling import wait_until

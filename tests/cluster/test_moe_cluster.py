@@ -6,9 +6,9 @@ import pytest
 
 from shards.engines.registry import engine_class, installed
 from shards.formats.loader import load_config
-from shards.generate import generate
-from shards.shard import Shard
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
+from shards.reference.generate import generate
 from tests.support.cluster import Cluster
 from tests.support.models import FIXTURES
 

@@ -8,9 +8,9 @@ import pytest
 
 from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.config import ModelConfig
-from shards.generate import generate
-from shards.shard import Shard
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
+from shards.reference.generate import generate
 from tests.support.cluster import Cluster
 from tests.support.metrics import scrape, value
 from tests.support.models import FIXTURES

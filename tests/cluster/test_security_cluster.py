@@ -20,8 +20,8 @@ from node.grpc import wire
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 from node.security import write_key_file
-from shards.sampling import SamplingParams
-from shards.shard import Shard
+from shards.decoding.sampling import SamplingParams
+from shards.model.shard import Shard
 from tests.support.cluster import ROOT, Cluster, assert_matches_reference, free_port
 from tests.support.models import FIXTURES
 

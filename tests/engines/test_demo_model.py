@@ -13,9 +13,9 @@ from shards.demo.train import DEMO_SHAPE
 from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.config import ModelConfig
 from shards.formats.hf import Checkpoint
-from shards.generate import generate
-from shards.shard import Shard
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
+from shards.reference.generate import generate
 
 DEMO = Path(shards.demo.__file__).parent / "exo-demo"
 PROMPTS = ["And God said, Let there be", "And the LORD spake unto Moses, saying"]

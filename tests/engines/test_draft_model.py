@@ -9,12 +9,12 @@ import functools
 import numpy as np
 import pytest
 
-from shards.draft_model import DraftModelError, DraftModelProposer, common_prefix
+from shards.decoding.draft_model import DraftModelError, DraftModelProposer, common_prefix
 from shards.engines.registry import engine_class, installed
 from shards.formats.loader import load_config
-from shards.generate import generate
-from shards.shard import Shard
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
+from shards.reference.generate import generate
 from tests.conftest import FIXTURES
 
 DRAFT = FIXTURES / "llama"  # 6 layers, vocabulary 512

@@ -11,7 +11,7 @@ from shards.engines.base import BlockEngine, StepInput
 from shards.engines.registry import engine_class, installed
 from shards.engines.runner import Runner
 from shards.formats.config import ModelConfig
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.conftest import FIXTURES
 
 LLAMA = FIXTURES / "llama"

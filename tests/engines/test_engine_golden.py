@@ -6,12 +6,12 @@ import itertools
 import numpy as np
 import pytest
 
+from shards.decoding.sampling import SamplingParams
 from shards.engines.base import EngineInputError, StepInput
 from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.config import ModelConfig
-from shards.generate import chain_forward, generate
-from shards.sampling import SamplingParams
-from shards.shard import Shard
+from shards.model.shard import Shard
+from shards.reference.generate import chain_forward, generate
 from tests.conftest import FIXTURES, golden
 
 N_LAYERS = 6

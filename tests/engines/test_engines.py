@@ -11,8 +11,8 @@ import pytest
 from shards.engines.base import StepInput
 from shards.engines.registry import ENGINES, engine_class, installed
 from shards.formats.config import ModelConfig
-from shards.generate import chain_forward, generate
-from shards.shard import Shard
+from shards.model.shard import Shard
+from shards.reference.generate import chain_forward, generate
 from tests.conftest import FIXTURES, MODELS, golden
 from tests.support.tolerance import atol, clear_top1_disagreements, exact, regrouped_atol
 

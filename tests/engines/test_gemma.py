@@ -18,8 +18,8 @@ from shards.engines.registry import engine_class
 from shards.engines.step import StepInput
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
-from shards.generate import chain_forward, generate
-from shards.shard import Shard
+from shards.model.shard import Shard
+from shards.reference.generate import chain_forward, generate
 from tests.support.models import FIXTURES
 from tests.support.tolerance import atol, regrouped_atol
 

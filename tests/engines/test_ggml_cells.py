@@ -18,7 +18,7 @@ from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.engine import SPAN_CELLS, GgmlEngine
 from shards.engines.ggml.graph import WINDOW_STEP, padded_rows
 from shards.formats.loader import load_config
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.support.gguf_util import smollm2_path
 
 LAYERS = 4  # engine tests below run SmolLM2's first layers only: quick, and the same shapes and kernels

@@ -23,8 +23,8 @@ from shards.formats.gguf_file import open_gguf
 from shards.formats.gguf_model import _hf_shapes
 from shards.formats.loader import load_config
 from shards.formats.quant import SUPPORTED_TYPES, QuantizedTensor
-from shards.generate import chain_forward
-from shards.shard import Shard
+from shards.model.shard import Shard
+from shards.reference.generate import chain_forward
 from tests.conftest import FIXTURES
 from tests.support.gguf_util import fixture, smollm2_path
 from tests.support.tolerance import QUANTIZED_RMS, regrouped_atol, relative_rms

@@ -18,7 +18,7 @@ from shards.engines.ggml.engine import GgmlEngine
 from shards.engines.ggml.gemm_rows import MIN_FLOAT_ROWS
 from shards.formats.loader import load_config
 from shards.formats.packaged import DEMO_DIR, default_quantize, model_id
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.support.gguf_util import smollm2_path
 
 RAW = np.random.default_rng(3).integers(100, 5000, 150)

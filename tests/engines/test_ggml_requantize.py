@@ -12,9 +12,9 @@ from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.loader import load_config
 from shards.formats.packaged import default_quantize
 from shards.formats.quant import QuantizedTensor
-from shards.generate import chain_forward, generate
-from shards.shard import Shard
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
+from shards.reference.generate import chain_forward, generate
 from tests.support.gguf_util import fixture, gguf_golden, smollm2_path
 from tests.support.tolerance import QUANTIZED_RMS, atol, relative_rms
 

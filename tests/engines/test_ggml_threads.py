@@ -9,7 +9,7 @@ from shards.engines.base import StepInput
 from shards.engines.ggml.engine import GgmlEngine
 from shards.engines.ggml.threads import ThreadGovernor
 from shards.formats.loader import load_config
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.support.gguf_util import fixture
 
 

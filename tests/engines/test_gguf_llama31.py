@@ -12,8 +12,8 @@ import pytest
 
 from shards.engines.registry import engine_class, installed
 from shards.formats.loader import load_config
-from shards.generate import chain_forward, generate
-from shards.shard import Shard
+from shards.model.shard import Shard
+from shards.reference.generate import chain_forward, generate
 from tests.support.gguf_util import GGUF_DIR
 from tests.support.models import FIXTURES, golden
 from tests.support.tolerance import QUANTIZED_RMS, clear_top1_disagreements, exact, relative_rms

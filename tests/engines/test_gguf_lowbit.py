@@ -17,8 +17,8 @@ from shards.engines.registry import engine_class, installed
 from shards.formats.gguf_file import open_gguf
 from shards.formats.loader import load_config
 from shards.formats.quant import LOW_BIT_TYPES
-from shards.generate import chain_forward
-from shards.shard import Shard
+from shards.model.shard import Shard
+from shards.reference.generate import chain_forward
 from tests.support.gguf_util import GGUF_DIR
 from tests.support.tolerance import QUANTIZED_RMS, clear_top1_disagreements, relative_rms
 

@@ -12,7 +12,7 @@ from shards.formats.gguf_file import GGUFError, open_gguf
 from shards.formats.gguf_model import load_shard_tensors
 from shards.formats.loader import load_config, load_shard_weights, open_model
 from shards.formats.quant import SUPPORTED_TYPES, QuantizedTensor, unpermute_order
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.support.gguf_util import GGUF_DIR, GGUF_MODELS, fixture, gguf_golden, smollm2_path
 
 

@@ -11,8 +11,8 @@ from shards.engines.registry import engine_class, installed
 from shards.formats.gguf_file import GGUFError, open_gguf
 from shards.formats.gguf_model import load_shard_tensors
 from shards.formats.loader import load_config, open_model
-from shards.generate import chain_forward
-from shards.shard import Shard
+from shards.model.shard import Shard
+from shards.reference.generate import chain_forward
 from tests.support.gguf_util import GGUF_DIR, split_gguf
 from tests.support.models import golden
 

@@ -15,9 +15,9 @@ from shards.engines.numpy_engine import NumpyBackend
 from shards.engines.registry import engine_class, engine_factory, installed
 from shards.formats.loader import load_config
 from shards.formats.moe_layout import stacked_sources
-from shards.generate import chain_forward, generate
-from shards.moe import MOE_ENGINES, UnsupportedMoE
-from shards.shard import Shard
+from shards.model.moe import MOE_ENGINES, UnsupportedMoE
+from shards.model.shard import Shard
+from shards.reference.generate import chain_forward, generate
 from tests.support.models import FIXTURES
 from tests.support.tolerance import QUANTIZED_RMS, atol, exact, regrouped_atol, relative_rms
 

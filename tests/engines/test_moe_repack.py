@@ -10,7 +10,7 @@ from shards.engines.base import StepInput
 from shards.engines.ggml.lib import repack_supported
 from shards.engines.registry import engine_class, installed
 from shards.formats.loader import load_config
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.support.models import FIXTURES
 from tests.support.tolerance import relative_rms
 

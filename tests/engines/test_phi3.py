@@ -11,8 +11,8 @@ import pytest
 from shards.engines.registry import engine_class, installed
 from shards.formats.config import ConfigError, ModelConfig
 from shards.formats.loader import load_config
-from shards.generate import chain_forward, generate
-from shards.shard import Shard
+from shards.model.shard import Shard
+from shards.reference.generate import chain_forward, generate
 from tests.support.models import FIXTURES
 from tests.support.tolerance import atol, exact, regrouped_atol
 

@@ -13,7 +13,7 @@ from shards.engines.base import StepInput
 from shards.engines.registry import engine_class
 from shards.engines.retained import resume_all
 from shards.formats.loader import load_config
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.conftest import FIXTURES
 from tests.support.tolerance import regrouped_atol
 

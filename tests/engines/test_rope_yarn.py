@@ -16,8 +16,8 @@ import pytest
 
 from shards.engines.registry import engine_class, installed
 from shards.formats.loader import load_config
-from shards.generate import chain_forward
-from shards.shard import Shard
+from shards.model.shard import Shard
+from shards.reference.generate import chain_forward
 from tests.support.gguf_util import GGUF_DIR, rewrite
 from tests.support.models import FIXTURES
 from tests.support.tolerance import QUANTIZED_RMS, atol, exact, relative_rms

@@ -10,9 +10,9 @@ from shards.engines.base import StepInput
 from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.loader import load_config
 from shards.formats.packaged import PACKAGED, resolve_model
-from shards.generate import generate
-from shards.shard import Shard
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
+from shards.reference.generate import generate
 from tests.support.cluster import ROOT, Cluster
 from tests.support.gguf_util import gguf_golden, smollm2_path
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shards.draft_model import DraftModelProposer
+from shards.decoding.draft_model import DraftModelProposer
+from shards.decoding.sampling import SamplingParams
+from shards.decoding.speculation import DraftLength, PromptLookup
 from shards.engines.registry import engine_class, installed
 from shards.formats.loader import load_config
-from shards.generate import generate
-from shards.sampling import SamplingParams
-from shards.shard import Shard
-from shards.spec_generate import SpeculationStats, speculative_generate
-from shards.speculation import DraftLength, PromptLookup
+from shards.model.shard import Shard
+from shards.reference.generate import generate
+from shards.reference.spec_generate import SpeculationStats, speculative_generate
 from tests.conftest import FIXTURES
 
 MODEL = FIXTURES / "llama"  # 6 layers, vocabulary 512

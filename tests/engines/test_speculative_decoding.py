@@ -18,12 +18,12 @@ import pytest
 from node.grpc.client import GrpcTransport
 from node.runtime.node import Node
 from node.runtime.settings import NodeSettings, ServedModel
+from shards.decoding.sampling import SamplingParams
 from shards.engines.base import EngineInputError, StepInput
 from shards.engines.registry import engine_class, engine_factory
 from shards.formats.loader import load_config
-from shards.sampling import SamplingParams
-from shards.shard import Shard
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
 from tests.support.models import FIXTURES
 
 LLAMA = FIXTURES / "llama"

@@ -11,7 +11,7 @@ import pytest
 
 from node.fetch.layout import build_manifest
 from node.security import write_key_file
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.cluster.test_fetch_cluster import MARGIN
 from tests.multihost.test_multihost import call
 from tests.support import netns

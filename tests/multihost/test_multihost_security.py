@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from node.security import write_key_file
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
 from tests.multihost.test_multihost import call, peers_seen, start_hosts, stop_hosts
 from tests.support import netns
 from tests.support.cluster import ROOT

@@ -6,9 +6,9 @@ from __future__ import annotations
 from bench.local_cluster import READY_API, READY_GRPC, ROOT, Cluster, NodeProc, free_port
 from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.config import ModelConfig
-from shards.generate import generate
-from shards.shard import Shard
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
+from shards.reference.generate import generate
 from tests.support.models import FIXTURES
 
 __all__ = [

@@ -8,9 +8,9 @@ import socket
 import numpy as np
 
 from node.core.plan import PlanStep, RequestSpec
+from shards.decoding.sampling import SamplingParams
 from shards.formats.config import ModelConfig
-from shards.sampling import SamplingParams
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.support.models import FIXTURES
 
 CFG = ModelConfig.from_dir(FIXTURES / "llama")  # 6 layers, hidden 64, vocab 512

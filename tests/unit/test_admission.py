@@ -7,7 +7,7 @@ import pytest
 
 from node.core.admission import Admission, CoreLimits
 from node.core.plan import Busy, PlanError
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.support.factories import CFG, spec
 
 

@@ -7,7 +7,7 @@ import json
 from aiohttp.test_utils import TestClient, TestServer
 
 from node.http.api import Api
-from shards.tokenizer import StreamDecoder
+from shards.formats.tokenizer import StreamDecoder
 from tests.unit.test_node_rpc import serving, shutdown
 
 CHAT = {

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from node.runtime.sampling_batcher import SampleItem, SamplingBatcher
+from shards.decoding.grammar import Constraint, GrammarError, closed_objects, grammar_tokenizer, json_schema_grammar
+from shards.decoding.sampling import SamplerState, SamplingParams, sample_one
 from shards.formats.packaged import resolve_model
-from shards.grammar import Constraint, GrammarError, closed_objects, grammar_tokenizer, json_schema_grammar
-from shards.sampling import SamplerState, SamplingParams, sample_one
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
 from tests.unit.test_sampling_batcher import LONG, Recording
 
 SCHEMA = {

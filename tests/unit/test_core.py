@@ -15,8 +15,8 @@ from node.core.node_core import NodeCore
 from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage, Tombstones
 from node.core.scheduler import Group, Queued, SchedulerLimits
-from shards.sampling import SampleResult
-from shards.shard import Shard
+from shards.decoding.sampling import SampleResult
+from shards.model.shard import Shard
 from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
 
 ONE_BATCH = SchedulerLimits(

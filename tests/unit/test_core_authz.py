@@ -11,8 +11,8 @@ from node.core.admission import CoreLimits
 from node.core.node_core import NodeCore
 from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation
-from shards.sampling import SampleResult, SamplingParams
-from shards.shard import Shard
+from shards.decoding.sampling import SampleResult, SamplingParams
+from shards.model.shard import Shard
 from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
 
 

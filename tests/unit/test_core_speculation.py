@@ -14,8 +14,8 @@ from node.core.requests import Activation
 from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
 from node.core.speculation import Speculation, SpeculationLimits
 from node.grpc import wire
-from shards.sampling import SampleResult, SamplingParams
-from shards.shard import Shard
+from shards.decoding.sampling import SampleResult, SamplingParams
+from shards.model.shard import Shard
 from tests.support.factories import CFG, STOP, hidden, spec, tokens
 
 

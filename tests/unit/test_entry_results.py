@@ -9,8 +9,8 @@ import pytest
 from node.core.plan import PlanStep
 from node.core.requests import GenerationError, TokenMessage
 from node.runtime.entry import Entry
-from shards.sampling import SampleResult, SamplingParams
-from shards.shard import Shard
+from shards.decoding.sampling import SampleResult, SamplingParams
+from shards.model.shard import Shard
 from tests.support.factories import CFG
 
 PLAN = tuple(PlanStep(n, f"h:{i + 1}", Shard("llama", 2 * i, 2 * i + 2, 6)) for i, n in enumerate("abc"))

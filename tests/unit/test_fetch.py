@@ -24,7 +24,7 @@ from node.grpc.client import GrpcTransport
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 from node.grpc.server import NodeServicer
 from shards.formats.loader import load_config, load_shard_weights
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.conftest import FIXTURES
 
 LLAMA = FIXTURES / "llama"  # 6 layers, 683 kB, three safetensors files
@@ -242,7 +242,7 @@ def test_disk_full_and_a_read_only_models_dir_are_clear_errors(mounted, monkeypa
 def test_a_fetch_reports_its_progress_with_rate_and_time_left_when_not_on_a_terminal(tmp_path, caplog, monkeypatch):
     import logging
 
-    from shards import progress
+    from shards.formats import progress
 
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
     caplog.set_level(logging.INFO, logger="node.fetch.fetcher")

@@ -14,7 +14,7 @@ from node.fetch.manifest import Manifest, ManifestError, ModelFile, Piece, same_
 from node.grpc import wire, wire_cluster
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.conftest import FIXTURES
 
 LLAMA = FIXTURES / "llama"  # 6 layers, 3 safetensors files, untied head

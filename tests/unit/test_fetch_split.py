@@ -11,7 +11,7 @@ from node.fetch.manifest import Manifest, ManifestError, ModelFile
 from node.fetch.startup import open_copy
 from shards.formats.gguf_file import open_gguf
 from shards.formats.loader import load_config
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.support.gguf_util import GGUF_DIR, split_gguf
 from tests.unit.test_fetch import Peer, assert_same_weights, fetcher_for
 

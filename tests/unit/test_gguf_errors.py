@@ -10,7 +10,7 @@ from gguf import GGUFValueType as V
 
 from shards.formats.gguf_file import GGUFError
 from shards.formats.loader import load_config
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
 from tests.support.cluster import ROOT
 from tests.support.gguf_util import fixture, patch_tensor_info, rewrite
 

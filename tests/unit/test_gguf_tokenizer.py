@@ -5,7 +5,7 @@ from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HF
 
 from shards.formats.gguf_tokenizer import PRE_TOKENIZERS
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
 from tests.support.gguf_util import GGUF_MODELS, fixture, gguf_golden, smollm2_path
 
 CASES = [(name, fixture(name), gguf_golden()["models"][name]["tokenizer"]) for name in GGUF_MODELS] + [

@@ -10,8 +10,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from shards.formats.packaged import resolve_model
-from shards.grammar import (
+from shards.decoding.grammar import (
     Constraint,
     GrammarError,
     Matcher,
@@ -21,7 +20,8 @@ from shards.grammar import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from shards.tokenizer import Tokenizer
+from shards.formats.packaged import resolve_model
+from shards.formats.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",

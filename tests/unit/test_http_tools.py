@@ -209,7 +209,7 @@ TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
 
 def test_a_template_that_knows_tools_renders_them_and_the_calls_itself():
     from node.http.tools import prompt_inputs
-    from shards.tokenizer import Tokenizer
+    from shards.formats.tokenizer import Tokenizer
 
     tok = Tokenizer.__new__(Tokenizer)  # only the template matters here
     tok.chat_template, tok.bos_token, tok.eos_token = TOOL_TEMPLATE, None, "<|im_end|>"

@@ -8,7 +8,7 @@ import pytest
 from shards.formats.gguf_file import GGUFError
 from shards.formats.loader import ModelFormatError, ModelSource, load_config, open_model
 from shards.formats.packaged import model_id
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
 from tests.conftest import FIXTURES
 from tests.support.gguf_util import fixture
 

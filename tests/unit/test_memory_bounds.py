@@ -10,7 +10,7 @@ from node.core.admission import Admission, CoreLimits
 from node.core.node_core import NodeCore
 from node.core.plan import Busy, PlanError
 from node.core.requests import Activation
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.support.factories import CFG, hidden, spec, tokens
 
 

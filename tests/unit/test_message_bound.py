@@ -15,7 +15,7 @@ from node.runtime.outbox import Outbox
 from node.runtime.settings import NodeSettings, ServedModel
 from shards.engines.registry import engine_factory
 from shards.formats.config import ModelConfig
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
 from tests.unit.test_node_rpc import MODEL, RawClient
 
 CFG = ModelConfig.from_dir(MODEL)

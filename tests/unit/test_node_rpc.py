@@ -15,12 +15,12 @@ from node.grpc.server import GrpcServer
 from node.runtime.node import Node
 from node.runtime.settings import NodeSettings, ServedModel
 from node.runtime.shard_manager import ShardManager
+from shards.decoding.sampling import SamplingParams
 from shards.engines.numpy_engine import NumpyEngine
 from shards.engines.registry import engine_factory
 from shards.formats.config import ModelConfig
-from shards.sampling import SamplingParams
-from shards.shard import Shard
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
 from tests.conftest import FIXTURES
 
 MODEL = FIXTURES / "llama"

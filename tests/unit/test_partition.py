@@ -6,8 +6,8 @@ from fractions import Fraction
 
 import pytest
 
-from shards.partition import NodeCapacity, PartitionError, partition
-from shards.shard import Shard
+from node.core.placement.partition import NodeCapacity, PartitionError, partition
+from shards.model.shard import Shard
 
 GB = 1 << 30
 

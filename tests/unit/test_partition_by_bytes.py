@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
+from node.core.placement.layer_costs import layer_costs
+from node.core.placement.partition import NodeCapacity, PartitionError, partition
 from shards.formats.config import ModelConfig
-from shards.layer_costs import layer_costs
-from shards.partition import NodeCapacity, PartitionError, partition
 from tests.support.models import FIXTURES
 
 MOE = FIXTURES / "moe"

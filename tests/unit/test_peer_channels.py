@@ -12,7 +12,7 @@ from node.runtime.settings import NodeSettings, ServedModel
 from node.runtime.transport import TransportError
 from shards.engines.registry import engine_factory
 from shards.formats.config import ModelConfig
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
 from tests.conftest import FIXTURES
 from tests.support.cluster import free_port
 

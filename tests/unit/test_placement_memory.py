@@ -1,19 +1,19 @@
 """Placement counts each layer's KV cache as well as its weights: a node holding more layers needs KV room in
-proportion, and no plan gives a node more than the memory it reports (shards/layer_costs.py layer_footprints,
-shards/partition.py check_memory, node/core/placement.py plan_ring)."""
+proportion, and no plan gives a node more than the memory it reports (node/core/placement/layer_costs.py layer_footprints,
+node/core/placement/partition.py check_memory, node/core/placement/ring.py plan_ring)."""
 
 import shutil
 
 import pytest
 
 from node.core.admission import Admission, CoreLimits
-from node.core.placement import plan_ring
+from node.core.placement.layer_costs import file_bytes_per_param, kv_bytes_per_layer, layer_footprints, layer_params
+from node.core.placement.partition import NodeCapacity, PartitionError, check_memory, partition
+from node.core.placement.ring import plan_ring
 from node.core.topology import Capabilities, NodeInfo
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
-from shards.layer_costs import file_bytes_per_param, kv_bytes_per_layer, layer_footprints, layer_params
-from shards.partition import NodeCapacity, PartitionError, check_memory, partition
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.support.models import FIXTURES
 
 LLAMA = ModelConfig.from_dir(FIXTURES / "llama")

@@ -14,11 +14,11 @@ import termios
 
 import pytest
 
-from shards import progress
+from shards.formats import progress
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_shard_weights
-from shards.progress import Progress, track
-from shards.shard import Shard
+from shards.formats.progress import Progress, track
+from shards.model.shard import Shard
 from tests.conftest import FIXTURES
 
 MODEL = FIXTURES / "llama"
@@ -52,7 +52,7 @@ def terminal(monkeypatch):
 
 
 def test_loading_weights_on_a_terminal_draws_a_bar_to_100_percent(terminal, caplog):
-    caplog.set_level(logging.INFO, logger="shards.progress")
+    caplog.set_level(logging.INFO, logger="shards.formats.progress")
     screen = terminal()
     cfg = ModelConfig.from_dir(MODEL)
     weights = load_shard_weights(MODEL, cfg, Shard("llama", 0, 3, 6))
@@ -64,7 +64,7 @@ def test_loading_weights_on_a_terminal_draws_a_bar_to_100_percent(terminal, capl
 
 def test_loading_weights_elsewhere_logs_lines_every_few_seconds_and_a_closing_one(caplog, monkeypatch):
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)  # every tensor is "a few seconds" later
-    caplog.set_level(logging.INFO, logger="shards.progress")
+    caplog.set_level(logging.INFO, logger="shards.formats.progress")
     cfg = ModelConfig.from_dir(MODEL)
     weights = load_shard_weights(MODEL, cfg, Shard("llama", 0, 6, 6))
     lines = [r.getMessage() for r in caplog.records]
@@ -75,7 +75,7 @@ def test_loading_weights_elsewhere_logs_lines_every_few_seconds_and_a_closing_on
 
 
 def test_no_periodic_lines_before_the_interval_passes(caplog):
-    caplog.set_level(logging.INFO, logger="shards.progress")
+    caplog.set_level(logging.INFO, logger="shards.formats.progress")
     with Progress("copying", 3, unit="files", stream=io.StringIO(), every=60) as p:
         for _ in range(3):
             p.update(1)
@@ -84,7 +84,7 @@ def test_no_periodic_lines_before_the_interval_passes(caplog):
 
 
 def test_a_failure_is_reported_as_stopped_not_done(caplog):
-    caplog.set_level(logging.INFO, logger="shards.progress")
+    caplog.set_level(logging.INFO, logger="shards.formats.progress")
     with pytest.raises(RuntimeError):
         with Progress("loading x", 100, stream=io.StringIO()) as p:
             p.update(40)

@@ -13,7 +13,7 @@ from node.http.prompt import PromptEncoder
 from node.http.schema import ApiError
 from node.runtime.loop_monitor import LoopMonitor
 from shards.formats.packaged import DEFAULT_MODEL, resolve_model
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,12 @@
 """Plans use a node only for layers it holds: the target ring once everyone holds their part, else the nodes that
-can serve (node/core/placement.py)."""
+can serve (node/core/placement/ring.py)."""
 
 import pytest
 
-from node.core.placement import plan_ring, target_ring
+from node.core.placement.partition import PartitionError
+from node.core.placement.ring import plan_ring, target_ring
 from node.core.topology import Availability, Capabilities, NodeInfo
-from shards.partition import PartitionError
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 N = 6
 FULL = Availability()

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from shards.sampling import SamplerState, SamplingParams, sample_one, sample_rows
+from shards.decoding.sampling import SamplerState, SamplingParams, sample_one, sample_rows
 
 V = 1000
 

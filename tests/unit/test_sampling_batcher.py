@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from node.runtime.sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
+from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams, sample_one
 from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.config import ModelConfig
-from shards.sampling import SampleResult, SamplerState, SamplingParams, sample_one
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.conftest import FIXTURES
 
 LONG = 60_000  # ms: a window that never closes a batch during a test

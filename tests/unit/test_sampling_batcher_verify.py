@@ -1,13 +1,13 @@
 """The sampling batcher verifies blocks of rows with proposals (speculative decoding): each resolves to the tokens
-`shards.speculation.verify` emits for it alone, batched with other blocks and plain rows, after a batched sampler
+`shards.decoding.speculation.verify` emits for it alone, batched with other blocks and plain rows, after a batched sampler
 that fails, and on an engine without a batched sampler; a block of the wrong shape is refused at the door."""
 
 import numpy as np
 import pytest
 
 from node.runtime.sampling_batcher import SampleItem, SamplingBatcher
-from shards.sampling import sample_one
-from shards.speculation import verify
+from shards.decoding.sampling import sample_one
+from shards.decoding.speculation import verify
 from tests.unit.test_sampling_batcher import LONG, NoBatch, Recording, fresh_states, params, rows, run, sample_all
 
 DRAFTS = [(5, 9), (), (7, 7, 7)]  # the middle request has a plain row

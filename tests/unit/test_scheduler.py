@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 SHARD = Shard("m", 0, 4, 8)
 OTHER = Shard("m", 0, 2, 8)

@@ -1,6 +1,6 @@
 import pytest
 
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 
 def test_first_and_last_flags():

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shards.decoding.grammar import Constraint, Matcher, grammar_tokenizer, json_object_grammar
+from shards.decoding.sampling import SamplerState, SamplingParams, sample_one
+from shards.decoding.speculation import DraftLength, PromptLookup, verify, verify_blocks
 from shards.formats.packaged import resolve_model
-from shards.grammar import Constraint, Matcher, grammar_tokenizer, json_object_grammar
-from shards.sampling import SamplerState, SamplingParams, sample_one
-from shards.speculation import DraftLength, PromptLookup, verify, verify_blocks
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
 
 # ---------------------------------------------------------------- prompt lookup
 

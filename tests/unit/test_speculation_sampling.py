@@ -3,7 +3,7 @@
 The model is a bigram table over a small vocabulary (the logits of a row depend on the previous token only), so
 the exact distribution of the first two generated tokens is known: p(t1) p(t2 | t1), with p the target's
 distribution after temperature, top-k and top-p (computed here from their definitions, independently of
-shards/sampling.py). Many seeded generations with speculation are compared with it by a chi-square
+shards/decoding/sampling.py). Many seeded generations with speculation are compared with it by a chi-square
 goodness-of-fit test. Seeds are fixed, so the test is deterministic in CI; ALPHA is the chance that a correct rule
 fails for an arbitrary choice of seeds. Wrong rules fail the same test, so it has power.
 """
@@ -13,8 +13,8 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from shards.sampling import SampleResult, SamplerState, SamplingParams, sample_one, sample_rows
-from shards.speculation import verify, verify_blocks
+from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams, sample_one, sample_rows
+from shards.decoding.speculation import verify, verify_blocks
 
 V = 8
 RUNS = 3000

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from shards.tokenizer import Tokenizer, TokenizerError
+from shards.formats.tokenizer import Tokenizer, TokenizerError
 from tests.conftest import FIXTURES, golden
 
 

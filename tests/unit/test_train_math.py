@@ -7,8 +7,8 @@ import pytest
 from shards.demo import llama_train as lt
 from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.config import ModelConfig
-from shards.generate import chain_forward
-from shards.shard import Shard
+from shards.model.shard import Shard
+from shards.reference.generate import chain_forward
 
 TINY = lt.LlamaShape(
     vocab_size=50, hidden_size=16, n_layers=2, n_heads=2, intermediate_size=24, max_position_embeddings=32

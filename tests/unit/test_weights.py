@@ -12,7 +12,7 @@ from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_shard_weights
 from shards.formats.weights import WeightsError
-from shards.shard import Shard
+from shards.model.shard import Shard
 from tests.conftest import FIXTURES
 
 

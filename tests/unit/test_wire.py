@@ -26,8 +26,8 @@ from node.grpc.wire import (
     encode_tokens,
 )
 from node.grpc.wire_cluster import decode_node_info, encode_node_info
-from shards.sampling import SampleResult, SamplingParams
-from shards.shard import Shard
+from shards.decoding.sampling import SampleResult, SamplingParams
+from shards.model.shard import Shard
 from tests.unit.test_wire_spec import spec_msg
 
 MB = 1 << 20

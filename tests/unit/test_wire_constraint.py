@@ -7,8 +7,8 @@ import pytest
 
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.wire import WireError, decode_sampling, encode_sampling
-from shards.grammar import MAX_GRAMMAR_BYTES, Constraint, json_schema_grammar
-from shards.sampling import SamplingParams
+from shards.decoding.grammar import MAX_GRAMMAR_BYTES, Constraint, json_schema_grammar
+from shards.decoding.sampling import SamplingParams
 
 GRAMMAR = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
 

@@ -18,8 +18,8 @@ from node.grpc.wire import (
     encode_shard,
     encode_spec,
 )
-from shards.sampling import SamplingParams
-from shards.shard import Shard
+from shards.decoding.sampling import SamplingParams
+from shards.model.shard import Shard
 
 
 def make_spec(**overrides) -> RequestSpec:

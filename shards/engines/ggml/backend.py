@@ -1,10 +1,10 @@
-"""The shared Llama block (shards/transformer.py) over ggml: every array operation adds a node to a ggml graph.
+"""The shared Llama block (shards/model/transformer.py) over ggml: every array operation adds a node to a ggml graph.
 
 Running the shared `ShardModel` on this backend does not compute anything: it builds one compute graph for a whole
 forward pass, which the engine (shards/engines/ggml/engine.py) allocates once and re-runs with new inputs. An array is a
 `GArray`: a ggml tensor plus its shape in numpy order (ggml orders dimensions innermost first, `ne`, the reverse).
 
-Weights keep their GGUF block types (placed by shards/engines/ggml/placement.py: `fused_weight` concatenates raw
+Weights keep their GGUF block types (placed by shards/engines/ggml/weight_placement.py: `fused_weight` concatenates raw
 block rows when the parts share a type, and otherwise keeps them apart and concatenates their outputs); the embedding
 table stays quantized (ggml_get_rows dequantizes the looked-up rows). Rotary embedding is ggml_rope_ext at the step's
 positions (an input tensor: this backend's `rotary` is the positions themselves, and ggml computes the angles), in NEOX
@@ -26,7 +26,7 @@ from shards.engines.ggml.gemm_rows import plan
 from shards.engines.ggml.gemma_ops import GemmaOps, SlidingRotary
 from shards.engines.ggml.lib import F32, I32, Context, GgmlError, Tensor, g
 from shards.engines.ggml.moe import GExperts, GgmlMoE
-from shards.engines.ggml.placement import GgmlWeights, GWeight
+from shards.engines.ggml.weight_placement import GgmlWeights, GWeight
 from shards.formats.config import ModelConfig
 
 ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
@@ -102,7 +102,7 @@ def nocopy_strides(old: tuple[int, ...], strides: tuple[int, ...], new: tuple[in
 class GgmlBackend(GgmlWeights, GemmaOps, Backend, GgmlMoE):
     """Builds ggml graphs for the shared model. `ctx` is the context of the graph being built (set by the engine);
     weights live in their own context and CPU buffers for the backend's lifetime (placed by GgmlWeights,
-    shards/engines/ggml/placement.py)."""
+    shards/engines/ggml/weight_placement.py)."""
 
     name = "ggml"
 

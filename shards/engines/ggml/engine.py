@@ -38,8 +38,8 @@ from shards.engines.runner import Runner
 from shards.formats.config import ModelConfig
 from shards.formats.gguf_model import rope_pairs_interleaved
 from shards.formats.loader import open_model
-from shards.shard import Shard
-from shards.transformer import ShardModel
+from shards.model.shard import Shard
+from shards.model.transformer import ShardModel
 
 log = logging.getLogger(__name__)
 MIN_CAPACITY = 256  # a request without a reservation starts with this many positions and doubles

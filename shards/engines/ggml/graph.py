@@ -31,7 +31,7 @@ from shards.engines.backend import KVCache
 from shards.engines.ggml.backend import ATTENTION_ROWS, GArray, GgmlBackend, expect
 from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.lib import F16, F32, I32, Context, GgmlError, cpu_buffer_type, g
-from shards.transformer import ShardModel, Step
+from shards.model.transformer import ShardModel, Step
 
 WINDOW_STEP = 256  # spans of cells start and end on multiples of this (llama.cpp pads its KV view to 256 too)
 OUTPUTS = ("hidden", "last", "all")

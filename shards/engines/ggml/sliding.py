@@ -21,8 +21,8 @@ import numpy as np
 from shards.engines.ggml.backend import GArray, GgmlBackend
 from shards.engines.ggml.lib import F16, g
 from shards.formats.config import ModelConfig
-from shards.shard import Shard
-from shards.transformer import ShardModel, Sliding, Step
+from shards.model.shard import Shard
+from shards.model.transformer import ShardModel, Sliding, Step
 
 
 class _Build:

@@ -32,10 +32,10 @@ from shards.formats.config import ModelConfig
 from shards.formats.gguf_model import load_shard_tensors
 from shards.formats.hf import Checkpoint
 from shards.formats.loader import open_model
+from shards.formats.progress import Progress
 from shards.formats.quant import QuantizedTensor
 from shards.formats.weights import LayerWeights, ShardWeights, WeightsError, layer_tensor_shapes
-from shards.progress import Progress
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 log = logging.getLogger(__name__)
 assert set(QUANTIZE_CHOICES) == {*QUANTIZE_TYPES, "none"}

@@ -1,8 +1,8 @@
 """Speculative generation over a chain of shard engines held in one process: the reference path for speculative
-decoding (tests, benchmarks, the one-shot CLI), as shards/generate.py is for plain decoding.
+decoding (tests, benchmarks, the one-shot CLI), as shards/reference/generate.py is for plain decoding.
 
 Each trip feeds [t, d1..dk] (the last emitted token and up to k proposals) through every shard in one pass, verifies
-the k+1 rows (shards.speculation.verify) and rolls every shard's cache back to the accepted length, so the caches
+the k+1 rows (shards.decoding.speculation.verify) and rolls every shard's cache back to the accepted length, so the caches
 always hold exactly the tokens emitted so far. The tokens are those `generate` yields for the same prompt and
 seed (verify samples each row as plain sampling does), with fewer trips when proposals are accepted.
 """
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
+from shards.decoding.speculation import DraftLength, Proposer, verify
 from shards.engines.base import Engine
-from shards.generate import chain_forward
-from shards.sampling import SampleResult, SamplerState, SamplingParams
-from shards.speculation import DraftLength, Proposer, verify
+from shards.reference.generate import chain_forward
 
 
 @dataclass

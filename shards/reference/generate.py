@@ -7,8 +7,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
 from shards.engines.base import Engine, StepInput
-from shards.sampling import SampleResult, SamplerState, SamplingParams
 
 
 def chain_forward(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ def partition(
     nodes: Sequence[NodeCapacity], model_id: str, n_layers: int, costs: Sequence[int] | None = None
 ) -> list[tuple[str, Shard]]:
     """Ordered ring: (node_id, Shard) covering [0, n_layers) exactly, first shard first. With `costs` (each layer's
-    size, shards/layer_costs.py) the split follows the nodes' memory in bytes, else in layer counts."""
+    size, node/core/placement/layer_costs.py) the split follows the nodes' memory in bytes, else in layer counts."""
     if not nodes:
         raise PartitionError("no nodes to place the model on")
     if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
@@ -42,7 +42,7 @@ def partition(
 
 def check_memory(ring: Sequence[tuple[str, Shard]], nodes: Sequence[NodeCapacity], footprints: Sequence[int]) -> None:
     """Raise PartitionError naming every node whose planned layers (their weights and KV cache, `footprints` from
-    shards/layer_costs.py) exceed the memory it reports, with what it would need: a plan is never made that a node
+    node/core/placement/layer_costs.py) exceed the memory it reports, with what it would need: a plan is never made that a node
     cannot hold. Nodes reporting no memory (0) are not judged."""
     memory = {n.node_id: n.memory_bytes for n in nodes}
     over = []

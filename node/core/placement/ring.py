@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from node.core.placement.partition import NodeCapacity, PartitionError, check_memory, partition
 from node.core.topology import NodeInfo
-from shards.partition import NodeCapacity, PartitionError, check_memory, partition
-from shards.shard import Shard
+from shards.model.shard import Shard
 
 
 def _capacities(nodes: Sequence[NodeInfo]) -> list[NodeCapacity]:
@@ -24,7 +24,7 @@ def target_ring(
     nodes: Sequence[NodeInfo], model_id: str, n_layers: int, costs: Sequence[int] | None = None
 ) -> list[tuple[str, Shard]]:
     """The ring the cluster is meant to have: every member holds its part (split by `costs`, each layer's size,
-    where given: shards/layer_costs.py). Raises PartitionError."""
+    where given: node/core/placement/layer_costs.py). Raises PartitionError."""
     return partition(_capacities(nodes), model_id, n_layers, costs)
 
 
@@ -37,7 +37,7 @@ def plan_ring(
 ) -> list[tuple[str, Shard]]:
     """The ring a request starting now gets: the target ring if every node is ready for its part, else one over
     the nodes that are. Raises PartitionError when the nodes can't cover every layer, or (given `footprints`, each
-    layer's weights and KV bytes: shards/layer_costs.py) when a node's part would not fit the memory it reports."""
+    layer's weights and KV bytes: node/core/placement/layer_costs.py) when a node's part would not fit the memory it reports."""
     ring = _plan_ring(nodes, model_id, n_layers, costs)
     if footprints is not None:
         check_memory(ring, _capacities(nodes), footprints)

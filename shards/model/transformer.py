@@ -21,7 +21,7 @@ import numpy as np
 from shards.engines.backend import Array, Backend, KVCache
 from shards.formats.config import ModelConfig
 from shards.formats.weights import LayerWeights, ShardWeights
-from shards.moe import SparseMoE
+from shards.model.moe import SparseMoE
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ proposes (the first node of a request's plan).
 For each request the draft model keeps its own KV cache of the tokens it has seen. A proposal rolls that cache back
 to the longest common prefix with the request's tokens (the accepted drafts stay, the rejected ones go), feeds the
 missing tokens (in chunks of at most `chunk` positions), then drafts greedily, one single-row pass per further
-token. Greedy drafts are the point-mass proposals `shards.speculation.verify` accepts exactly, whatever the draft
+token. Greedy drafts are the point-mass proposals `shards.decoding.speculation.verify` accepts exactly, whatever the draft
 model computes.
 """
 
@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
+from shards.decoding.speculation import Proposal
 from shards.engines.base import Engine, StepInput
 from shards.engines.registry import engine_factory
 from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
-from shards.shard import Shard
-from shards.speculation import Proposal
-from shards.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer
+from shards.model.shard import Shard
 
 
 class DraftModelError(ValueError):
@@ -32,7 +32,7 @@ class DraftModelError(ValueError):
 
 
 class DraftModelProposer:
-    """A `shards.speculation.Proposer` over a whole small model on one engine.
+    """A `shards.decoding.speculation.Proposer` over a whole small model on one engine.
 
     Invariant: for each request r, `_seen[r]` is exactly the tokens whose positions the engine caches for r
     (engine.cache_length(r) == len(_seen[r])). At most `max_requests` requests keep a cache; the least recently

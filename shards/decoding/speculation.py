@@ -5,7 +5,7 @@ distribution travels). The pipeline runs them through the target model as one sh
 the logits of the rows [t, d1..dk] in one trip, and `verify` turns those into the tokens to emit: the accepted
 drafts plus one more token, 1..k+1 tokens per trip instead of 1.
 
-Exactness. `verify` samples each row exactly as non-speculative sampling would (`shards.sampling.sample_rows`: the
+Exactness. `verify` samples each row exactly as non-speculative sampling would (`shards.decoding.sampling.sample_rows`: the
 same filters, the same one uniform per sampled token from the request's `SamplerState`), in order, and stops at
 the first row whose sampled token differs from the draft: that token is emitted in its place. Row i's logits are
 the target's logits after the accepted prefix, so every emitted token is drawn from exactly the distribution
@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shards.sampling import SampleResult, SamplerState, SamplingParams, sample_rows
+from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams, sample_rows
 
 Proposal = tuple[int, ...]
 
@@ -195,7 +195,7 @@ def verify(
     """The tokens to emit for one request's verified block: the accepted drafts plus one more (1..k+1 results).
 
     `logits` [k+1, vocab] are the target's rows for [t, d1..dk] (row i predicts the token after d_i). Row i is
-    sampled with `sample` exactly as non-speculative decoding samples one row (by default shards.sampling's
+    sampled with `sample` exactly as non-speculative decoding samples one row (by default shards.decoding.sampling's
     sample_rows, with params' temperature/top-k/top-p and logprobs; `top_logprobs`, when given, overrides
     params.top_logprobs); the block stops at the first sampled token that differs from its draft, which is
     emitted in the draft's place, else after the bonus token from the last row. Greedy: the longest prefix of

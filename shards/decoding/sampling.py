@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shards.grammar import Constraint, Matcher
+from shards.decoding.grammar import Constraint, Matcher
 
 MAX_TOP_LOGPROBS = 20
 # top-p first looks for the nucleus among this many most likely tokens; it sorts the whole row only when

@@ -1,4 +1,4 @@
-"""What each layer of a model costs to hold, for placement (shards/partition.py) to split by bytes, not by count.
+"""What each layer of a model costs to hold, for placement (node/core/placement/partition.py) to split by bytes, not by count.
 
 A mixture of experts' layers are dominated by their experts, and its dense layers (Qwen's mlp_only_layers) hold a
 fraction of that; the first node also holds the token embedding and the last the output head, each as big as
