@@ -13,6 +13,8 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -21,7 +23,8 @@ from prometheus_client.exposition import choose_encoder
 
 from node.core.plan import PlanError
 from node.core.requests import GenerationError, Overloaded
-from node.http import middleware, webui
+from node.http import anthropic, chat, middleware, ollama, responses, webui
+from node.http.chat import ChatRun
 from node.http.completion import Job, TextDelta, run_job
 from node.http.format import ChatFormat, CompletionFormat, Format
 from node.http.prompt import PromptEncoder
@@ -32,7 +35,8 @@ from shards.decoding.grammar import Constraint, GrammarError, grammar_tokenizer
 
 log = logging.getLogger(__name__)
 CREATED = int(time.time())
-WRITE_TIMEOUT_S = 30
+# Each dialect's paths answer every error in that API's own shape; the others, OpenAI error objects.
+ERROR_SHAPES = ((ollama.PATHS, ollama.error_response), (anthropic.PATHS, anthropic.error_response))
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ class Api:
             middlewares=[
                 middleware.cors(self.settings.cors_origins),
                 webui.security_headers,
-                middleware.errors(self.settings.max_body_bytes),
+                middleware.errors(self.settings.max_body_bytes, ERROR_SHAPES),
                 middleware.auth(self.settings.api_key),
             ],
             client_max_size=self.settings.max_body_bytes,
@@ -73,6 +77,9 @@ class Api:
                 web.get("/v1/topology", self.topology),
                 web.get("/healthcheck", self.healthcheck),
                 web.get("/metrics", self.metrics),
+                *ollama.routes(self),
+                *anthropic.routes(self),
+                *responses.routes(self),
                 *webui.routes(),
             ]
         )
@@ -131,11 +138,23 @@ class Api:
 
     # -- generation endpoints ---------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        chat = parse_chat(await read_json(request))
-        self._check_model(chat.options.model)
-        messages, tools = prompt_inputs(chat.messages, chat.options.structure, self.node.tokenizer.chat_template)
+        req = parse_chat(await read_json(request))
+        self._check_model(req.options.model)
+        async with self.chat_run(req) as run:
+            fmt = ChatFormat(req.options, run.prompt_tokens, self.model_id)
+            return await self._respond(request, fmt, run.pieces, "")
+
+    @asynccontextmanager
+    async def chat_run(self, req: ChatRequest, endpoint: str = "chat") -> AsyncIterator[ChatRun]:
+        """The one chat path of every API dialect (node/http/chat.py): the conversation rendered by the chat
+        template (tools too), its grammar compiled, the request admitted and its first piece generated. Refusals
+        before that are ApiErrors (each dialect's error middleware shapes them); leaving the block ends the
+        request on every node of its plan."""
+        messages, tools = prompt_inputs(req.messages, req.options.structure, self.node.tokenizer.chat_template)
         prompt = await self.prompts.chat(messages, tools)
-        return await self._generate(request, await self._constrained(chat), prompt, "")
+        req = await self._constrained(req)
+        async with self._running(endpoint, req.options, prompt, "messages") as pieces:
+            yield ChatRun(len(prompt), req.options.structure, pieces)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_completion(await read_json(request))
@@ -152,7 +171,10 @@ class Api:
                     code="invalid_value",
                 )
             prompt, echo = list(req.prompt), tok.decode(req.prompt)
-        return await self._generate(request, await self._constrained(req), prompt, echo if req.echo else "")
+        req = await self._constrained(req)
+        async with self._running("completions", req.options, prompt, "prompt") as pieces:
+            fmt = CompletionFormat(req.options, len(prompt), self.model_id)
+            return await self._respond(request, fmt, pieces, echo if req.echo else "")
 
     async def _constrained(self, req: ChatRequest | CompletionRequest) -> ChatRequest | CompletionRequest:
         """The request with the grammar its tools or response_format ask for, compiled and checked against the
@@ -199,13 +221,14 @@ class Api:
             )
         return Job(prompt, opts.sampling, max_tokens, opts.stop)
 
-    async def _generate(
-        self, request: web.Request, req: ChatRequest | CompletionRequest, prompt: list[int], echo: str
-    ) -> web.StreamResponse:
-        chat = isinstance(req, ChatRequest)
-        endpoint = "chat" if chat else "completions"
+    @asynccontextmanager
+    async def _running(
+        self, endpoint: str, opts: Options, prompt: list[int], param: str
+    ) -> AsyncIterator[AsyncIterator[TextDelta]]:
+        """The request admitted (or refused: beyond the context, draining, at the concurrency limit) and its text
+        pieces, the first already awaited so that errors before any token are plain HTTP errors."""
         with self.node.metrics.request(endpoint, refusals=(ApiError,)) as observed:
-            job = self._job(req.options, prompt, "messages" if chat else "prompt")
+            job = self._job(opts, prompt, param)
             if self.node.draining:
                 raise ApiError(
                     503, "this node is shutting down; send the request to another node", code="shutting_down"
@@ -221,48 +244,34 @@ class Api:
             self.active += 1
             pieces = None
             try:
-                fmt = (ChatFormat if chat else CompletionFormat)(req.options, len(prompt), self.model_id)
                 pieces = observed.watch(_guard(run_job(self.node, job, observed.tokens)))
-                first = await anext(pieces, None)  # errors before any token become a plain HTTP error
-                if req.options.stream:
-                    return await self._stream(request, fmt, first, pieces, echo)
-                collected = [first] if first else []
-                async for piece in pieces:
-                    collected.append(piece)
-                return web.json_response(fmt.whole(collected, echo))
+                yield _prepend(await anext(pieces, None), pieces)
             finally:
                 self.active -= 1
                 if pieces is not None:  # now, not when collected: ends the request on every node of its plan
                     await pieces.aclose()
 
-    async def _stream(self, request: web.Request, fmt: Format, first: TextDelta | None, pieces, echo: str):
+    async def _respond(self, request: web.Request, fmt: Format, pieces, echo: str) -> web.StreamResponse:
+        if fmt.options.stream:
+            return await self._stream(request, fmt, pieces, echo)
+        return web.json_response(fmt.whole([piece async for piece in pieces], echo))
+
+    async def _stream(self, request: web.Request, fmt: Format, pieces, echo: str):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
         async def send(payload: dict[str, Any] | str) -> None:
-            data = payload if isinstance(payload, str) else json.dumps(payload)
-            # A client that stops reading must not hold its generation slot: after WRITE_TIMEOUT_S the request is
-            # cancelled like a disconnect (the CancelledError unwinds the generation and ends it on every node).
-            try:
-                async with asyncio.timeout(WRITE_TIMEOUT_S):
-                    await response.write(f"data: {data}\n\n".encode())
-            except TimeoutError:
-                log.warning("client stopped reading its stream for %ss: cancelling the request", WRITE_TIMEOUT_S)
-                raise asyncio.CancelledError from None
+            await chat.write(
+                response, f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+            )
 
         await send(fmt.opening(echo))
-        last = first
-
-        async def emit(piece: TextDelta) -> None:
-            for chunk in fmt.piece_chunks(piece):
-                await send(chunk)
-
+        last = None
         try:
-            if first is not None:
-                await emit(first)
-                async for piece in pieces:
-                    await emit(piece)
-                    last = piece
+            async for piece in pieces:
+                for chunk in fmt.piece_chunks(piece):
+                    await send(chunk)
+                last = piece
             if fmt.options.include_usage and last is not None:
                 await send(fmt.usage_chunk(last.completion_tokens))
         except ApiError as e:  # the stream has started: the error goes in-band, then the stream ends
@@ -275,6 +284,13 @@ class Api:
         await send("[DONE]")
         await response.write_eof()
         return response
+
+
+async def _prepend(first: TextDelta | None, rest: AsyncIterator[TextDelta]) -> AsyncIterator[TextDelta]:
+    if first is not None:
+        yield first
+        async for piece in rest:
+            yield piece
 
 
 async def _guard(pieces):

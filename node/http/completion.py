@@ -29,6 +29,7 @@ class TextDelta:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     completion_tokens: int = 0  # running count, including tokens whose text is held back or special
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,12 @@ async def run_job(node: Node, job: Job, on_tokens: Callable[[int], None] | None 
     count = 0
     want_logprobs = job.sampling.top_logprobs is not None
 
-    def release(upto: int, reason: str | None = None, every_token: bool = False) -> TextDelta:
+    def release(upto: int, reason: str | None = None, every_token: bool = False, stop: str | None = None) -> TextDelta:
         """Hand out text[sent:upto] with the logprobs of the tokens whose text starts before `upto`."""
         nonlocal sent, queued
         out = tuple(lp for off, lp in queued if off < upto or every_token)
         queued = [(off, lp) for off, lp in queued if not (off < upto or every_token)]
-        piece = TextDelta(text[sent:upto], out, reason, count)
+        piece = TextDelta(text[sent:upto], out, reason, count, stop)
         sent = upto
         return piece
 
@@ -94,9 +95,10 @@ async def run_job(node: Node, job: Job, on_tokens: Callable[[int], None] | None 
                     )
             if event.finished:
                 text += decoder.flush()
-            hit = min((i for i in (text.find(s, max(0, sent - len(s) + 1)) for s in job.stop) if i >= 0), default=-1)
-            if hit >= 0:
-                yield release(hit, "stop")
+            hits = [(i, s) for s in job.stop if (i := text.find(s, max(0, sent - len(s) + 1))) >= 0]
+            if hits:
+                at, stop = min(hits)
+                yield release(at, "stop", stop=stop)
                 return
             if event.finished:
                 yield release(len(text), event.finish_reason, every_token=True)

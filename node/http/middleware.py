@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -18,16 +19,24 @@ from node.http.schema import ApiError
 log = logging.getLogger(__name__)
 
 
-def errors(max_body_bytes: int):
-    """Every failure leaves as an OpenAI error object; tracebacks stay in the log. `max_body_bytes` is aiohttp's
-    client_max_size, named in the 413 so the client knows the limit it ran into."""
+Shape = Callable[[ApiError], web.Response]
+
+
+def errors(max_body_bytes: int, shapes: tuple[tuple[tuple[str, ...], Shape], ...] = ()):
+    """Every failure leaves as an error object (tracebacks stay in the log): in the shape of the API whose path
+    prefixes (`shapes`: (prefixes, shape) pairs; Ollama, Anthropic) the request went to, else OpenAI's.
+    `max_body_bytes` is aiohttp's client_max_size, named in the 413 so the client knows the limit it ran into."""
+
+    def respond(request: web.Request, e: ApiError) -> web.Response:
+        shape = next((shape for prefixes, shape in shapes if request.path.startswith(prefixes)), None)
+        return e.response() if shape is None else shape(e)
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except ApiError as e:
-            return e.response()
+            return respond(request, e)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -37,24 +46,32 @@ def errors(max_body_bytes: int):
                 else f"{e.reason}: {request.method} {request.path}"
             )
             code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(e.status)
-            return ApiError(e.status, message, code=code).response()
+            return respond(request, ApiError(e.status, message, code=code))
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.path)
-            return ApiError(500, "internal server error").response()
+            return respond(request, ApiError(500, "internal server error"))
 
     return middleware
 
 
 def auth(api_key: str | None):
-    """With a key, every non-public path (webui.is_public) needs "Authorization: Bearer <key>", compared in constant
-    time; without one, everything is open."""
+    """With a key, every non-public path (webui.is_public) needs "Authorization: Bearer <key>" or, as Anthropic
+    clients send it, "x-api-key: <key>", compared in constant time; without one, everything is open."""
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         if api_key and not webui.is_public(request.path):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+            bearer = request.headers.get("Authorization", "").encode()
+            x_api_key = request.headers.get("x-api-key", "").encode()
+            # both compared, always: how long a refusal takes doesn't tell which header came close
+            ok = hmac.compare_digest(bearer, f"Bearer {api_key}".encode())
+            ok |= hmac.compare_digest(x_api_key, api_key.encode())
+            if not ok:
+                raise ApiError(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer <key>, or x-api-key: <key>)",
+                    code="invalid_api_key",
+                )
         return await handler(request)
 
     return middleware
@@ -74,7 +91,9 @@ def cors(origins: tuple[str, ...]):
             response = await handler(request)
         if allowed and not response.prepared:
             response.headers["Access-Control-Allow-Origin"] = "*" if "*" in origins else origin
-            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Allow-Headers"] = (
+                "Authorization, Content-Type, x-api-key, anthropic-version"
+            )
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
         return response
 

@@ -79,8 +79,10 @@ class CompletionRequest:
     echo: bool
 
 
-async def read_json(request: web.Request) -> dict[str, Any]:
-    if request.content_type != "application/json":
+async def read_json(request: web.Request, any_content_type: bool = False) -> dict[str, Any]:
+    """`any_content_type`: read the body as JSON whatever its Content-Type says (Ollama's API, whose clients
+    often send none)."""
+    if not any_content_type and request.content_type != "application/json":
         raise ApiError(
             400, f"Content-Type must be application/json, got {request.content_type!r}", code="invalid_content_type"
         )
