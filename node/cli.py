@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-# OpenBLAS worker threads spin ~0.1 s after each call by default. A node is idle between its pipeline steps, and
-# spinning then steals the cores of whatever else runs on the machine (another node on the same host measured
-# 0.2x speed). Decode speed doesn't need the spin (measured equal with and without), so keep it minimal.
+# OpenBLAS worker threads spin after each call by default. A node is idle between its pipeline steps, and spinning
+# then steals the cores of whatever else runs on the machine (another node on the same host); decode speed doesn't
+# need the spin, so keep it minimal.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 import argparse

@@ -12,7 +12,8 @@ Nothing is ever truncated: a prompt longer than the largest bucket is simply cut
 
 A step that carries decode rows carries only as much prefill as keeps it within `max_stall` times a step of decode
 rows alone, by what this node measured its own steps to cost (`StepCosts`): on a CPU a 256-position chunk takes
-30-100 decode steps' time, so a fixed budget would still freeze every running stream for the length of the chunk.
+tens of decode steps' time (docs/benchmarks.md, prefill), so a fixed budget would still freeze every running stream
+for the length of the chunk.
 When nothing is decoding, prefill gets the whole budget. At least `MIN_PREFILL` positions (or the smallest bucket)
 go in each step, so a prompt always advances.
 

@@ -41,7 +41,7 @@ class SpeculationLimits:
     max_drafts: int = 4  # the most tokens proposed for one step of one request (--speculate-tokens)
     # Proposals only while the node holds at most this many requests: a step of a few rows costs about what one
     # row does (the weights are read once), so drafts ride free; with many requests decoding, every draft row is
-    # compute the batch pays for (measured on SmolLM2, 2 cores: 16 streams 83 tok/s with proposals vs 119 without)
+    # compute the batch pays for (docs/benchmarks.md, concurrent streams)
     max_requests: int = 4
 
     def __post_init__(self) -> None:

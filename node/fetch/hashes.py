@@ -1,7 +1,7 @@
 """The sha256 of each piece a node serves, computed the first time someone asks for it and remembered.
 
 Hashing a multi-GB model up front would delay every start by minutes, and most pieces are wanted by one peer at
-most, so each piece is hashed on its first request (in a thread: reading and hashing ~8 MiB takes ~20 ms) and kept
+most, so each piece is hashed on its first request (in a thread: reading and hashing a piece is disk and CPU work the event loop must not wait on) and kept
 in memory and in a small JSON file per model file under the cache folder, keyed by the file's path, size and
 modification time: a restarted node states the same hashes without reading the file again, and a changed file
 starts a fresh record. The cache file is optional: when it can't be written, hashes are only kept in memory.

@@ -146,7 +146,7 @@ class SamplingBatcher:
     def sample_now(self, items: list[SampleItem]) -> tuple[dict[str, SampleResult | list | BaseException], list]:
         """On the executor's thread, right after the forward pass that made the items' logits: sample them in
         batches of at most `max_batch`, as `submit` then `flush` would, without the two more trips between the
-        event loop and the engine thread those take (~0.2 ms each on a small VM, every token of every request).
+        event loop and the engine thread those take (every token of every request: docs/benchmarks.md, one stream).
         Items `submit` would refuse are left out: they take that path, which refuses them. Returns the results by
         request and what to give `record` on the loop."""
         items = [i for i in items if _refusal(i) is None]

@@ -149,7 +149,7 @@ def tool_call_grammar(tools: list[tuple[str, dict[str, Any]]], *, required: bool
 
 # -- the model's tokens ---------------------------------------------------------------------------------------
 class GrammarTokenizer:
-    """llguidance's view of a model's vocabulary (built once per tokenizer: ~0.5 s for 49k tokens)."""
+    """llguidance's view of a model's vocabulary (built once per tokenizer: it takes part of a second, docs/benchmarks.md)."""
 
     def __init__(self, hf_json: str, eos_token_ids: frozenset[int]):
         if not eos_token_ids:

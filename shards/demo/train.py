@@ -6,7 +6,7 @@ Rerun (from the repository root, Debian/Ubuntu; about 40 minutes on 2 CPU cores)
     OPENBLAS_NUM_THREADS=1 .venv/bin/python -m shards.demo.train --minutes 38 --out shards/demo/exo-demo
 
 (One BLAS thread keeps step times steady on a machine shared with other work; with two threads contending for two
-busy cores, OpenBLAS steps were up to 40x slower. On an idle machine more threads are faster.)
+busy cores, OpenBLAS steps were many times slower. On an idle machine more threads are faster.)
 
 `--steps N` instead of `--minutes` fixes the step count (and the learning-rate schedule) instead of the wall-clock
 budget; `--seed` seeds initialisation and batch sampling. Only the project's own dependencies are used (numpy,

@@ -33,8 +33,8 @@ class NumpyBackend(EagerBackend, NumpyMoE):
         return SlabCache(lambda shape: np.empty(shape, dtype=np.float32), n_kv_heads, head_dim, capacity)
 
     def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        # OpenBLAS multiplies exactly two rows slower than two matrix-vector products (2048x5632 here: 5.0 vs 3.0 ms;
-        # one row 1.6, three 3.7): two streams decoding together made fewer tokens per second than one alone.
+        # OpenBLAS multiplies exactly two rows slower than two matrix-vector products (docs/benchmarks-log.md, figures
+        # once in code): two streams decoding together made fewer tokens per second than one alone.
         y = np.stack([x[0] @ w, x[1] @ w]) if x.ndim == 2 and len(x) == 2 else x @ w
         if bias is not None:
             y += bias

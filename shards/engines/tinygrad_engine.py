@@ -1,8 +1,8 @@
-"""The tinygrad engine: the shared Llama block over tinygrad tensors (GPU backends where present; on this machine its
+"""The tinygrad engine: the shared Llama block over tinygrad tensors (GPU backends where present; without one, its
 CPU backend, which needs clang).
 
-Weights keep the Hugging Face [out, in] layout and are applied as `x @ W.T` (measured ~5x faster than `x @ W` with
-tinygrad's CPU kernels). Each request's KV cache is preallocated in capacity buckets and written at a symbolic
+Weights keep the Hugging Face [out, in] layout and are applied as `x @ W.T` (faster than `x @ W` with tinygrad's
+CPU kernels: docs/benchmarks-log.md, figures once in code). Each request's KV cache is preallocated in capacity buckets and written at a symbolic
 position, so decode steps are captured once per (batch size, capacities) with TinyJit and replayed, instead of
 being compiled for every step. Prompt chunks are padded to length buckets (16/64/256) and attend over the cache's
 whole capacity with a mask from the true lengths, so a prefill is captured once per (requests, bucket,

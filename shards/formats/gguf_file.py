@@ -46,7 +46,7 @@ class _Reader(GGUFReader):
     """GGUFReader, minus two costs we don't want.
 
     - It slices its np.memmap once per metadata string (~100k times for a 49k-token vocabulary), and memmap slices
-      are slow to create; a plain ndarray view of the same mapping parses the same header 3x faster (10 s -> 3 s).
+      are slow to create; a plain ndarray view of the same mapping parses the same header several times faster.
     - It builds every tensor's array during parsing, so a truncated file fails there with an opaque reshape error;
       we keep the raw tensor table instead and validate it ourselves (GGUFFile._tensor_table).
     """

@@ -123,8 +123,8 @@ class Tokenizer:
             raise TokenizerError(f"chat template failed: {e}") from None
 
     def _compiled_template(self):
-        """The chat template compiled once (jinja2 compiles a template to Python: ~10 ms a request on a small CPU,
-        while the stream of every other request waits on the event loop), in a sandbox that can't touch Python
+        """The chat template compiled once (compiling a template to Python is jinja2's slow part, and
+        the stream of every other request waits on the event loop meanwhile), in a sandbox that can't touch Python
         objects. A template that doesn't compile raises TemplateError at each request, as rendering would."""
         if self._template is None or self._template[0] != self.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

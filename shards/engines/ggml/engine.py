@@ -181,13 +181,13 @@ class GraphRunner(Runner):
         Decode rows and short prompt chunks, in the step's order, attend in groups of neighbours: a group grows
         while the span of its requests' ranges (WINDOW_STEP-aligned) stays within SPAN_CELLS, or the next range lies
         inside it. Why: a row scans every cell of its group's span (ggml skips the masked ones, but looks at each),
-        and one group over all of a 16-row step's requests made each row scan 4,096 cells to attend the ~170 of its
-        own (about a tenth of the step). Ranges are taken first fit from the pool's low end as requests arrive, so
+        and one group over all of a 16-row step's requests made each row scan every request's cells to attend its
+        own. Ranges are taken first fit from the pool's low end as requests arrive, so
         requests decoded in arrival order are mostly neighbours. Spans follow the ranges' capacities, not the
         positions held, so a decode step's shape (and graph) stays the same step after step.
 
         A chunk of OWN_GROUP_ROWS rows or more attends its own request's cells only (256-cell bounds) and gets a
-        graph built for the step (~25 ms, beside its compute). Padding rows join the last shared group."""
+        graph built for the step (a cost beside its compute). Padding rows join the last shared group."""
         e, cells = self.engine, self.engine.pool.cells
         output = "hidden" if not e.shard.is_last else ("all" if all_logits else "last")
         groups: list[list] = []  # [shared?, rows, lo, hi]

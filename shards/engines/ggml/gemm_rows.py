@@ -1,29 +1,17 @@
 """Float-weight matmuls whose rows don't depend on the step: how the ggml engine keeps F16/F32 weights batch-invariant.
 
-ggml's CPU matmul (ggml-cpu.c `ggml_compute_forward_mul_mat`, ggml 0.15.3 as ggml-python 0.0.45 bundles it) computes
-an F32, F16 or BF16 weight times a step of several rows with llamafile's tinyBLAS (llamafile/sgemm.cpp), and a step of
-one row with its vec_dot kernel, which sums each dot product in another order. tinyBLAS keeps one vector accumulator
-per output, filled over the inner dimension in the same order whatever tile the output falls in and whichever thread
-computes it, so among steps of 2 rows and more a row's result is the same; a lone row's differs in the last bits
-(1e-6 on one projection, up to 0.05 in SmolLM2's logits through 30 layers). Measured by `bench/ggml_matmul_rows.py`
-on x86-64 (AVX2, FMA, F16C): F16, BF16 and F32 weights, batches of 1..70 rows, 1-4 threads: every row of every
-batch of 2+ equals itself in a batch of 2, and differs from itself alone. Quantized weights (Q4_0, Q4_1, Q8_0, Q4_K) give a
-row the same numbers alone and in any batch, so they need nothing. Two ways to give every row one kernel:
-
-- `pad` (the default): a float weight gets at least MIN_FLOAT_ROWS rows, a shorter step padded with zero rows whose
-  outputs are dropped: every row takes tinyBLAS. Prefill and batches run as ggml runs them; a 1-row step multiplies
-  2 rows (measured 1.7x CPU per SmolLM2 F16 decode step at batch 1, under load: bench/bench_float_rows.py).
-- `rowwise`: a step of 2+ rows is handed to ggml already converted to the weight's dot-product type (F16 for F16)
-  and strided (each row followed by a gap), which tinyBLAS declines: every row takes the 1-row vec_dot kernel, with
-  the same numbers as a lone row (ggml's F32->F16 copy rounds as its matmul's own conversion does; checked for F16
-  and F32 by tests/engines/test_ggml_invariance.py, not for BF16). 1-row steps run as ggml runs them; prefill and
-  batches cost more (measured: prefill x1.9, batch-8 decode +32%).
+ggml's CPU matmul (ggml 0.15.3, as ggml-python 0.0.45 bundles it) multiplies a float weight (F32, F16, BF16) by 2+ rows
+with llamafile's tinyBLAS and by one row with vec_dot, which sums in another order (ggml-cpu.c
+`ggml_compute_forward_mul_mat`, llamafile/sgemm.cpp): a row alone and the same row in a batch differ in the last bits,
+so a replay that batches rows differently would not be exact. tinyBLAS sums each output in one order whatever its tile
+or thread; quantized weights take one kernel at any row count and need nothing here.
+- `pad` (the default): a step under MIN_FLOAT_ROWS rows gets zero rows, their outputs dropped: every row takes tinyBLAS.
+- `rowwise`: 2+ rows go to ggml converted to the weight's dot-product type and strided, which tinyBLAS declines: every
+  row takes vec_dot, as a lone row does (tests/engines/test_ggml_invariance.py checks F16 and F32, not BF16).
 - `fast`: ggml's own choice per step; not batch-invariant on float weights.
-
-Where tinyBLAS declines a shape anyway (an output count not a multiple of 4, an inner dimension not a multiple of
-the vector width), every step takes vec_dot, and both modes are harmless. On ARM, tinyBLAS declines F16 steps under
-8 rows and F32 steps under 4 (sgemm.cpp), so `pad` pads to 8 there (read from the sources; not measured on ARM). A
-ggml built without llamafile (GGML_LLAMAFILE off; pyproject.toml turns it on) takes vec_dot for every step.
+Shapes tinyBLAS declines anyway take vec_dot at every step. ARM's tinyBLAS declines F16 steps under 8 rows (sgemm.cpp),
+so `pad` pads to 8 there; a ggml built without llamafile (pyproject.toml turns it on) takes vec_dot for every step.
+Which rows differ, and what each mode costs: docs/benchmarks.md, "Batch-invariant float weights".
 """
 
 from __future__ import annotations

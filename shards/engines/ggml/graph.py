@@ -16,7 +16,7 @@ Exactness: ggml's CPU flash attention skips every -inf cell outright (`if (mv ==
 ggml-cpu/ops.cpp), so a row's result is the online softmax over exactly its own request's cells, in cell order:
 the same numbers whichever other requests share the group, and wherever the request's range lies in the pool.
 
-The first step of a shape builds its graph (7-16 ms for SmolLM2's 30 layers) and gives it its own compute buffer;
+The first step of a shape builds its graph (milliseconds of Python) and gives it its own compute buffer;
 later steps copy the inputs and compute. Graphs are kept least recently used first out, at most `GraphCache.limit`.
 """
 
@@ -40,7 +40,7 @@ PAD_FROM = 64  # steps of this many rows and more are padded to a multiple of 8 
 
 def padded_rows(n: int) -> int:
     """Rows a step of n rows runs with: n below PAD_FROM rows, else a multiple of 8 (at most 7 rows, 11%, of
-    padding). A graph costs a few ms to build (7-16 ms for SmolLM2's 30 layers), so small steps keep their exact
+    padding). A graph costs milliseconds of Python to build, so small steps keep their exact
     size rather than pay for padding rows in every matmul; large ones, mostly prompt chunks of any size, share a
     few shapes."""
     if n < 1:

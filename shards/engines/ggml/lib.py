@@ -164,7 +164,7 @@ _REPACK: list[int | None] = []
 
 def repack_buffer_type() -> int | None:
     """CPU_REPACK, the one extra buffer type the engine may use (never AMX): weights placed in it are re-laid out
-    for interleaved kernels (Q4_0 measured 2-3x faster in prefill and batched decode)."""
+    for interleaved kernels, faster in prefill and batched decode (docs/benchmarks-log.md, figures once in code)."""
     if not _REPACK:
         _REPACK.append(next((b for b in _extra_buffer_types() if g.ggml_backend_buft_name(b) == b"CPU_REPACK"), None))
     return _REPACK[0]
@@ -197,9 +197,9 @@ def repack_supported(ggml_type: int, ne: tuple[int, ...]) -> bool:
 class WeightArena:
     """Weights packed one after another into large anonymous mappings that ggml sees as CPU buffers.
 
-    Huge pages: decode streams every weight once per token, and with 4 KiB pages the TLB misses cost ~15% of a
-    357M-parameter model's decode speed (measured 46-49 vs 53-55 tok/s on one thread; llama.cpp, reading its mmap,
-    56). So each chunk is advised MADV_HUGEPAGE (Linux; elsewhere plain pages) and starts on a 2 MiB boundary. Pages
+    Huge pages: decode streams every weight once per token, and with 4 KiB pages the TLB misses cost a share of
+    decode speed that llama.cpp, reading its mmap, doesn't pay (docs/benchmarks-log.md, figures once in code). So
+    each chunk is advised MADV_HUGEPAGE (Linux; elsewhere plain pages) and starts on a 2 MiB boundary. Pages
     are only backed as weights are copied in, so resident memory stays the weights' bytes (plus at most one
     partly filled huge page per chunk)."""
 
@@ -326,7 +326,7 @@ def validate_rows(ggml_type: int, data: np.ndarray, what: str) -> None:
 
 def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.ndarray:
     """Raw blocks [rows, row_bytes] -> float32 `shape` with ggml's own to_float (the values gguf-py's reference code
-    gives, bit for bit, ~6x faster: what requantizing a GGUF on load spends most of its time on)."""
+    gives, bit for bit, in a fraction of its time: what requantizing a GGUF on load spends most of its time on)."""
     rows, n = shape
     if ggml_type not in WEIGHT_TYPES or n % block_size(ggml_type) or data.nbytes != rows * row_bytes(ggml_type, n):
         raise ValueError(f"{data.nbytes} bytes are not {rows} rows of {n} {type_name(ggml_type)} values")

@@ -3,8 +3,8 @@ leave free.
 
 Why: ggml's CPU backend splits every op of a graph evenly over its threads and waits for all of them at a barrier
 after each op (OpenMP barriers in ggml-python's build, spin-then-sleep). When another process keeps one of two
-cores busy, the thread that shares that core gets a fraction of it and every op waits for it: a node's decode
-speed collapsed from ~28 to 1-9 tok/s on this 2-core machine under load, while one thread alone kept ~22-28. So
+cores busy, the thread that shares that core gets a fraction of it and every op waits for it, so a node's decode
+falls below what one thread alone would do (docs/benchmarks.md, a busy neighbour). So
 before each step the engine asks a `ThreadGovernor`, which reads how busy the cores are (/proc/stat, less this
 process's own time from /proc/self/stat) at most every `interval` seconds and answers the configured count minus
 the cores other processes keep busy, at least 1. Results do not depend on the thread count (ggml gives each output
