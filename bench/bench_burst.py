@@ -1,4 +1,4 @@
-"""A burst of concurrent requests at a fresh node (issue #28, item 5): does any step cost far more than the
+"""A burst of concurrent requests at a fresh node: does any step cost far more than the
 engine's usual step?
 
     uv run python -m bench.bench_burst [--requests 64] [--tokens 24] [--threads 1] [--runs 1] [--engine auto]

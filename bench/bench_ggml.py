@@ -259,7 +259,7 @@ GOALS = {"decode1": {"smollm2-q4_1": 0.6, "random357m-q8_0": 0.9, "random357m-q4
 
 def report(results: dict) -> str:
     """Markdown: per model and thread count, best-of-rounds figures, the ratio of bests and the median of the
-    per-round ratios (each round ran ours and llama.cpp back to back), against the issue's goals."""
+    per-round ratios (each round ran ours and llama.cpp back to back), against GOALS."""
     lines = [
         "| model | threads | metric | ours (best) | llama.cpp (best) | ratio of bests | median round ratio | goal |",
         "|---|---|---|---|---|---|---|---|",

@@ -1,4 +1,4 @@
-"""Micro-batches round a ring (issue #25): a ring of single-core nodes against one such node, with and without them.
+"""Micro-batches round a ring: a ring of single-core nodes against one such node, with and without them.
 
     uv run python -m bench.bench_microbatch [--streams 8] [--tokens 96] [--rounds 2] [--micro-batches 1,0]
 

@@ -5,7 +5,7 @@ thread count fixed and adaptive (shards/engines/ggml/threads.py).
 
 Each figure comes from a fresh process decoding one stream of the packaged SmolLM2 Q4_1 file on all the cores of
 its affinity; the neighbour is `while True: pass` pinned to the last of those cores. Rounds alternate the modes
-(the machine may be shared: compare within a round) and record the load average. Goal (issue #25): beside the
+(the machine may be shared: compare within a round) and record the load average. Goal: beside the
 neighbour, at least 0.4x the undisturbed speed.
 """
 

@@ -1,4 +1,4 @@
-"""exo-node against llama-server, the same asyncio client on both, the same GGUF file and threads (issue #25).
+"""exo-node against llama-server, the same asyncio client on both, the same GGUF file and threads.
 
     uv run python -m bench.bench_serve [--llama-server /tmp/ref/llama.cpp/build/bin/llama-server]
         [--streams 1,4,8,16] [--tokens 128] [--turns 6] [--answer 200] [--threads 2] [--servers exo1,exo3]

@@ -1,4 +1,4 @@
-"""When does ggml's CPU matmul give a row other numbers than it gets alone? (issue 28, item 1)
+"""When does ggml's CPU matmul give a row other numbers than it gets alone?
 
 The same activation rows are multiplied by one weight matrix alone (1 row) and inside batches of 2..N rows, for each
 weight type and thread count asked; every row of every batch is compared bitwise with (a) the row alone and (b) the
