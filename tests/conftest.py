@@ -5,6 +5,7 @@ tests/engines    numerics against references           slow, engines
 tests/cluster    real node processes on loopback       slow, cluster
 tests/multihost  network namespaces, needs root        slow, root
 tests/web        a headless browser                    slow, browser
+tests/install    pip (not uv) installs the built wheel  slow, install
 """
 
 from pathlib import Path
@@ -21,6 +22,7 @@ TIER_MARKERS = {
     "cluster": ("slow", "cluster"),
     "multihost": ("slow", "root"),
     "web": ("slow", "browser"),
+    "install": ("slow", "install"),
 }
 
 
