@@ -157,7 +157,7 @@ class GraphRunner(Runner):
         it grows, up to its reservation when known. Not the whole reservation at once: a decode row scans its
         group's span of ranges (`layout`), so ranges sized by reservations (a request without max_tokens reserves
         the node's cap) made the spans, and each row's scan of masked cells, several times what the requests hold
-        (8 requests of 64 positions with 1,200-cell reservations: 1.6x the CPU per decode step of 128-cell ones)."""
+        (docs/benchmarks-log.md, figures once in code)."""
         cfg = self.config
         # the reservation comes with the request's first step (or a resumed one's)
         limit = max(end, min(item.max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings))

@@ -5,7 +5,7 @@ GGUF: `load_shard_tensors(dequantize=False, unpermute=False)` hands out raw bloc
 `llama` files left in llama.cpp's permuted order: the engine then rotates adjacent pairs as llama.cpp does, and with
 the same element order inside each head its attention dot products round exactly as llama.cpp's (un-permuted rows
 with rotate-half rope are the same math, but summed in another order; through quantized activations those last-bit
-differences grow: 97.6% top-1 agreement with llama.cpp over 504 positions of SmolLM2 instead of 100%). Matrices stay
+differences grow into other top-1 tokens than llama.cpp's: docs/benchmarks-log.md). Matrices stay
 `QuantizedTensor`s, vectors (norms, biases) become float32.
 
 GGUF with `--quantize`: every matrix requantized to that type as the shard loads (see `_gguf_weights`).
