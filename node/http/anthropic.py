@@ -8,6 +8,7 @@ streamed events and the whole message are built from the same typed events by `M
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -147,6 +148,8 @@ def parse_messages(body: dict[str, Any]) -> ChatRequest:
     sampling = {k: body[k] for k in ("model", "temperature", "top_p", "top_k", "stream") if k in body}
     translated = sampling | {"messages": out, "max_tokens": max_tokens, **_tools(body)}
     if body.get("stop_sequences") is not None:
+        if not isinstance(body["stop_sequences"], list):
+            raise bad("stop_sequences", "must be an array of strings")
         translated["stop"] = body["stop_sequences"]
     try:
         return chat.parse_translated(translated, NAMES)
@@ -242,4 +245,4 @@ async def messages(api: Api, request: web.Request) -> web.StreamResponse:
 
 
 def routes(api: Api) -> list[web.RouteDef]:
-    return [web.post("/v1/messages", lambda request: messages(api, request))]
+    return [web.post("/v1/messages", functools.partial(messages, api))]

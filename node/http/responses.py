@@ -11,6 +11,7 @@ streamed events and the whole response are built from the same typed events by `
 from __future__ import annotations
 
 import copy
+import functools
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -276,4 +277,4 @@ async def create(api: Api, request: web.Request) -> web.StreamResponse:
 
 
 def routes(api: Api) -> list[web.RouteDef]:
-    return [web.post("/v1/responses", lambda request: create(api, request))]
+    return [web.post("/v1/responses", functools.partial(create, api))]

@@ -1,0 +1,160 @@
+"""The Ollama API's translation: Ollama bodies in, the typed ChatRequest of the OpenAI path out; the typed events
+back as Ollama's NDJSON lines and whole answers; and every hostile body a 4xx in Ollama's shape, never a 500."""
+
+import json
+
+import pytest
+
+from node.http import ollama
+from node.http.api import ApiSettings
+from node.http.chat import CallOut, Finished, TextOut
+from node.http.schema import ApiError
+from node.http.tools import ToolCall
+from tests.support.dialects import exchange
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_options_map_onto_sampling_and_streaming_is_the_default():
+    req, stream = ollama.parse_chat(
+        {
+            "model": "m",
+            "messages": ASK,
+            "options": {"temperature": 0.2, "top_p": 0.5, "top_k": 7, "seed": 3, "num_predict": 9, "stop": ["\n"]},
+        }
+    )
+    s = req.options.sampling
+    assert stream is True
+    assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.2, 0.5, 7, 3)
+    assert (req.options.max_tokens, req.options.stop) == (9, ("\n",))
+
+
+@pytest.mark.parametrize("n", [-1, -2])
+def test_num_predict_minus_one_or_two_leaves_the_length_to_the_node(n):
+    req, _ = ollama.parse_chat({"model": "m", "messages": ASK, "options": {"num_predict": n}, "stream": False})
+    assert req.options.max_tokens is None
+
+
+def test_runtime_options_are_ignored_as_ollama_ignores_what_it_cannot_use():
+    req, _ = ollama.parse_chat({"model": "m", "messages": ASK, "options": {"num_ctx": 8192, "num_gpu": 1}})
+    assert req.options.max_tokens is None
+
+
+def test_format_json_and_a_schema_go_through_the_grammar_path():
+    req, _ = ollama.parse_chat({"model": "m", "messages": ASK, "format": "json"})
+    assert req.options.structure.json_schema == {"type": "object"}
+    req, _ = ollama.parse_chat({"model": "m", "messages": ASK, "format": WEATHER})
+    assert req.options.structure.json_schema == WEATHER
+    assert req.options.structure.grammar() is not None
+
+
+def test_tool_calls_with_object_arguments_become_calls_and_each_result_answers_its_call():
+    messages = ASK + [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {"function": {"name": "add", "arguments": {"a": 1}}},
+            ],
+        },
+        {"role": "tool", "content": "3", "tool_name": "add"},
+        {"role": "tool", "content": "sunny"},
+    ]
+    req, _ = ollama.parse_chat({"model": "m", "messages": messages, "tools": TOOLS})
+    calls = req.messages[1]["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == [{"city": "Paris"}, {"a": 1}]
+    assert req.messages[2]["tool_call_id"] == calls[1]["id"]  # by name
+    assert req.messages[3]["tool_call_id"] == calls[0]["id"]  # the one left
+    assert [t.name for t in req.options.structure.tools] == ["get_weather"]
+
+
+def test_generate_is_its_prompt_and_system_as_a_chat():
+    req, stream = ollama.parse_generate({"model": "m", "prompt": "hi", "system": "be brief", "stream": False})
+    assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert stream is False
+
+
+def test_events_become_ndjson_lines_whose_fold_is_the_whole_answer():
+    call = ToolCall(0, "call_1", "get_weather", '{"city": "Paris"}')
+    events = [TextOut("Let me "), TextOut("check."), CallOut(call), Finished("tool_calls", 12)]
+    lines = [ollama.chunk("m", e, False, 5, 0.0) for e in events]
+    assert [line["done"] for line in lines] == [False, False, False, True]
+    assert lines[2]["message"]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}  # an object
+    whole = ollama.fold(lines, False)
+    assert whole["message"]["content"] == "Let me check."
+    assert whole["message"]["tool_calls"] == lines[2]["message"]["tool_calls"]
+    assert (whole["done_reason"], whole["prompt_eval_count"], whole["eval_count"]) == ("stop", 5, 12)
+    gen = [ollama.chunk("m", e, True, 5, 0.0) for e in (TextOut("a"), TextOut("b"), Finished("length", 2))]
+    assert ollama.fold(gen, True)["response"] == "ab" and gen[-1]["done_reason"] == "length"
+
+
+def test_an_error_is_ollamas_object():
+    response = ollama.error_response(ApiError(503, "busy", retry_after=2))
+    assert json.loads(response.body) == {"error": "busy"} and response.headers["Retry-After"] == "2"
+
+
+HOSTILE = [
+    ("POST", "/api/chat", b"{not json"),
+    ("POST", "/api/chat", [1, 2]),
+    ("POST", "/api/chat", {"messages": ASK}),
+    ("POST", "/api/chat", {"model": "nope", "messages": ASK}),
+    ("POST", "/api/chat", {"model": "llama", "messages": "hi"}),
+    ("POST", "/api/chat", {"model": "llama", "messages": []}),
+    ("POST", "/api/chat", {"model": "llama", "messages": [7]}),
+    ("POST", "/api/chat", {"model": "llama", "messages": [{"role": "wizard", "content": "x"}]}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "stream": "yes"}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": []}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"temperature": "hot"}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"top_p": 7}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"num_predict": 0}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"num_predict": 10**9}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"stop": [1]}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"repeat_penalty": 1.3}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"seed": 1.5}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "format": "yaml"}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "format": {"type": "nonsense"}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "think": True}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "tools": [{"type": "function"}]}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "tools": "all"}),
+    ("POST", "/api/chat", {"model": "llama", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}),
+    ("POST", "/api/chat", {"model": "llama", "messages": [{"role": "tool", "content": "3"}]}),
+    ("POST", "/api/chat", {"model": "llama", "messages": [{"role": "assistant", "tool_calls": [{"function": 1}]}]}),
+    ("POST", "/api/chat", {"model": "llama", "messages": [{"role": "user", "content": "x" * 100_000}]}),
+    ("POST", "/api/generate", {"model": "llama", "prompt": 5}),
+    ("POST", "/api/generate", {"model": "llama", "prompt": "x", "raw": True}),
+    ("POST", "/api/generate", {"model": "llama", "prompt": "x", "context": [1, 2]}),
+    ("POST", "/api/generate", {"model": "llama", "prompt": "x", "system": ["a"]}),
+    ("POST", "/api/show", {"model": "nope"}),
+    ("POST", "/api/show", {}),
+    ("GET", "/api/chat", None),
+    ("POST", "/api/pull", {"model": "llama"}),
+]
+
+
+def test_every_hostile_body_is_a_4xx_in_ollamas_shape():
+    for (_, path, body), (status, _, text) in zip(HOSTILE, exchange(HOSTILE), strict=True):
+        assert 400 <= status < 500, (path, body, status, text)
+        error = json.loads(text)
+        assert list(error) == ["error"] and isinstance(error["error"], str) and error["error"], (body, text)
+
+
+def test_a_refused_key_and_an_unread_stream_are_answered_in_ollamas_shape():
+    requests = [
+        ("GET", "/api/tags", None),
+        (
+            "POST",
+            "/api/chat",
+            b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 3}}',
+        ),
+    ]
+    [(refused, _, text)] = exchange(requests[:1], ApiSettings(api_key="sesame"))
+    assert refused == 401 and "API key" in json.loads(text)["error"]
+    (tags, _, text), (chat, headers, lines) = exchange(requests)  # a body without Content-Type, as curl -d sends
+    assert tags == 200 and json.loads(text)["models"][0]["name"] == "llama"
+    assert chat == 200 and headers["Content-Type"] == "application/x-ndjson"
+    lines = [json.loads(line) for line in lines.splitlines()]
+    assert lines[-1]["done"] is True and lines[-1]["eval_count"] == 3
+    assert all(not line["done"] for line in lines[:-1])
