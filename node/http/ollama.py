@@ -55,7 +55,7 @@ def _error_line(e: ApiError) -> bytes:
 # -- requests -> ChatRequest ------------------------------------------------------------------------------------
 def _options(body: dict[str, Any]) -> dict[str, Any]:
     """The OpenAI fields that `options` (and `format`, `think`, `logprobs`) say."""
-    options = body.get("options") or {}
+    options = {} if body.get("options") is None else body["options"]
     if not isinstance(options, dict):
         raise bad("options", "'options' must be an object")
     for key, neutral in NEUTRAL.items():
