@@ -9,7 +9,6 @@ import os
 # need the spin, so keep it minimal.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
-import argparse
 import asyncio
 import dataclasses
 import logging
@@ -19,8 +18,6 @@ from contextlib import AsyncExitStack
 
 from aiohttp import web
 
-from discovery.manual import ManualDiscovery
-from discovery.static import StaticDiscovery, parse_peers
 from discovery.udp import Announcement, UdpDiscovery
 from node.core.topology import Availability
 from node.fetch import startup as fetching
@@ -35,35 +32,13 @@ from node.runtime.membership import Membership
 from node.runtime.node import Node
 from node.runtime.settings import ServedModel
 from node.security import ClusterKey, keygen_main, load_secret
-from node.settings import DEMO_MODEL, GrpcSettings, HttpSettings, Machine, parse_args, settings_from_args
+from node.settings import DEMO_MODEL, GrpcSettings, HttpSettings, Machine, Settings, parse_args, settings_from_args
 from shards.engines.registry import engine_factory
-from shards.engines.registry import resolve as resolve_engine
 from shards.formats.loader import load_config
 from shards.formats.packaged import default_quantize, list_models
 
 __all__ = ["DEMO_MODEL", "main", "parse_args", "run"]
 log = logging.getLogger("exo-node")
-
-
-def make_discoveries(args: argparse.Namespace, announcement: Announcement, key: ClusterKey | None) -> list:
-    found: list = [StaticDiscovery(parse_peers(args.peers))]
-    if args.discovery == "manual":
-        if args.discovery_config is None:
-            raise ValueError("--discovery manual needs --discovery-config FILE")
-        found.append(ManualDiscovery(args.discovery_config))
-    elif args.discovery == "udp":
-        interfaces = [i.strip() for i in args.discovery_interfaces.split(",")] if args.discovery_interfaces else None
-        found.append(
-            UdpDiscovery(
-                lambda: announcement,
-                args.discovery_port,
-                args.discovery_interval,
-                args.discovery_timeout,
-                interfaces,
-                key=key.discovery_key() if key else None,
-            )
-        )
-    return found
 
 
 async def serve_api(stack: AsyncExitStack, http: HttpSettings, node: Node) -> str:
@@ -101,22 +76,20 @@ def say_who_can_connect(grpc: GrpcSettings, key: ClusterKey | None) -> None:
         )
 
 
-async def run(args: argparse.Namespace) -> int:
+async def run(settings: Settings) -> int:
     """Start the parts, each once what it takes exists, then serve until a signal. Every part started is stopped
     in reverse order on the way out, also when start-up fails halfway."""
-    key = load_secret(args.cluster_key_file)
+    key = load_secret(settings.security.cluster_key_file)  # the file's, else $EXO_NODE_CLUSTER_KEY's, else None
     if key:  # mutual TLS: every failed handshake is a line from gRPC's core, which anyone can cause
         CoreLogFilter().install()
-    settings = settings_from_args(args, keyed=key is not None, machine=Machine.here())
     say_who_can_connect(settings.grpc, key)
     node_id, memory = settings.node.node_id, settings.node.memory_bytes
-    located = fetching.locate_model(args.model)  # (path, id) of a model here, or the id of one to fetch
+    located = fetching.locate_model(settings.model)  # (path, id) of a model here, or the id of one to fetch
     model_path, model_id = located if isinstance(located, tuple) else (None, located)
     # Engine options are vetted against a model here now; a fetched one's once it has arrived.
-    quantize = default_quantize(model_id, resolve_engine(settings.node.engine), args.quantize)
-    engines = engine_factory(
-        settings.node.engine, model_path, threads=args.threads, quantize=quantize, float_matmul=args.float_matmul
-    )
+    engine = settings.engine
+    options = {**engine.options, "quantize": default_quantize(model_id, engine.name, engine.quantize)}
+    engines = engine_factory(engine.name, model_path, **options)
     tls = key.tls(node_id) if key else None  # a ValueError for a node id that cannot go in a certificate
     # The largest message a peer may send is what the model implies (a fetched model's is known only later: the
     # default then). gRPC reads a message whole before any check, so this is the bound on what a peer makes us hold.
@@ -134,12 +107,11 @@ async def run(args: argparse.Namespace) -> int:
         address = f"{settings.grpc.advertise_host}:{server.port}"
         transport = GrpcTransport(bound, tls=tls)
         stack.push_async_callback(transport.close)
-        discoveries = make_discoveries(
-            args, Announcement(node_id, server.port, model_id, settings.node.engine, memory), key
-        )
+        announcement = Announcement(node_id, server.port, model_id, settings.node.engine, memory)
+        discoveries = settings.discovery.discoveries(lambda: announcement, key.discovery_key() if key else None)
         board = fetching.PeerBoard()  # membership's view until the node exists
         membership = Membership(
-            node_id, address, transport, discoveries, board.update, interval=args.discovery_interval
+            node_id, address, transport, discoveries, board.update, interval=settings.discovery.interval
         )
         stack.push_async_callback(membership.stop)
         fetch_counters = fetching.fetch_counters()
@@ -149,7 +121,7 @@ async def run(args: argparse.Namespace) -> int:
         copy = None
         if model_path is None:  # a model this node doesn't have: find a peer that has it, fetch its metadata first
             await membership.start()
-            copy = await fetching.open_copy(model_id, args.models_dir, fetcher)
+            copy = await fetching.open_copy(model_id, settings.fetch.models_dir, fetcher)
             model_path = copy.root
         model = ServedModel.load(model_id, model_path)
         if copy is not None and model.config.n_layers != copy.manifest.n_layers:
@@ -157,7 +129,7 @@ async def run(args: argparse.Namespace) -> int:
                 f"{model_path}: the config has {model.config.n_layers} layers, the peers' manifest "
                 f"{copy.manifest.n_layers}"
             )
-        source = fetching.weight_source(args, model_path, model_id, model.config.n_layers, copy=copy)
+        source = fetching.weight_source(settings.fetch, model_path, model_id, model.config.n_layers, copy=copy)
         stack.callback(source.close)
         follower = Follower(copy, fetcher, fetch_counters) if copy is not None else None
         node = Node(
@@ -180,8 +152,8 @@ async def run(args: argparse.Namespace) -> int:
         stack.callback(board.let_go)  # on the way out, the node (stopped first) hears no more
         if copy is None:
             await membership.start()
-        if args.wait_for_peers:
-            await membership.wait_for_peers(args.wait_for_peers)
+        if settings.discovery.wait_for_peers:
+            await membership.wait_for_peers(settings.discovery.wait_for_peers)
         if follower is not None:  # after --wait-for-peers: the layers it is assigned depend on who is there
             stack.push_async_callback(_cancel, asyncio.create_task(follower.run(node), name="fetch-follower"))
         await node.load_pinned()
@@ -226,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return asyncio.run(run(args))
+        return asyncio.run(run(settings_from_args(args, machine=Machine.here())))
     except (ValueError, OSError) as e:  # bad model folder, bad flags, port in use: one clear line, no traceback
         print(f"exo-node: error: {e}", file=sys.stderr)
         return 2

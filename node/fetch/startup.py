@@ -8,12 +8,12 @@ A copy that has its metadata already (an earlier run) starts at once, without a 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from node.core.topology import NodeInfo
@@ -32,29 +32,28 @@ def default_models_dir() -> Path:
     return Path(cache) / "exo-node" / "models"
 
 
-def add_fetch_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument(
-        "--models-dir",
-        type=Path,
-        default=os.environ.get("EXO_NODE_MODELS_DIR") or default_models_dir(),
-        help="where models fetched from peers are kept (default: $EXO_NODE_MODELS_DIR, else ~/.cache/exo-node/models)",
-    )
-    ap.add_argument(
-        "--max-upload-mbps",
-        type=_mbps,
-        help="cap on the bandwidth this node uses to hand weights to peers that fetch them, in megabits "
-        "per second, all uploads together (default: no cap)",
-    )
+MIN_UPLOAD_MBPS = 0.128  # below ~16 kB/s a fetching peer's deadlines (node/grpc/client.py) would give up on pieces
 
 
-def _mbps(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0.128:  # below ~16 kB/s a fetching peer's deadlines (node/grpc/client.py) would give up on pieces
-        raise argparse.ArgumentTypeError("must be at least 0.128 (16 kB/s)")
-    return value
+@dataclass(frozen=True)
+class FetchSettings:
+    """Where fetched models are kept (each under its id, with `.hashes`: the digests this node serves), and the
+    cap on the bandwidth of all uploads to fetching peers together (None: no cap)."""
+
+    models_dir: Path
+    max_upload_mbps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_upload_mbps is not None and not self.max_upload_mbps >= MIN_UPLOAD_MBPS:
+            raise ValueError(
+                f"--max-upload-mbps must be at least {MIN_UPLOAD_MBPS} (16 kB/s), got {self.max_upload_mbps:g}; "
+                "leave it out for no cap"
+            )
+
+    @property
+    def upload_rate(self) -> float | None:
+        """The cap in bytes per second."""
+        return self.max_upload_mbps * 1e6 / 8 if self.max_upload_mbps is not None else None
 
 
 def locate_model(arg: str) -> tuple[Path, str] | str:
@@ -109,15 +108,21 @@ async def open_copy(model_id: str, models_dir: Path, fetcher: Fetcher) -> LocalC
 
 
 def weight_source(
-    args: argparse.Namespace, path: Path, model_id: str, n_layers: int, *, copy: LocalCopy | None
+    fetch: FetchSettings, path: Path, model_id: str, n_layers: int, *, copy: LocalCopy | None
 ) -> WeightSource:
     """What this node offers peers that fetch: its model once it has all of it."""
-    rate = args.max_upload_mbps * 1e6 / 8 if args.max_upload_mbps else None
-    cache = Path(args.models_dir) / ".hashes"
+    rate, cache = fetch.upload_rate, fetch.models_dir / ".hashes"
     if copy is None:
         return WeightSource(path, model_id, n_layers, cache_dir=cache, rate=rate)
     return WeightSource(
-        copy.root, model_id, n_layers, cache_dir=cache, rate=rate, ready=lambda: copy.complete, manifest=copy.manifest
+        copy.root,
+        model_id,
+        n_layers,
+        cache_dir=cache,
+        rate=rate,
+        ready=lambda: copy.complete,
+        manifest=copy.manifest,
+        copy=copy,
     )
 
 

@@ -1,0 +1,111 @@
+"""The flags of what a node serves and computes with: the model, the engine and its options, and fetching a model
+from peers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from node.fetch.startup import FetchSettings, default_models_dir
+from shards.engines.registry import CHOICES, ENGINES, FLOAT_MATMUL_CHOICES, QUANTIZE_CHOICES, resolve
+from shards.formats.packaged import DEFAULT_MODEL
+
+
+def add_flags(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("model")
+    g.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="a packaged model's name (see --list-models), a .gguf file, a Hugging Face model folder, or "
+        "the id of a model a peer serves, to fetch this node's layers of it from there "
+        f"(default: {DEFAULT_MODEL}, SmolLM2-135M-Instruct)",
+    )
+    g.add_argument("--list-models", action="store_true", help="list the packaged models and exit")
+    g.add_argument("--shard", help="own exactly layers START:END (half-open) instead of automatic partitioning")
+    g.add_argument("--memory-gb", type=float, help="memory to report for partitioning (default: available RAM)")
+
+    g = ap.add_argument_group("engine")
+    g.add_argument(
+        "--engine",
+        default="auto",
+        choices=CHOICES,
+        help="ggml, numpy, tinygrad, mlx, or auto: ggml when installed, else mlx on Apple Silicon "
+        "macOS, else numpy (default)",
+    )
+    g.add_argument("--threads", type=int, help="ggml engine: compute threads (default: all cores)")
+    g.add_argument(
+        "--quantize",
+        choices=QUANTIZE_CHOICES,
+        help="ggml engine: quantize a model's weight matrices as they load, a Hugging Face model's or "
+        "a GGUF's (default: none, except the packaged smollm2: f16)",
+    )
+    g.add_argument(
+        "--float-matmul",
+        choices=FLOAT_MATMUL_CHOICES,
+        help="ggml engine, F16/F32 weights: pad (default: batch-invariant, exact replay; 1-row steps cost more), "
+        "rowwise (batch-invariant; prefill and batches cost more), fast (not batch-invariant): docs/operations.md",
+    )
+
+    g = ap.add_argument_group("fetching", "a node without the model fetches its layers from peers")
+    g.add_argument(
+        "--models-dir",
+        type=Path,
+        default=os.environ.get("EXO_NODE_MODELS_DIR") or default_models_dir(),
+        help="where models fetched from peers are kept (default: $EXO_NODE_MODELS_DIR, else ~/.cache/exo-node/models)",
+    )
+    g.add_argument(
+        "--max-upload-mbps",
+        type=float,
+        help="cap on the bandwidth this node uses to hand weights to peers that fetch them, in megabits "
+        "per second, all uploads together (default: no cap)",
+    )
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine (resolved: never "auto") and its options; None: not given, the engine's default (an engine
+    refuses an option it doesn't take: shards/engines/registry.py's `engine_factory`)."""
+
+    name: str
+    threads: int | None = None
+    quantize: str | None = None
+    float_matmul: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)} (or auto), got {self.name!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be 1 or more (leave it out for all cores), got {self.threads}")
+        if self.quantize not in (None, *QUANTIZE_CHOICES):
+            raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
+        if self.float_matmul not in (None, *FLOAT_MATMUL_CHOICES):
+            raise ValueError(
+                f"--float-matmul must be one of {', '.join(FLOAT_MATMUL_CHOICES)}, got {self.float_matmul!r}"
+            )
+
+    @property
+    def options(self) -> dict[str, object]:
+        """What `engine_factory` takes, --quantize as given (`default_quantize` fills in a packaged model's)."""
+        return {"threads": self.threads, "quantize": self.quantize, "float_matmul": self.float_matmul}
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """--shard START:END (half-open). That END is within the model's layers is checked once the model is loaded."""
+    if text is None:
+        return None
+    start, sep, end = text.partition(":")
+    if not sep or not start.isdigit() or not end.isdigit():
+        raise ValueError(f"--shard must be START:END, got {text!r}")
+    if not int(start) < int(end):
+        raise ValueError(f"--shard {text}: need START < END")
+    return int(start), int(end)
+
+
+def engine_from_args(args: argparse.Namespace) -> EngineSettings:
+    return EngineSettings(resolve(args.engine), args.threads, args.quantize, args.float_matmul)
+
+
+def fetch_from_args(args: argparse.Namespace) -> FetchSettings:
+    return FetchSettings(Path(args.models_dir), args.max_upload_mbps)
