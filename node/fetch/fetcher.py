@@ -154,7 +154,7 @@ class Fetcher:
                 if corrupt >= MAX_CORRUPT:
                     raise FetchError(f"piece {index} of {self.model_id} failed its sha256 check {corrupt} times")
                 continue
-            await asyncio.to_thread(copy.write, index, data)
+            await asyncio.to_thread(copy.write, index, data, stated)
             self.counters["fetch_pieces"] += 1
             self.counters["fetch_bytes_verified"] += piece.length
             return

@@ -6,10 +6,16 @@ shards this node serves (and those are served only once their pieces are all her
 safetensors loaders work on the copy unchanged, and fetching more layers later just fills more of it. Small files
 (config, tokenizer) are written whole, via a temporary file renamed into place.
 
-What is verified is recorded in `.exo-fetch.json` (piece indices, as runs) beside the manifest it refers to
-(`.exo-fetch-manifest.json`): a piece's bytes are written and fsynced before the record that names them is
-replaced (write a temporary file, fsync, rename), so after a crash or a kill the record never claims a piece that
-isn't on disk, and a restart fetches only what is missing.
+What is verified is recorded in `.exo-fetch.json` (piece indices, as runs, and each piece's sha256 as the node
+holding the original file stated it) beside the manifest it refers to (`.exo-fetch-manifest.json`): a piece's
+bytes are written and fsynced before the record that names them is replaced (write a temporary file, fsync,
+rename), so after a crash or a kill the record never claims a piece that isn't on disk, and a restart fetches only
+what is missing.
+
+Weights are checked at rest, not only in transit: a reused copy's pieces are hashed again when it is loaded, and
+a piece whose bytes no longer match the source's digest (a flipped block on disk, an edit by hand) is dropped and
+fetched again, never loaded or served on. The digests a copy hands to other fetching peers are the recorded ones,
+never recomputed from its own, possibly damaged, bytes (node/fetch/source.py checks them before each upload).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import threading
 from pathlib import Path
 
 from node.core.topology import Availability
+from node.fetch.hashes import hash_range
 from node.fetch.manifest import METADATA, Manifest, ManifestError
 
 log = logging.getLogger(__name__)
@@ -52,8 +59,10 @@ def _free_mb(folder: Path) -> str:
 
 
 class LocalCopy:
-    def __init__(self, root: Path, manifest: Manifest, verified: bytearray):
+    def __init__(self, root: Path, manifest: Manifest, verified: bytearray, digests: dict[int, bytes] | None = None):
         self.root, self.manifest, self._verified = root, manifest, verified
+        self._digests = digests if digests is not None else {}  # piece -> the source's sha256, for each verified
+        self.damaged_at_rest = 0  # pieces found damaged on disk (at load or before an upload) and dropped
         self._lock = threading.Lock()  # pieces are written from worker threads; the record is shared
         # Bumped by every write: a value computed while a write landed is recomputed, never kept stale.
         self._version = 0
@@ -65,22 +74,29 @@ class LocalCopy:
     # -- opening ----------------------------------------------------------------------------------------------
     @classmethod
     def load(cls, root: Path) -> LocalCopy | None:
-        """The copy in `root` as a previous run left it, or None when there is none (or it is unusable)."""
+        """The copy in `root` as a previous run left it, its held pieces hashed again (disk work: call it off the
+        event loop), or None when there is none (or it is unusable). A piece recorded without the source's digest
+        (a record of an older version) counts as missing: nothing is trusted that can't be checked."""
         try:
             manifest = Manifest.from_json(json.loads((root / MANIFEST).read_text()))
-            runs = json.loads((root / STATE).read_text())["verified"]
+            state = json.loads((root / STATE).read_text())
             verified = bytearray(len(manifest.pieces))
-            for start, end in runs:
+            for start, end in state["verified"]:
                 verified[start:end] = b"\1" * (end - start)
             if len(verified) != len(manifest.pieces):
                 raise ValueError("verified pieces beyond the manifest")
+            digests = _digests(state.get("sha256", {}), len(manifest.pieces))
+            for i in range(len(verified)):
+                if i not in digests:
+                    verified[i] = 0
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError, ManifestError) as e:
             log.warning("ignoring the damaged fetch record in %s (%s): fetching again", root, e)
             return None
-        copy = cls(root, manifest, verified)
+        copy = cls(root, manifest, verified, digests)
         copy._drop_lost()
+        copy._check_at_rest()
         return copy
 
     @classmethod
@@ -120,7 +136,54 @@ class LocalCopy:
                     if p.file == index:
                         self._verified[i] = 0
 
+    def _check_at_rest(self) -> None:
+        """Hash every held piece again; drop the ones whose bytes are not what the source stated."""
+        dropped = [i for i in range(len(self._verified)) if self._verified[i] and not self.intact(i)]
+        for i in dropped:
+            self._drop(i, "when the copy was opened")
+        if dropped:
+            self._save()
+
+    def intact(self, index: int) -> bool:
+        """Whether piece `index` is held and its bytes on disk still have the source's digest (reads the piece)."""
+        digest = self._digests.get(index)
+        if not self._verified[index] or digest is None:
+            return False
+        p = self.manifest.pieces[index]
+        try:
+            return hash_range(self.root / self.manifest.files[p.file].name, p.offset, p.length) == digest
+        except OSError:
+            return False
+
+    def damaged(self, index: int) -> None:
+        """Piece `index` was found damaged (before an upload): drop it, so that it is fetched again."""
+        with self._lock:
+            if self._verified[index]:
+                self._drop(index, "before it was served to a peer")
+                self._save()
+
+    def _drop(self, index: int, when: str) -> None:
+        p = self.manifest.pieces[index]
+        what = f"layer {p.layer}" if p.part == "layer" else p.part
+        log.warning(
+            "piece %d of %s (%s, %d bytes in %s) does not match its sha256 %s: dropped, it will be fetched again",
+            index,
+            self.manifest.model_id,
+            what,
+            p.length,
+            self.manifest.files[p.file].name,
+            when,
+        )
+        self._verified[index] = 0
+        self._digests.pop(index, None)
+        self._version += 1
+        self.damaged_at_rest += 1
+
     # -- what is here -----------------------------------------------------------------------------------------
+    def digest(self, index: int) -> bytes | None:
+        """The sha256 the source stated for piece `index`, when this copy holds it."""
+        return self._digests.get(index) if self._verified[index] else None
+
     def has(self, index: int) -> bool:
         return bool(self._verified[index])
 
@@ -177,8 +240,11 @@ class LocalCopy:
             )
 
     # -- adding pieces (called from worker threads) ------------------------------------------------------------
-    def write(self, index: int, data: bytes) -> None:
-        """Store a verified piece, durably, then record it."""
+    def write(self, index: int, data: bytes, digest: bytes) -> None:
+        """Store a verified piece, durably, then record it with `digest`: the sha256 its source stated (and the
+        bytes were checked against)."""
+        if len(digest) != 32:
+            raise ValueError(f"piece {index}: a sha256 digest has 32 bytes, got {len(digest)}")
         piece = self.manifest.pieces[index]
         f = self.manifest.files[piece.file]
         if len(data) != piece.length:
@@ -191,6 +257,7 @@ class LocalCopy:
                 self._write_range(path, f.size, piece.offset, data)
             with self._lock:
                 self._verified[index] = 1
+                self._digests[index] = digest
                 self._version += 1
                 self._save()
         except OSError as e:
@@ -217,7 +284,20 @@ class LocalCopy:
             elif not v and start is not None:
                 runs.append([start, i])
                 start = None
-        _atomic_write(self.root / STATE, json.dumps({"version": 1, "verified": runs}).encode())
+        digests = {str(i): d.hex() for i, d in sorted(self._digests.items()) if self._verified[i]}
+        _atomic_write(self.root / STATE, json.dumps({"version": 2, "verified": runs, "sha256": digests}).encode())
+
+
+def _digests(raw: object, n: int) -> dict[int, bytes]:
+    """The record's digests, each checked: a piece index in range and 64 hex digits, or the record is damaged."""
+    if not isinstance(raw, dict):
+        raise ValueError("sha256 is not a mapping")
+    out = {}
+    for k, v in raw.items():
+        if not (isinstance(k, str) and k.isdigit() and int(k) < n and isinstance(v, str) and len(v) == 64):
+            raise ValueError(f"bad sha256 entry {str(k)[:20]!r}")
+        out[int(k)] = bytes.fromhex(v)
+    return out
 
 
 def _old_files(root: Path) -> list[str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from node.fetch.hashes import HashCache
 from node.fetch.layout import DEFAULT_PIECE, LayoutError, build_manifest, model_root
+from node.fetch.local_copy import LocalCopy
 from node.fetch.manifest import Manifest
 
 CHUNK = 1 << 20  # bytes per streamed message (far below gRPC's message limit; bounds each message's memory)
@@ -84,13 +85,15 @@ class WeightSource:
         max_piece: int = DEFAULT_PIECE,
         ready: Callable[[], bool] = lambda: True,
         manifest: Manifest | None = None,
+        copy: LocalCopy | None = None,
     ):
         """`rate`: bytes per second for all uploads together (None: unlimited). `ready`: whether the weights are
         all here (a node that fetched its copy serves it once it is complete); `manifest`: the one to serve
-        instead of building it from the files (a fetched copy's)."""
+        instead of building it from the files (a fetched copy's); `copy`: that fetched copy, whose pieces are
+        served with the digests their source stated, each checked against the bytes on disk first."""
         self.path, self.model_id, self.n_layers, self.max_piece = path, model_id, n_layers, max_piece
         self.root = model_root(path)
-        self.ready, self._manifest = ready, manifest
+        self.ready, self._manifest, self.copy = ready, manifest, copy
         self.hashes = HashCache(cache_dir)
         # Chunks small enough that a slow cap still sends one every ~quarter second (the receiver's idle timeout
         # must never fire on a healthy, throttled stream).
@@ -129,11 +132,24 @@ class WeightSource:
         self.active += 1
         try:
             self._check_unchanged(path, manifest.files[piece.file].size)
-            digest = await self.hashes.sha256(path, piece.offset, piece.length)
+            digest = await self._digest(index, path, piece.offset, piece.length)
         except BaseException:
             self.active -= 1
             raise
         return Transfer(digest, piece.length, self._chunks(path, piece.offset, piece.length), self._release)
+
+    async def _digest(self, index: int, path: Path, offset: int, length: int) -> bytes:
+        """The piece's sha256 as its source stated it: a fetched copy's recorded digest, once the bytes on disk are
+        shown to still have it (a damaged piece is dropped from the copy and refused, never served on); the
+        original file's own, hashed once and remembered."""
+        if self.copy is None:
+            return await self.hashes.sha256(path, offset, length)
+        stated = self.copy.digest(index)
+        if stated is None or not await asyncio.to_thread(self.copy.intact, index):
+            self.copy.damaged(index)
+            self.counters["upload_damaged"] += 1
+            raise FetchRefused(f"piece {index} of {self.model_id!r} is damaged on this node; it is fetched again")
+        return stated
 
     def _release(self) -> None:
         self.active -= 1

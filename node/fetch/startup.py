@@ -8,6 +8,7 @@ A copy that has its metadata already (an earlier run) starts at once, without a 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -66,7 +67,7 @@ def locate_model(arg: str) -> tuple[Path, str] | str:
         for m in PACKAGED.values():
             if m.model_id == arg:
                 try:
-                    return m.locate(), m.model_id
+                    return m.locate(False), m.model_id
                 except ModelNotFound:
                     return arg
         if "/" in arg or os.sep in arg or arg.lower().endswith(".gguf") or not MODEL_ID.match(arg):
@@ -86,7 +87,7 @@ def sources_from(peers: Callable[[], dict[str, NodeInfo]], model_id: str) -> Cal
 async def open_copy(model_id: str, models_dir: Path, fetcher: Fetcher) -> LocalCopy:
     """The local copy of `model_id` with at least its metadata (config, tokenizer, headers), fetched if need be."""
     root = models_dir / model_id
-    copy = LocalCopy.load(root)
+    copy = await asyncio.to_thread(LocalCopy.load, root)  # hashes the pieces it holds again: disk work
     if copy is not None and copy.has_metadata:
         log.info("using the copy of %s in %s", model_id, root)
     else:

@@ -2,6 +2,7 @@
 manifest from a peer is refused unless it names plain files and sane, ordered, non-overlapping ranges."""
 
 import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -131,7 +132,8 @@ def test_a_local_copy_knows_which_layers_it_can_serve_and_remembers_them(tmp_pat
     original = {f.name: (LLAMA / f.name).read_bytes() for f in m.files}
     for i in m.needed(Shard("llama", 4, 6, 6)):
         p = m.pieces[i]
-        copy.write(i, original[m.files[p.file].name][p.offset : p.end])
+        data = original[m.files[p.file].name][p.offset : p.end]
+        copy.write(i, data, hashlib.sha256(data).digest())
     assert copy.availability() == Availability(complete=False, layers=((4, 6),), embed=False, head=True)
     again = LocalCopy.load(tmp_path / "llama")  # a restart finds the same
     assert again.availability() == copy.availability() and again.missing(m.needed(Shard("llama", 4, 6, 6))) == []
@@ -141,7 +143,7 @@ def test_a_local_copy_knows_which_layers_it_can_serve_and_remembers_them(tmp_pat
     third = [i for i, p in enumerate(m.pieces) if m.files[p.file].name == "model-00003-of-00003.safetensors"]
     assert damaged.missing(m.needed(Shard("llama", 4, 6, 6))) == third
     assert damaged.availability() == Availability(complete=False)  # its header is metadata: nothing until refetched
-    (tmp_path / "llama" / STATE).write_text('{"verified": [[0, 99999]]}')
+    (tmp_path / "llama" / STATE).write_text('{"verified": [[0, 99999]], "sha256": {}}')
     assert LocalCopy.load(tmp_path / "llama") is None
     # a copy of another layout (the peers' model changed) starts over
     other = build_manifest(FIXTURES / "qwen2", "llama", ModelConfig.from_dir(FIXTURES / "qwen2").n_layers)
