@@ -33,6 +33,7 @@ from node.http.tools import ToolError, prompt_inputs
 from node.runtime.node import Node
 from shards.decoding.grammar import Constraint, GrammarError, grammar_tokenizer
 
+from shards.decoding.grammar_admission import admit
 log = logging.getLogger(__name__)
 CREATED = int(time.time())
 # Each dialect's paths answer every error in that API's own shape; the others, OpenAI error objects.
@@ -185,7 +186,8 @@ class Api:
             if grammar is None:
                 return req
             checker = await asyncio.to_thread(grammar_tokenizer, self.node.tokenizer)
-            await asyncio.to_thread(checker.check, grammar)
+            schemas = [t.parameters for t in opts.structure.tools] + [opts.structure.json_schema]
+            await asyncio.to_thread(admit, checker, grammar, schemas)  # first steps, patterns, finite $refs
             constraint = Constraint(grammar)
         except (ToolError, GrammarError) as e:
             raise ApiError(

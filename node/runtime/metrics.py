@@ -271,7 +271,17 @@ class _NodeCollector(Collector):
             "Rows sampled one by one because their batch could not be sampled in one call",
             stats["sample_fallbacks"],
         )
-        yield _counter("exo_sampling_errors", "Rows whose sampling failed", stats["sample_errors"])
+        # A grammar that fails while sampling is a row whose sampling failed too (the batcher counts it apart).
+        yield _counter(
+            "exo_sampling_errors",
+            "Rows whose sampling failed (the sampler, or the grammar constraining the row)",
+            stats.get("sample_errors", 0) + stats.get("sample_grammar_errors", 0),
+        )
+        yield _counter(
+            "exo_sampling_grammar_errors",
+            "Of those, rows whose grammar failed (a schema admission could not rule out)",
+            stats.get("sample_grammar_errors", 0),
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -31,7 +31,7 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 # LexerTooComplex) rather than holding the sampling node. Errors never echo the grammar back (verbose_errors).
 LIMITS = LLParserLimits(
     max_items_in_row=2000,
-    initial_lexer_fuel=1_000_000,
+    initial_lexer_fuel=50_000,  # a pattern's regex derivatives: (a{1000}){1000} exceeds it in one step
     step_lexer_fuel=200_000,
     step_max_items=50_000,
     max_lexer_states=250_000,
