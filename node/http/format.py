@@ -15,7 +15,7 @@ from typing import Any
 
 from node.http.completion import TextDelta, TokenLogprob
 from node.http.schema import Options
-from node.http.tools import ToolCallParser
+from node.http.tool_stream import CallStream
 
 
 class Format(ABC):
@@ -79,20 +79,22 @@ class ChatFormat(Format):
 
     def __init__(self, options: Options, prompt_tokens: int, model: str):
         super().__init__(options, prompt_tokens, model)
-        # With tools, the text is split into content and tool calls (node/http/tools.py) as it streams.
-        self.parser = ToolCallParser() if options.structure.calls_tools else None
+        # With tools, the text is split into content and tool-call fragments (node/http/tool_stream.py) as it
+        # streams, in the model family's syntax.
+        structure = options.structure
+        self.parser = CallStream(structure.syntax.call_family) if structure.calls_tools else None
         self.called = False
 
     def piece_chunks(self, piece: TextDelta) -> list[dict[str, Any]]:
         if self.parser is None:
             return super().piece_chunks(piece)
-        content, calls = self.parser.feed(piece.text, final=piece.finish_reason is not None)
+        content, deltas = self.parser.feed(piece.text, final=piece.finish_reason is not None)
         out = [self.delta(dataclasses.replace(piece, text=content))] if content or piece.logprobs else []
         out += [
-            self._chunk({"delta": {"tool_calls": [call.openai()]}, "logprobs": None, "finish_reason": None})
-            for call in calls
+            self._chunk({"delta": {"tool_calls": [d.openai()]}, "logprobs": None, "finish_reason": None})
+            for d in deltas
         ]
-        self.called |= bool(calls)
+        self.called |= bool(deltas)
         if piece.finish_reason is not None:
             out.append(
                 self.closing("tool_calls" if self.called and piece.finish_reason == "stop" else piece.finish_reason)
@@ -126,11 +128,14 @@ class ChatFormat(Format):
         logprobs = None
         if self.logprobs_wanted:
             logprobs = {"content": [e for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]}
-        calls = [
-            {k: v for k, v in call.items() if k != "index"}
-            for c in choices
-            for call in c["delta"].get("tool_calls", ())
-        ]
+        merged: dict[int, dict[str, Any]] = {}  # each call's fragments joined (its first names it)
+        for c in choices:
+            for d in c["delta"].get("tool_calls", ()):
+                call = merged.setdefault(d["index"], {k: v for k, v in d.items() if k != "index"} | {"function": {}})
+                fn = call["function"]
+                fn["name"] = d["function"].get("name", fn.get("name"))
+                fn["arguments"] = fn.get("arguments", "") + d["function"]["arguments"]
+        calls = [merged[i] for i in sorted(merged)]
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             message["tool_calls"] = calls

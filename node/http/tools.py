@@ -1,30 +1,27 @@
 """Tools and structured output on the OpenAI API: `tools`, `tool_choice`, `parallel_tool_calls`,
 `response_format`, tool messages in the conversation, and tool calls read back out of the model's text.
 
-Tool calls are written Hermes/Qwen style, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`: a chat
-template that knows that format (Qwen2/2.5/3) renders the tools itself; any other model is told about the tools in
-a system message of ours (`generic_messages`). Either way the reply's calls are constrained by a grammar
-(shards/decoding/grammar.py): under "required" or a named function the reply is calls only; under "auto" the model writes
-free text and the grammar takes over once it starts a call. Everything here is pure: parsing, rendering, and the
-`ToolCallParser` that splits the generated text into content and calls as it streams.
+Calls are written in the model family's own syntax (node/http/tool_syntax.py: Hermes/Qwen `<tool_call>` blocks,
+Llama 3.1+ JSON, Mistral `[TOOL_CALLS]`), read off its chat template; a template that renders tools gets them and
+the conversation as they are, any other model is told about the tools in a system message of ours. Either way the
+reply's calls are constrained by a grammar (shards/decoding/grammar.py): under "required" or a named function the
+reply is calls only; under "auto" it is free text (or, with a JSON response_format, JSON of that schema) or calls.
+Calls are read back as they stream (node/http/tool_stream.py). Everything here is pure.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from shards.decoding.grammar import (
-    TOOL_CLOSE,
-    TOOL_OPEN,
-    GrammarError,
-    json_object_grammar,
-    json_schema_grammar,
-    tool_call_grammar,
-)
+from node.http.tool_stream import CallDelta, CallStream
+from node.http.tool_syntax import ToolSyntax, generic_messages, knows_tools, template_family, tool_syntax
+from shards.decoding.grammar import GrammarError, json_object_grammar, json_schema_grammar, tool_call_grammar
+
+__all__ = ["CallDelta", "CallStream", "ToolSyntax", "generic_messages", "knows_tools", "template_family"]
 
 MAX_TOOLS = 128
 MAX_SCHEMA_BYTES = 64 * 1024
@@ -60,40 +57,54 @@ class Structure:
 
     tools: tuple[Tool, ...] = ()
     tool_choice: str = "auto"  # none | auto | required | the name of one tool
-    parallel: bool = False
+    parallel: bool = True
     json_schema: dict[str, Any] | None = None  # response_format json_schema / json_object ({"type": "object"})
+    syntax: ToolSyntax = ToolSyntax()  # the serving model's (with_tool_syntax); generic until it is known
 
     @property
     def calls_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
     def grammar(self) -> str | None:
-        """The llguidance grammar the reply must follow, or None (raises ToolError for a schema it can't use)."""
+        """The llguidance grammar the reply must follow, or None (raises ToolError for a schema it can't use).
+        With tools and a JSON response_format under "auto", the reply is calls or JSON of that schema."""
         try:
-            if self.json_schema is not None:
+            if not self.calls_tools:
+                if self.json_schema is None:
+                    return None
                 return (
                     json_object_grammar()
                     if self.json_schema == {"type": "object"}
                     else json_schema_grammar(self.json_schema)
                 )
-            if not self.calls_tools:
-                return None
             named = self.tool_choice not in ("auto", "required")
             tools = [(t.name, t.parameters) for t in self.tools if not named or t.name == self.tool_choice]
-            return tool_call_grammar(tools, required=self.tool_choice != "auto", parallel=self.parallel)
+            return tool_call_grammar(
+                tools,
+                required=self.tool_choice != "auto",
+                parallel=self.parallel and not self.syntax.single_call,
+                syntax=self.syntax.call,
+                reply_schema=self.json_schema,
+            )
         except GrammarError as e:
             raise ToolError(self.param, str(e)) from None
+        except RecursionError:
+            raise ToolError(self.param, "the schema is nested too deeply; flatten it (use $defs)") from None
 
     @property
     def param(self) -> str:
-        return "response_format" if self.json_schema is not None else "tools"
+        return "tools" if self.calls_tools or self.json_schema is None else "response_format"
 
 
 # -- parsing the request ----------------------------------------------------------------------------------------
 def _schema(value: Any, param: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ToolError(param, f"'{param}' must be a JSON Schema object")
-    if len(json.dumps(value)) > MAX_SCHEMA_BYTES:
+    try:
+        size = len(json.dumps(value))
+    except RecursionError:
+        raise ToolError(param, f"'{param}' is nested too deeply; flatten it (use $defs)") from None
+    if size > MAX_SCHEMA_BYTES:
         raise ToolError(param, f"'{param}' exceeds {MAX_SCHEMA_BYTES} bytes")
     return value
 
@@ -146,15 +157,21 @@ def parse_structure(body: dict[str, Any], chat: bool) -> Structure:
         raise ToolError("tool_choice", '\'tool_choice\' must be "none", "auto", "required" or a named function')
     if body.get("tool_choice") is not None and not tools:
         raise ToolError("tool_choice", "'tool_choice' is only allowed when 'tools' are given")
-    # One call per reply unless asked (as llama-server): a small model under "required" repeats calls until
-    # max_tokens when the grammar lets it.
-    parallel = body.get("parallel_tool_calls", False)
+    parallel = body.get("parallel_tool_calls", True)  # OpenAI's default: several calls unless false
     if not isinstance(parallel, bool):
         raise ToolError("parallel_tool_calls", "'parallel_tool_calls' must be a boolean")
-    schema = _response_format(body.get("response_format"))
-    if schema is not None and tools and choice != "none":
-        raise ToolError("response_format", "a JSON response_format together with tools is not supported")
-    return Structure(tools, choice, parallel, schema)
+    return Structure(tools, choice, parallel, _response_format(body.get("response_format")))
+
+
+def with_tool_syntax(req: Any, tokenizer: Any) -> Any:
+    """`req` (a ChatRequest) with its structure in the tool-call syntax of the model `tokenizer` belongs to (its
+    chat template's, see node/http/tool_syntax.py)."""
+    structure = req.options.structure
+    if not structure.calls_tools:
+        return req
+    syntax = tool_syntax(tokenizer.chat_template, getattr(tokenizer, "hf", None))
+    options = dataclasses.replace(req.options, structure=dataclasses.replace(structure, syntax=syntax))
+    return dataclasses.replace(req, options=options)
 
 
 def _response_format(fmt: Any) -> dict[str, Any] | None:
@@ -206,46 +223,19 @@ def check_tool_messages(messages: list[dict[str, Any]]) -> None:
 
 
 # -- rendering --------------------------------------------------------------------------------------------------
-def knows_tools(template: str | None) -> bool:
-    """A chat template that renders `tools` and writes calls as <tool_call> blocks (Hermes, Qwen)."""
-    return template is not None and "tools" in template and TOOL_OPEN in template
+def prompt_inputs(
+    messages: list[dict[str, Any]], structure: Structure, template: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages (and `tools`, for a template that renders them) to give the chat template. A template renders
+    the tools itself only when its calls are in the syntax the grammar enforces (`structure.syntax`, see
+    with_tool_syntax): the prompt never shows one syntax and the grammar ask for another."""
+    tools = [t.openai() for t in structure.tools] if structure.calls_tools else None
+    if knows_tools(template) and tool_syntax(template).call_family == structure.syntax.call_family:
+        return messages, tools
+    return generic_messages(messages, tools), None
 
 
-def call_text(name: str, arguments: Any) -> str:
-    return f"{TOOL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{TOOL_CLOSE}"
-
-
-def generic_messages(messages: list[dict[str, Any]], structure: Structure) -> list[dict[str, Any]]:
-    """The conversation for a template that knows no tools: the tools described in the system message, calls and
-    results written as text in the same format the grammar enforces."""
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        if m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
-        elif m.get("tool_calls"):
-            calls = "\n".join(call_text(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"])
-            out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + calls})
-        else:
-            out.append({"role": m["role"], "content": m["content"]})
-    if structure.calls_tools:
-        listing = "\n".join(json.dumps(t.openai()["function"], ensure_ascii=False) for t in structure.tools)
-        prompt = (
-            "You can call these tools:\n"
-            + listing
-            + "\nTo call a tool, reply with "
-            + TOOL_OPEN
-            + '\n{"name": <tool name>, "arguments": <arguments object>}\n'
-            + TOOL_CLOSE
-            + "\nTool results come back in <tool_response> blocks."
-        )
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
-    return out
-
-
-# -- reading calls back out of the text -------------------------------------------------------------------------
+# -- whole calls read back out of the text ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class ToolCall:
     index: int
@@ -263,70 +253,26 @@ class ToolCall:
 
 
 class ToolCallParser:
-    """Splits the streamed reply into content and tool calls. Content before the first `<tool_call>` is released
-    as it comes, less any tail that may be the start of `<tool_call>`; a call is released once its
-    `</tool_call>` arrives. Text that never became a valid call is released as content at the end."""
+    """Splits the streamed reply into content and whole tool calls (for dialects that send a call in one piece):
+    a call is released once its arguments are complete. A call cut short (max_tokens) is released as content."""
 
-    def __init__(self) -> None:
-        self.buffer, self.in_calls, self.calls, self.broken = "", False, 0, False
+    def __init__(self, family: str = "hermes"):
+        self.stream, self.open = CallStream(family), {}
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        if self.broken:
-            return text, []
-        self.buffer += text
-        content, calls = "", []
-        if not self.in_calls:
-            at = self.buffer.find(TOOL_OPEN)
-            if at < 0:
-                # held back: a possible start of <tool_call>, and the whitespace before it (not the content's)
-                cut = (
-                    len(self.buffer)
-                    if final
-                    else len(self.buffer[: len(self.buffer) - _partial(self.buffer, TOOL_OPEN)].rstrip("\n "))
-                )
-                content, self.buffer = self.buffer[:cut], self.buffer[cut:]
-                return content, []
-            content, self.buffer, self.in_calls = self.buffer[:at].rstrip("\n "), self.buffer[at:], True
-        while (end := self.buffer.find(TOOL_CLOSE)) >= 0:
-            block, self.buffer = self.buffer[:end], self.buffer[end + len(TOOL_CLOSE) :].lstrip("\n ")
-            call = self._call(block.strip().removeprefix(TOOL_OPEN))
-            if call is None:  # not a call after all: the rest is plain text
-                self.broken, rest, self.buffer = True, block + TOOL_CLOSE + self.buffer, ""
-                return content + rest, calls
-            calls.append(call)
-        if final and self.buffer.strip():
-            content, self.buffer = content + self.buffer, ""  # an unfinished call (max_tokens): left as text
+        content, deltas = self.stream.feed(text, final)
+        for d in deltas:
+            if d.id is not None:
+                self.open[d.index] = ToolCall(d.index, d.id, d.name, "")
+            else:
+                call = self.open[d.index]
+                self.open[d.index] = dataclasses.replace(call, arguments=call.arguments + d.arguments)
+        calls = []
+        for index in sorted(i for i in self.open if i < self.stream.calls or final):
+            call = self.open.pop(index)
+            try:
+                json.loads(call.arguments)
+                calls.append(call)
+            except ValueError:
+                content += json.dumps({"name": call.name, "arguments": ""})[:-3] + call.arguments
         return content, calls
-
-    def _call(self, text: str) -> ToolCall | None:
-        try:
-            body = json.loads(text)
-        except ValueError:
-            return None
-        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-            return None
-        call = ToolCall(
-            self.calls,
-            f"call_{uuid.uuid4().hex[:24]}",
-            body["name"],
-            json.dumps(body.get("arguments", {}), ensure_ascii=False),
-        )
-        self.calls += 1
-        return call
-
-
-def _partial(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
-
-
-def prompt_inputs(
-    messages: list[dict[str, Any]], structure: Structure, template: str | None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The messages (and `tools`, for a template that renders them) to give the chat template."""
-    if knows_tools(template):
-        return messages, [t.openai() for t in structure.tools] if structure.calls_tools else None
-    return generic_messages(messages, structure), None

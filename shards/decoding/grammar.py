@@ -94,7 +94,8 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
     try:
-        return LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(schema)), overrides=_COMPACT)
+        schema = discriminated_one_of(closed_objects(schema))
+        return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_COMPACT)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"not a usable JSON schema: {e}") from None
 
@@ -104,47 +105,153 @@ def json_object_grammar() -> str:
     return json_schema_grammar({"type": "object"})
 
 
-def tool_call_schema(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """One call: {"name": <a tool's name>, "arguments": <that tool's parameters>}."""
+_REF_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_REF_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
+_REF_ONE += ("additionalItems", "unevaluatedItems", "unevaluatedProperties")
+
+
+def relocated_refs(schema: Any, base: str) -> Any:
+    """`schema` with every local `$ref` ("#", "#/...") rewritten to point below `base` (a JSON pointer with `#`):
+    a tool's parameters are embedded in a bigger document (the call object), and their `$defs`/`definitions`
+    pointers would otherwise resolve against its root. Only schema positions are walked: a `const`/`enum`/`default`
+    value holding a "$ref" key is data and stays as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    for key in _REF_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: relocated_refs(v, base) for k, v in out[key].items()}
+    for key in _SCHEMA_LISTS + ("items",):
+        if isinstance(out.get(key), list):
+            out[key] = [relocated_refs(v, base) for v in out[key]]
+    for key in _REF_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = relocated_refs(out[key], base)
+    return out
+
+
+def discriminated_one_of(schema: Any) -> Any:
+    """`schema` with each `oneOf` whose branches are provably exclusive, inline objects that each require one
+    property (the same in all) with a distinct `const`, turned into the equivalent `anyOf` (llguidance proves
+    exclusivity only for branches of distinct types, and refuses the rest). Other `oneOf`s stay as they are: an
+    overlap llguidance can't rule out is a 400 naming oneOf, never a reply that matches two branches."""
+    if isinstance(schema, list):
+        return [discriminated_one_of(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        k: (v if k in ("const", "enum", "default", "examples") else discriminated_one_of(v)) for k, v in schema.items()
+    }
+    branches = out.get("oneOf")
+    if isinstance(branches, list) and len(branches) > 1 and all(isinstance(b, dict) for b in branches):
+        for key in set.intersection(*(set(b.get("required") or ()) for b in branches)):
+            tags = [b.get("properties", {}).get(key, {}) for b in branches]
+            consts = [t.get("const") if "const" in t else None for t in tags if isinstance(t, dict)]
+            if len(consts) == len(branches) and None not in consts and len(set(map(json.dumps, consts))) == len(consts):
+                out["anyOf"] = out.pop("oneOf")
+                break
+    return out
+
+
+def tool_call_schema(tools: list[tuple[str, dict[str, Any]]], args_key: str = "arguments") -> dict[str, Any]:
+    """One call: {"name": <a tool's name>, <args_key>: <that tool's parameters>}, each tool's local `$ref`s
+    relocated to where its parameters now sit."""
     return {
         "anyOf": [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "arguments": closed_objects(params)},
-                "required": ["name", "arguments"],
+                "properties": {
+                    "name": {"const": name},
+                    args_key: relocated_refs(
+                        discriminated_one_of(closed_objects(params)), f"#/anyOf/{i}/properties/{args_key}"
+                    ),
+                },
+                "required": ["name", args_key],
                 "additionalProperties": False,
             }
-            for name, params in tools
+            for i, (name, params) in enumerate(tools)
         ]
     }
 
 
-def tool_call_grammar(tools: list[tuple[str, dict[str, Any]]], *, required: bool, parallel: bool) -> str:
-    """Hermes/Qwen-style calls: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a model family writes tool calls (the grammar's half; node/http/tool_syntax.py reads them back).
+
+    hermes (Qwen, Hermes, and our generic prompt): `<tool_call>\\n{"name": .., "arguments": ..}\\n</tool_call>`
+    blocks, which may follow free text. llama (3.1+): the reply is one `{"name": .., "parameters": ..}` object, or
+    text (its template renders a single call). mistral: `[TOOL_CALLS][{"name": .., "arguments": ..}, ..]`, or text;
+    `marker_token` is the id of `[TOOL_CALLS]` when the vocabulary has it as one token (the model was trained to
+    emit that token, not its spelling).
+    """
+
+    family: str = "hermes"
+    marker_token: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in ("hermes", "llama", "mistral"):
+            raise GrammarError(f"unknown tool-call syntax {self.family!r}")
+        if self.marker_token is not None and (self.family != "mistral" or self.marker_token < 0):
+            raise GrammarError("only mistral's [TOOL_CALLS] can be a marker token (an id >= 0)")
+
+    @property
+    def args_key(self) -> str:
+        return "parameters" if self.family == "llama" else "arguments"
+
+
+def tool_call_grammar(
+    tools: list[tuple[str, dict[str, Any]]],
+    *,
+    required: bool,
+    parallel: bool,
+    syntax: CallSyntax = CallSyntax(),
+    reply_schema: dict[str, Any] | None = None,
+) -> str:
+    """The calls in `syntax`, each matching one tool's schema.
 
     required: the reply is one call (or several, if `parallel`) and nothing else. Otherwise (tool_choice "auto")
-    the reply is free text, and the grammar applies only once the model writes `<tool_call>` (a lazy lexeme:
-    the text ends at the first trigger); after a call only another call or the end may follow, so no stray text
-    can trail a call (one token may span `</tool_call>` and more).
+    the reply may instead be text: free text, or with `reply_schema` (response_format) JSON of that schema. Hermes
+    calls may follow free text: the grammar applies once the model writes `<tool_call>` (a lazy lexeme: the text
+    ends at the first trigger); after a call only another call or the end may follow, so no stray text can trail a
+    call (one token may span `</tool_call>` and more). Llama and Mistral replies are text or calls, never both (as
+    their templates render them): their text may not start as calls do (`{`, `[`), so a reader tells them apart at
+    the first character. Llama's template renders one call, so its replies hold one.
     """
     if not tools:
         raise GrammarError("a tool call grammar needs at least one tool")
-    call = json.dumps({"x-guidance": _COMPACT, **tool_call_schema(tools)})
-    more = " (SEP body)*" if parallel else ""
-    start = f"start: OPEN body{more}" if required else f"start: TEXT | trig body{more}"
-    lark = "\n".join(
-        [
-            "%llguidance {}",
-            start,
+    call = json.dumps({"x-guidance": _COMPACT, **tool_call_schema(tools, syntax.args_key)})
+    reply = None
+    if reply_schema is not None:
+        reply = json.dumps({"x-guidance": _COMPACT, **discriminated_one_of(closed_objects(reply_schema))})
+    if syntax.family == "hermes":
+        more = " (SEP body)*" if parallel else ""
+        rules = [
+            f"calls: OPEN body{more}",
             "TEXT: /(.|\\n)*/",
             f"trig[lazy]: TEXT {json.dumps(TOOL_OPEN)}",
             f"OPEN: {json.dumps(TOOL_OPEN)}",
             f"SEP: /\\n?{TOOL_OPEN}/",  # bounded: whitespace between calls could run forever
             f'body: "\\n" %json {call} {json.dumps(chr(10) + TOOL_CLOSE)}',
-            "",
         ]
-    )
-    return LLMatcher.grammar_from_lark(lark)
+        free = f"TEXT | trig body{more}"
+    elif syntax.family == "llama":
+        rules = [f"calls: %json {call}", "TEXT: /([^{](.|\\n)*)?/"]
+        free = "TEXT | calls"
+    else:
+        marker = f"<[{syntax.marker_token}]>" if syntax.marker_token is not None else '"[TOOL_CALLS]"'
+        more = ' ("," body)*' if parallel else ""
+        rules = [f'calls: {marker} "[" body{more} "]"', f"body: %json {call}", "TEXT: /([^\\[](.|\\n)*)?/"]
+        free = "TEXT | calls"
+    if required:
+        start = "start: calls"
+    elif reply is not None:
+        start = f"start: %json {reply} | calls"
+    else:
+        start = f"start: {free}"
+    return LLMatcher.grammar_from_lark("\n".join(["%llguidance {}", start, *rules, ""]))
 
 
 # -- the model's tokens ---------------------------------------------------------------------------------------

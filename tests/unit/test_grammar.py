@@ -18,6 +18,7 @@ from shards.decoding.grammar import (
     grammar_tokenizer,
     json_object_grammar,
     json_schema_grammar,
+    relocated_refs,
     tool_call_grammar,
 )
 from shards.formats.packaged import resolve_model
@@ -185,3 +186,60 @@ def test_hostile_grammars_are_bounded(tok, gt, pool):
     gt.check(grammar)
     text = json.loads(tok.decode(generate(tok, Matcher(gt, Constraint(grammar), pool), seed=1)))
     jsonschema.validate(text, {"type": "string", "pattern": pattern})
+
+
+def test_tool_parameters_with_defs_and_refs_sample_valid_arguments(tok, gt, pool):
+    """A tool's local pointers (`#/$defs/..`, `#/definitions/..`, `#`) resolve where its parameters sit in the
+    call, so nested models as pydantic writes them constrain the arguments."""
+    leaf = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]}
+    nested = {
+        "type": "object",
+        "$defs": {"Leaf": leaf},
+        "properties": {
+            "leaf": {"$ref": "#/$defs/Leaf"},
+            "leaves": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/Leaf"}},
+        },
+        "required": ["leaf", "leaves"],
+    }
+    draft7 = {
+        "type": "object",
+        "definitions": {"N": {"enum": [1, 2]}},
+        "properties": {"n": {"$ref": "#/definitions/N"}},
+    }
+    tools = [("nested", nested), ("draft7", draft7)]
+    grammar = tool_call_grammar(tools, required=True, parallel=False)
+    gt.check(grammar)
+    for seed in range(4):
+        text = tok.decode(generate(tok, Matcher(gt, Constraint(grammar), pool), seed))
+        call = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+        jsonschema.validate(call["arguments"], closed_objects(dict(tools)[call["name"]]))
+    assert relocated_refs({"$ref": "#", "const": {"$ref": "#/x"}}, "#/a") == {"$ref": "#/a", "const": {"$ref": "#/x"}}
+
+
+def test_one_of_with_a_const_discriminator_is_used_and_an_overlapping_one_is_refused_naming_it(tok, gt, pool):
+    cat = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"enum": [1, 9]}}, "required": ["kind"]}
+    dog = {
+        "type": "object",
+        "properties": {"kind": {"const": "dog"}, "good": {"type": "boolean"}},
+        "required": ["kind"],
+    }
+    schema = {"type": "object", "properties": {"pet": {"oneOf": [cat, dog]}}, "required": ["pet"]}
+    grammar = json_schema_grammar(schema)
+    gt.check(grammar)
+    for seed in range(3):
+        jsonschema.validate(json.loads(tok.decode(generate(tok, Matcher(gt, Constraint(grammar), pool), seed))), schema)
+    tools = tool_call_grammar([("adopt", schema)], required=True, parallel=False)
+    gt.check(tools)
+    with pytest.raises(GrammarError, match="oneOf"):
+        gt.check(json_schema_grammar({"oneOf": [{"type": "integer"}, {"type": "number"}]}))
+
+
+def test_tools_with_a_response_format_give_calls_or_json_of_the_schema(tok, gt, pool):
+    reply = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    grammar = tool_call_grammar(TOOLS, required=False, parallel=True, reply_schema=reply)
+    assert accepts(tok, gt, grammar, '{"answer":"no"}') and accepts(tok, gt, grammar, CALL)
+    assert not accepts(tok, gt, grammar, "Sure") and not accepts(tok, gt, grammar, '{"answer":"maybe"}')
+    for seed in range(4):
+        text = tok.decode(generate(tok, Matcher(gt, Constraint(grammar), pool), seed))
+        if not text.startswith("<tool_call>"):
+            jsonschema.validate(json.loads(text), reply)

@@ -10,7 +10,7 @@ import pytest
 from node.http.completion import TextDelta
 from node.http.format import ChatFormat
 from node.http.schema import ApiError, parse_chat, parse_completion
-from node.http.tools import ToolCallParser, generic_messages, knows_tools
+from node.http.tools import ToolCallParser, ToolError, generic_messages, knows_tools
 
 WEATHER = {
     "type": "function",
@@ -76,7 +76,6 @@ def test_tools_and_tool_choice_are_read():
             "response_format.json_schema",
             "schema",
         ),
-        (dict(response_format={"type": "json_object"}, tools=[WEATHER]), "response_format", "together with tools"),
         (dict(messages=USER + [{"role": "tool", "content": "12C"}]), "messages[1].tool_call_id", "tool_call_id"),
         (
             dict(messages=USER + [{"role": "tool", "content": "12C", "tool_call_id": "c9"}]),
@@ -130,7 +129,7 @@ def test_a_conversation_with_calls_and_results_renders_generically():
             {"role": "tool", "tool_call_id": "c1", "content": "12C, rain"},
         ],
     )
-    msgs = generic_messages(req.messages, req.options.structure)
+    msgs = generic_messages(req.messages, [WEATHER])
     assert msgs[0]["role"] == "system" and "get_weather" in msgs[0]["content"] and "<tool_call>" in msgs[0]["content"]
     assert msgs[2] == {
         "role": "assistant",
@@ -177,7 +176,31 @@ def test_the_chat_format_folds_calls_into_the_message_with_finish_reason_tool_ca
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
-    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city":"Oslo"}'}
+
+
+def test_a_streamed_call_is_a_named_first_delta_then_argument_fragments():
+    fmt = ChatFormat(chat(tools=[WEATHER], stream=True).options, 10, "m")
+    cuts = [0, 14, 40, 52, 60, len(CALL)]
+    pieces = [TextDelta(CALL[a:b], finish_reason="stop" if b == len(CALL) else None) for a, b in zip(cuts, cuts[1:])]
+    deltas = [d for p in pieces for c in fmt.piece_chunks(p) for d in c["choices"][0]["delta"].get("tool_calls", ())]
+    first, *rest = deltas
+    assert first == {
+        "index": 0,
+        "id": first["id"],
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": ""},
+    }
+    assert len(rest) >= 2 and all(d.keys() == {"index", "function"} for d in rest)
+    assert "".join(d["function"]["arguments"] for d in rest) == '{"city":"Oslo"}'
+    assert fmt.piece_chunks(TextDelta("", finish_reason="stop"))[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_parallel_calls_are_allowed_unless_turned_off_and_a_response_format_may_come_with_tools():
+    assert chat(tools=[WEATHER]).options.structure.parallel  # OpenAI's default
+    assert not chat(tools=[WEATHER], parallel_tool_calls=False).options.structure.parallel
+    s = chat(tools=[WEATHER], response_format={"type": "json_object"}).options.structure
+    assert s.json_schema == {"type": "object"} and s.calls_tools and s.grammar()
 
 
 # A template in the Hermes/Qwen manner (written for this test): it lists `tools` and renders calls and results.
@@ -236,3 +259,12 @@ def test_a_template_that_knows_tools_renders_them_and_the_calls_itself():
     assert '{"description": "Weather in a city", "name": "get_weather"' in text.split("</tools>")[0]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
     assert "<tool_response>\n12C\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("depth", [600, 3000])
+def test_a_schema_nested_too_deeply_is_a_400_not_a_crash(depth):
+    params = {"type": "string"}
+    for _ in range(depth):
+        params = {"type": "array", "items": params}
+    with pytest.raises((ApiError, ToolError), match="nested too deeply"):
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": params}}]).options.structure.grammar()
