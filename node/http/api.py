@@ -48,12 +48,15 @@ class ApiSettings:
     api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers
 
+    parse_special_in_content: bool = False  # control-token text in message content read as control tokens
 
 class Api:
     def __init__(self, node: Node, settings: ApiSettings = ApiSettings()):
         self.node, self.settings = node, settings
         self.active = 0
-        self.prompts = PromptEncoder(node.tokenizer, node.config.max_position_embeddings)
+        self.prompts = PromptEncoder(
+            node.tokenizer, node.config.max_position_embeddings, settings.parse_special_in_content
+        )
 
     @property
     def model_id(self) -> str:

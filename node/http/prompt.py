@@ -13,7 +13,7 @@ import asyncio
 from typing import Any
 
 from node.http.schema import ApiError
-from shards.formats.tokenizer import Tokenizer
+from shards.formats.tokenizer import Tokenizer, marked_contents
 
 MAX_CONCURRENT = 2  # tokenizations at once; more wait their turn (each keeps a core busy)
 
@@ -31,23 +31,27 @@ def encode_releasing_the_gil(tokenizer: Tokenizer, text: str, add_special_tokens
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer: Tokenizer, context: int):
+    def __init__(self, tokenizer: Tokenizer, context: int, parse_special_in_content: bool = False):
+        """`parse_special_in_content`: control-token text in a message's content is read as control tokens (the
+        old behaviour, and llama-server's; a user could then open a system turn), not as text."""
         self.tokenizer, self.context = tokenizer, context
+        self.parse_special = parse_special_in_content
         self.max_chars = context * max_token_chars(tokenizer)  # beyond this, more tokens than the context holds
         self._slots: asyncio.Semaphore | None = None  # made on the loop that uses it
 
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:
-            text = self.tokenizer.render_chat(messages, **({"tools": tools} if tools else {}))
+            marked = messages if self.parse_special else marked_contents(messages)
+            text = self.tokenizer.render_chat(marked, **({"tools": tools} if tools else {}))
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         # The template writes bos and the role markers itself: no extra special tokens (Tokenizer.encode_chat).
-        return await self._encode(text, False, "messages")
+        return await self._encode(text, False, "messages", marked=not self.parse_special)
 
     async def text(self, text: str) -> list[int]:
         return await self._encode(text, True, "prompt")
 
-    async def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    async def _encode(self, text: str, add_special_tokens: bool, param: str, marked: bool = False) -> list[int]:
         if len(text) > self.max_chars:
             raise ApiError(
                 400,
@@ -58,4 +62,6 @@ class PromptEncoder:
         if self._slots is None:
             self._slots = asyncio.Semaphore(MAX_CONCURRENT)
         async with self._slots:
+            if marked:  # contents' special-token text is text (Tokenizer.encode_marked)
+                return await asyncio.to_thread(self.tokenizer.encode_marked, text)
             return await asyncio.to_thread(encode_releasing_the_gil, self.tokenizer, text, add_special_tokens)

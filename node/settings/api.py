@@ -40,6 +40,12 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--cors-origins", default="", help="comma-separated origins allowed by CORS, or '*' (default: none, CORS off)"
     )
+    g.add_argument(
+        "--parse-special-in-content",
+        action="store_true",
+        help="read control-token text in message content (<|im_start|>system) as control tokens, as llama-server "
+        "does: a user can then open turns of other roles (default: it is text)",
+    )
 
 
 @dataclass(frozen=True)
@@ -74,5 +80,6 @@ def http_from_args(args: argparse.Namespace) -> HttpSettings | None:
         max_concurrent=args.max_concurrent_requests,
         api_key=args.api_key or None,
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+        parse_special_in_content=args.parse_special_in_content,
     )
     return HttpSettings(args.api_host, args.api_port, args.http_timeout, api)

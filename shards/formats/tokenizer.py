@@ -8,6 +8,7 @@ tokenizer's own eos token.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -137,9 +138,49 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        parse_special_in_content: bool = False,
     ) -> list[int]:
-        # The template already writes bos and the role markers, so no extra special tokens are added.
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        """The conversation's token ids. The template writes bos and the role markers (no extra special tokens);
+        special-token text inside a message's content is text (see `encode_marked`) unless
+        `parse_special_in_content`."""
+        if parse_special_in_content:
+            return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        return self.encode_marked(self.render_chat(marked_contents(messages), add_generation_prompt, tools))
+
+    def encode_marked(self, marked: str) -> list[int]:
+        """Token ids of a rendered chat whose message contents are wrapped in CONTENT_OPEN/CONTENT_CLOSE: the
+        template's own text may hold control tokens, a content's text never does (`<|im_start|>system` typed by a
+        user is the characters, not a new turn: role injection otherwise).
+
+        The whole text is tokenized once, as before; only when a control token lands inside a content are the
+        contents tokenized on their own with special-token matching off (HF's `split_special_tokens`), so benign
+        conversations keep exactly their tokens. Runs in tokenizers' batch call, which releases the GIL."""
+        text, spans = _unmark(marked)
+        enc = self.hf.encode_batch([text], add_special_tokens=False)[0]
+        specials = self._special_ids()
+        if not any(i in specials and _inside(o, spans) for i, o in zip(enc.ids, enc.offsets)):
+            return enc.ids
+        cuts = sorted({0, len(text), *(x for span in spans for x in span)})
+        parts = [(a, b, any(a >= s and b <= e for s, e in spans)) for a, b in zip(cuts, cuts[1:]) if a < b]
+        outside = self.hf.encode_batch([text[a:b] for a, b, inner in parts if not inner], add_special_tokens=False)
+        inside = self._as_text().encode_batch([text[a:b] for a, b, inner in parts if inner], add_special_tokens=False)
+        outside, inside = iter(outside), iter(inside)
+        return [t for _, _, inner in parts for t in next(inside if inner else outside).ids]
+
+    def _special_ids(self) -> frozenset[int]:
+        if getattr(self, "_specials", None) is None:
+            added = self.hf.get_added_tokens_decoder()
+            self._specials = frozenset(i for i, t in added.items() if t.special)
+        return self._specials
+
+    def _as_text(self) -> HFTokenizer:
+        """A copy of the tokenizer that reads special-token text as text (a copy: the flag is the tokenizer's, and
+        other threads encode with the shared one meanwhile)."""
+        if getattr(self, "_plain", None) is None:
+            plain = HFTokenizer.from_str(self.hf.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def stream(self, skip_special_tokens: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens)
@@ -174,6 +215,61 @@ class StreamDecoder:
         now = self.tok.decode(self.ids[self.prefix :], self.skip)
         self.prefix = self.read = len(self.ids)
         return now[len(before) :]
+
+
+# Private-use characters around each message's content while the template renders (stripped from the content
+# first, so a client can't close its own content early).
+CONTENT_OPEN, CONTENT_CLOSE = "\ue000", "\ue001"
+_MARKS = str.maketrans("", "", CONTENT_OPEN + CONTENT_CLOSE)
+
+
+def marked_contents(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with every non-empty text content (a string, or the text of a content part) wrapped in
+    CONTENT_OPEN ... CONTENT_CLOSE, for `Tokenizer.encode_marked`."""
+
+    def mark(text: Any) -> Any:
+        return f"{CONTENT_OPEN}{text.translate(_MARKS)}{CONTENT_CLOSE}" if isinstance(text, str) and text else text
+
+    out = []
+    for m in messages:
+        m = dict(m)
+        content = m.get("content")
+        if isinstance(content, list):
+            m["content"] = [
+                {**p, "text": mark(p["text"])} if isinstance(p, dict) and "text" in p else p for p in content
+            ]
+        else:
+            m["content"] = mark(content)
+        out.append(m)
+    return out
+
+
+def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:
+    """The text without marks, and the character spans that were inside them (a mark a template dropped or
+    duplicated ends or opens nothing twice: depth never goes below zero)."""
+    text: list[str] = []
+    spans: list[tuple[int, int]] = []
+    at, depth, start = 0, 0, 0
+    for piece in re.split(f"([{CONTENT_OPEN}{CONTENT_CLOSE}])", marked):
+        if piece == CONTENT_OPEN:
+            depth += 1
+            if depth == 1:
+                start = at
+        elif piece == CONTENT_CLOSE:
+            if depth == 1 and at > start:
+                spans.append((start, at))
+            depth = max(0, depth - 1)
+        else:
+            text.append(piece)
+            at += len(piece)
+    if depth and at > start:
+        spans.append((start, at))
+    return "".join(text), spans
+
+
+def _inside(offset: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    a, b = offset
+    return any(a < e and b > s for s, e in spans)
 
 
 def _raise_exception(message: str) -> None:
