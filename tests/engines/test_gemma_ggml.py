@@ -8,7 +8,7 @@ import pytest
 from shards.engines.registry import installed
 from shards.engines.step import StepInput
 from tests.engines.test_gemma import GEMMA, MODELS, SOURCES, golden, logits, make, model_of
-from tests.support.tolerance import atol, regrouped_atol
+from tests.support.tolerance import atol, clear_top1_disagreements, regrouped_atol
 
 pytestmark = pytest.mark.skipif("ggml" not in installed(), reason="the ggml extra is not installed")
 
@@ -28,12 +28,16 @@ def test_logits_equal_transformers_and_shards_split_by_layers_equal_the_whole(so
 @pytest.mark.parametrize("model", MODELS)
 def test_ggml_computes_gemma_ggufs_as_llama_cpp_does(model):
     """llama.cpp's own logits on the same files (tests/fixtures/gemma/llamacpp.npz): its sliding windows, soft-caps,
-    scales and local rope are what the flags say. Observed identical to the last bit; the bound leaves room for a
-    newer ggml summing in another order."""
+    scales and local rope are what the flags say. They were computed on one CPU; another CPU's kernels sum the same
+    F16 math in another order, so the bound is the engine's for the same positions summed in another order, and the
+    top token must agree wherever llama.cpp's two best are further apart than twice that."""
     with np.load(GEMMA / "llamacpp.npz") as z:
         reference = z[model]
     got = logits([make("ggml", f"{model}.gguf")])
-    assert np.abs(got - reference).max() <= 1e-3 and (got.argmax(-1) == reference.argmax(-1)).all()
+    bound = regrouped_atol("ggml")
+    assert np.abs(got - reference).max() <= bound
+    wrong, clear = clear_top1_disagreements(got, reference, 2 * bound)
+    assert not wrong and clear >= len(reference) // 2
 
 
 def test_a_prompt_in_chunks_equals_it_whole():
