@@ -10,12 +10,14 @@ in tokenizers' call that releases the GIL, at most `MAX_CONCURRENT` at a time.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from node.http.schema import ApiError
 from shards.formats.tokenizer import Tokenizer, marked_contents
 
 MAX_CONCURRENT = 2  # tokenizations at once; more wait their turn (each keeps a core busy)
+OFF_LOOP_CHARS = 64 * 1024  # a conversation longer than this is rendered by its chat template on a worker thread
 
 
 def max_token_chars(tokenizer: Tokenizer) -> int:
@@ -42,7 +44,9 @@ class PromptEncoder:
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:
             marked = messages if self.parse_special else marked_contents(messages)
-            text = self.tokenizer.render_chat(marked, **({"tools": tools} if tools else {}))
+            render = functools.partial(self.tokenizer.render_chat, marked, **({"tools": tools} if tools else {}))
+            big = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) > OFF_LOOP_CHARS
+            text = await asyncio.to_thread(render) if big else render()  # a long render would hold the loop
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         # The template writes bos and the role markers itself: no extra special tokens (Tokenizer.encode_chat).

@@ -18,6 +18,7 @@ from node.http.tools import Structure, ToolError, check_tool_messages, parse_str
 from shards.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 BODY_TIMEOUT_S = 30
+OFF_LOOP_BYTES = 64 * 1024  # bodies past this are parsed on a worker thread (the loop runs between their parses)
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 COMPLETIONS_MAX_LOGPROBS = 5
@@ -91,10 +92,21 @@ async def read_json(request: web.Request, any_content_type: bool = False) -> dic
             raw = await request.read()  # too large: aiohttp raises 413, which the error middleware words
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S}s", code="timeout") from None
+    body = await asyncio.to_thread(_parse, raw) if len(raw) > OFF_LOOP_BYTES else _parse(raw)
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _parse(raw: bytes) -> Any:
+    """The JSON value of `raw`, or an ApiError 400 saying what is wrong with it."""
     try:
         body = json.loads(raw)
-        # JSON may spell lone UTF-16 surrogates ("\ud800"): valid JSON, but not text any tokenizer can take.
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        # JSON may spell lone UTF-16 surrogates ("\ud800"): valid JSON, but not text any tokenizer can take. Only
+        # an escape can spell one (UTF-8 can't), so only a body with "\ud" escapes, or in UTF-16/32 (which json
+        # also reads: a NUL in the first 4 bytes), pays for the round trip.
+        if b"\\ud" in raw.lower() or b"\x00" in raw[:4]:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise ApiError(
             400, "request body holds a lone surrogate (\\ud800-\\udfff): not valid Unicode text", code="invalid_json"
@@ -102,8 +114,6 @@ async def read_json(request: web.Request, any_content_type: bool = False) -> dic
     # ValueError covers JSONDecodeError and integers too long to convert (Python refuses > 4300 digits).
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
     return body
 
 
