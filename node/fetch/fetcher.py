@@ -58,6 +58,7 @@ class Fetcher:
         self._fingerprints: dict[str, str] = {}  # source address -> fingerprint of its manifest
         self._cool_until: dict[str, float] = {}
         self._mismatch_warned: set[str] = set()
+        self._writes: set[asyncio.Future] = set()  # pieces being written (a thread's work: cancelling can't stop it)
 
     # -- the manifest -----------------------------------------------------------------------------------------
     async def manifest(self) -> Manifest:
@@ -109,6 +110,8 @@ class Fetcher:
                 for w in workers:
                     w.cancel()
                 await asyncio.gather(*workers, return_exceptions=True)
+                # a fetch ends, even cancelled, only once every piece it began writing has landed and been counted
+                await asyncio.gather(*self._writes, return_exceptions=True)
         return total
 
     async def _worker(self, copy: LocalCopy, queue: collections.deque, bar: Progress) -> None:
@@ -154,10 +157,17 @@ class Fetcher:
                 if corrupt >= MAX_CORRUPT:
                     raise FetchError(f"piece {index} of {self.model_id} failed its sha256 check {corrupt} times")
                 continue
-            await asyncio.to_thread(copy.write, index, data, stated)
-            self.counters["fetch_pieces"] += 1
-            self.counters["fetch_bytes_verified"] += piece.length
+            write = asyncio.ensure_future(asyncio.to_thread(self._store, copy, index, data, stated))
+            self._writes.add(write)
+            write.add_done_callback(self._writes.discard)
+            await asyncio.shield(write)
             return
+
+    def _store(self, copy: LocalCopy, index: int, data: bytes, digest: bytes) -> None:
+        """Write a verified piece and count it in one thread call, so the counters always match the record."""
+        copy.write(index, data, digest)
+        self.counters["fetch_pieces"] += 1
+        self.counters["fetch_bytes_verified"] += len(data)
 
     def _received(self, n: int) -> None:
         self.counters["fetch_bytes_received"] += n
