@@ -107,7 +107,13 @@ def schema_of(name: str) -> dict:
 
 def test_required_tool_choice_gives_a_call_whose_arguments_validate(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
     )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
@@ -125,6 +131,7 @@ def test_a_named_function_is_the_one_called(client):
         max_tokens=60,
         temperature=0,
         tool_choice={"type": "function", "function": {"name": "add"}},
+        parallel_tool_calls=False,
     )
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "add"
@@ -132,17 +139,31 @@ def test_a_named_function_is_the_one_called(client):
 
 
 def test_streamed_tool_call_deltas_reassemble_to_the_same_call(client):
-    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0)
+    """OpenAI's shape: a call's first delta has its id, type, name and empty arguments; the arguments follow in
+    fragments as they are generated."""
+    kw = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
+    )
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
     calls: dict[int, dict] = {}
-    finish = None
+    finish, fragments = None, 0
     for chunk in client.chat.completions.create(stream=True, **kw):
         for delta in chunk.choices[0].delta.tool_calls or ():
-            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-            call["name"] += delta.function.name or ""
-            call["arguments"] += delta.function.arguments or ""
+            if delta.index not in calls:
+                assert delta.id and delta.type == "function" and delta.function.arguments == ""
+                calls[delta.index] = {"name": delta.function.name, "arguments": ""}
+            else:
+                assert delta.id is None and delta.function.name is None
+                calls[delta.index]["arguments"] += delta.function.arguments
+                fragments += 1
         finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls"
+    assert finish == "tool_calls" and fragments > 1
     assert calls == {0: {"name": whole.function.name, "arguments": whole.function.arguments}}
 
 
@@ -150,7 +171,13 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_call(client):
 def test_a_two_step_agent_loop_completes(client):
     first = (
         client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0
+            model=MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=80,
+            temperature=0,
         )
         .choices[0]
         .message
@@ -165,6 +192,69 @@ def test_a_two_step_agent_loop_completes(client):
     ).choices[0]
     assert final.finish_reason in ("stop", "length", "tool_calls")
     assert final.message.content or final.message.tool_calls
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=16)
+    zip: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Item(BaseModel):
+    sku: str = Field(max_length=8)
+    quantity: int = Field(ge=1, le=99)
+
+
+class Order(BaseModel):
+    """What pydantic writes for nested models: `$defs` and `$ref`s, a nested model and a list of them."""
+
+    ship_to: Address
+    items: list[Item] = Field(min_length=1, max_length=2)
+
+
+@ONE_NODE
+def test_a_pydantic_tool_with_nested_models_gives_arguments_that_validate(client):
+    tool = openai.pydantic_function_tool(Order)
+    assert "$defs" in tool["function"]["parameters"]
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Order two pens to Oslo 01234."}],
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=200,
+        temperature=0,
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    for call in r.choices[0].message.tool_calls:
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, tool["function"]["parameters"])
+        Order.model_validate(arguments)
+
+
+@ONE_NODE
+def test_tools_with_a_response_format_give_calls_or_json_of_the_schema(client):
+    schema = {
+        "type": "object",
+        "required": ["mood", "score"],
+        "properties": {"mood": {"enum": ["happy", "sad"]}, "score": {"type": "integer", "minimum": 1, "maximum": 10}},
+    }
+    for seed in SEEDS:
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "How do you feel? Answer as JSON, or look up the weather."}],
+            tools=TOOLS,
+            response_format={"type": "json_schema", "json_schema": {"name": "mood", "schema": schema}},
+            parallel_tool_calls=False,
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+        )
+        message = r.choices[0].message
+        if message.tool_calls:
+            for call in message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), closed_objects(schema_of(call.function.name)))
+        else:
+            jsonschema.validate(json.loads(message.content), closed_objects(schema))
 
 
 class City(BaseModel):
