@@ -254,3 +254,29 @@ def test_a_native_template_shows_tools_only_when_the_grammar_enforces_its_syntax
     assert tools is None and "<tool_call>" in messages[0]["content"]
     llama = dataclasses.replace(generic, syntax=tool_syntax(LLAMA_TEMPLATE))
     assert prompt_inputs(req.messages, llama, LLAMA_TEMPLATE) == (req.messages, TOOLS)
+
+
+def test_the_entry_constrains_calls_in_the_serving_models_syntax(tok):
+    """with_tool_syntax reads the model's template (and, for Mistral, whether [TOOL_CALLS] is one token of its
+    vocabulary): the grammar then asks for that family's calls."""
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers.models import WordLevel
+
+    from node.http.tools import with_tool_syntax
+
+    hf = HfTokenizer(WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    hf.add_special_tokens(["[TOOL_CALLS]"])
+    req = chat(tools=TOOLS, messages=[{"role": "user", "content": "Where is Oslo?"}])
+    for template, vocab, family, marker in [
+        (LLAMA_TEMPLATE, None, "llama", None),
+        (MISTRAL_TEMPLATE, hf, "mistral", 2),
+        (TOOL_TEMPLATE, None, "hermes", None),
+        ("{{ messages }}", None, "generic", None),
+    ]:
+        model = Tokenizer.__new__(Tokenizer)
+        model.chat_template, model.hf = template, vocab
+        structure = with_tool_syntax(req, model).options.structure
+        assert structure.syntax == ToolSyntax(family, marker)
+        grammar = structure.grammar()
+        assert ('"parameters"' in grammar) == (family == "llama") and ("<[2]>" in grammar) == (marker == 2)
+    assert with_tool_syntax(chat(), model) == chat()  # no tools: nothing to read
