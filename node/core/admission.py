@@ -1,8 +1,9 @@
 """Whether a node takes part in a request, and the KV cache memory each request it holds reserves.
 
 A request is admitted once, at its first message to this node, and holds its reservation until it ends: a node
-never starts what it may not have the memory to finish. Refusals say why: `Busy` for a lack of room now (the entry
-may try again later), `PlanError` for a request this node will never take as asked.
+never starts what it may not have the memory to finish. Refusals say why: a busy `Failed` (node/core/failures.py)
+for a lack of room now (the entry may try again later), `PlanError` for a request this node will never take as
+asked.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from node.core.authz import check_plan_members
-from node.core.plan import Busy, PlanError, RequestSpec
+from node.core.failures import busy
+from node.core.plan import PlanError, RequestSpec
 from node.core.requests import RequestState
 from shards.decoding.sampling import SamplerState
 from shards.engines.base import EngineInputError, check_input
@@ -74,7 +76,7 @@ class Admission:
 
     def admit(self, spec: RequestSpec, held: Mapping[str, RequestState], now: float) -> RequestState:
         """The state of a request this node takes part in from now on, its KV cache reserved; `held`: the requests
-        held already. Raises Busy or PlanError, reserving nothing, when it can't be taken."""
+        held already. Raises a busy Failed or PlanError, reserving nothing, when it can't be taken."""
         index = spec.step_of(self.id)
         shard = spec.plan[index].shard
         if (shard.model_id, shard.n_layers) != (self.model_id, self.config.n_layers):
@@ -88,11 +90,12 @@ class Admission:
         if self.members is not None:
             check_plan_members(spec, self.members())
         if len(held) >= self.limits.max_requests:
-            raise Busy(f"node {self.id} is at its limit of {self.limits.max_requests} requests")
+            raise busy(f"at its limit of {self.limits.max_requests} requests", self.id)
         if sum(r.spec.entry_node_id == spec.entry_node_id for r in held.values()) >= self.limits.max_requests_per_entry:
-            raise Busy(
-                f"node {self.id} holds {self.limits.max_requests_per_entry} requests from entry "
-                f"{spec.entry_node_id}, its limit for one entry"
+            raise busy(
+                f"holds {self.limits.max_requests_per_entry} requests from entry {spec.entry_node_id}, its limit "
+                "for one entry",
+                self.id,
             )
         if spec.positions > self.config.max_position_embeddings:
             raise PlanError(
@@ -107,9 +110,9 @@ class Admission:
                 f"more than its budget of {budget / 2**20:.1f} MiB"
             )
         if budget is not None and self.kv_reserved + kv_bytes > budget:
-            raise Busy(
-                f"node {self.id}: KV cache memory is full ({self.kv_reserved / 2**20:.1f} of "
-                f"{budget / 2**20:.1f} MiB reserved)"
+            raise busy(
+                f"KV cache memory is full ({self.kv_reserved / 2**20:.1f} of {budget / 2**20:.1f} MiB reserved)",
+                self.id,
             )
         if budget is not None and spec.entry_node_id != self.id:
             self._check_entry_share(spec, kv_bytes, held, budget)
@@ -132,9 +135,10 @@ class Admission:
         entry = spec.entry_node_id
         taken = sum(r.kv_bytes for r in held.values() if r.spec.entry_node_id == entry)
         if taken + kv_bytes > share:
-            raise Busy(
-                f"node {self.id}: the requests of entry {entry} hold {taken / 2**20:.1f} MiB of KV cache, "
-                f"and may hold at most {share / 2**20:.1f} MiB (kv_entry_share {self.limits.kv_entry_share:g})"
+            raise busy(
+                f"the requests of entry {entry} hold {taken / 2**20:.1f} MiB of KV cache, "
+                f"and may hold at most {share / 2**20:.1f} MiB (kv_entry_share {self.limits.kv_entry_share:g})",
+                self.id,
             )
 
     def release(self, req: RequestState) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from node.core.plan import Busy, PlanError, RequestSpec
+from node.core.failures import busy
+from node.core.plan import PlanError, RequestSpec
 
 
 def check_plan_members(spec: RequestSpec, members: Mapping[str, str]) -> None:
@@ -24,8 +25,8 @@ def check_plan_members(spec: RequestSpec, members: Mapping[str, str]) -> None:
     by (NodeCore._address), so a plan can only name who takes part, never where data goes."""
     for node_id in [step.node_id for step in spec.plan] + [spec.entry_node_id]:
         if node_id not in members:
-            # Busy, not refused: a node that has just joined may be known to the entry a moment before us.
-            raise Busy(f"the plan names node {node_id!r}, which is not a member this node knows")
+            # busy, not refused: a node that has just joined may be known to the entry a moment before us.
+            raise busy(f"the plan names node {node_id!r}, which is not a member this node knows")
 
 
 def predecessor(spec: RequestSpec, index: int) -> str:

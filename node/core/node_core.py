@@ -20,6 +20,8 @@ from collections import defaultdict
 import numpy as np
 
 from node.core.actions import Action, Deliver, Release, Sample, Send
+from node.core.failures import Failure, FailureKind
+from node.core.logs import node_log
 from node.core.plan import RequestSpec
 from node.core.request_book import RequestBook
 from node.core.requests import Activation, Refusal, RequestState, TokenMessage
@@ -170,19 +172,21 @@ class NodeCore(RequestBook):
     def fail(
         self, request_id: str, message: str, retryable: bool = False, ended_as: str = "failed", busy: bool = False
     ) -> list[Action]:
-        """Drop our state for a failed request and tell its entry node why, and whether it was a node or link
-        failure (`retryable`: the entry may replay the request on another plan) or a lack of room (`busy`: the
-        entry may try again later)."""
+        """`failed` with a node or link failure (`retryable`: lost), a lack of room (`busy`) or else an error."""
+        kind = FailureKind.BUSY if busy else FailureKind.LOST if retryable else FailureKind.ERROR
+        return self.failed(request_id, Failure(kind, message), ended_as)
+
+    def failed(self, request_id: str, failure: Failure, ended_as: str = "failed") -> list[Action]:
+        """Drop our state for a failed request and tell its entry node why; the failure's kind tells the entry
+        what it may do (node/core/failures.py: replay on another plan, try again later, give up)."""
         req = self.requests.get(request_id)
         actions = self.end_request(request_id, ended_as)
         if req is not None:
-            log.warning("request %s failed: %s", request_id, message)
+            node_log(__name__, self.id).request(request_id).warning("failed: %s", failure)
             actions.append(
                 Deliver(
                     self._entry_address(req.spec),
-                    TokenMessage(
-                        request_id, finished=True, finish_reason="error", error=message, retryable=retryable, busy=busy
-                    ),
+                    TokenMessage(request_id, finished=True, finish_reason="error", failure=failure),
                 )
             )
         return actions
@@ -197,7 +201,7 @@ class NodeCore(RequestBook):
     def refused(self, address: str, refusals: list[Refusal]) -> list[Action]:
         actions: list[Action] = []
         for r in refusals:
-            actions += self.fail(r.request_id, f"node at {address} refused: {r.reason}", busy=r.busy)
+            actions += self.failed(r.request_id, Failure(r.failure.kind, f"refused: {r.failure}", address))
         return actions
 
     def deliver_failed(self, address: str, message: TokenMessage, why: str) -> list[Action]:
@@ -208,7 +212,7 @@ class NodeCore(RequestBook):
         a token that did arrive after all is neither lost nor repeated. If the entry is really gone, that message
         fails too, and ends nothing more."""
         rid = message.request_id
-        log.warning("result for %s could not reach its entry node: %s", rid, why)
+        node_log(__name__, self.id).request(rid).warning("its result could not reach its entry node: %s", why)
         actions = self.end_request(rid, "failed")
         if message.finish_reason != "error":
             actions.append(
@@ -218,8 +222,9 @@ class NodeCore(RequestBook):
                         rid,
                         finished=True,
                         finish_reason="error",
-                        retryable=True,
-                        error=f"node {self.id}: a result could not reach the entry ({why}); replay",
+                        failure=Failure(
+                            FailureKind.LOST, f"a result could not reach the entry ({why}); replay", self.id
+                        ),
                     ),
                 )
             )

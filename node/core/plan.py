@@ -20,10 +20,6 @@ class PlanError(ValueError):
     """No valid plan: layers uncovered or doubly covered, malformed steps, or no usable nodes."""
 
 
-class Busy(PlanError):
-    """The request is fine but a node has no room for it right now (KV cache memory, request slots)."""
-
-
 @dataclass(frozen=True)
 class PlanStep:
     node_id: str

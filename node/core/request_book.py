@@ -14,7 +14,8 @@ import numpy as np
 from node.core.actions import END_REASONS, KEPT_AFTER, Action, Release
 from node.core.admission import Admission, CoreLimits
 from node.core.authz import check_caller, predecessor
-from node.core.plan import Busy, PlanError, RequestSpec
+from node.core.failures import Failed, Failure, FailureKind
+from node.core.plan import PlanError, RequestSpec
 from node.core.requests import Activation, Refusal, RequestState, Tombstones
 from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
 from node.core.speculation import Speculation, check_start
@@ -126,7 +127,9 @@ class RequestBook:
                 explicit = start if a.start is not None or proposals else None
                 self._enqueue(Queued(a.request_id, data, a.partial, proposals, explicit, defer))
             except PlanError as e:
-                rejected.append(Refusal(a.request_id, str(e), isinstance(e, Busy)))
+                rejected.append(Refusal(a.request_id, Failure(FailureKind.REFUSED, str(e))))
+            except Failed as e:
+                rejected.append(Refusal(a.request_id, e.failure))
         return rejected
 
     def end_request(self, request_id: str, reason: str, caller: str | None = None) -> list[Action]:

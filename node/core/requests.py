@@ -7,17 +7,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from node.core.failures import Failure
 from node.core.plan import PlanStep, RequestSpec
 from shards.decoding.sampling import SampleResult, SamplerState
 from shards.model.shard import Shard
-
-
-class GenerationError(RuntimeError):
-    """A request failed somewhere in the ring; the message says where and why."""
-
-
-class Overloaded(GenerationError):
-    """No room for the request in the cluster (KV cache memory, request slots) within the queue timeout."""
 
 
 @dataclass(frozen=True)
@@ -55,18 +48,27 @@ class TokenMessage:
     results: tuple[SampleResult, ...] = ()
     finished: bool = False
     finish_reason: str | None = None  # stop | length | error
-    error: str | None = None  # what went wrong, when finish_reason is "error"
-    retryable: bool = False  # the error was a node or link failure: the request may be replayed elsewhere
-    busy: bool = False  # a node of the plan had no room for the request: it may be tried again later
+    failure: Failure | None = None  # what went wrong (and what the entry may do), exactly when finish_reason is error
+
+    def __post_init__(self) -> None:
+        if (self.failure is not None) != (self.finish_reason == "error") or (self.failure and not self.finished):
+            raise ValueError("a token message carries a failure exactly when it finishes with finish_reason error")
+
+    @property
+    def error(self) -> str | None:
+        return None if self.failure is None else str(self.failure)
 
 
 @dataclass(frozen=True)
 class Refusal:
-    """An activation a node would not take, and why."""
+    """An activation a node would not take, and why (busy: no room right now; refused: a bad input)."""
 
     request_id: str
-    reason: str
-    busy: bool = False  # no room right now (KV cache memory, request slots), rather than a bad input
+    failure: Failure
+
+    @property
+    def reason(self) -> str:
+        return str(self.failure)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from node.core.failures import busy
 from node.fetch.hashes import HashCache
 from node.fetch.layout import DEFAULT_PIECE, LayoutError, build_manifest, model_root
 from node.fetch.local_copy import LocalCopy
@@ -30,10 +31,6 @@ MIN_CHUNK = 16 << 10
 
 class FetchRefused(ValueError):
     """The ask names something this node doesn't serve (another model, no such piece, weights not complete)."""
-
-
-class UploadBusy(RuntimeError):
-    """Every upload slot is taken: ask again shortly (or ask another peer)."""
 
 
 class TokenBucket:
@@ -119,14 +116,14 @@ class WeightSource:
         return self._manifest
 
     async def open(self, model_id: str, index: int) -> Transfer:
-        """A piece to stream; raises FetchRefused or UploadBusy. The upload slot is held until the transfer is
-        closed."""
+        """A piece to stream; raises FetchRefused, or a busy Failed when every upload slot is taken. The upload
+        slot is held until the transfer is closed."""
         manifest = await self.manifest(model_id)
         if not 0 <= index < len(manifest.pieces):
             raise FetchRefused(f"{model_id!r} has pieces 0-{len(manifest.pieces) - 1}, not {index}")
         if self.active >= self.max_transfers:
             self.counters["upload_busy"] += 1
-            raise UploadBusy(f"all {self.max_transfers} upload slots are in use")
+            raise busy(f"all {self.max_transfers} upload slots are in use")
         piece = manifest.pieces[index]
         path = self.root / manifest.files[piece.file].name
         self.active += 1

@@ -10,11 +10,13 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
+from node.core.failures import Failure, FailureKind
 from node.core.plan import RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.topology import NodeInfo
 from node.fetch.manifest import Manifest, piece_deadline
 from node.grpc import wire, wire_cluster
+from node.grpc.failures import failure_of
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 from node.grpc.stream import PeerStream, StreamBroken
@@ -23,20 +25,6 @@ from node.security import NodeIdentity, NodeTls
 
 # Activations of a long prompt can be large (tokens x hidden x 4 bytes); grpc's default cap is 4 MiB.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-_KINDS = {
-    grpc.StatusCode.UNAVAILABLE: "unavailable",
-    grpc.StatusCode.CANCELLED: "unavailable",  # a call or stream cut off under us: the peer left or restarted
-    # gRPC's own code for a connection that broke mid-stream ("Internal error from Core", seen when a peer is
-    # killed): a link failure, replayable (a handler's own exception is UNKNOWN, which stays "error")
-    grpc.StatusCode.INTERNAL: "unavailable",
-    grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
-    grpc.StatusCode.INVALID_ARGUMENT: "refused",
-    grpc.StatusCode.FAILED_PRECONDITION: "refused",
-    grpc.StatusCode.UNAUTHENTICATED: "refused",
-    grpc.StatusCode.PERMISSION_DENIED: "refused",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "busy",
-}
 
 
 def message_bound(hidden_size: int, context: int) -> int:
@@ -83,14 +71,16 @@ def _translated(call):
         try:
             return await call(self, address, *args, **kwargs)
         except grpc.aio.AioRpcError as e:
-            raise TransportError(_KINDS.get(e.code(), "error"), f"{address}: {e.code().name} {e.details()}") from None
+            raise TransportError(*failure_of(e.code(), e.details() or "", address)) from None
         except wire.WireError as e:
-            raise TransportError("malformed", f"{address} answered with a malformed message: {e}") from None
+            raise TransportError(
+                Failure(FailureKind.ERROR, f"answered with a malformed message: {e}", address), "malformed"
+            ) from None
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
                 raise  # we are being cancelled: not the call's doing
             # grpc.aio raises CancelledError in calls whose channel was closed meanwhile (a peer that left)
-            raise TransportError("unavailable", f"{address}: the channel was closed") from None
+            raise TransportError(Failure(FailureKind.LOST, "the channel was closed", address), "unavailable") from None
 
     return wrapper
 
@@ -150,7 +140,7 @@ class GrpcTransport:
         try:
             response = await stream.send(wire.encode_send(activations, messages))
         except StreamBroken as e:
-            raise TransportError(_KINDS.get(e.code, "error"), f"{address}: {e}") from None
+            raise TransportError(*failure_of(e.code, e.details, address)) from None
         return [wire.decode_refusal(r) for r in response.rejected]
 
     @_translated
@@ -162,7 +152,7 @@ class GrpcTransport:
     async def health_check(self, address: str, timeout: float = 2.0) -> NodeInfo:
         response = await self.stub(address).HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
         if not response.ok:
-            raise TransportError("unavailable", f"{address} says it is not ready")
+            raise TransportError(Failure(FailureKind.LOST, "says it is not ready", address), "unavailable")
         return wire_cluster.decode_node_info(response.node)
 
     @_translated
@@ -195,7 +185,9 @@ class GrpcTransport:
                 try:
                     message = await asyncio.wait_for(call.read(), idle_timeout)
                 except TimeoutError:
-                    raise TransportError("timeout", f"{address}: piece {index} stalled for {idle_timeout:g}s") from None
+                    raise TransportError(
+                        Failure(FailureKind.LOST, f"piece {index} stalled for {idle_timeout:g}s", address), "timeout"
+                    ) from None
                 if message is grpc.aio.EOF:
                     break
                 if digest is None:

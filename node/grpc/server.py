@@ -9,13 +9,15 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from node.core.plan import MAX_REQUEST_ID, Busy, PlanError, RequestSpec
+from node.core.failures import Failed, Failure, FailureKind
+from node.core.plan import MAX_REQUEST_ID, PlanError, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.topology import NodeInfo
 from node.fetch.manifest import piece_deadline
-from node.fetch.source import FetchRefused, UploadBusy, WeightSource
+from node.fetch.source import FetchRefused, WeightSource
 from node.grpc import wire, wire_cluster
 from node.grpc.client import server_options
+from node.grpc.failures import abort
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 from node.security import NodeTls, peer_node_id
@@ -45,10 +47,10 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
             self.node.accept_prompt(
                 spec, wire.decode_tensor(request.tokens, self.node.max_tensor_bytes), peer_node_id(context)
             )
-        except Busy as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Failed as e:
+            await abort(context, e.failure)
         except (wire.WireError, PlanError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, Failure(FailureKind.REFUSED, str(e)))
         return pb.Ack()
 
     async def SendStream(self, requests, context: grpc.aio.ServicerContext):
@@ -92,8 +94,8 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
             transfer = await self.source.open(request.model_id[: wire.MAX_MODEL_ID], request.piece)
         except FetchRefused as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except UploadBusy as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Failed as e:  # its upload slots are full
+            await abort(context, e.failure)
         except OSError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the piece: {e.strerror or e}")
         # A caller that stops reading (and set no deadline) must not hold the upload slot forever: the transfer gets

@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from node.core.failures import MAX_DETAIL, Failure, FailureKind
 from node.core.plan import MAX_REQUEST_ID, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.grpc.generated import node_service_pb2 as pb
@@ -252,9 +253,7 @@ def encode_tokens(m: TokenMessage) -> pb.SendResultRequest:
         tokens=[encode_result(r) for r in m.results],
         finished=m.finished,
         finish_reason=m.finish_reason or "",
-        error=m.error or "",
-        retryable=m.retryable,
-        busy=m.busy,
+        failure=encode_failure(m.failure) if m.failure is not None else None,
     )
 
 
@@ -265,16 +264,27 @@ def decode_tokens(m: pb.SendResultRequest) -> TokenMessage:
         raise WireError(f"unknown finish_reason {m.finish_reason[:32]!r}")
     if m.finish_reason and not m.finished:
         raise WireError("finish_reason given for an unfinished request")
-    if (m.retryable or m.busy) and m.finish_reason != "error":
-        raise WireError("only an error can be retryable or busy")
-    return TokenMessage(
-        request_id,
-        results,
-        m.finished,
-        m.finish_reason or None,
-        _text(m.error, "error", MAX_ERROR, required=False) or None,
-        m.retryable,
-        m.busy,
+    if m.HasField("failure") != (m.finish_reason == "error"):
+        raise WireError("a failure comes exactly with finish_reason error")
+    failure = decode_failure(m.failure) if m.HasField("failure") else None
+    return TokenMessage(request_id, results, m.finished, m.finish_reason or None, failure)
+
+
+# --- failures --------------------------------------------------------------------------------------------
+
+_FAILURE_KINDS = {kind: pb.FailureKind.Value(f"FAILURE_KIND_{kind.name}") for kind in FailureKind}
+_KIND_OF = {v: k for k, v in _FAILURE_KINDS.items()}
+
+
+def encode_failure(f: Failure) -> pb.Failure:
+    return pb.Failure(kind=_FAILURE_KINDS[f.kind], detail=f.detail, node=f.node)
+
+
+def decode_failure(m: pb.Failure) -> Failure:
+    if m.kind not in _KIND_OF:
+        raise WireError(f"unknown failure kind {m.kind}")
+    return Failure(
+        _KIND_OF[m.kind], _text(m.detail, "failure detail", MAX_DETAIL), _text(m.node, "failure node", required=False)
     )
 
 
@@ -313,11 +323,13 @@ def decode_activation(m: pb.TensorEntry, max_bytes: int) -> Activation:
 
 
 def encode_refusal(r: Refusal) -> pb.Rejected:
-    return pb.Rejected(request_id=r.request_id, reason=r.reason, busy=r.busy)
+    return pb.Rejected(request_id=r.request_id, failure=encode_failure(r.failure))
 
 
 def decode_refusal(m: pb.Rejected) -> Refusal:
-    return Refusal(_text(m.request_id, "request_id", MAX_REQUEST_ID), _text(m.reason, "reason", MAX_ERROR), m.busy)
+    if not m.HasField("failure"):
+        raise WireError("a refusal must say why (failure)")
+    return Refusal(_text(m.request_id, "request_id", MAX_REQUEST_ID), decode_failure(m.failure))
 
 
 def encode_send(activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> pb.SendRequest:

@@ -21,11 +21,12 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
+from node.core.failures import Failed
 from node.core.plan import PlanError
-from node.core.requests import GenerationError, Overloaded
 from node.http import anthropic, chat, middleware, ollama, responses, webui
 from node.http.chat import ChatRun
 from node.http.completion import Job, TextDelta, run_job
+from node.http.failures import api_error
 from node.http.format import ChatFormat, CompletionFormat, Format
 from node.http.prompt import PromptEncoder
 from node.http.schema import ApiError, ChatRequest, CompletionRequest, Options, parse_chat, parse_completion, read_json
@@ -305,9 +306,7 @@ async def _guard(pieces):
             yield piece
     except PlanError as e:
         raise ApiError(503, f"the cluster cannot serve this model now: {e}", code="no_plan") from None
-    except Overloaded as e:
-        raise ApiError(503, f"the cluster is busy: {e}", code="server_overloaded", retry_after=2) from None
-    except GenerationError as e:
-        raise ApiError(503, f"generation failed: {e}", code="generation_failed") from None
+    except Failed as e:
+        raise api_error(e.failure) from None
     finally:
         await pieces.aclose()  # closing this closes the generation under it too

@@ -1,11 +1,13 @@
 """The entry side of a request: fix its plan, send the prompt to the first node, hand the caller the tokens that
 come back, and make sure every node of the plan forgets the request when it ends, however it ends.
 
-Busy nodes: a node with no room for a request (its KV cache memory is reserved by others) refuses it as busy; the
-entry tries again, backing off, for up to the queue timeout, then gives up with `Overloaded`.
+An attempt ends in a `Failure` (node/core/failures.py) whose kind says what the entry does. Busy: a node with no
+room for the request (its KV cache memory is reserved by others); the entry tries again, backing off, for up to the
+queue timeout, then gives up, still busy. Prefix gone: a node no longer holds the retained prefix the attempt
+started from; the entry prefills the whole prompt at once. Refused or error: the request fails as it is.
 
-Replay: the entry keeps each request's prompt and the tokens generated so far. When a node of its plan dies, freezes
-or can't be reached, the entry ends the old attempt everywhere and resubmits prompt + generated tokens, as one
+Lost, replay: the entry keeps each request's prompt and the tokens generated so far. When a node of its plan dies,
+freezes or can't be reached, the entry ends the old attempt everywhere and resubmits prompt + generated tokens, as one
 prefill, on a new plan over the nodes still alive; the caller's stream continues where it was. Sampling is exact
 across a replay: every request has a seed (the entry picks one when the client doesn't) and the new last node
 skips the random draws the earlier attempts consumed, so greedy and seeded requests give the tokens they would have
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import secrets
 import time
 import uuid
@@ -26,13 +27,13 @@ from collections.abc import AsyncIterator, Callable, Collection
 import numpy as np
 
 from node.core.actions import KEPT_AFTER
+from node.core.failures import Failed, Failure, FailureKind, lost
+from node.core.logs import node_log
 from node.core.plan import PlanStep, RequestSpec
 from node.core.prefix_cache import PrefixIndex
-from node.core.requests import GenerationError, Overloaded, TokenMessage
+from node.core.requests import TokenMessage
 from node.runtime.transport import Transport, TransportError
 from shards.decoding.sampling import SamplingParams
-
-log = logging.getLogger(__name__)
 
 
 def _resumed(sampling: SamplingParams, history: list[int]) -> SamplingParams:
@@ -48,23 +49,16 @@ def _scope(plan: tuple[PlanStep, ...]) -> str:
     return ",".join(f"{s.node_id}:{s.shard.start_layer}-{s.shard.end_layer}" for s in plan)
 
 
-class _Busy(Exception):
-    """A node of the plan had no room for the request: try again a little later."""
-
-
-class _Lost(Exception):
-    """The attempt lost a node or a link: replay it (`suspects`: nodes to leave out of the next plan)."""
-
-    def __init__(self, why: str, suspects: Collection[str] = ()):
-        super().__init__(why)
-        self.suspects = frozenset(suspects)
+class _Final(Failed):
+    """How the request ends: raised to the caller as it is, never acted on (retried, replayed) by the entry."""
 
 
 @dataclasses.dataclass
 class _Attempt:
     spec: RequestSpec
-    inbox: asyncio.Queue  # TokenMessage, or an exception that ends the attempt
+    inbox: asyncio.Queue  # TokenMessage, or a Failed that ends the attempt
     lost: bool = False
+    suspects: set[str] = dataclasses.field(default_factory=set)  # nodes to leave out of a replay's plan
 
 
 class Entry:
@@ -95,6 +89,7 @@ class Entry:
         self.counters, self.spawn = counters, spawn
         self.attempts: dict[str, _Attempt] = {}  # request id -> the attempt we are the entry node of
         self.prefixes = prefixes
+        self.log = node_log(__name__, node_id)
 
     async def generate(
         self, prompt: list[int], sampling: SamplingParams, max_tokens: int
@@ -121,41 +116,50 @@ class Entry:
                     yield message
                     if message.finished:
                         return
-            except _Busy as busy:
-                reason = "busy"
-                if attempt.spec.reuse_from:  # maybe a node no longer holds the prefix: prefill it all, at once
-                    self.counters["prefix_fallbacks"] += 1
-                    reuse = False
-                    continue
-                now = time.monotonic()
-                busy_since = busy_since or now
-                if now - busy_since > self.queue_timeout:
-                    reason = "failed"
-                    self.counters["requests_overloaded"] += 1
-                    raise Overloaded(f"no room for the request within {self.queue_timeout:g}s: {busy}") from None
-                self.counters["busy_retries"] += 1
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, 1.0)
-            except _Lost as lost:
-                reason = "replayed"
-                replays += 1
-                self.counters["replays"] += 1
-                if replays > self.max_replays:
-                    reason = "failed"
-                    self.counters["requests_failed"] += 1
-                    raise GenerationError(f"{lost} (gave up after {self.max_replays} replays)") from None
-                excluded |= lost.suspects | await self._unreachable(attempt.spec)
-                log.warning(
-                    "request %s: %s; replaying %d prompt + %d generated tokens on a new plan",
-                    attempt.spec.request_id,
-                    lost,
-                    len(prompt),
-                    len(history),
-                )
-            except GenerationError:
+            except _Final:
                 reason = "failed"
                 self.counters["requests_failed"] += 1
                 raise
+            except Failed as e:
+                failure = e.failure
+                if failure.kind in (FailureKind.BUSY, FailureKind.PREFIX_GONE) and attempt.spec.reuse_from:
+                    # the prefix is gone (or a node is busy: prefilling it all may fit where resuming didn't)
+                    reason = "busy"
+                    self.counters["prefix_fallbacks"] += 1
+                    reuse = False
+                elif failure.kind in (FailureKind.BUSY, FailureKind.PREFIX_GONE):
+                    reason = "busy"
+                    now = time.monotonic()
+                    busy_since = busy_since or now
+                    if now - busy_since > self.queue_timeout:
+                        reason = "failed"
+                        self.counters["requests_overloaded"] += 1
+                        why = f"no room for the request within {self.queue_timeout:g}s: {failure}"
+                        raise _Final(Failure(FailureKind.BUSY, why)) from None
+                    self.counters["busy_retries"] += 1
+                    await asyncio.sleep(backoff)
+                    backoff = min(2 * backoff, 1.0)
+                elif failure.kind is FailureKind.LOST:
+                    reason = "replayed"
+                    replays += 1
+                    self.counters["replays"] += 1
+                    if replays > self.max_replays:
+                        reason = "failed"
+                        self.counters["requests_failed"] += 1
+                        why = f"{failure} (gave up after {self.max_replays} replays)"
+                        raise _Final(Failure(FailureKind.LOST, why)) from None
+                    excluded |= attempt.suspects | await self._unreachable(attempt.spec)
+                    self.log.warning(
+                        "%s; replaying %d prompt + %d generated tokens on a new plan",
+                        failure,
+                        len(prompt),
+                        len(history),
+                        extra={"request": attempt.spec.request_id},
+                    )
+                else:  # refused, error: as it is
+                    reason = "failed"
+                    self.counters["requests_failed"] += 1
+                    raise _Final(failure) from None
             finally:
                 self.attempts.pop(attempt.spec.request_id, None)
                 if reason in KEPT_AFTER and self.prefixes is not None and history:
@@ -199,14 +203,9 @@ class Entry:
             try:
                 await self.transport.send_prompt(spec.first.address, spec, np.asarray(tokens, np.int64))
             except TransportError as e:
-                why = f"first node {spec.first.node_id}: {e}"
-                attempt.inbox.put_nowait(
-                    _Lost(why, {spec.first.node_id})
-                    if e.retryable
-                    else _Busy(why)
-                    if e.kind == "busy"
-                    else GenerationError(why)
-                )
+                if e.retryable:
+                    attempt.suspects.add(spec.first.node_id)
+                attempt.inbox.put_nowait(Failed(Failure(e.kind, f"sending the prompt failed: {e}", spec.first.node_id)))
 
         self.spawn(send_prompt())
         return attempt
@@ -216,16 +215,12 @@ class Entry:
             try:
                 async with asyncio.timeout(self.request_timeout):  # no task per token, as wait_for makes
                     message = await attempt.inbox.get()
-            except TimeoutError:
-                raise GenerationError(f"no token within {self.request_timeout:g}s") from None
-            if isinstance(message, Exception):
+            except TimeoutError:  # the caller waited long enough (a frozen node is membership's to find)
+                raise _Final(Failure(FailureKind.LOST, f"no token within {self.request_timeout:g}s")) from None
+            if isinstance(message, Failed):
                 raise message
-            if message.finish_reason == "error":
-                if message.busy:
-                    raise _Busy(message.error)
-                if message.retryable:
-                    raise _Lost(message.error or "a node of the plan failed")
-                raise GenerationError(message.error or "request failed")
+            if message.failure is not None:
+                raise Failed(message.failure)
             yield message
             if message.finished:
                 return
@@ -242,13 +237,12 @@ class Entry:
             return
         plan = attempt.spec.plan
         if caller is not None and caller not in {step.node_id for step in plan}:
-            log.warning("tokens for request %s from %s, which is not in its plan: dropped", message.request_id, caller)
+            self.log.request(message.request_id).warning("tokens from %s, which is not in its plan: dropped", caller)
             return
         if caller is not None and caller != plan[-1].node_id and message.finish_reason != "error":
             self.counters["results_refused"] += 1
-            log.warning(
-                "tokens for request %s from %s, which is not the last node of its plan (%s): dropped",
-                message.request_id,
+            self.log.request(message.request_id).warning(
+                "tokens from %s, which is not the last node of its plan (%s): dropped",
                 caller,
                 plan[-1].node_id,
             )
@@ -257,12 +251,8 @@ class Entry:
         if bad := [t for t in ids if not 0 <= t < self.vocab_size]:
             self.counters["results_refused"] += 1
             attempt.lost = True  # nothing more from this attempt is believed
-            attempt.inbox.put_nowait(
-                GenerationError(
-                    f"node {caller or plan[-1].node_id} sent token id {bad[0]}, outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
-            )
+            why = f"sent token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})"
+            attempt.inbox.put_nowait(_Final(Failure(FailureKind.ERROR, why, caller or plan[-1].node_id)))
             return
         attempt.inbox.put_nowait(message)
 
@@ -272,7 +262,8 @@ class Entry:
             gone = [s.node_id for s in attempt.spec.plan if s.node_id != self.node_id and s.node_id not in alive]
             if gone and not attempt.lost:
                 attempt.lost = True
-                attempt.inbox.put_nowait(_Lost(f"node {', '.join(gone)} of the plan stopped answering", gone))
+                attempt.suspects.update(gone)
+                attempt.inbox.put_nowait(lost("stopped answering", ", ".join(gone)))
 
     @property
     def active(self) -> int:
@@ -297,6 +288,6 @@ class Entry:
             try:
                 await self.transport.end_request(step.address, spec.request_id, reason)
             except TransportError as e:
-                log.info("EndRequest %s to %s failed: %s", spec.request_id, step.node_id, e)
+                self.log.request(spec.request_id).info("EndRequest to %s failed: %s", step.node_id, e)
 
         await asyncio.gather(*(end(step) for step in spec.plan))

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import Protocol
 
+from node.core.logs import node_log
 from node.core.topology import NodeInfo
 from node.runtime.transport import Transport, TransportError
 
 STARTUP_PROBE = 0.2  # seconds between rounds while a proposed peer has never answered, early on
 STARTUP_WINDOW = 30.0  # seconds after start during which such a peer is probed that often
-
-log = logging.getLogger(__name__)
 
 
 class Discovery(Protocol):
@@ -63,6 +61,7 @@ class Membership:
         self.proposed: list[str] = []  # the addresses the discoveries proposed last round
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()
+        self.log = node_log(__name__, self_id)
 
     async def start(self) -> None:
         for d in self.discoveries:
@@ -129,8 +128,8 @@ class Membership:
             return result
         last = self.answered.get(address)
         missed = self.missed[address] = self.missed.get(address, 0) + 1
-        if result.kind == "timeout" and last is not None and missed < self.misses:
-            log.info(
+        if result.how == "timeout" and last is not None and missed < self.misses:
+            self.log.info(
                 "peer at %s did not answer within %gs (%d of %d misses tolerated)",
                 address,
                 self.check_timeout,
@@ -146,6 +145,6 @@ class Membership:
         try:
             return await self.transport.health_check(address, self.check_timeout)
         except TransportError as e:
-            if e.kind == "malformed":
-                log.warning("peer at %s sent a bad HealthCheck answer: %s", address, e)
+            if e.how == "malformed":
+                self.log.warning("peer at %s sent a bad HealthCheck answer: %s", address, e)
             return e

@@ -20,9 +20,10 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mappi
 
 import numpy as np
 
+from node.core.failures import Failed, Failure, FailureKind
 from node.core.node_core import NodeCore
 from node.core.placement.layer_costs import layer_costs
-from node.core.plan import Busy, PlanError, PlanStep, RequestSpec
+from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.speculation import Speculation
@@ -304,7 +305,9 @@ class _Loopback:
         try:
             self.node.accept_prompt(spec, tokens)
         except PlanError as e:
-            raise TransportError("busy" if isinstance(e, Busy) else "refused", str(e)) from None
+            raise TransportError(Failure(FailureKind.REFUSED, str(e))) from None
+        except Failed as e:
+            raise TransportError(e.failure) from None
 
     async def send(
         self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]

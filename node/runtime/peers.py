@@ -8,14 +8,12 @@ peers new plans may use (a draining peer is known but no longer a peer).
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from node.core.logs import node_log
 from node.core.topology import NodeInfo
-
-log = logging.getLogger(__name__)
 
 
 class PeerView:
@@ -24,6 +22,7 @@ class PeerView:
         self.counters: Counter[str] = Counter()  # peers_joined, peers_left
         self._known: dict[str, str] = {node_id: address}
         self._peers: dict[str, NodeInfo] = {}
+        self.log = node_log(__name__, node_id)
 
     def known(self) -> Mapping[str, str]:
         """Every member that answers, this node included: id -> address (read-only)."""
@@ -50,12 +49,12 @@ class PeerView:
         self._known = {self.node_id: self.address} | dict(alive)
         gone_for_good = []
         for gone in self._peers.keys() - peers.keys():
-            log.info("peer %s left", gone)
+            self.log.info("peer %s left", gone)
             self.counters["peers_left"] += 1
             if gone not in alive:
                 gone_for_good.append(self._peers[gone].address)
         for new in peers.keys() - self._peers.keys():
-            log.info("peer %s joined at %s", new, peers[new].address)
+            self.log.info("peer %s joined at %s", new, peers[new].address)
             self.counters["peers_joined"] += 1
         self._peers = dict(peers)
         return gone_for_good
@@ -66,5 +65,5 @@ class PeerView:
         if caller is not None and caller != node_id:
             return
         if self._peers.pop(node_id, None) is not None:
-            log.info("peer %s is leaving", node_id)
+            self.log.info("peer %s is leaving", node_id)
             self.counters["peers_left"] += 1

@@ -11,25 +11,27 @@ from typing import Protocol
 
 import numpy as np
 
+from node.core.failures import Failed, Failure, FailureKind
 from node.core.plan import RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.topology import NodeInfo
 from node.fetch.manifest import Manifest
 
 
-class TransportError(RuntimeError):
-    """A call to a peer failed. `kind` says how: unavailable (not reachable, or not yet), timeout (no answer in
-    time), busy (no room right now: try later), refused (the peer rejected the call as invalid or unauthorised),
-    malformed (its answer made no sense), or error (anything else)."""
+class TransportError(Failed):
+    """A call to a peer failed. `failure.kind` says what the caller may do (node/core/failures.py): lost (not
+    reachable, or no answer in time: the same call elsewhere may succeed), busy (no room right now: later),
+    refused (invalid or unauthorised as sent) or error (anything else, a malformed answer included); `how` says
+    what the link saw, for membership: "timeout" (a peer that is only slow), "malformed", or "" otherwise."""
 
-    def __init__(self, kind: str, detail: str):
-        super().__init__(f"{kind}: {detail}")
-        self.kind, self.detail = kind, detail
+    def __init__(self, failure: Failure, how: str = ""):
+        super().__init__(failure)
+        self.how = how
 
     @property
     def retryable(self) -> bool:
         """A node or link failure (as opposed to a refusal): the same call elsewhere may succeed."""
-        return self.kind in ("unavailable", "timeout")
+        return self.kind is FailureKind.LOST
 
 
 class Transport(Protocol):

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from node.core.admission import Admission, CoreLimits
-from node.core.plan import Busy, PlanError
+from node.core.failures import Failed
+from node.core.plan import PlanError
 from shards.model.shard import Shard
 from tests.support.factories import CFG, spec
 
@@ -32,8 +33,8 @@ def test_an_admitted_request_reserves_its_kv_cache_until_released():
     "refuse, error",
     [
         (dict(kv_budget=1), PlanError),  # more than the whole budget: never
-        (dict(max_requests=1), Busy),  # one held already: not now
-        (dict(members=lambda: {"b": "h:2"}), Busy),  # the plan names nodes b doesn't know (yet)
+        (dict(max_requests=1), Failed),  # one held already: not now
+        (dict(members=lambda: {"b": "h:2"}), Failed),  # the plan names nodes b doesn't know (yet)
         (dict(serves=lambda shard: False), PlanError),  # b has not fetched these layers
     ],
 )

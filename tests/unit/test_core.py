@@ -11,6 +11,7 @@ import pytest
 
 from node.core.actions import Deliver, Release, Sample, Send
 from node.core.admission import CoreLimits
+from node.core.failures import Failure, FailureKind
 from node.core.node_core import NodeCore
 from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage, Tombstones
@@ -101,7 +102,9 @@ def test_late_activations_of_an_ended_request_are_dropped_silently():
 def test_a_node_at_its_request_limit_refuses_more():
     b = core("b", max_requests=2)
     rejected = b.accept_activations([Activation(f"r{i}", hidden(), spec(f"r{i}")) for i in range(3)])
-    assert [(r.request_id, r.busy) for r in rejected] == [("r2", True)] and "limit of 2" in rejected[0].reason
+    assert [(r.request_id, r.failure.kind) for r in rejected] == [
+        ("r2", FailureKind.BUSY)
+    ] and "limit of 2" in rejected[0].reason
 
 
 def test_a_plan_for_another_model_is_refused():
@@ -120,7 +123,7 @@ def test_a_plan_for_another_model_is_refused():
         ADDR["entry"],
     )
     (rejected,) = b.accept_activations([Activation("r1", hidden(), other)])
-    assert "this node serves llama" in rejected.reason and not rejected.busy
+    assert "this node serves llama" in rejected.reason and rejected.failure.kind is FailureKind.REFUSED
 
 
 # -- choosing a forward pass ----------------------------------------------------------------------------------
@@ -245,9 +248,15 @@ def test_a_failed_send_or_a_refusal_downstream_fails_the_request_and_tells_the_e
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
     lost = b.send_failed("h:3", (Activation("r1", hidden()),), "unavailable: connection refused", retryable=True)
-    assert "sending to h:3 failed: unavailable" in failed(lost) and of(Deliver, lost)[0].message.retryable
-    refused = b.refused("h:3", [Refusal("r2", "bad shape")])
-    assert "refused: bad shape" in failed(refused, "r2") and not of(Deliver, refused)[0].message.retryable
+    assert (
+        "sending to h:3 failed: unavailable" in failed(lost)
+        and of(Deliver, lost)[0].message.failure.kind is FailureKind.LOST
+    )
+    refused = b.refused("h:3", [Refusal("r2", Failure(FailureKind.REFUSED, "bad shape"))])
+    assert (
+        "refused: bad shape" in failed(refused, "r2")
+        and of(Deliver, refused)[0].message.failure.kind is FailureKind.REFUSED
+    )
     assert not b.requests and b.counters["ended_failed"] == 2
 
 
@@ -263,7 +272,11 @@ def test_a_result_that_cannot_reach_the_entry_ends_the_request_here_and_the_entr
     actions = c.deliver_failed("h:9", TokenMessage("r1", (SampleResult(1),)), "unavailable: channel closed")
     assert actions[0] == Release("r1") and not c.requests
     told = of(Deliver, actions)
-    assert [d.address for d in told] == ["h:9"] and told[0].message.retryable and told[0].message.finished
+    assert (
+        [d.address for d in told] == ["h:9"]
+        and told[0].message.failure.kind is FailureKind.LOST
+        and told[0].message.finished
+    )
     assert "could not reach the entry (unavailable: channel closed)" in told[0].message.error
 
 
@@ -273,7 +286,7 @@ def test_a_last_token_that_cannot_reach_the_entry_is_reported_too_and_a_lost_err
     c.end_request("r1", "finished")  # the last token ended the request here before its delivery failed
     last = TokenMessage("r1", (SampleResult(STOP),), True, "stop")
     report = of(Deliver, c.deliver_failed("h:9", last, "timeout"))[0].message
-    assert report.retryable and report.finish_reason == "error"
+    assert report.failure.kind is FailureKind.LOST and report.finish_reason == "error"
     assert not of(Deliver, c.deliver_failed("h:9", report, "timeout"))  # no loop of reports
 
 
@@ -316,7 +329,7 @@ def test_a_request_whose_next_input_never_comes_expires_and_the_entry_may_replay
     assert b.expire() == []  # r1 idle for 4 s only
     now[0] = 9.5
     actions = b.expire()
-    assert "no input for 5s" in failed(actions) and of(Deliver, actions)[0].message.retryable
+    assert "no input for 5s" in failed(actions) and of(Deliver, actions)[0].message.failure.kind is FailureKind.LOST
     assert list(b.requests) == ["r2"] and b.counters["ended_expired"] == 1
 
 
@@ -332,7 +345,11 @@ def test_each_request_reserves_its_kv_cache_and_one_that_does_not_fit_is_refused
     assert b.accept_activations([Activation("r1", hidden(), sized("r1", 100, 100))]) == []
     assert b.kv_reserved == 200 * per_position
     (refusal,) = b.accept_activations([Activation("r2", hidden(), sized("r2", 100, 50))])  # 200 + 150 > 300
-    assert refusal.busy and "KV cache memory is full" in refusal.reason and "r2" not in b.requests
+    assert (
+        refusal.failure.kind is FailureKind.BUSY
+        and "KV cache memory is full" in refusal.reason
+        and "r2" not in b.requests
+    )
     b.end_request("r1", "finished")
     assert b.kv_reserved == 0 and b.accept_activations([Activation("r2", hidden(), sized("r2", 100, 50))]) == []
 
@@ -340,7 +357,7 @@ def test_each_request_reserves_its_kv_cache_and_one_that_does_not_fit_is_refused
 def test_a_request_beyond_the_models_context_is_refused_for_good():
     """Prompt plus new tokens past max_position_embeddings (256 here): no cache is ever sized for it."""
     (refusal,) = core("b").accept_activations([Activation("r1", hidden(), sized("r1", 200, 57))])
-    assert not refusal.busy and "exceed the model's context of 256" in refusal.reason
+    assert refusal.failure.kind is FailureKind.REFUSED and "exceed the model's context of 256" in refusal.reason
 
 
 def test_a_peers_made_up_end_reason_is_counted_as_unknown():
@@ -355,14 +372,14 @@ def test_a_peers_made_up_end_reason_is_counted_as_unknown():
 def test_a_request_larger_than_the_whole_kv_budget_is_refused_for_good():
     b = core("b", kv_budget=10_000)
     (refusal,) = b.accept_activations([Activation("r1", hidden(), sized("r1", 100, 100))])
-    assert not refusal.busy and "more than its budget" in refusal.reason
+    assert refusal.failure.kind is FailureKind.REFUSED and "more than its budget" in refusal.reason
 
 
 def test_a_busy_refusal_downstream_reaches_the_entry_as_busy():
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec())])
-    (deliver,) = of(Deliver, b.refused("h:3", [Refusal("r1", "KV cache memory is full", busy=True)]))
-    assert deliver.message.busy and not deliver.message.retryable
+    (deliver,) = of(Deliver, b.refused("h:3", [Refusal("r1", Failure(FailureKind.BUSY, "KV cache memory is full"))]))
+    assert deliver.message.failure.kind is FailureKind.BUSY
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import pytest
 
 from node.core.actions import Deliver, Release, Send
 from node.core.admission import CoreLimits
+from node.core.failures import FailureKind
 from node.core.node_core import NodeCore
 from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation
@@ -37,7 +38,9 @@ def test_a_plan_naming_a_stranger_is_refused():
         ADDR["entry"],
     )
     (refusal,) = b.accept_activations([Activation("r1", hidden(), stranger)])
-    assert refusal.busy and "not a member" in refusal.reason  # busy: it may be a node that has just joined
+    assert (
+        refusal.failure.kind is FailureKind.BUSY and "not a member" in refusal.reason
+    )  # busy: it may be a node that has just joined
     assert not b.requests
 
 
@@ -82,7 +85,9 @@ def test_only_the_entry_or_a_plan_member_may_end_a_request_and_strangers_none():
 def test_one_entry_node_cannot_take_every_request_slot():
     b = guarded("b", max_requests=10, max_requests_per_entry=3)
     refused = b.accept_activations([Activation(f"r{i}", hidden(), spec(f"r{i}")) for i in range(4)])
-    assert [(r.request_id, r.busy) for r in refused] == [("r3", True)] and "limit for one entry" in refused[0].reason
+    assert [(r.request_id, r.failure.kind) for r in refused] == [
+        ("r3", FailureKind.BUSY)
+    ] and "limit for one entry" in refused[0].reason
     other = dataclasses.replace(spec("x"), entry_node_id="a", entry_address=ADDR["a"])
     assert b.accept_activations([Activation("x", hidden(), other)]) == []  # another entry still gets in
 

@@ -6,8 +6,9 @@ from collections import Counter
 
 import pytest
 
+from node.core.failures import Failed, Failure, FailureKind
 from node.core.plan import PlanStep
-from node.core.requests import GenerationError, TokenMessage
+from node.core.requests import TokenMessage
 from node.runtime.entry import Entry
 from shards.decoding.sampling import SampleResult, SamplingParams
 from shards.model.shard import Shard
@@ -89,9 +90,12 @@ def test_any_plan_member_may_report_a_failure():
         entry = entry_for(ring)
         stream, first, rid = await started(entry, ring)
         entry.accept_tokens(
-            TokenMessage(rid, finished=True, finish_reason="error", error="b's engine broke"), caller="b"
+            TokenMessage(
+                rid, finished=True, finish_reason="error", failure=Failure(FailureKind.ERROR, "b's engine broke")
+            ),
+            caller="b",
         )
-        with pytest.raises(GenerationError, match="b's engine broke"):
+        with pytest.raises(Failed, match="b's engine broke"):
             await first
 
     asyncio.run(go())
@@ -106,7 +110,7 @@ def test_a_token_id_outside_the_vocabulary_fails_the_request(bad, where):
         stream, first, rid = await started(entry, ring)
         result = SampleResult(bad) if where == "token" else SampleResult(5, -0.1, ((bad, -0.2),))
         entry.accept_tokens(TokenMessage(rid, (result,)), caller="c")
-        with pytest.raises(GenerationError, match=f"token id {bad}, outside the vocabulary"):
+        with pytest.raises(Failed, match=f"token id {bad}, outside the vocabulary"):
             await first
         await asyncio.sleep(0.01)
         assert {reason for _, reason in ring.ended} == {"failed"}  # and the ring is told to forget it

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from node.core.admission import Admission, CoreLimits
+from node.core.failures import Failed, FailureKind
 from node.core.node_core import NodeCore
-from node.core.plan import Busy, PlanError
+from node.core.plan import PlanError
 from node.core.requests import Activation
 from shards.model.shard import Shard
 from tests.support.factories import CFG, hidden, spec, tokens
@@ -33,8 +34,9 @@ def test_one_entrys_requests_reserve_at_most_their_share_and_others_still_get_in
     held = {}
     for i in range(5):  # half the budget: the flooding entry's share
         held[f"f{i}"] = a.admit(request(f"f{i}"), held, now=0.0)
-    with pytest.raises(Busy, match="entry entry .* may hold at most"):
+    with pytest.raises(Failed, match="entry entry .* may hold at most") as busy:
         a.admit(request("f5"), held, now=0.0)
+    assert busy.value.kind is FailureKind.BUSY
     for i, entry in enumerate(["c", "c", "a", "a"]):  # the other entries still find room
         held[f"o{i}"] = a.admit(request(f"o{i}", entry=entry), held, now=0.0)
     held["own"] = a.admit(request("own", entry="b"), held, now=0.0)  # and the node's own requests
@@ -48,7 +50,7 @@ def test_a_request_larger_than_one_entrys_share_is_refused_outright():
     big = request("r1", prompt_tokens=200, max_tokens=56)  # 0.125 MiB on b's two layers: within the budget
     with pytest.raises(PlanError, match="more than one entry's share") as e:
         a.admit(big, {}, now=0.0)
-    assert not isinstance(e.value, Busy) and a.kv_reserved == 0
+    assert not isinstance(e.value, Failed) and a.kv_reserved == 0
 
 
 def test_the_share_must_be_a_fraction():

@@ -179,7 +179,9 @@ def test_stray_activations_for_unknown_requests_are_rejected_per_entry():
         try:
             entry = pb.TensorEntry(request_id="nobody", tensor=wire.encode_tensor(np.zeros((1, 64), np.float32)))
             response = await client.send(pb.SendRequest(entries=[entry]))
-            assert [(r.request_id, "unknown request" in r.reason) for r in response.rejected] == [("nobody", True)]
+            assert [(r.request_id, "unknown request" in r.failure.detail) for r in response.rejected] == [
+                ("nobody", True)
+            ]
             assert node.info().active_requests == 0
         finally:
             await shutdown(node, server, client)

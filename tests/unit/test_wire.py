@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 
+from node.core.failures import Failure, FailureKind
 from node.core.plan import PlanStep, RequestSpec
 from node.core.requests import Activation, TokenMessage
 from node.core.topology import Capabilities, NodeInfo
@@ -276,7 +277,9 @@ def test_mutated_valid_messages_raise_only_wire_errors():
     [
         TokenMessage("r1", (SampleResult(7, -0.5),)),
         TokenMessage("r1", (SampleResult(2),), finished=True, finish_reason="stop"),
-        TokenMessage("r1", finished=True, finish_reason="error", error="node n2: forward failed"),
+        TokenMessage(
+            "r1", finished=True, finish_reason="error", failure=Failure(FailureKind.LOST, "forward failed", "n2")
+        ),
     ],
 )
 def test_token_message_round_trip(m):
@@ -290,7 +293,17 @@ def test_token_message_round_trip(m):
         pb.SendResultRequest(request_id="r", finished=True, finish_reason="because"),
         pb.SendResultRequest(request_id="r", finish_reason="stop"),  # a reason, but not finished
         pb.SendResultRequest(request_id="r", tokens=[pb.TokenResult(token=1)] * 1025),
-        pb.SendResultRequest(request_id="r", finished=True, finish_reason="error", error="x" * 5000),
+        pb.SendResultRequest(
+            request_id="r", finished=True, finish_reason="error", failure=pb.Failure(kind=3, detail="x" * 5000)
+        ),
+        pb.SendResultRequest(request_id="r", finished=True, finish_reason="error"),  # an error that says nothing
+        pb.SendResultRequest(request_id="r", finished=True, failure=pb.Failure(kind=3, detail="lost")),  # no error
+        pb.SendResultRequest(  # a kind this version doesn't know
+            request_id="r", finished=True, finish_reason="error", failure=pb.Failure(kind=99, detail="lost")
+        ),
+        pb.SendResultRequest(  # no kind at all
+            request_id="r", finished=True, finish_reason="error", failure=pb.Failure(detail="lost")
+        ),
     ],
 )
 def test_invalid_token_messages_are_rejected(m):

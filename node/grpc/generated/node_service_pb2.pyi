@@ -1,10 +1,26 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_KIND_UNSPECIFIED: _ClassVar[FailureKind]
+    FAILURE_KIND_BUSY: _ClassVar[FailureKind]
+    FAILURE_KIND_PREFIX_GONE: _ClassVar[FailureKind]
+    FAILURE_KIND_LOST: _ClassVar[FailureKind]
+    FAILURE_KIND_REFUSED: _ClassVar[FailureKind]
+    FAILURE_KIND_ERROR: _ClassVar[FailureKind]
+FAILURE_KIND_UNSPECIFIED: FailureKind
+FAILURE_KIND_BUSY: FailureKind
+FAILURE_KIND_PREFIX_GONE: FailureKind
+FAILURE_KIND_LOST: FailureKind
+FAILURE_KIND_REFUSED: FailureKind
+FAILURE_KIND_ERROR: FailureKind
 
 class Tensor(_message.Message):
     __slots__ = ("data", "shape", "dtype")
@@ -116,15 +132,23 @@ class SendRequest(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[SendResultRequest]
     def __init__(self, entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[SendResultRequest, _Mapping]]] = ...) -> None: ...
 
+class Failure(_message.Message):
+    __slots__ = ("kind", "detail", "node")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    kind: FailureKind
+    detail: str
+    node: str
+    def __init__(self, kind: _Optional[_Union[FailureKind, str]] = ..., detail: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
+
 class Rejected(_message.Message):
-    __slots__ = ("request_id", "reason", "busy")
+    __slots__ = ("request_id", "failure")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    BUSY_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    reason: str
-    busy: bool
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., busy: _Optional[bool] = ...) -> None: ...
+    failure: Failure
+    def __init__(self, request_id: _Optional[str] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
 
 class SendResponse(_message.Message):
     __slots__ = ("rejected",)
@@ -151,22 +175,18 @@ class TokenResult(_message.Message):
     def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class SendResultRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "finished", "finish_reason", "error", "retryable", "busy")
+    __slots__ = ("request_id", "tokens", "finished", "finish_reason", "failure")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
-    BUSY_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedCompositeFieldContainer[TokenResult]
     finished: bool
     finish_reason: str
-    error: str
-    retryable: bool
-    busy: bool
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., busy: _Optional[bool] = ...) -> None: ...
+    failure: Failure
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
 
 class EndRequestRequest(_message.Message):
     __slots__ = ("request_id", "reason")
