@@ -128,15 +128,16 @@ class CallStream:
         content, deltas = "", []
         while True:
             state = self.state
-            out, more = getattr(self, f"_{state}")(final)
+            out = getattr(self, f"_{state}")(final)
             if isinstance(out, str):
                 content += out
             else:
                 deltas += out
-            if self.state == state and not more:
+            if self.state == state:  # no way forward until more text comes
                 return content, deltas
 
-    # Each state handler returns (content or deltas, whether to run again in the same state).
+    # Each state's handler takes what it can of the buffer and returns content or deltas; it moves to another state
+    # when its part is over.
     def _text(self, final: bool):
         at = self.buffer.find(TOOL_OPEN)
         if at < 0:
@@ -148,26 +149,26 @@ class CallStream:
             )
             cut = len(self.buffer) - keep
             out, self.buffer = self.buffer[:cut], self.buffer[cut:]
-            return out, False
+            return out
         out, self.raw, self.buffer = self.buffer[:at].rstrip("\n "), TOOL_OPEN, self.buffer[at + len(TOOL_OPEN) :]
         self.state = "header"
-        return out, False
+        return out
 
     def _start(self, final: bool):
         tag, opener = (LLAMA_TAG, "{") if self.family == "llama" else (MISTRAL_MARK, "[")
         if self.buffer.startswith(tag):
             self.raw, self.buffer = tag, self.buffer[len(tag) :]
         elif not final and (tag.startswith(self.buffer) or self.buffer == ""):
-            return "", False  # not enough text to tell yet
+            return ""  # not enough text to tell yet
         if self.buffer.startswith(opener):
             if self.family == "mistral":
                 self.raw, self.buffer = self.raw + "[", self.buffer[1:]
             self.state = "header"
         elif not final and self.raw and self.buffer == "":
-            return "", False
+            return ""
         else:
             self.state, self.buffer = "plain", self.raw + self.buffer
-        return "", False
+        return ""
 
     def _header(self, final: bool):
         m = _HEADER.match(self.buffer)
@@ -175,10 +176,10 @@ class CallStream:
             stripped = self.buffer.lstrip()
             if final or len(self.buffer) > _HEADER_MAX or not (stripped == "" or stripped.startswith("{")):
                 self.state, self.buffer = "plain", self.raw + self.buffer  # not a call after all: text
-            return "", False
+            return ""
         first = CallDelta(self.calls, "", call_id(self.family), m.group(1))
         self.raw, self.buffer, self.value, self.state = "", self.buffer[m.end() :], _Value(), "args"
-        return [first], False
+        return [first]
 
     def _args(self, final: bool):
         n = self.value.scan(self.buffer)
@@ -188,14 +189,14 @@ class CallStream:
             self.calls, self.state = self.calls + 1, "after"
         elif final:
             self.calls, self.state = self.calls + 1, "done"  # cut short (max_tokens)
-        return out, False
+        return out
 
     def _after(self, final: bool):
         m = _TAIL[self.family].match(self.buffer)
         if m is None:
             if final or len(self.buffer) > _TAIL_MAX:
                 self.state = "done"
-            return "", False
+            return ""
         self.buffer = self.buffer[m.end() :]
         if self.family == "hermes":
             self.state = "between"
@@ -203,7 +204,7 @@ class CallStream:
             self.state = "header"
         else:
             self.state = "done"
-        return "", False
+        return ""
 
     def _between(self, final: bool):
         stripped = self.buffer.lstrip()
@@ -211,15 +212,15 @@ class CallStream:
             self.raw, self.buffer, self.state = TOOL_OPEN, stripped[len(TOOL_OPEN) :], "header"
         elif final or not TOOL_OPEN.startswith(stripped):
             self.state = "done"
-        return "", False
+        return ""
 
     def _done(self, final: bool):
         out, self.buffer = (
             (self.buffer if self.buffer.strip() else ""),
             ("" if self.buffer.strip() or final else self.buffer),
         )
-        return out, False
+        return out
 
     def _plain(self, final: bool):
         out, self.buffer = self.buffer, ""
-        return out, False
+        return out

@@ -13,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from node.http.tool_stream import CallStream
 from node.http.tool_syntax import ToolSyntax, template_family, tool_syntax
@@ -280,3 +282,35 @@ def test_the_entry_constrains_calls_in_the_serving_models_syntax(tok):
         grammar = structure.grammar()
         assert ('"parameters"' in grammar) == (family == "llama") and ("<[2]>" in grammar) == (marker == 2)
     assert with_tool_syntax(chat(), model) == chat()  # no tools: nothing to read
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+WRITTEN = {  # family -> one call as the grammar writes it (compact JSON, name first)
+    "hermes": lambda a: '<tool_call>\n{"name":"f","arguments":' + a + "}\n</tool_call>",
+    "llama": lambda a: '{"name":"f","parameters":' + a + "}",
+    "mistral": lambda a: '[TOOL_CALLS][{"name":"f","arguments":' + a + "}]",
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    family=st.sampled_from(sorted(WRITTEN)),
+    arguments=st.dictionaries(st.text(max_size=6), JSON, max_size=4),
+    cuts=st.lists(st.integers(1, 9), min_size=1, max_size=40),
+)
+def test_any_arguments_come_back_exactly_however_the_text_is_cut(family, arguments, cuts):
+    """Strings with quotes, braces and escapes inside: the arguments' end is found by scanning, never guessed."""
+    args = json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
+    text, stream, content, joined, k = WRITTEN[family](args), CallStream(family), "", "", 0
+    for cut in cuts * (len(text) // len(cuts) + 1):
+        piece, k = text[k : k + cut], k + cut
+        c, deltas = stream.feed(piece, final=k >= len(text))
+        content += c
+        joined += "".join(d.arguments for d in deltas)
+        if k >= len(text):
+            break
+    assert content == "" and joined == args and stream.calls == 1
