@@ -32,6 +32,7 @@ from node.core.logs import node_log
 from node.core.plan import PlanStep, RequestSpec
 from node.core.prefix_cache import PrefixIndex
 from node.core.requests import TokenMessage
+from node.runtime.loop_stall import LoopStalls
 from node.runtime.transport import Transport, TransportError
 from shards.decoding.sampling import SamplingParams
 
@@ -62,6 +63,8 @@ class _Attempt:
 
 
 class Entry:
+    stalls = LoopStalls()  # one per process: its entries share its event loop, and so its stalls
+
     def __init__(
         self,
         node_id: str,
@@ -211,12 +214,20 @@ class Entry:
         return attempt
 
     async def _run(self, attempt: _Attempt) -> AsyncIterator[TokenMessage]:
+        started = heard = time.monotonic()
         while True:
             try:
-                async with asyncio.timeout(self.request_timeout):  # no task per token, as wait_for makes
+                asleep = time.monotonic()
+                async with asyncio.timeout(self.stalls.slice_s):  # no task per token, as wait_for makes
                     message = await attempt.inbox.get()
-            except TimeoutError:  # the caller waited long enough (a frozen node is membership's to find)
-                raise _Final(Failure(FailureKind.LOST, f"no token within {self.request_timeout:g}s")) from None
+            except TimeoutError:
+                self.stalls.woke(asleep)
+                if self.stalls.lost(started, heard):  # what the plan owed us may be gone with our stall
+                    raise lost("the entry's loop stalled, and nothing came after it") from None
+                if time.monotonic() - heard > self.request_timeout:  # a frozen node is membership's to find
+                    raise _Final(Failure(FailureKind.LOST, f"no token within {self.request_timeout:g}s")) from None
+                continue
+            heard = time.monotonic()
             if isinstance(message, Failed):
                 raise message
             if message.failure is not None:
