@@ -13,6 +13,8 @@ class Capabilities:
     engine: str  # numpy | tinygrad | mlx
     model_id: str  # the model this node serves
     n_layers: int  # layers of that model
+    speed: float = 0.0  # billions of parameters a token goes through per second on one row: what placement balances
+    # (node/runtime/calibration.py; --speed); 0: not measured yet, counted as the others' (node/core/placement/)
 
 
 @dataclass(frozen=True)

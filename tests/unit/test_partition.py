@@ -2,7 +2,6 @@
 
 import itertools
 import random
-from fractions import Fraction
 
 import pytest
 
@@ -24,7 +23,7 @@ def counts(ring: list[tuple[str, Shard]]) -> dict[str, int]:
     return {node_id: s.layer_count for node_id, s in ring}
 
 
-# --- automatic, memory-weighted -------------------------------------------------------------
+# --- automatic: equal speeds (node/core/placement/balance.py; tests/unit/test_placement_speed.py for speeds) ---
 
 
 def test_equal_memory_splits_evenly():
@@ -38,27 +37,17 @@ def test_leftover_layers_go_to_the_first_nodes_in_order():
     assert layout(ring) == [("a", 0, 3), ("b", 3, 6), ("c", 6, 8)]
 
 
-def test_layers_are_proportional_to_memory_biggest_node_first():
+def test_memory_only_caps_the_split_so_bigger_nodes_get_no_more_layers():
     ring = partition([node("small1", 8), node("big", 16), node("small2", 8)], "m", 8)
-    assert layout(ring) == [("big", 0, 4), ("small1", 4, 6), ("small2", 6, 8)]
+    assert layout(ring) == [("big", 0, 3), ("small1", 3, 6), ("small2", 6, 8)]
 
 
-def test_every_node_gets_at_least_one_layer_even_with_tiny_memory():
-    nodes = [node("big", 100), NodeCapacity("tiny1", 1), NodeCapacity("tiny2", 1)]
-    assert counts(partition(nodes, "m", 10)) == {"big": 8, "tiny1": 1, "tiny2": 1}
+def test_tiny_or_unknown_memory_is_not_judged_without_footprints():
+    nodes = [node("big", 100), NodeCapacity("tiny1", 1), NodeCapacity("tiny2", 1), NodeCapacity("zero", 0)]
+    assert counts(partition(nodes, "m", 10)) == {"big": 3, "tiny1": 3, "tiny2": 2, "zero": 2}
 
 
-def test_zero_or_negative_memory_counts_as_zero_weight_but_still_gets_a_layer():
-    nodes = [node("a", 8), NodeCapacity("zero", 0), NodeCapacity("neg", -5)]
-    assert counts(partition(nodes, "m", 6)) == {"a": 4, "neg": 1, "zero": 1}
-
-
-def test_all_zero_memory_splits_equally():
-    nodes = [NodeCapacity("b", 0), NodeCapacity("a", -1), NodeCapacity("c", 0)]
-    assert layout(partition(nodes, "m", 7)) == [("a", 0, 3), ("b", 3, 5), ("c", 5, 7)]
-
-
-def test_more_nodes_than_layers_uses_only_the_first_n_layers_nodes():
+def test_more_nodes_than_layers_uses_only_the_first_n_layers_nodes_by_id():
     nodes = [node("e", 1), node("d", 2), node("c", 3), node("b", 3), node("a", 4)]
     assert layout(partition(nodes, "m", 3)) == [("a", 0, 1), ("b", 1, 2), ("c", 2, 3)]
 
@@ -67,9 +56,9 @@ def test_single_node_holds_the_whole_model():
     assert partition([node("solo")], "m", 5) == [("solo", Shard.whole("m", 5))]
 
 
-def test_ties_in_memory_are_broken_by_node_id():
+def test_the_ring_is_in_node_id_order_whatever_the_memory():
     ring = partition([node("node-b", 8), node("node-a", 8), node("node-c", 16)], "m", 9)
-    assert layout(ring) == [("node-c", 0, 5), ("node-a", 5, 7), ("node-b", 7, 9)]
+    assert layout(ring) == [("node-a", 0, 3), ("node-b", 3, 6), ("node-c", 6, 9)]
 
 
 def test_result_does_not_depend_on_input_order():
@@ -79,38 +68,30 @@ def test_result_does_not_depend_on_input_order():
         assert partition(list(perm), "m", 13) == expected
 
 
-def test_random_inputs_always_give_a_proportional_tiling():
+def test_random_inputs_always_give_an_even_tiling():
     rng = random.Random(1234)
-    for _ in range(2000):
-        n_layers = rng.randint(1, 80)
-        n_nodes = rng.randint(1, min(n_layers, 12))
+    for _ in range(500):
+        n_layers = rng.randint(1, 60)
+        n_nodes = rng.randint(1, min(n_layers, 10))
         ids = rng.sample([f"n{i}" for i in range(40)], n_nodes)
         mems = [rng.choice([0, rng.randint(1, 4), rng.randint(1, 64) * GB]) for _ in ids]
         nodes = [NodeCapacity(i, m) for i, m in zip(ids, mems)]
         ring = partition(nodes, "m", n_layers)
 
-        # Tiles [0, n) in order, one shard per node, each at least one layer.
+        # Tiles [0, n) in id order, one shard per node, each at least one layer, within one layer of the others.
         assert [s.start_layer for _, s in ring] == [0] + [s.end_layer for _, s in ring[:-1]]
         assert ring[-1][1].end_layer == n_layers
-        assert sorted(i for i, _ in ring) == sorted(ids)
-        assert all(s.layer_count >= 1 for _, s in ring)
-
-        # Close to the exact proportional share; the 1-layer minimum may push others off by its cost.
-        total = sum(mems)
-        share = {i: Fraction(n_layers * m, total) if total else Fraction(n_layers, n_nodes) for i, m in zip(ids, mems)}
-        forced = sum(1 for q in share.values() if q < 1)
-        for node_id, count in counts(ring).items():
-            assert abs(count - share[node_id]) < 1 + forced, (nodes, n_layers, ring)
+        assert [i for i, _ in ring] == sorted(ids)
+        assert max(counts(ring).values()) - min(counts(ring).values()) <= 1
 
 
 def test_random_inputs_with_more_nodes_than_layers():
     rng = random.Random(99)
     for _ in range(300):
         n_layers = rng.randint(1, 6)
-        nodes = [NodeCapacity(f"n{i}", rng.randint(0, 5)) for i in range(rng.randint(n_layers, 10))]
+        nodes = [NodeCapacity(f"n{i:02}", rng.randint(0, 5)) for i in range(rng.randint(n_layers, 10))]
         ring = partition(nodes, "m", n_layers)
-        top = sorted(nodes, key=lambda n: (-n.memory_bytes, n.node_id))[:n_layers]
-        assert [i for i, _ in ring] == [n.node_id for n in top]
+        assert [i for i, _ in ring] == sorted(n.node_id for n in nodes)[:n_layers]
         assert all(s.layer_count == 1 for _, s in ring)
 
 

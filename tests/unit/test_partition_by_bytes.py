@@ -1,6 +1,6 @@
-"""Placement of a mixture of experts by each layer's size: experts dominate a sparse layer, a dense layer
-(mlp_only_layers) holds a fraction of one, the embedding and head sit with the first and last layers; dense models
-keep the layer-count split."""
+"""Placement by each layer's compute (node/core/placement/layer_costs.py): a token goes through a sparse layer's
+active experts only, a dense layer (mlp_only_layers) through all of its MLP, and the output head sits with the last
+layer; equal nodes get equal compute, not equal layer counts."""
 
 import dataclasses
 
@@ -24,10 +24,11 @@ def test_equal_nodes_get_equal_bytes_not_equal_layer_counts():
     assert counts([NodeCapacity("a", 1), NodeCapacity("b", 1)], [4, 1, 1, 1, 1, 1, 1, 2]) == {"a": 3, "b": 5}
 
 
-def test_bytes_follow_memory_and_every_node_keeps_a_layer():
+def test_memory_does_not_weigh_the_split_and_a_node_that_would_not_speed_the_ring_is_left_out():
     nodes = [NodeCapacity("big", 8), NodeCapacity("mid", 4), NodeCapacity("small", 1)]
-    assert counts(nodes, [1] * 13) == {"big": 8, "mid": 4, "small": 1}
-    assert counts(nodes, [100, 1, 1]) == {"big": 1, "mid": 1, "small": 1}
+    assert counts(nodes, [1] * 13) == {"big": 5, "mid": 4, "small": 4}
+    # layer 0 alone is the slowest stage whatever the split: a third node only adds a hop
+    assert counts(nodes, [100, 1, 1]) == {"big": 1, "mid": 2}
 
 
 def test_costs_must_match_the_layers():
@@ -35,15 +36,17 @@ def test_costs_must_match_the_layers():
         partition([NodeCapacity("a", 1)], "m", 3, [1, 1])
 
 
-def test_a_dense_model_keeps_the_layer_count_split():
-    assert layer_costs(ModelConfig.from_dir(FIXTURES / "llama")) is None
+def test_a_dense_models_layers_cost_the_same_and_the_last_carries_the_head():
+    cfg = ModelConfig.from_dir(FIXTURES / "llama")
+    costs = layer_costs(cfg)
+    assert len(set(costs[:-1])) == 1
+    assert costs[-1] - costs[0] == cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
 
 
-def test_a_moe_layers_cost_is_its_experts_and_dense_layers_cost_less():
+def test_a_moe_layers_cost_is_its_active_experts_and_dense_layers_cost_more():
     cfg = ModelConfig.from_dir(MOE / "qwen3moe")
     costs = layer_costs(cfg)
-    h, e, ff = cfg.hidden_size, cfg.moe.n_experts, cfg.moe.expert_size
-    assert costs[1] > 3 * e * h * ff  # the experts, plus router and attention
-    assert costs[0] - costs[1] == cfg.vocab_size * h  # the embedding
-    sparse_first = layer_costs(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dense_layers=frozenset({1}))))
-    assert sparse_first[1] < costs[1]
+    h, e, used, ff = cfg.hidden_size, cfg.moe.n_experts, cfg.moe.n_used, cfg.moe.expert_size
+    assert 3 * used * h * ff < costs[0] < 3 * e * h * ff  # the experts a token goes through, not all of them
+    dense_first = layer_costs(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dense_layers=frozenset({0}))))
+    assert dense_first[0] - costs[0] == 3 * h * cfg.intermediate_size - (h * e + 3 * used * h * ff)

@@ -1,10 +1,11 @@
-"""What each layer of a model costs to hold, for placement (node/core/placement/partition.py) to split by bytes, not by count.
+"""What each layer of a model costs, for placement (node/core/placement/partition.py): the compute a token spends
+in it (`layer_costs`, what the split balances against each node's measured speed) and the bytes a node needs to
+hold it (`layer_footprints`, what caps each node's share at its memory).
 
-A mixture of experts' layers are dominated by their experts, and its dense layers (Qwen's mlp_only_layers) hold a
-fraction of that; the first node also holds the token embedding and the last the output head, each as big as
-several layers of a small model. Costs are parameter counts: within one file the weight types are close to
-uniform, so they are proportional to the bytes. Dense models keep the plain layer-count split (None here): their
-layers are equal, and the cluster's established splits (and the operators' expectations) stay as they were.
+Costs are parameter counts: within one file the weight types are close to uniform, so compute and bytes are both
+proportional to them. A token goes through every weight of a dense layer but only its `n_used` experts of a
+sparse one; the first node holds the token embedding (a row lookup: no compute, but its bytes) and the last the
+output head (a matmul over the vocabulary: both).
 """
 
 from __future__ import annotations
@@ -14,17 +15,34 @@ from pathlib import Path
 from shards.formats.config import ModelConfig
 
 
-def layer_costs(cfg: ModelConfig) -> tuple[int, ...] | None:
-    """Parameters of each layer, the embedding counted with the first and the head with the last; None for a dense
-    model (split by layer count)."""
-    return None if cfg.moe is None else layer_params(cfg)
+def layer_costs(cfg: ModelConfig) -> tuple[int, ...]:
+    """Parameters a token goes through in each layer (the active experts of a sparse layer), the output head
+    counted with the last: what a node's measured speed (billions of parameters per second) is a rate of."""
+    h = cfg.hidden_size
+    attention = _attention(cfg)
+    dense = 3 * h * cfg.intermediate_size
+    if cfg.moe is None:
+        costs = [attention + dense] * cfg.n_layers
+    else:
+        m = cfg.moe
+        active = (
+            h * m.n_experts + 3 * m.n_used * h * m.expert_size + (3 * h * m.shared_size + h if m.shared_size else 0)
+        )
+        costs = [attention + (active if m.sparse(i) else dense) for i in range(cfg.n_layers)]
+    costs[-1] += cfg.vocab_size * h + h
+    return tuple(costs)
+
+
+def _attention(cfg: ModelConfig) -> int:
+    h = cfg.hidden_size
+    return h * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * h + 2 * h
 
 
 def layer_params(cfg: ModelConfig) -> tuple[int, ...]:
     """Parameters of each layer of any model, dense or not, the embedding with the first and the head with the
     last."""
     h = cfg.hidden_size
-    attention = h * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * h + 2 * h
+    attention = _attention(cfg)
     dense = 3 * h * cfg.intermediate_size
     if cfg.moe is None:
         costs = [attention + dense] * cfg.n_layers

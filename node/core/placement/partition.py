@@ -1,20 +1,29 @@
-"""Decide which contiguous range of layers each node of the ring holds."""
+"""Decide which contiguous range of layers each node of the ring holds: pinned ranges as given, else the split of
+node/core/placement/balance.py (by measured speed, within each node's memory)."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 
+from node.core.placement.balance import FS, HOP_SECONDS, MAX_SPEED, balanced_counts, fs_per_cost, memory_cap
 from shards.model.shard import Shard
 
 
 @dataclass(frozen=True)
 class NodeCapacity:
     node_id: str
-    memory_bytes: int
+    memory_bytes: int  # what it may hold (weights + KV); <= 0: not known, not judged
     pinned: tuple[int, int] | None = None  # layers [start, end) the node insists on (--shard START:END)
+    speed: float = 0.0  # Gparam a token goes through per second (node/runtime/calibration.py); 0: unmeasured
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.speed) and 0 <= self.speed <= MAX_SPEED):
+            raise ValueError(
+                f"node {self.node_id}: speed must be 0 (unmeasured) or up to {MAX_SPEED}, got {self.speed}"
+            )
 
 
 class PartitionError(ValueError):
@@ -22,10 +31,16 @@ class PartitionError(ValueError):
 
 
 def partition(
-    nodes: Sequence[NodeCapacity], model_id: str, n_layers: int, costs: Sequence[int] | None = None
+    nodes: Sequence[NodeCapacity],
+    model_id: str,
+    n_layers: int,
+    costs: Sequence[int] | None = None,
+    footprints: Sequence[int] | None = None,
 ) -> list[tuple[str, Shard]]:
-    """Ordered ring: (node_id, Shard) covering [0, n_layers) exactly, first shard first. With `costs` (each layer's
-    size, node/core/placement/layer_costs.py) the split follows the nodes' memory in bytes, else in layer counts."""
+    """Ordered ring: (node_id, Shard) covering [0, n_layers) exactly, first shard first, a pure function of the set
+    of nodes (never of their order). `costs`: each layer's compute (parameters per token: node/core/placement/
+    layer_costs.py), None for equal layers; `footprints`: each layer's bytes with its KV cache, which no node is
+    given more of than its memory (None: memory not judged). Nodes left out by the split are not in the ring."""
     if not nodes:
         raise PartitionError("no nodes to place the model on")
     if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
@@ -36,14 +51,19 @@ def partition(
     pinned = [n for n in nodes if n.pinned is not None]
     if costs is not None and (len(costs) != n_layers or any(c <= 0 for c in costs)):
         raise PartitionError(f"layer costs must be {n_layers} positive sizes, got {len(costs)}")
-    ranges = _pinned_ranges(pinned, n_layers) if pinned else _weighted_ranges(nodes, n_layers, costs)
+    if footprints is not None and (len(footprints) != n_layers or any(f < 0 for f in footprints)):
+        raise PartitionError(f"layer footprints must be {n_layers} sizes, got {len(footprints)}")
+    if pinned:
+        ranges = _pinned_ranges(pinned, n_layers)
+    else:
+        ranges = _balanced_ranges(nodes, n_layers, costs, footprints)
     return [(node_id, Shard(model_id, s, e, n_layers)) for node_id, s, e in ranges]
 
 
 def check_memory(ring: Sequence[tuple[str, Shard]], nodes: Sequence[NodeCapacity], footprints: Sequence[int]) -> None:
     """Raise PartitionError naming every node whose planned layers (their weights and KV cache, `footprints` from
-    node/core/placement/layer_costs.py) exceed the memory it reports, with what it would need: a plan is never made that a node
-    cannot hold. Nodes reporting no memory (0) are not judged."""
+    node/core/placement/layer_costs.py) exceed the memory it reports, with what it would need: a plan is never made
+    that a node cannot hold. Nodes reporting no memory (0) are not judged."""
     memory = {n.node_id: n.memory_bytes for n in nodes}
     over = []
     for node_id, shard in ring:
@@ -59,68 +79,29 @@ def check_memory(ring: Sequence[tuple[str, Shard]], nodes: Sequence[NodeCapacity
         )
 
 
-def _weighted_ranges(
-    nodes: Sequence[NodeCapacity], n_layers: int, costs: Sequence[int] | None = None
+def _balanced_ranges(
+    nodes: Sequence[NodeCapacity], n_layers: int, costs: Sequence[int] | None, footprints: Sequence[int] | None
 ) -> list[tuple[str, int, int]]:
-    # Biggest node first so the ring order (and who gets the extra layer) does not depend on input order.
-    order = sorted(nodes, key=lambda n: (-max(n.memory_bytes, 0), n.node_id))[:n_layers]
-    weights = [max(n.memory_bytes, 0) for n in order]
-    if not any(weights):
-        weights = [1] * len(order)
-    counts = _apportion(weights, n_layers) if costs is None else _by_cost(weights, costs)
+    order = sorted(nodes, key=lambda n: n.node_id)  # the ring's order: the members', not their start order
+    times = fs_per_cost([n.speed for n in order], costs is not None)
+    caps = tuple(memory_cap(n.memory_bytes) for n in order)
+    hop = round(HOP_SECONDS * FS) if costs is not None else 0
+    feet = tuple(footprints) if footprints is not None else None
+    counts = balanced_counts(tuple(times), caps, tuple(costs or [1] * n_layers), feet, hop)
+    if counts is None:
+        need = sum(footprints or ())
+        have = sum(c or 0 for c in caps)
+        raise PartitionError(
+            f"no split of the {n_layers} layers fits the nodes' memory: they need {need / 2**30:.2f} GiB of weights "
+            f"and KV cache, the {len(order)} nodes report {have / 2**30:.2f} GiB (add nodes, or give them more "
+            "memory with --memory-gb)"
+        )
     out, start = [], 0
     for node, count in zip(order, counts):
-        out.append((node.node_id, start, start + count))
-        start += count
+        if count:
+            out.append((node.node_id, start, start + count))
+            start += count
     return out
-
-
-def _by_cost(weights: list[int], costs: Sequence[int]) -> list[int]:
-    """Layer counts of consecutive shards whose sizes follow `weights`: each cut is where the running size comes
-    closest to the running share (exact fractions; ties: the earlier cut), every shard keeping >= 1 layer."""
-    cum = [0]
-    for c in costs:
-        cum.append(cum[-1] + c)
-    total, weight, share = cum[-1], sum(weights), 0
-    cuts = [0]
-    for j, w in enumerate(weights[:-1]):
-        share += w
-        target = Fraction(total * share, weight)
-        lo, hi = cuts[-1] + 1, len(costs) - (len(weights) - 1 - j)
-        cuts.append(min(range(lo, hi + 1), key=lambda c: (abs(cum[c] - target), c)))
-    cuts.append(len(costs))
-    return [b - a for a, b in zip(cuts, cuts[1:])]
-
-
-def _apportion(weights: list[int], total: int) -> list[int]:
-    """Largest-remainder split of `total` by `weights`, each >= 1; ties go to the earlier index.
-
-    Needs len(weights) <= total. Nodes whose share is below one layer are fixed at 1 and the rest
-    re-split among the others, repeatedly, so the minimum costs the big nodes as little as possible.
-    """
-    counts = [0] * len(weights)
-    pool = list(range(len(weights)))
-    left = total
-    while True:
-        pool_weight = sum(weights[i] for i in pool)
-        # Fractions keep the comparisons exact, so tie-breaking never hinges on float rounding.
-        quota = {i: Fraction(left * weights[i], pool_weight) if pool_weight else Fraction(0) for i in pool}
-        small = [i for i in pool if quota[i] < 1]
-        if not small:
-            break
-        for i in small:
-            counts[i] = 1
-        left -= len(small)
-        pool = [i for i in pool if quota[i] >= 1]
-        if not pool:  # only reachable when every weight left is 0, i.e. all weights were forced
-            return counts
-    for i in pool:
-        counts[i] = int(quota[i])  # floor; quota >= 1 here so every node keeps >= 1
-    spare = left - sum(counts[i] for i in pool)
-    by_remainder = sorted(pool, key=lambda i: (-(quota[i] - counts[i]), i))
-    for i in by_remainder[:spare]:
-        counts[i] += 1
-    return counts
 
 
 def _pinned_ranges(pinned: Sequence[NodeCapacity], n_layers: int) -> list[tuple[str, int, int]]:

@@ -1,6 +1,7 @@
 """Which node runs which layers, given that some nodes may not hold all their layers yet.
 
-Every node computes the same *target* ring over all members (the memory-weighted partition, or the pinned ranges):
+Every node computes the same *target* ring over all members (the split by measured speed within each node's memory,
+node/core/placement/balance.py, or the pinned ranges):
 that is what each node should hold, and a node fetching its weights fetches its target range. A request gets the
 target ring once every node of it can serve its part; until then it gets a ring over the nodes that can: the
 complete nodes (those with the whole model) partitioned among themselves, else a chain of the runs of layers that
@@ -17,15 +18,20 @@ from shards.model.shard import Shard
 
 
 def _capacities(nodes: Sequence[NodeInfo]) -> list[NodeCapacity]:
-    return [NodeCapacity(n.node_id, n.capabilities.memory_bytes, n.pinned) for n in nodes]
+    return [NodeCapacity(n.node_id, n.capabilities.memory_bytes, n.pinned, n.capabilities.speed) for n in nodes]
 
 
 def target_ring(
-    nodes: Sequence[NodeInfo], model_id: str, n_layers: int, costs: Sequence[int] | None = None
+    nodes: Sequence[NodeInfo],
+    model_id: str,
+    n_layers: int,
+    costs: Sequence[int] | None = None,
+    footprints: Sequence[int] | None = None,
 ) -> list[tuple[str, Shard]]:
-    """The ring the cluster is meant to have: every member holds its part (split by `costs`, each layer's size,
-    where given: node/core/placement/layer_costs.py). Raises PartitionError."""
-    return partition(_capacities(nodes), model_id, n_layers, costs)
+    """The ring the cluster is meant to have: every member it keeps holds its part (split by `costs`, each layer's
+    compute, and the nodes' speeds, within their memory given `footprints`: node/core/placement/partition.py).
+    Raises PartitionError."""
+    return partition(_capacities(nodes), model_id, n_layers, costs, footprints)
 
 
 def plan_ring(
@@ -38,19 +44,23 @@ def plan_ring(
     """The ring a request starting now gets: the target ring if every node is ready for its part, else one over
     the nodes that are. Raises PartitionError when the nodes can't cover every layer, or (given `footprints`, each
     layer's weights and KV bytes: node/core/placement/layer_costs.py) when a node's part would not fit the memory it reports."""
-    ring = _plan_ring(nodes, model_id, n_layers, costs)
+    ring = _plan_ring(nodes, model_id, n_layers, costs, footprints)
     if footprints is not None:
         check_memory(ring, _capacities(nodes), footprints)
     return ring
 
 
 def _plan_ring(
-    nodes: Sequence[NodeInfo], model_id: str, n_layers: int, costs: Sequence[int] | None
+    nodes: Sequence[NodeInfo],
+    model_id: str,
+    n_layers: int,
+    costs: Sequence[int] | None,
+    footprints: Sequence[int] | None,
 ) -> list[tuple[str, Shard]]:
     by_id = {n.node_id: n for n in nodes}
     ring, target_error = None, None
     try:
-        ring = target_ring(nodes, model_id, n_layers, costs)
+        ring = target_ring(nodes, model_id, n_layers, costs, footprints)
     except PartitionError as e:
         target_error = e
     if ring is not None and all(by_id[node_id].availability.can_serve(shard) for node_id, shard in ring):
@@ -60,7 +70,7 @@ def _plan_ring(
     complete = [n for n in nodes if n.availability.complete]
     if complete:
         try:
-            return target_ring(complete, model_id, n_layers, costs)
+            return target_ring(complete, model_id, n_layers, costs, footprints)
         except PartitionError:
             pass  # e.g. the complete nodes are pinned to ranges with gaps: try with the others' layers
     chain = _chain(nodes, model_id, n_layers)
