@@ -6,7 +6,10 @@ Decoded values are hostile until validated, as in node/grpc/wire.py, whose limit
 
 from __future__ import annotations
 
+import math
+
 from discovery.address import parse_address
+from node.core.placement.balance import MAX_SPEED
 from node.core.topology import Availability, Capabilities, NodeInfo
 from node.fetch.manifest import MAX_FILES, MAX_PIECES, Manifest, ManifestError, ModelFile, Piece
 from node.grpc.generated import node_service_pb2 as pb
@@ -34,7 +37,7 @@ def encode_node_info(n: NodeInfo) -> pb.NodeInfo:
         node_id=n.node_id,
         address=n.address,
         capabilities=pb.Capabilities(
-            memory_bytes=c.memory_bytes, engine=c.engine, model_id=c.model_id, n_layers=c.n_layers
+            memory_bytes=c.memory_bytes, engine=c.engine, model_id=c.model_id, n_layers=c.n_layers, speed=c.speed
         ),
         loaded=[encode_shard(s) for s in n.loaded],
         active_requests=n.active_requests,
@@ -67,7 +70,9 @@ def decode_node_info(m: pb.NodeInfo) -> NodeInfo:
     if c.n_layers < 0:
         raise WireError(f"node {node_id!r} reports {c.n_layers} layers")
     model_id = _text(c.model_id, "model_id", MAX_MODEL_ID, required=False)
-    caps = Capabilities(c.memory_bytes, _text(c.engine, "engine"), model_id, c.n_layers)
+    if not (math.isfinite(c.speed) and 0 <= c.speed <= MAX_SPEED):  # placement divides by it
+        raise WireError(f"node {node_id!r} reports a speed of {c.speed}: need 0 (unmeasured) to {MAX_SPEED:g}")
+    caps = Capabilities(c.memory_bytes, _text(c.engine, "engine"), model_id, c.n_layers, c.speed)
     pinned = None
     if m.HasField("pinned"):
         p = decode_shard(m.pinned)  # validates the range

@@ -201,16 +201,18 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("memory_bytes", "engine", "model_id", "n_layers")
+    __slots__ = ("memory_bytes", "engine", "model_id", "n_layers", "speed")
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SPEED_FIELD_NUMBER: _ClassVar[int]
     memory_bytes: int
     engine: str
     model_id: str
     n_layers: int
-    def __init__(self, memory_bytes: _Optional[int] = ..., engine: _Optional[str] = ..., model_id: _Optional[str] = ..., n_layers: _Optional[int] = ...) -> None: ...
+    speed: float
+    def __init__(self, memory_bytes: _Optional[int] = ..., engine: _Optional[str] = ..., model_id: _Optional[str] = ..., n_layers: _Optional[int] = ..., speed: _Optional[float] = ...) -> None: ...
 
 class LayerRun(_message.Message):
     __slots__ = ("start", "end")
