@@ -28,6 +28,7 @@ from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.speculation import Speculation
 from node.core.topology import Availability, Capabilities, NodeInfo, PeerLink, Topology
+from node.runtime.calibration import LayerSpeed, calibrate, calibration_slice
 from node.runtime.entry import Entry
 from node.runtime.loop_monitor import LoopMonitor
 from node.runtime.metrics import NodeMetrics, NodeStatus
@@ -88,6 +89,8 @@ class Node:
             ),
         )
         self.shards = ShardManager(model.path, model.config, engines)
+        self._engines = engines
+        self.speed = LayerSpeed(layer_costs(model.config), settings.speed)  # what placement balances
         self.batcher = SamplingBatcher(
             settings.sample_batch_max,
             settings.sample_batch_window_ms,
@@ -163,7 +166,7 @@ class Node:
         return NodeInfo(
             node_id=self.id,
             address=self.address,
-            capabilities=Capabilities(s.memory_bytes, s.engine, self.model_id, self.config.n_layers),
+            capabilities=Capabilities(s.memory_bytes, s.engine, self.model_id, self.config.n_layers, self.speed.speed),
             pinned=s.pinned,
             loaded=self.shards.loaded,
             active_requests=self._active_requests(),
@@ -189,7 +192,7 @@ class Node:
 
     @property
     def layer_costs(self) -> tuple[int, ...] | None:
-        """Each layer's size where layers differ (a mixture of experts), for placement by bytes."""
+        """Each layer's compute (parameters a token goes through), which placement balances against speeds."""
         return layer_costs(self.config)
 
     @property
@@ -219,6 +222,23 @@ class Node:
         self._spawn(self._expire_loop())
         self._spawn(LoopMonitor(self.metrics.loop_lag.observe).run())
         self._spawn(self._warm_grammar())
+        self._spawn(self._calibrate())
+
+    async def _calibrate(self) -> None:
+        """Time a slice of the model's layers once this node holds them all (node/runtime/calibration.py); a node
+        that holds only some measures as it serves, and a --speed is never measured."""
+        if self.speed.fixed is not None:
+            return
+        while not self.availability().complete:
+            await asyncio.sleep(1.0)
+        shard = calibration_slice(self.model_id, self.config.n_layers)
+        try:
+            costs = self.layer_costs
+            self.speed.measured(
+                await self.shards.run(calibrate, self._engines, self.model.path, shard, self.config, costs)
+            )
+        except Exception as e:  # placement counts this node as the others until its passes measure it
+            logging.getLogger(__name__).warning("no speed calibration: %s", e)
 
     async def _warm_grammar(self) -> None:
         """Build llguidance's view of the vocabulary now, off the loop: built at the first constrained request,

@@ -7,6 +7,7 @@ constructor next to it. The core's own limits are one `CoreLimits` inside it, ne
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,12 +39,15 @@ class NodeSettings:
     speculate: str = "lookup"  # proposals as a request's first node: prompt lookup, a draft model, or off
     speculation: SpeculationLimits = SpeculationLimits()  # how many
     draft_model: Path | None = None  # --draft-model, for speculate="draft"
+    speed: float | None = None  # --speed: layer throughput to report (Gparam/s); None: measured (calibration.py)
 
     def __post_init__(self) -> None:
         if not self.node_id:
             raise ValueError("a node needs a non-empty node id (--node-id)")
         if self.memory_bytes <= 0:
             raise ValueError(f"memory to report must be positive, got {self.memory_bytes} bytes (--memory-gb)")
+        if self.speed is not None and not (math.isfinite(self.speed) and 0 < self.speed <= 1e6):
+            raise ValueError(f"--speed must be positive (billions of parameters per second), got {self.speed}")
         if self.pinned is not None and not 0 <= self.pinned[0] < self.pinned[1]:
             raise ValueError(f"--shard {self.pinned[0]}:{self.pinned[1]}: need 0 <= START < END")
         for name in ("request_timeout", "queue_timeout"):

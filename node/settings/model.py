@@ -25,6 +25,12 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--list-models", action="store_true", help="list the packaged models and exit")
     g.add_argument("--shard", help="own exactly layers START:END (half-open) instead of automatic partitioning")
     g.add_argument("--memory-gb", type=float, help="memory to report for partitioning (default: available RAM)")
+    g.add_argument(
+        "--speed",
+        type=float,
+        help="layer throughput to report for partitioning, in billions of parameters per second on one row "
+        "(default: measured at start and as it serves)",
+    )
 
     g = ap.add_argument_group("engine")
     g.add_argument(

@@ -154,6 +154,7 @@ def node_from_args(args: argparse.Namespace, *, node_id: str, engine: EngineSett
     return NodeSettings(
         node_id=node_id,
         memory_bytes=int(args.memory_gb * 2**30) if args.memory_gb is not None else machine.available_memory,
+        speed=args.speed,
         engine=engine.name,
         pinned=parse_shard(args.shard),
         max_tensor_bytes=DEFAULT_MAX_MESSAGE_BYTES - (1 << 20),  # room for the rest of the message

@@ -1,0 +1,111 @@
+"""This node's layer throughput, which placement balances (node/core/placement/balance.py): billions of parameters
+a token goes through per second on one row, reported in its capabilities.
+
+Measured twice over: once at start (`calibrate`: a few one-row forward steps through an engine on a slice of the
+model's layers, timed, well under a second), then from the live passes (`LayerSpeed.observed`: every one-row
+pass's compute time over its shard's cost, smoothed). What is reported moves only when the smoothed measure is
+REPORT_STEPS quantisation steps away from it, so measurement noise never moves a layer; an operator's --speed
+fixes it and nothing is measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from node.core.placement.balance import MAX_SPEED, speed_level
+from shards.engines.base import Engine, StepInput
+from shards.formats.config import ModelConfig
+from shards.model.shard import Shard
+
+log = logging.getLogger(__name__)
+
+WARMUP_STEPS = 2  # the first passes build graphs and touch the weights: not timed
+TIMED_STEPS = 5  # the fastest of these is the measure (other processes' load only ever slows a step)
+BUDGET_S = 0.5  # calibration stops after this long, with what it has
+SLICE_LAYERS = 2  # the layers of the engine it times
+SMOOTHING = 0.1  # weight of a live pass in the smoothed measure
+MIN_LIVE = 8  # live passes seen before they may move the report
+REPORT_STEPS = 2  # the report moves when the measure is this many quantisation steps away from it
+
+
+def calibration_slice(model_id: str, n_layers: int) -> Shard:
+    """The layers timed at start: SLICE_LAYERS from the middle (no embedding, and no head unless they are the
+    model's last), the whole model when it has no more."""
+    if n_layers <= SLICE_LAYERS:
+        return Shard(model_id, 0, n_layers, n_layers)
+    start = (n_layers - SLICE_LAYERS) // 2
+    return Shard(model_id, start, start + SLICE_LAYERS, n_layers)
+
+
+def calibrate(factory, model_dir: Path, shard: Shard, config: ModelConfig, costs: Sequence[int]) -> float | None:
+    """On the engine thread: build an engine for `shard` (`factory`, as the node builds its own), time one-row
+    steps through it and drop it. Billions of parameters per second, or None when nothing was timed."""
+    began = time.perf_counter()
+    engine = factory(model_dir, shard, config)
+    seconds = time_steps(engine, config)
+    if seconds is None:
+        return None
+    speed = sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9
+    log.info("calibrated: %.3g Gparam/s (%s, %.0f ms)", speed, shard, (time.perf_counter() - began) * 1e3)
+    return min(speed, MAX_SPEED)
+
+
+def time_steps(engine: Engine, config: ModelConfig) -> float | None:
+    """The fastest of TIMED_STEPS one-row decode steps (after WARMUP_STEPS), within BUDGET_S; its cache freed."""
+    rid = f"calibration-{uuid.uuid4().hex}"
+    rng = np.random.default_rng(0)
+    steps, times, began = WARMUP_STEPS + TIMED_STEPS, [], time.perf_counter()
+    try:
+        for i in range(steps):
+            if engine.shard.is_first:
+                row = StepInput(rid, tokens=np.array([i % config.vocab_size], np.int64), max_positions=steps)
+            else:
+                hidden = rng.standard_normal((1, config.hidden_size)).astype(np.float32)
+                row = StepInput(rid, hidden=hidden, max_positions=steps)
+            t = time.perf_counter()
+            engine.forward([row])
+            if i >= WARMUP_STEPS:
+                times.append(time.perf_counter() - t)
+            if time.perf_counter() - began > BUDGET_S:
+                break
+    finally:
+        engine.release(rid)
+    return min(times) if times else None
+
+
+class LayerSpeed:
+    """What this node reports as its speed: fixed (--speed), else calibrated, then moved by live passes."""
+
+    def __init__(self, costs: Sequence[int], fixed: float | None = None):
+        if fixed is not None and not 0 < fixed <= MAX_SPEED:
+            raise ValueError(f"--speed must be in (0, {MAX_SPEED:g}] billion parameters per second, got {fixed}")
+        self.costs, self.fixed = tuple(costs), fixed
+        self.speed = fixed or 0.0  # reported; 0: not measured yet
+        self._smoothed: float | None = None  # seconds per billion parameters
+        self._seen = 0
+
+    def measured(self, speed: float | None) -> None:
+        """The calibration's result: reported at once (unless --speed fixes it)."""
+        if self.fixed is None and speed is not None and speed > 0:
+            self.speed = min(speed, MAX_SPEED)
+            self._smoothed, self._seen = 1 / self.speed, MIN_LIVE
+
+    def observed(self, shard: Shard, positions: int, seconds: float) -> None:
+        """A pass's compute time: one-row passes move the smoothed measure, and the report once it is REPORT_STEPS
+        quantisation steps away."""
+        if self.fixed is not None or positions != 1 or not seconds > 0:
+            return
+        per_g = seconds / (sum(self.costs[shard.start_layer : shard.end_layer]) / 1e9)
+        self._smoothed = per_g if self._smoothed is None else (1 - SMOOTHING) * self._smoothed + SMOOTHING * per_g
+        self._seen += 1
+        live = min(1 / self._smoothed, MAX_SPEED)
+        if self._seen >= MIN_LIVE and (
+            self.speed == 0 or abs(speed_level(live) - speed_level(self.speed)) >= REPORT_STEPS
+        ):
+            self.speed = live
