@@ -19,7 +19,13 @@ from typing import Any
 
 from node.http.tool_stream import CallDelta, CallStream
 from node.http.tool_syntax import ToolSyntax, generic_messages, knows_tools, template_family, tool_syntax
-from shards.decoding.grammar import GrammarError, json_object_grammar, json_schema_grammar, tool_call_grammar
+from shards.decoding.grammar import (
+    GrammarError,
+    json_object_grammar,
+    json_schema_grammar,
+    schema_problem,
+    tool_call_grammar,
+)
 
 __all__ = ["CallDelta", "CallStream", "ToolSyntax", "generic_messages", "knows_tools", "template_family"]
 
@@ -79,6 +85,11 @@ class Structure:
                 )
             named = self.tool_choice not in ("auto", "required")
             tools = [(t.name, t.parameters) for t in self.tools if not named or t.name == self.tool_choice]
+            for name, params in tools:  # each alone first: its error then names its own pointers
+                if problem := schema_problem(params):
+                    raise ToolError("tools", f"the parameters of tool {name!r}: {problem}")
+            if self.json_schema is not None and (problem := schema_problem(self.json_schema)):
+                raise ToolError("tools", f"response_format's schema: {problem}")
             return tool_call_grammar(
                 tools,
                 required=self.tool_choice != "auto",

@@ -100,6 +100,13 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
         raise GrammarError(f"not a usable JSON schema: {e}") from None
 
 
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """What llguidance finds wrong with `schema` on its own (any vocabulary), or None: a tool's schema is checked
+    alone before it is embedded in a call grammar, so its error names its own pointers and not the grammar's."""
+    message = LLMatcher.validate_grammar(json_schema_grammar(schema), None)
+    return _clean(message) if message and not message.startswith("WARNING") else None
+
+
 def json_object_grammar() -> str:
     """Any JSON object (response_format {"type": "json_object"})."""
     return json_schema_grammar({"type": "object"})
@@ -146,14 +153,24 @@ def discriminated_one_of(schema: Any) -> Any:
         k: (v if k in ("const", "enum", "default", "examples") else discriminated_one_of(v)) for k, v in schema.items()
     }
     branches = out.get("oneOf")
-    if isinstance(branches, list) and len(branches) > 1 and all(isinstance(b, dict) for b in branches):
-        for key in set.intersection(*(set(b.get("required") or ()) for b in branches)):
-            tags = [b.get("properties", {}).get(key, {}) for b in branches]
-            consts = [t.get("const") if "const" in t else None for t in tags if isinstance(t, dict)]
-            if len(consts) == len(branches) and None not in consts and len(set(map(json.dumps, consts))) == len(consts):
-                out["anyOf"] = out.pop("oneOf")
-                break
+    if "anyOf" not in out and isinstance(branches, list) and len(branches) > 1 and _exclusive(branches):
+        out["anyOf"] = out.pop("oneOf")
     return out
+
+
+def _exclusive(branches: list[Any]) -> bool:
+    """Whether every branch is an object schema requiring one property (the same) that has a distinct const."""
+    if not all(isinstance(b, dict) and b.get("type") == "object" for b in branches):
+        return False
+    required = [b.get("required") for b in branches]
+    if not all(isinstance(r, list) and all(isinstance(k, str) for k in r) for r in required):
+        return False
+    for key in set.intersection(*(set(r) for r in required)):
+        tags = [b.get("properties", {}).get(key) if isinstance(b.get("properties"), dict) else None for b in branches]
+        if all(isinstance(t, dict) and "const" in t for t in tags):
+            if len({json.dumps(t["const"], sort_keys=True) for t in tags}) == len(tags):
+                return True
+    return False
 
 
 def tool_call_schema(tools: list[tuple[str, dict[str, Any]]], args_key: str = "arguments") -> dict[str, Any]:

@@ -15,6 +15,7 @@ from shards.decoding.grammar import (
     GrammarError,
     Matcher,
     closed_objects,
+    discriminated_one_of,
     grammar_tokenizer,
     json_object_grammar,
     json_schema_grammar,
@@ -243,3 +244,23 @@ def test_tools_with_a_response_format_give_calls_or_json_of_the_schema(tok, gt, 
         text = tok.decode(generate(tok, Matcher(gt, Constraint(grammar), pool), seed))
         if not text.startswith("<tool_call>"):
             jsonschema.validate(json.loads(text), reply)
+
+
+@pytest.mark.parametrize(
+    "branches",
+    [
+        [
+            {"required": ["k"], "properties": {"k": {"const": 1}}},
+            {"required": ["k"], "properties": {"k": {"const": 2}}},
+        ],
+        [{"type": "object", "required": [{}], "properties": []}, {"type": "object", "required": "k"}],
+        [
+            {"type": "object", "required": ["k"], "properties": {"k": {"const": None}}},
+            {"type": "object", "required": ["k"], "properties": {"k": {"const": None}}},
+        ],
+    ],
+)
+def test_a_one_of_not_provably_exclusive_stays_one_of(branches):
+    """Without `type: object` a branch also takes strings, numbers..: both would; equal tags overlap; malformed
+    branches are llguidance's to refuse."""
+    assert discriminated_one_of({"oneOf": branches}) == {"oneOf": branches}

@@ -268,3 +268,15 @@ def test_a_schema_nested_too_deeply_is_a_400_not_a_crash(depth):
         params = {"type": "array", "items": params}
     with pytest.raises((ApiError, ToolError), match="nested too deeply"):
         chat(tools=[{"type": "function", "function": {"name": "f", "parameters": params}}]).options.structure.grammar()
+
+
+def test_a_bad_tool_schema_is_refused_naming_the_tool_and_its_own_pointer():
+    params = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}
+    tools = [WEATHER, {"type": "function", "function": {"name": "broken", "parameters": params}}]
+    with pytest.raises(ToolError) as e:
+        chat(tools=tools).options.structure.grammar()
+    assert "tool 'broken'" in str(e.value) and "'/$defs/Missing' does not exist" in str(e.value)
+    assert "anyOf" not in str(e.value) and "%json" not in str(e.value)
+    with pytest.raises(ToolError, match="oneOf"):
+        overlap = {"type": "object", "properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": overlap}}]).options.structure.grammar()
