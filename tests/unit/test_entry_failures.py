@@ -1,0 +1,103 @@
+"""What the entry does with each kind of failure (node/runtime/entry.py), on the kind alone: busy, it tries again
+until the queue timeout and then gives up still busy; lost, it replays the request on a new plan with what was
+generated so far, up to --max-replays; refused or error, it fails the request at once, as reported."""
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from node.core.failures import Failed, Failure, FailureKind
+from node.core.requests import TokenMessage
+from node.runtime.entry import Entry
+from shards.decoding.sampling import SampleResult
+from tests.support.factories import CFG
+from tests.unit.test_entry_results import PLAN, Ring, started
+
+
+def entry_for(ring: Ring, **limits) -> Entry:
+    tasks = set()
+
+    def spawn(coro):
+        task = asyncio.ensure_future(coro)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    settings = dict(request_timeout=5.0, max_replays=1, queue_timeout=1.0) | limits
+    return Entry(
+        "entry",
+        "h:9",
+        ring,
+        plan=lambda excluded: PLAN,
+        stop_token_ids=frozenset({509}),
+        counters=Counter(),
+        spawn=spawn,
+        vocab_size=CFG.vocab_size,
+        **settings,
+    )
+
+
+def failed(rid, kind, detail="why"):
+    return TokenMessage(rid, finished=True, finish_reason="error", failure=Failure(kind, detail, "b"))
+
+
+async def next_prompt(ring: Ring, seen: int):
+    while len(ring.prompts) <= seen:
+        await asyncio.sleep(0.01)
+    return ring.prompts[-1]
+
+
+def test_a_busy_ring_is_tried_again_then_given_up_on_still_busy_after_the_queue_timeout():
+    async def go():
+        ring = Ring()
+        entry = entry_for(ring, queue_timeout=0.3)
+        stream, first, rid = await started(entry, ring)
+        while not first.done():  # every attempt's first node answers busy
+            tries = len(ring.prompts)
+            entry.accept_tokens(failed(rid, FailureKind.BUSY, "KV cache memory is full"), caller="b")
+            while len(ring.prompts) == tries and not first.done():
+                await asyncio.sleep(0.01)
+            rid = ring.prompts[-1].request_id
+        with pytest.raises(Failed) as given_up:
+            await first
+        return given_up.value, len(ring.prompts), entry.counters
+
+    given_up, tries, counters = asyncio.run(go())
+    assert given_up.kind is FailureKind.BUSY and "no room for the request within 0.3s" in str(given_up)
+    assert tries > 2 and counters["busy_retries"] == tries - 1 and counters["requests_overloaded"] == 1
+
+
+def test_a_lost_node_is_replayed_with_the_tokens_so_far_then_given_up_on_after_max_replays():
+    async def go():
+        ring = Ring()
+        entry = entry_for(ring, max_replays=1)
+        stream, first, rid = await started(entry, ring)
+        entry.accept_tokens(TokenMessage(rid, (SampleResult(7),)), caller="c")
+        assert (await first).results == (SampleResult(7),)
+        second = asyncio.ensure_future(anext(stream))
+        entry.accept_tokens(failed(rid, FailureKind.LOST, "forward failed"), caller="b")
+        replay = await asyncio.wait_for(next_prompt(ring, 1), 2)
+        entry.accept_tokens(failed(replay.request_id, FailureKind.LOST, "forward failed again"), caller="b")
+        with pytest.raises(Failed) as given_up:
+            await second
+        return replay, given_up.value, entry.counters
+
+    replay, given_up, counters = asyncio.run(go())
+    assert (replay.resumed, replay.prompt_tokens) == (1, 4)  # the prompt and the token the client already has
+    assert given_up.kind is FailureKind.LOST and "gave up after 1 replays" in str(given_up)
+    assert counters["replays"] == 2 and counters["requests_failed"] == 1
+
+
+@pytest.mark.parametrize("kind", [FailureKind.REFUSED, FailureKind.ERROR])
+def test_a_refusal_or_an_error_fails_the_request_at_once_as_reported(kind):
+    async def go():
+        ring = Ring()
+        entry = entry_for(ring)
+        stream, first, rid = await started(entry, ring)
+        entry.accept_tokens(failed(rid, kind, "exceeds the model's context"), caller="b")
+        with pytest.raises(Failed) as e:
+            await first
+        return e.value, len(ring.prompts)
+
+    error, prompts = asyncio.run(go())
+    assert error.failure == Failure(kind, "exceeds the model's context", "b") and prompts == 1  # never tried again
