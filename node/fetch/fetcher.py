@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from node.core.failures import FailureKind
 from node.fetch.local_copy import LocalCopy
 from node.fetch.manifest import Manifest
 from node.runtime.transport import Transport, TransportError
@@ -136,7 +137,7 @@ class Fetcher:
                 )
             except TransportError as e:
                 self.counters["fetch_retries"] += 1
-                if e.kind == "busy":  # its upload slots are full: come back shortly, or try another peer
+                if e.kind is FailureKind.BUSY:  # its upload slots are full: come back shortly, or try another peer
                     await asyncio.sleep(min(0.05 * attempt, 1.0))
                 else:
                     log.info(
