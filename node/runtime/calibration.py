@@ -1,8 +1,8 @@
 """This node's layer throughput, which placement balances (node/core/placement/balance.py): billions of parameters
 a token goes through per second on one row, reported in its capabilities.
 
-Measured twice over: once at start (`calibrate`: a few one-row forward steps through an engine on a slice of the
-model's layers, timed, well under a second), then from the live passes (`LayerSpeed.observed`: every one-row
+Measured twice over: once at start (`calibrate`: one-row forward steps through an engine on a slice of the
+model's layers, back to back for WINDOW_S: the sustained rate, as a CPU quota or a busy machine allows it), then from the live passes (`LayerSpeed.observed`: every one-row
 pass's compute time over its shard's cost, smoothed). What is reported moves only when the smoothed measure is
 REPORT_STEPS quantisation steps away from it, so measurement noise never moves a layer; an operator's --speed
 fixes it and nothing is measured.
@@ -26,8 +26,8 @@ from shards.model.shard import Shard
 log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 2  # the first passes build graphs and touch the weights: not timed
-TIMED_STEPS = 5  # the fastest of these is the measure (other processes' load only ever slows a step)
-BUDGET_S = 0.5  # calibration stops after this long, with what it has
+MIN_STEPS = 3  # timed steps at least, however long they take
+WINDOW_S = 0.3  # steps run back to back this long: three periods of a cgroup CPU quota's default 100 ms
 SLICE_LAYERS = 2  # the layers of the engine it times
 SMOOTHING = 0.1  # weight of a live pass in the smoothed measure
 MIN_LIVE = 8  # live passes seen before they may move the report
@@ -57,26 +57,31 @@ def calibrate(factory, model_dir: Path, shard: Shard, config: ModelConfig, costs
 
 
 def time_steps(engine: Engine, config: ModelConfig) -> float | None:
-    """The fastest of TIMED_STEPS one-row decode steps (after WARMUP_STEPS), within BUDGET_S; its cache freed."""
+    """Seconds per one-row decode step, on average over steps run back to back for WINDOW_S (at least MIN_STEPS,
+    after WARMUP_STEPS), each at the same position (the cache rolled back: every step costs the same)."""
     rid = f"calibration-{uuid.uuid4().hex}"
     rng = np.random.default_rng(0)
-    steps, times, began = WARMUP_STEPS + TIMED_STEPS, [], time.perf_counter()
+    hidden = rng.standard_normal((1, config.hidden_size)).astype(np.float32)
+
+    def step(i: int) -> None:
+        if engine.shard.is_first:
+            row = StepInput(rid, tokens=np.array([i % config.vocab_size], np.int64), max_positions=2)
+        else:
+            row = StepInput(rid, hidden=hidden, max_positions=2)
+        if i:
+            engine.rollback(rid, 1)
+        engine.forward([row])
+
     try:
-        for i in range(steps):
-            if engine.shard.is_first:
-                row = StepInput(rid, tokens=np.array([i % config.vocab_size], np.int64), max_positions=steps)
-            else:
-                hidden = rng.standard_normal((1, config.hidden_size)).astype(np.float32)
-                row = StepInput(rid, hidden=hidden, max_positions=steps)
-            t = time.perf_counter()
-            engine.forward([row])
-            if i >= WARMUP_STEPS:
-                times.append(time.perf_counter() - t)
-            if time.perf_counter() - began > BUDGET_S:
-                break
+        for i in range(WARMUP_STEPS):
+            step(i)
+        began, steps = time.perf_counter(), 0
+        while steps < MIN_STEPS or time.perf_counter() - began < WINDOW_S:
+            step(1 + steps)
+            steps += 1
+        return (time.perf_counter() - began) / steps
     finally:
         engine.release(rid)
-    return min(times) if times else None
 
 
 class LayerSpeed:
