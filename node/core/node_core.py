@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -25,29 +26,29 @@ from node.core.logs import node_log
 from node.core.plan import RequestSpec
 from node.core.request_book import RequestBook
 from node.core.requests import Activation, Refusal, RequestState, TokenMessage
-from node.core.scheduler import Group
 from node.core.speculation import MAX_DRAFTS
+from node.core.step_plan import PREFIX_GONE, Sampled, StepOutputs, StepPlan
 from shards.decoding.sampling import SampleResult
 from shards.formats.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 
-def malformed_outputs(config: ModelConfig, group: Group, outputs: dict[str, np.ndarray]) -> str | None:
+def malformed_outputs(config: ModelConfig, plan: StepPlan, outputs: Mapping[str, np.ndarray]) -> str | None:
     """What is wrong with a step's outputs, if anything: one float32 array per input, [1, vocab] logits on the
     last shard (a row for each of [t, d1..dk] for an input with proposals), [T, hidden] hidden states elsewhere,
     every value finite."""
-    for item in group.items:
-        out = outputs.get(item.request_id)
+    for row in plan.rows:
+        out = outputs.get(row.request_id)
         if out is None:
             continue
-        rows = len(item.proposals) + 1
-        want = (rows, config.vocab_size) if group.shard.is_last else (len(item.data), config.hidden_size)
+        rows = len(row.proposals) + 1
+        want = (rows, config.vocab_size) if plan.shard.is_last else (len(row.data), config.hidden_size)
         if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != want:
             shape = getattr(out, "shape", type(out).__name__)
-            return f"{shape} for request {item.request_id}, expected float32 {list(want)}"
+            return f"{shape} for request {row.request_id}, expected float32 {list(want)}"
         if not np.isfinite(out).all():
-            return f"non-finite values for request {item.request_id}"
+            return f"non-finite values for request {row.request_id}"
     return None
 
 
@@ -56,13 +57,22 @@ class NodeCore(RequestBook):
     (`RequestBook`, node/core/request_book.py, whose constructor this is)."""
 
     # -- outputs of a forward pass ----------------------------------------------------------------------------
-    def step_done(self, group: Group, outputs: dict[str, np.ndarray], errors: dict[str, str]) -> list[Action]:
-        """A forward pass over `group` gave `outputs` (hidden rows, or logits on the last shard) per request;
-        `errors` are requests the pass refused or could not run."""
+    def step_done(self, plan: StepPlan, done: StepOutputs) -> list[Action]:
+        """The pass `plan` (from `take_batch`) ran: apply what it gave. Refused inputs fail their requests (an
+        evicted prefix as PREFIX_GONE: the entry retries without it); hidden rows go on to the next node; on the last
+        shard the rows sampled with the pass are delivered and sent back to the first node (`sampled`), and a row
+        that was not (the engine thread could not sample it) is asked for with a `Sample` action. Rows whose
+        request ended while the pass ran are released, never routed."""
+        self.queue.observe(plan.rows, done.computed)
         actions: list[Action] = []
-        for rid, message in errors.items():
-            actions += self.fail(rid, message)
-        if (problem := malformed_outputs(self.config, group, outputs)) is not None:
+        for rid, why in done.refused.items():
+            if why.startswith(PREFIX_GONE):  # the entry prefills the whole prompt instead
+                self.counters["prefix_gone"] += 1
+                actions += self.failed(rid, Failure(FailureKind.PREFIX_GONE, why, self.id))
+            else:
+                actions += self.fail(rid, f"node {self.id}: {why}")
+        outputs = done.outputs
+        if (problem := malformed_outputs(self.config, plan, outputs)) is not None:
             # Validated as a whole before any row is routed: an engine that got one row wrong can't be trusted
             # with the others of the same call.
             self.counters["malformed_steps"] += 1
@@ -71,10 +81,11 @@ class NodeCore(RequestBook):
             return actions
         self.counters["steps"] += 1
         self.counters["step_rows"] += len(outputs)
-        self.counters["step_positions"] += sum(len(item.data) for item in group.items if item.request_id in outputs)
+        self.counters["step_positions"] += sum(len(row.data) for row in plan.rows if row.request_id in outputs)
         sends: dict[str, list[Activation]] = defaultdict(list)
-        for item in group.items:
-            rid = item.request_id
+        results: dict[str, Sampled] = {}
+        for row in plan.rows:
+            rid = row.request_id
             if rid not in outputs:
                 continue
             req = self.requests.get(rid)
@@ -83,20 +94,28 @@ class NodeCore(RequestBook):
                 actions.append(Release(rid))
                 continue
             req.last_active = self.clock()
-            if item.partial and group.shard.is_last:
-                continue  # more of the prompt to come: nothing to sample yet
-            if group.shard.is_last:
-                logits = outputs[rid] if item.proposals else outputs[rid][-1]
-                actions.append(Sample(rid, logits, req.spec.sampling, req.sampler, item.proposals))
-                if len(req.spec.plan) == 1:
-                    self.local_inflight.add(rid)
+            if plan.shard.is_last:
+                if row.sample is None:
+                    continue  # more of the prompt to come: nothing to sample yet
+                if len(req.spec.plan) == 1 and rid not in done.followed:
+                    self.local_inflight.add(rid)  # its token comes back to this node's queue
+                if rid in done.samples:
+                    results[rid] = done.samples[rid]
+                else:
+                    logits = outputs[rid] if row.proposals else outputs[rid][-1]
+                    actions.append(Sample(rid, logits, row.sample.params, row.sample.state, row.proposals))
             else:
                 step = req.next_step
                 to = self._address(step.node_id, step.address)
-                sends[to].append(self._outgoing(req, outputs[rid], item.partial, item.proposals, item.start))
-        return actions + [Send(address, tuple(acts)) for address, acts in sends.items()]
+                sends[to].append(self._outgoing(req, outputs[rid], row.partial, row.proposals, row.start))
+        actions += [Send(address, tuple(acts)) for address, acts in sends.items()]
+        if results:
+            self.counters["presampled_rows"] += len(results)
+            self.counters["followed_rows"] += len(done.followed)
+            actions += self.sampled(results, done.followed)
+        return actions
 
-    def sampled(self, results: dict[str, SampleResult | list[SampleResult] | BaseException]) -> list[Action]:
+    def sampled(self, results: Mapping[str, Sampled], followed: frozenset[str] = frozenset()) -> list[Action]:
         """Tokens sampled on the last shard (one, or for an input with proposals the accepted drafts and the token
         after them): deliver them to the entry node, cut at a stop token or max_tokens; continue or end the
         request. After proposals the next token goes to the first node with its cache position (`start`), so
@@ -135,7 +154,9 @@ class NodeCore(RequestBook):
             actions.append(
                 Deliver(self._entry_address(spec), TokenMessage(rid, tuple(emitted), reason is not None, reason))
             )
-            if reason is None:
+            if reason is None and rid in followed:  # its next pass is running already, on this token
+                self.followed(req, result[-1].token)
+            elif reason is None:
                 first = self._address(spec.first.node_id, spec.first.address)
                 start = req.chunk_start + len(result) if drafts else None  # just past the accepted drafts
                 token = np.array([result[-1].token], dtype=np.int64)

@@ -5,6 +5,7 @@ of node/core/: `NodeCore` (node/core/node_core.py) builds on it with what to do 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -18,9 +19,12 @@ from node.core.failures import Failed, Failure, FailureKind
 from node.core.plan import PlanError, RequestSpec
 from node.core.requests import Activation, Refusal, RequestState, Tombstones
 from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
-from node.core.speculation import Speculation, check_start
+from node.core.speculation import Speculation, check_start, speculates
+from node.core.step_plan import Follow, Row, Sampling, StepPlan
 from shards.formats.config import ModelConfig
 from shards.model.shard import Shard
+
+RETAIN_WITHOUT_BUDGET = 1 << 30  # retained caches' bytes on a node without --kv-memory-gb
 
 
 class RequestBook:
@@ -162,23 +166,37 @@ class RequestBook:
         req = self.requests[spec.request_id] = self.admission.admit(spec, self.requests, self.clock())
         return req
 
-    def proposed(self, item: Queued, drafts: tuple[int, ...]) -> Queued:
-        """A deferred proposer's drafts (checked: `Speculation.draft`) for a queued input about to run (`item`,
-        its `propose` asked for): the input as it runs, with them."""
-        req = self.requests.get(item.request_id)
-        if req is None or not drafts or item.proposals or len(drafts) > item.propose:
-            return item
-        start = req.chunk_start
-        req.drafts, req.positions_in = drafts, start + 1 + len(drafts)
-        return Queued(item.request_id, np.concatenate([item.data, np.asarray(drafts, np.int64)]), False, drafts, start)
+    def proposal_asks(self, plan: StepPlan) -> list[tuple[str, list[int], int]]:
+        """For a deferred proposer (a draft model), before `plan` runs: (request, its text, at most k drafts) for
+        each row that asked (`Row.propose`)."""
+        return [
+            (row.request_id, list(req.history), row.propose)
+            for row in plan.rows
+            if row.propose and (req := self.requests.get(row.request_id)) is not None and req.history is not None
+        ]
 
-    def draft_prefills(self, group: Group) -> list[tuple[str, list[int]]]:
+    def proposed(self, plan: StepPlan, drafts: Mapping[str, tuple[int, ...]]) -> StepPlan:
+        """A deferred proposer's drafts (checked: `Speculation.draft`) by request, for a plan about to run: the plan
+        as it runs, each row that got drafts carrying them after its token, from its explicit cache position."""
+        rows = []
+        for row in plan.rows:
+            got, req = drafts.get(row.request_id, ()), self.requests.get(row.request_id)
+            if req is None or not got or row.proposals or len(got) > row.propose:
+                rows.append(row)
+                continue
+            start = req.chunk_start
+            req.drafts, req.positions_in = got, start + 1 + len(got)
+            data = np.concatenate([row.data, np.asarray(got, np.int64)])
+            rows.append(dataclasses.replace(row, data=data, proposals=got, start=start, propose=0))
+        return dataclasses.replace(plan, rows=tuple(rows))
+
+    def draft_prefills(self, plan: StepPlan) -> list[tuple[str, list[int]]]:
         """After a first-shard step: the requests whose whole prompt it just computed, with their text, for a
         deferred proposer to prefill (`Speculation.prefill`); [] unless this node drafts with a model."""
         spec = self.speculation
-        if spec is None or not spec.deferred or not group.shard.is_first:
+        if spec is None or not spec.deferred or not plan.shard.is_first:
             return []
-        done = [i.request_id for i in group.items if not (i.stepwise or i.partial)]
+        done = [r.request_id for r in plan.rows if not (r.stepwise or r.partial)]
         return [(rid, list(req.history)) for rid in done if (req := self.requests.get(rid)) and req.history]
 
     def _step_room(self) -> int:
@@ -201,15 +219,75 @@ class RequestBook:
         """The wait ran out: a straggler; run without it."""
         self.local_inflight.clear()
 
-    def take_batch(self) -> list[Group]:
-        """The next forward pass, as groups of inputs that share an engine call (see node/core/scheduler.py), its
-        decode rows a micro-batch of the requests held here on rings of several stages."""
+    def take_batch(self) -> list[StepPlan]:
+        """The next forward pass, as plans of the inputs that share an engine call (see node/core/scheduler.py and
+        node/core/step_plan.py), its decode rows a micro-batch of the requests held here on rings of several
+        stages. Each plan carries all the pass needs: the driver reads nothing else of the core to run it."""
         ringed = [len(req.spec.plan) for req in self.requests.values() if len(req.spec.plan) > 1]
         cap = self.queue.limits.micro_batch_rows(len(ringed), max(ringed, default=1))
         groups = self.queue.take(lambda rid: req.shard if (req := self.requests.get(rid)) else None, cap)
         if self.queue.held_back and cap is not None:
             self.counters["micro_batch_passes"] += 1  # a pass that left decode rows to the next micro-batch
-        return groups
+        return [self._plan(group) for group in groups]
+
+    def still_held(self, plan: StepPlan) -> StepPlan:
+        """`plan` without the rows whose request ended since it was taken (while its engine loaded, say): a pass
+        about to start need not compute for them (rows that end while it runs are released by `step_done`)."""
+        rows = tuple(r for r in plan.rows if r.request_id in self.requests)
+        return plan if len(rows) == len(plan.rows) else dataclasses.replace(plan, rows=rows)
+
+    def _plan(self, group: Group) -> StepPlan:
+        """The scheduler's group, with what each row's request says about running it, frozen now."""
+        rows = []
+        for item in group.items:
+            spec = (req := self.requests[item.request_id]).spec  # take() just dropped the ended ones
+            sample = None
+            if group.shard.is_last and not item.partial and req.sampler is not None:
+                sample = Sampling(spec.sampling, req.sampler)
+            rows.append(
+                Row(
+                    item.request_id,
+                    item.data,
+                    spec.positions if spec.prompt_tokens else None,
+                    item.start,
+                    (spec.reuse_from, spec.reuse_positions) if spec.reuse_from else None,
+                    item.partial,
+                    item.proposals,
+                    item.propose,
+                    sample,
+                    self._follow(req) if sample is not None and not (item.proposals or item.propose) else None,
+                )
+            )
+        return StepPlan(group.shard, group.bucket, tuple(rows), self._retain_limit())
+
+    def _follow(self, req: RequestState) -> Follow | None:
+        """Whether the engine thread may run the request's row on by itself, its token its next input: on a
+        one-node ring, when no proposals would be made for it (they are this core's: `Speculation.next_input`) and
+        no grammar constrains it."""
+        spec, speculation = req.spec, self.speculation
+        proposes = (
+            speculation is not None
+            and speculation.proposer is not None
+            and speculates(spec.sampling)
+            and len(self.requests) <= speculation.limits.max_requests
+        )
+        if len(spec.plan) > 1 or proposes or spec.sampling.constraint is not None or req.generated >= spec.max_tokens:
+            return None
+        return Follow(spec.stop_token_ids, spec.max_tokens - req.generated)
+
+    def followed(self, req: RequestState, token: int) -> None:
+        """The engine thread ran the request on with `token` as its next input (`step_plan.next_pass`): what
+        `accept_activations` would have recorded had the token come back through the queue."""
+        if req.history is not None:
+            req.history.append(token)
+        req.drafts, req.chunk_start, req.positions_in = (), req.positions_in, req.positions_in + 1
+        req.last_active = self.clock()
+
+    def _retain_limit(self) -> int:
+        """Bytes finished requests' retained caches may hold: what the requests' reservations leave of the KV
+        budget (RETAIN_WITHOUT_BUDGET without one), so retained caches give way before admission refuses anyone."""
+        budget = self.limits.kv_budget
+        return RETAIN_WITHOUT_BUDGET if budget is None else max(0, budget - self.kv_reserved)
 
     @property
     def active(self) -> int:

@@ -28,7 +28,7 @@ change: a row's numbers never depend on the rows beside it (the engines are batc
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,10 +161,12 @@ class StepScheduler:
         self.costs = StepCosts()
         self.held_back = 0  # decode rows the last pass left for the next because of its row cap (micro-batches)
 
-    def observe(self, group: Group, seconds: float) -> None:
-        """An engine call of `group` took `seconds`: the costs that size later steps."""
-        decode = sum(1 for item in group.items if item.stepwise)
-        self.costs.observe(decode, sum(len(item.data) for item in group.items if not item.stepwise), seconds)
+    def observe(self, items: Iterable[Queued], seconds: float) -> None:
+        """An engine call of `items` (a group's, or a plan's rows: anything with `data` and `stepwise`) took
+        `seconds`: the costs that size later steps."""
+        items = list(items)
+        decode = sum(1 for item in items if item.stepwise)
+        self.costs.observe(decode, sum(len(item.data) for item in items if not item.stepwise), seconds)
 
     def push(self, item: Queued) -> None:
         self.queue.append(item)

@@ -28,7 +28,7 @@ from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.speculation import Speculation
 from node.core.topology import Availability, Capabilities, NodeInfo, PeerLink, Topology
-from node.runtime.calibration import LayerSpeed, calibrate, calibration_slice
+from node.runtime.calibration import LayerSpeed, calibrate_node
 from node.runtime.entry import Entry
 from node.runtime.loop_monitor import LoopMonitor
 from node.runtime.metrics import NodeMetrics, NodeStatus
@@ -109,6 +109,8 @@ class Node:
             model_id=model.model_id,
             metrics=self.metrics,
             spawn=self._spawn,
+            local=self.transport,
+            speed=self.speed,
         )
         self.counters: Counter[str] = Counter()  # the entry's
         self.entry = Entry(
@@ -231,11 +233,10 @@ class Node:
             return
         while not self.availability().complete:
             await asyncio.sleep(1.0)
-        shard = calibration_slice(self.model_id, self.config.n_layers)
         try:
-            costs = self.layer_costs
-            self.speed.measured(
-                await self.shards.run(calibrate, self._engines, self.model.path, shard, self.config, costs)
+            m = self.model
+            await calibrate_node(
+                self.shards.run, self._engines, m.path, m.model_id, m.config, self.layer_costs, self.speed
             )
         except Exception as e:  # placement counts this node as the others until its passes measure it
             logging.getLogger(__name__).warning("no speed calibration: %s", e)
@@ -261,6 +262,7 @@ class Node:
             self.pipeline.do(self.core.expire())
 
     async def stop(self) -> None:
+        self.pipeline.interrupt()
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
@@ -300,8 +302,13 @@ class Node:
         self.core.accept_prompt(spec, tokens, caller)
         self.pipeline.wake()
 
-    def accept_activations(self, activations: list[Activation], caller: str | None = None) -> list[Refusal]:
+    def accept_activations(
+        self, activations: list[Activation], caller: str | None = None, *, local: bool = False
+    ) -> list[Refusal]:
+        """`local`: this node's own (a one-node ring's next token), not a hop from a peer."""
         rejected = self.core.accept_activations(activations, caller)
+        if not local:
+            self.pipeline.overhead.arrived()
         self.pipeline.wake()
         return rejected
 
@@ -329,14 +336,22 @@ class _Loopback:
         except Failed as e:
             raise TransportError(e.failure) from None
 
+    @property
+    def address(self) -> str:
+        return self.node.address
+
     async def send(
         self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]
     ) -> list[Refusal]:
         if address != self.node.address:
             return await self.inner.send(address, activations, messages)
+        return self.accept(activations, messages)
+
+    def accept(self, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> list[Refusal]:
+        """What this node sends itself, taken at once, in order (the pipeline's `Local`: no task, no call)."""
         for message in messages:
             self.node.accept_tokens(message)
-        return self.node.accept_activations(list(activations)) if activations else []
+        return self.node.accept_activations(list(activations), local=True) if activations else []
 
     async def end_request(self, address: str, request_id: str, reason: str) -> None:
         if address != self.node.address:
@@ -361,7 +376,7 @@ def status_of(node: Node) -> NodeStatus:
         speculation={k: v for k, v in node.core.counters.items() if k.startswith(("spec_", "tokens_per_trip_"))},
         prefix={
             **{k: v for k, v in node.counters.items() if k.startswith("prefix_")},
-            "prefix_gone": node.pipeline.counters["prefix_gone"],
+            "prefix_gone": node.core.counters["prefix_gone"],
             "prefix_evictions": node.shards.retained_evictions(),
             "retained_bytes": node.shards.retained_bytes(),
         },

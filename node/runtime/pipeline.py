@@ -14,26 +14,34 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-
-import numpy as np
+from typing import Protocol
 
 from node.core.actions import Action, Deliver, Release, Sample, Send
 from node.core.node_core import NodeCore
-from node.core.plan import RequestSpec
-from node.core.requests import Activation, TokenMessage
-from node.core.scheduler import Group
+from node.core.requests import Activation, Refusal, TokenMessage
+from node.core.step_plan import StepPlan
+from node.runtime.calibration import LayerSpeed
+from node.runtime.engine_step import Executed, Following
 from node.runtime.metrics import NodeMetrics
 from node.runtime.outbox import Outbox
+from node.runtime.overhead import Overhead
 from node.runtime.sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
-from node.runtime.shard_manager import PREFIX_GONE, ShardManager
+from node.runtime.shard_manager import ShardManager
 from node.runtime.transport import Transport, TransportError
 from shards.engines.base import Engine
 
 log = logging.getLogger(__name__)
-RETAIN_WITHOUT_BUDGET = 1 << 30  # retained caches' bytes on a node without --kv-memory-gb
 LOCAL_WAIT_S = 0.02  # longest the worker holds queued work back for a one-node ring's tokens in flight
 MESSAGE_ROOM = 1 << 20  # of a peer's message bound, what a call leaves for framing
 ITEM_ROOM = 8 << 10  # per item of a call: its spec (plan, sampling) or its results (top logprobs), generously
+
+
+class Local(Protocol):
+    """This node as its own peer (node/runtime/node.py's loopback)."""
+
+    address: str
+
+    def accept(self, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> list[Refusal]: ...
 
 
 class Pipeline:
@@ -47,12 +55,18 @@ class Pipeline:
         model_id: str,
         metrics: NodeMetrics,
         spawn: Callable[..., object],
+        local: Local | None = None,
+        speed: LayerSpeed | None = None,
     ):
-        """`transport`: where `Send`s and `Deliver`s go (this node's own address included: the node hands it a
-        transport that loops those back); `spawn` runs a coroutine as a task the node owns (and cancels on stop)."""
+        """`transport`: where `Send`s and `Deliver`s go; `local`: what takes those addressed to this very node at
+        once (a one-node ring's next token and its delivery to the entry: no outbox task, no call); `spawn` runs a
+        coroutine as a task the node owns (and cancels on stop)."""
         self.core, self.shards, self.batcher, self.transport = core, shards, batcher, transport
-        self.model_id, self.metrics, self.spawn = model_id, metrics, spawn
-        self.counters: Counter[str] = Counter()  # forward_us_total, step_us_total, presampled_rows
+        self.model_id, self.metrics, self.spawn, self.local = model_id, metrics, spawn, local
+        self.speed = speed  # this node's measured layer throughput, which the passes' compute times refresh
+        self.counters: Counter[str] = Counter()  # forward_us_total, step_us_total, prefix_evictions
+        self.overhead = Overhead(self.counters)
+        self.following = Following(self._on_pass)
         self._wake = asyncio.Event()
         self._outboxes: dict[str, Outbox] = {}
 
@@ -62,8 +76,14 @@ class Pipeline:
         return bool(self._outboxes)
 
     def wake(self) -> None:
-        """New work was queued in the core."""
+        """New work was queued in the core: the engine thread stops running rows on by itself (`Following`), so
+        the next pass takes the new work with them."""
         self._wake.set()
+        self.following.interrupt()
+
+    def interrupt(self) -> None:
+        """A request ended from outside, or the node stops: the engine thread stops running rows on by itself."""
+        self.following.interrupt()
 
     # -- the worker -------------------------------------------------------------------------------------------
     async def work(self) -> None:
@@ -71,137 +91,97 @@ class Pipeline:
         while True:
             if not core.queue or core.should_wait:
                 self._wake.clear()
+                waited, for_input = time.perf_counter(), not core.queue  # else for this node's own tokens
                 try:
                     await asyncio.wait_for(self._wake.wait(), LOCAL_WAIT_S if core.queue else None)
                     continue
                 except TimeoutError:
                     core.stop_waiting()
-            for group in core.take_batch():
+                finally:
+                    if for_input:
+                        self.overhead.idle(time.perf_counter() - waited)
+            for plan in core.take_batch():
                 try:
-                    await self._run(group)
+                    await self._run(plan)
                 except Exception as e:  # a bug: fail this batch's requests, keep serving the others
                     log.exception("pipeline step failed")
-                    for item in group.items:
-                        self.do(core.fail(item.request_id, f"node {core.id}: internal error: {e}"))
-            # the pass's rows are all in the sampling batch: sample now, not after the window (the next pass, a
-            # micro-batch or a prompt chunk, takes longer than the window anyway)
+                    for row in plan.rows:
+                        self.do(core.fail(row.request_id, f"node {core.id}: internal error: {e}"))
+            # rows the engine thread could not sample wait in the sampling batch: sample them now, not after the
+            # window (the next pass, a micro-batch or a prompt chunk, takes longer than the window anyway)
             self.batcher.flush()
 
-    async def _run(self, group: Group) -> None:
-        me = self.core.id
+    async def _run(self, plan: StepPlan) -> None:
+        """Schedule -> execute -> update: the plan runs on the engine thread, which samples its rows there, and
+        what it gave goes back to the core in one `step_done`."""
+        core = self.core
         try:
-            engine = await self.shards.get(group.shard)
+            engine = await self.shards.get(plan.shard)
         except Exception as e:
-            for item in group.items:
-                self.do(self.core.fail(item.request_id, f"node {me} cannot load {group.shard}: {e}"))
+            for row in plan.rows:
+                self.do(core.fail(row.request_id, f"node {core.id} cannot load {plan.shard}: {e}"))
             return
-        if any(item.propose for item in group.items):
-            group = await self._proposals(group)
-        requests = self.core.requests
-        inputs = [
-            (i.request_id, i.data, _positions(requests[i.request_id].spec))
-            for i in group.items
-            if i.request_id in requests
-        ]  # not ended meanwhile
-        if not inputs:
+        if asks := core.proposal_asks(plan):  # a draft model's proposals, computed on the engine thread
+            drafts = await self.shards.run(core.speculation.draft, asks)
+            plan = core.proposed(plan, {rid: d for (rid, _, _), d in zip(asks, drafts)})
+        if not (plan := core.still_held(plan)).rows:
             return
-        reuse = {
-            rid: (spec.reuse_from, spec.reuse_positions)
-            for rid, _, _ in inputs
-            if (spec := requests[rid].spec).reuse_from
-        }
-        starts = {i.request_id: i.start for i in group.items if i.start is not None}
-        every_row = frozenset(i.request_id for i in group.items if i.proposals)
-        presampled = Presampled()
-        then = self._presampler(group, engine, presampled) if group.shard.is_last else None
         started = time.perf_counter()
         try:
-            outputs, refused, computed = await self.shards.forward(
-                engine, inputs, reuse, self._retain_limit(), starts=starts, every_row=every_row, then=then
-            )
+            sampler = None if self.batcher.closed else self.batcher
+            done = await self.shards.execute(engine, plan, sampler, self.following)
         except Exception as e:
             log.exception("forward failed")
-            for rid, _, _ in inputs:
-                self.do(self.core.fail(rid, f"node {me}: forward failed: {e}"))
+            for row in plan.rows:
+                self.do(core.fail(row.request_id, f"node {core.id}: forward failed: {e}"))
             return
-        # forward_us: the engine computing; step_us: the same step as the pipeline saw it (waiting for the engine
-        # thread included). Their difference, and the time between steps, is overhead.
-        self.core.queue.observe(group, computed)
+        if done is not None:  # else `following` handed it to _on_pass, with its followers
+            self._applied(done, engine, time.perf_counter() - started)
+
+    def _on_pass(self, done: Executed) -> None:
+        """A pass of a run the engine thread ran on by itself (`Following`), on the loop, in order."""
+        try:
+            self._applied(done, self.shards.engines.get(done.plan.shard), done.ended - done.began)
+        except Exception as e:  # a bug: fail the pass's requests, keep serving the others
+            log.exception("applying a followed pass failed")
+            for row in done.plan.rows:
+                self.do(self.core.fail(row.request_id, f"node {self.core.id}: internal error: {e}"))
+
+    def _applied(self, done: Executed, engine: Engine | None, seconds: float) -> None:
+        """Count a pass and give what it made to the core. forward_us: the engine computing; step_us: the pass as
+        the pipeline saw it (waiting for the engine thread included); the time between passes is overhead."""
+        core, plan = self.core, done.plan
         self.counters["prefix_evictions"] = self.shards.retained_evictions()
-        self.counters["forward_us_total"] += int(computed * 1e6)
-        self.counters["step_us_total"] += int((time.perf_counter() - started) * 1e6)
-        self.metrics.step_done(time.perf_counter() - started, len(inputs), sum(len(data) for _, data, _ in inputs))
-        for rid in [rid for rid, why in refused.items() if why.startswith(PREFIX_GONE)]:
-            # the entry prefills the whole prompt instead (it retries a busy request at once when it asked for reuse)
-            self.counters["prefix_gone"] += 1
-            self.do(self.core.fail(rid, f"node {me}: {refused.pop(rid)}", busy=True))
-        errors = {rid: f"node {me}: {why}" for rid, why in refused.items()}
-        self.batcher.record(presampled.counts)
-        self.do(self.core.step_done(group, outputs, errors), engine, presampled)
-        if prefills := self.core.draft_prefills(group):  # a draft model reads the prompts while the ring computes
-            self.spawn(self.shards.run(self.core.speculation.prefill, prefills))
-
-    async def _proposals(self, group: Group) -> Group:
-        """A deferred proposer's drafts (a draft model) for the group's inputs that asked, computed on the engine
-        thread (never on the event loop), then the group as it runs, with them (node/core/speculation.py)."""
-        core, asks = self.core, []
-        for item in group.items:
-            req = core.requests.get(item.request_id)
-            if item.propose and req is not None and req.history is not None:
-                asks.append((item.request_id, list(req.history), item.propose))
-        drafts = dict(zip((rid for rid, _, _ in asks), await self.shards.run(core.speculation.draft, asks)))
-        items = tuple(core.proposed(item, drafts.get(item.request_id, ())) for item in group.items)
-        return Group(group.shard, group.bucket, items)
-
-    def _presampler(self, group: Group, engine: Engine, into: Presampled) -> Callable[[dict], None] | None:
-        """What samples the pass's rows on the engine thread as soon as its logits exist (`into` gets the results):
-        the rows the core will ask to sample, with the parameters and sampler states their requests hold now. The
-        core still decides (`step_done`); a row it doesn't ask for is dropped (its request ended meanwhile)."""
-        asks = []
-        for item in group.items:
-            req = self.core.requests.get(item.request_id)
-            if req is not None and not item.partial:
-                asks.append((item.request_id, item.proposals, req.spec.sampling, req.sampler))
-        if not asks or self.batcher.closed:
-            return None
-
-        def then(outputs: dict) -> None:
-            try:
-                items = [
-                    SampleItem(rid, out if drafts else out[-1], params, state, engine, self.model_id, drafts)
-                    for rid, drafts, params, state in asks
-                    if isinstance(out := outputs.get(rid), np.ndarray) and out.ndim == 2 and len(out)
-                ]
-                into.results, into.counts = self.batcher.sample_now(items)
-                into.states = {rid: state for rid, _, _, state in asks}
-            except Exception:  # the rows take the batcher's own path, which reports what is wrong
-                log.exception("sampling the pass's rows on the engine thread failed")
-
-        return then
-
-    def _retain_limit(self) -> int:
-        """Bytes finished requests' retained caches may hold: what the requests' reservations leave of the KV
-        budget (RETAIN_WITHOUT_BUDGET without one), so retained caches give way before admission refuses anyone."""
-        budget = self.core.limits.kv_budget
-        return RETAIN_WITHOUT_BUDGET if budget is None else max(0, budget - self.core.kv_reserved)
+        self.counters["forward_us_total"] += int(done.outputs.computed * 1e6)
+        self.counters["step_us_total"] += int(seconds * 1e6)
+        self.overhead.ran(done.began, done.ended)
+        if self.speed is not None:
+            self.speed.observed(plan.shard, plan.positions, done.outputs.computed)
+        self.metrics.step_done(seconds, len(plan.rows), plan.positions)
+        self.batcher.record(done.sample_counts)
+        self.do(core.step_done(plan, done.outputs), engine)
+        if prefills := core.draft_prefills(plan):  # a draft model reads the prompts while the ring computes
+            self.spawn(self.shards.run(core.speculation.prefill, prefills))
 
     # -- carrying out the core's actions ----------------------------------------------------------------------
-    def do(self, actions: list[Action], engine: Engine | None = None, presampled: Presampled | None = None) -> None:
-        """`presampled`: the pass's rows sampled on the engine thread (`_presampler`); a Sample action for one of
-        them takes its result (same request, same sampler state) instead of going through the batcher."""
+    def do(self, actions: list[Action], engine: Engine | None = None) -> None:
+        """`engine`: the one whose pass the actions follow (a `Sample` action's row is sampled with it)."""
         samples: dict[str, asyncio.Future] = {}
-        done: dict[str, object] = {}
         for action in actions:
             if isinstance(action, Release):
                 self.shards.release(action.request_id, keep=action.keep)
+                self.following.interrupt()  # however it ended, no more passes for it on the engine thread
             elif isinstance(action, Send):
-                self._outbox(action.address).put(*action.activations)
+                if self._here(action.address):
+                    self.do(self.core.refused(action.address, self.local.accept(action.activations, ())))
+                else:
+                    self._outbox(action.address).put(*action.activations)
             elif isinstance(action, Deliver):
-                self._outbox(action.address).put(action.message)
+                if self._here(action.address):
+                    self.local.accept((), (action.message,))
+                else:
+                    self._outbox(action.address).put(action.message)
             elif isinstance(action, Sample):
-                if presampled is not None and presampled.has(action.request_id, action.state):
-                    done[action.request_id] = presampled.results[action.request_id]
-                    continue
                 item = SampleItem(
                     action.request_id, action.logits, action.params, action.state, engine, self.model_id, action.drafts
                 )
@@ -213,9 +193,9 @@ class Pipeline:
             if not self.core.queue:
                 self.batcher.flush()  # no more forward passes queued here: nothing else can join this batch
             self.spawn(self._sampled(samples))
-        if done:
-            self.counters["presampled_rows"] += len(done)
-            self.do(self.core.sampled(done))  # type: ignore[arg-type]
+
+    def _here(self, address: str) -> bool:
+        return self.local is not None and address == self.local.address
 
     async def _sampled(self, futures: dict[str, asyncio.Future]) -> None:
         results = await asyncio.gather(*futures.values(), return_exceptions=True)
@@ -239,7 +219,10 @@ class Pipeline:
         activations = tuple(m for m in batch if isinstance(m, Activation))
         messages = tuple(m for m in batch if isinstance(m, TokenMessage))
         try:
+            called = time.perf_counter()
             refused = await self.transport.send(address, activations, messages)
+            if activations:
+                self.overhead.sent(called, time.perf_counter())
         except Exception as e:  # a transport error, or a message that can't be sent: its requests fail, never vanish
             if not isinstance(e, TransportError):
                 log.exception("sending to %s failed", address)
@@ -251,24 +234,6 @@ class Pipeline:
         self.do(self.core.refused(address, refused))
 
 
-class Presampled:
-    """A pass's rows sampled on the engine thread: results and sampler states by request, and the batcher's counts
-    (empty until the sampling ran)."""
-
-    def __init__(self) -> None:
-        self.results: dict[str, object] = {}
-        self.states: dict[str, object] = {}
-        self.counts: list = []  # the batches, for SamplingBatcher.record
-
-    def has(self, request_id: str, state: object) -> bool:
-        return request_id in self.results and self.states.get(request_id) is state
-
-
 def _wire_size(item: Activation | TokenMessage) -> int:
     """About what an item takes in a message: its tensor's bytes, and room for its spec or its results."""
     return ITEM_ROOM + (item.data.nbytes if isinstance(item, Activation) else 0)
-
-
-def _positions(spec: RequestSpec) -> int | None:
-    """The most positions a request's KV cache will hold, when the spec says (it sizes the cache once)."""
-    return spec.positions if spec.prompt_tokens else None

@@ -23,12 +23,13 @@ import dataclasses
 import logging
 import math
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from node.core.step_plan import StepPlan
 from shards.decoding.grammar import GrammarTokenizer, Matcher
 from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
 from shards.decoding.speculation import verify_blocks
@@ -164,6 +165,23 @@ class SamplingBatcher:
                 counted.append((len(group), counts))
             batches.append((len(batch), counted))
         return results, batches
+
+    def sample_step(
+        self, engine: Engine, plan: StepPlan, outputs: Mapping[str, np.ndarray]
+    ) -> tuple[dict[str, SampleResult | list | BaseException], list]:
+        """On the engine thread, right after `plan`'s pass: its rows to sample (`Row.sample`: the parameters and
+        sampler states the plan froze), from their logits (the last row, or every row of one with proposals), in
+        `sample_now`'s batches. A row whose output is missing (refused) is not sampled; one whose logits can't be
+        sampled is left to the core, which asks for it through `submit` and fails it with the reason."""
+        items = []
+        for row in plan.sampled_rows:
+            out = outputs.get(row.request_id)
+            if row.sample is None or not (isinstance(out, np.ndarray) and out.ndim == 2 and len(out)):
+                continue
+            logits = out if row.proposals else out[-1]
+            params, state = row.sample.params, row.sample.state
+            items.append(SampleItem(row.request_id, logits, params, state, engine, plan.shard.model_id, row.proposals))
+        return self.sample_now(items)
 
     def record(self, batches: list) -> None:
         """On the loop: count the batches `sample_now` sampled."""

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from shards.engines.base import Engine, EngineInputError, StepInput
+from node.core.step_plan import StepPlan
+from node.runtime.engine_step import Executed, Following, StepSampler, run_pass
+from shards.engines.base import Engine
 from shards.formats.config import ModelConfig
 from shards.model.shard import Shard
 
@@ -60,30 +59,20 @@ class ShardManager:
         self.engines[shard] = engine
         return engine
 
-    async def forward(
-        self,
-        engine: Engine,
-        inputs: list[tuple[str, np.ndarray, int]],
-        reuse: dict[str, tuple[str, int]] | None = None,
-        retain_limit: int = 0,
-        *,
-        starts: dict[str, int] | None = None,
-        every_row: frozenset[str] = frozenset(),
-        then: Callable[[dict[str, np.ndarray]], None] | None = None,
-    ) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
-        """One forward pass over (request id, input, most positions it will reach): outputs per request, the
-        requests whose input the engine refused (with why), which are left out of the pass instead of failing it,
-        and the seconds the engine computed (on its thread: no queueing or event-loop time in it).
-
-        `reuse`: requests that start from a retained prefix, (finished request, positions); one whose prefix this
-        engine no longer holds is refused with a reason that starts with PREFIX_GONE. `retain_limit`: bytes the
-        engine's retained caches may hold now (what reservations leave free); it frees the least recently used first.
-        `starts`: requests whose cache is first rolled back to that position (speculation: the previous step's
-        rejected proposals); one the engine refuses is refused like a bad input. `every_row`: requests whose
-        logits the last shard returns for every row, not only the last (their proposals are verified). `then`:
-        called with the outputs on the engine thread right after the pass (the pipeline samples there), never
-        raising."""
-        return await self.run(_forward, engine, inputs, reuse or {}, retain_limit, starts or {}, every_row, then)
+    async def execute(
+        self, engine: Engine, plan: StepPlan, sampler: StepSampler | None = None, following: Following | None = None
+    ) -> Executed | None:
+        """Run one pass (`plan`, node/core/step_plan.py) on the engine thread, and sample its rows there as soon as
+        their logits exist (`sampler`: the sampling batcher; None: the rows are left to the batcher's own path).
+        One trip to the engine thread and back per pass. Inputs the engine refuses (a bad input, a start it
+        won't roll back to, an evicted prefix: a reason that starts with PREFIX_GONE) are left out of the pass,
+        not failing it. `following`: the plan's followed rows run on, pass after pass, on the engine thread, every
+        pass (this one too) handed to `following.on_pass` in order (node/runtime/engine_step.py); then this returns
+        None once the first was."""
+        if following is None or not any(row.follow for row in plan.rows):
+            return await self.run(run_pass, engine, plan, sampler)
+        await following.start(self.executor, engine, plan, sampler)
+        return None
 
     def release(self, request_id: str, keep: bool = False) -> None:
         """Queue the release of a request's caches in every engine (after any forward already queued); `keep`: a
@@ -128,61 +117,3 @@ class ShardManager:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-PREFIX_GONE = "prefix gone"  # how a refusal for an evicted retained prefix starts (the entry then prefills it all)
-
-
-def _forward(
-    engine: Engine,
-    inputs: list[tuple[str, np.ndarray, int]],
-    reuse: dict[str, tuple[str, int]],
-    retain_limit: int,
-    starts: dict[str, int],
-    every_row: frozenset[str],
-    then: Callable[[dict[str, np.ndarray]], None] | None = None,
-) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
-    started = time.perf_counter()
-    items, refused = [], {}
-    retained = getattr(engine, "retained", None)
-    if retained is not None:
-        retained.limit = retain_limit
-        retained.shrink(retain_limit)
-    for rid, data, positions in inputs:
-        if rid in reuse and engine.cache_length(rid) == 0:  # its first step here: start from the retained prefix
-            entry_id, count = reuse[rid]
-            if retained is None or not engine.resume(rid, entry_id, count):
-                refused[rid] = (
-                    f"{PREFIX_GONE}: {engine.shard} no longer holds the first {count} positions of {entry_id}"
-                )
-                continue
-        item = (
-            StepInput(rid, tokens=data, max_positions=positions)
-            if engine.shard.is_first
-            else StepInput(rid, hidden=data, max_positions=positions)
-        )
-        try:
-            if rid in starts:
-                engine.rollback(rid, starts[rid])
-            engine.validate([item])
-            items.append(item)
-        except EngineInputError as e:
-            refused[rid] = str(e)
-    outputs = _outputs(engine, items, every_row)
-    computed = time.perf_counter() - started
-    if then is not None:
-        then(outputs)
-    return outputs, refused, computed
-
-
-def _outputs(engine: Engine, items: list[StepInput], every_row: frozenset[str]) -> dict[str, np.ndarray]:
-    """One engine call for the step, or on a last shard with inputs to verify, one call returning every row's
-    logits for them and the decode rows (a decode row's one row is its last), and one for the prompt chunks, whose
-    rows but the last nobody needs (a head over 256 rows is costly)."""
-    whole = [i for i in items if i.request_id in every_row or i.length == 1] if engine.shard.is_last else []
-    if not any(i.request_id in every_row for i in whole):
-        whole = []
-    rest = [i for i in items if i.request_id not in {w.request_id for w in whole}]
-    outputs = dict(zip((i.request_id for i in whole), engine.forward(whole, all_logits=True) if whole else []))
-    outputs |= dict(zip((i.request_id for i in rest), engine.forward(rest) if rest else []))
-    return outputs

@@ -8,6 +8,7 @@ import json
 import numpy as np
 from prometheus_client import generate_latest
 
+from node.core.step_plan import Row, StepPlan
 from shards.model.shard import Shard
 from tests.support.http import post, raw
 from tests.support.metrics import parse, scrape, value
@@ -133,7 +134,7 @@ def test_rpc_errors_per_peer_and_kv_cache_bytes_in_process():
             )
 
             engine = await other.shards.get(Shard("llama", 0, 6, 6))
-            await other.shards.forward(engine, [("r", np.array([5, 6, 7, 8]), None)])
+            await other.shards.execute(engine, StepPlan(engine.shard, None, (Row("r", np.array([5, 6, 7, 8])),)))
             samples = parse(generate_latest(other.metrics.registry).decode())
             assert value(samples, "exo_kv_cache_bytes") == engine.cache_bytes() > 0
             assert other.info().status["kv_cache_bytes"] == engine.cache_bytes()

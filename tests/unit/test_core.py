@@ -15,7 +15,8 @@ from node.core.failures import Failure, FailureKind
 from node.core.node_core import NodeCore
 from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage, Tombstones
-from node.core.scheduler import Group, Queued, SchedulerLimits
+from node.core.scheduler import SchedulerLimits
+from node.core.step_plan import Row, StepOutputs, StepPlan
 from shards.decoding.sampling import SampleResult
 from shards.model.shard import Shard
 from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
@@ -30,8 +31,8 @@ def core(node_id, scheduling=ONE_BATCH, **limits):
 
 
 def ran(shard, **outputs):
-    """A group as the scheduler would have handed it out, for requests' single-position inputs."""
-    return Group(shard, None, tuple(Queued(rid, np.zeros(1)) for rid in outputs))
+    """A plan over requests' single-position inputs, as a pass the core handed out earlier would have been."""
+    return StepPlan(shard, None, tuple(Row(rid, np.zeros(1)) for rid in outputs))
 
 
 def of(kind, actions):
@@ -128,7 +129,7 @@ def test_a_plan_for_another_model_is_refused():
 
 # -- choosing a forward pass ----------------------------------------------------------------------------------
 def ids(groups):
-    return [i.request_id for g in groups for i in g.items]
+    return [r.request_id for g in groups for r in g.rows]
 
 
 def test_a_batch_takes_one_input_per_request_in_arrival_order():
@@ -162,9 +163,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_marked_partial_until_the_last():
     chunks = []
     while a.queue:
         (group,) = a.take_batch()
-        (item,) = group.items
+        (item,) = group.rows
         chunks.append((len(item.data), item.partial))
-        (send,) = a.step_done(group, {"r1": hidden(len(item.data))}, {})
+        (send,) = a.step_done(group, StepOutputs({"r1": hidden(len(item.data))}))
         assert send.activations[0].partial == item.partial
     assert chunks == [(32, True), (32, True), (6, False)]
 
@@ -173,10 +174,10 @@ def test_the_last_node_samples_only_after_the_prompts_last_chunk():
     c = core("c")
     c.accept_activations([Activation("r1", hidden(32), sized("r1", 38, 3), partial=True)])
     (group,) = c.take_batch()
-    assert group.items[0].partial and c.step_done(group, {"r1": logits()}, {}) == []
+    assert group.rows[0].partial and c.step_done(group, StepOutputs({"r1": logits()})) == []
     c.accept_activations([Activation("r1", hidden(6))])
     (group,) = c.take_batch()
-    assert [type(a) for a in c.step_done(group, {"r1": logits()}, {})] == [Sample]
+    assert [type(a) for a in c.step_done(group, StepOutputs({"r1": logits()}))] == [Sample]
 
 
 # -- routing outputs ------------------------------------------------------------------------------------------
@@ -184,10 +185,10 @@ def test_hidden_states_go_to_the_next_node_with_the_spec_only_the_first_time():
     b = core("b")
     b.accept_activations([Activation("r1", hidden(4), sized("r1", 4, 3))])
     (group,) = b.take_batch()
-    (send,) = b.step_done(group, {"r1": hidden(4)}, {})
+    (send,) = b.step_done(group, StepOutputs({"r1": hidden(4)}))
     assert send.address == ADDR["c"] and send.activations[0].spec == sized("r1", 4, 3)
     b.accept_activations([Activation("r1", hidden())])
-    (send,) = b.step_done(b.take_batch()[0], {"r1": hidden()}, {})
+    (send,) = b.step_done(b.take_batch()[0], StepOutputs({"r1": hidden()}))
     assert send.activations[0].spec is None
     assert (b.counters["steps"], b.counters["step_rows"]) == (2, 2)
 
@@ -197,7 +198,7 @@ def test_the_last_node_samples_delivers_and_sends_the_token_back_to_the_first():
     c.accept_activations([Activation("r1", hidden(), spec())])
     logits = np.arange(10, dtype=np.float32)[None]
     logits = np.arange(CFG.vocab_size, dtype=np.float32)[None]
-    (sample,) = c.step_done(ran(Shard("llama", 4, 6, 6), r1=1), {"r1": logits}, {})
+    (sample,) = c.step_done(c.take_batch()[0], StepOutputs({"r1": logits}))
     assert isinstance(sample, Sample) and np.array_equal(sample.logits, logits[-1])
     deliver, send = c.sampled({"r1": SampleResult(42)})
     assert deliver == Deliver(ADDR["entry"], TokenMessage("r1", (SampleResult(42),), False, None))
@@ -225,7 +226,7 @@ def test_outputs_of_a_request_that_ended_during_the_pass_are_released_not_routed
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec())])
     b.end_request("r1", "cancelled")
-    assert b.step_done(ran(Shard("llama", 2, 4, 6), r1=1), {"r1": hidden()}, {}) == [Release("r1")]
+    assert b.step_done(ran(Shard("llama", 2, 4, 6), r1=1), StepOutputs({"r1": hidden()})) == [Release("r1")]
 
 
 # -- failures -------------------------------------------------------------------------------------------------
@@ -239,7 +240,7 @@ def failed(actions, rid="r1"):
 def test_an_input_the_engine_refused_fails_only_its_request():
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
-    actions = b.step_done(ran(Shard("llama", 2, 4, 6), r1=1, r2=1), {"r2": hidden()}, {"r1": "node b: too long"})
+    actions = b.step_done(ran(Shard("llama", 2, 4, 6), r1=1, r2=1), StepOutputs({"r2": hidden()}, {"r1": "too long"}))
     assert failed(actions) == "node b: too long"
     assert list(b.requests) == ["r2"] and [s.activations[0].request_id for s in of(Send, actions)] == ["r2"]
 
@@ -307,7 +308,7 @@ def test_a_one_node_ring_holds_the_queue_for_its_token_in_flight():
     n.accept_prompt(spec("r1", nodes=(("a", 0, 6),), entry="a"), tokens(1, 2))
     n.accept_prompt(spec("r2", nodes=(("a", 0, 6),), entry="a"), tokens(3))
     (group,) = n.take_batch()
-    n.step_done(group, {"r1": logits(), "r2": logits()}, {})
+    n.step_done(group, StepOutputs({"r1": logits(), "r2": logits()}))
     n.accept_prompt(spec("r3", nodes=(("a", 0, 6),), entry="a"), tokens(4))
     assert n.should_wait  # r1 and r2 are being sampled: r3 waits for them to batch together
     n.accept_activations([Activation("r1", tokens(7))])
@@ -323,7 +324,7 @@ def test_a_request_whose_next_input_never_comes_expires_and_the_entry_may_replay
     b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
     (group,) = b.take_batch()
     now[0] = 4
-    b.step_done(group, {"r1": hidden(), "r2": hidden()}, {})
+    b.step_done(group, StepOutputs({"r1": hidden(), "r2": hidden()}))
     now[0] = 8
     b.accept_activations([Activation("r2", hidden())])
     assert b.expire() == []  # r1 idle for 4 s only
@@ -394,6 +395,6 @@ def test_a_step_with_any_malformed_output_fails_all_its_requests_before_routing_
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
     (group,) = b.take_batch()
-    actions = b.step_done(group, {"r1": hidden(), "r2": bad}, {})
+    actions = b.step_done(group, StepOutputs({"r1": hidden(), "r2": bad}))
     assert not of(Send, actions) and len(of(Deliver, actions)) == 2 and not b.requests
     assert "the engine returned" in of(Deliver, actions)[0].message.error

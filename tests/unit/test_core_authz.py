@@ -12,6 +12,7 @@ from node.core.failures import FailureKind
 from node.core.node_core import NodeCore
 from node.core.plan import PlanError, PlanStep, RequestSpec
 from node.core.requests import Activation
+from node.core.step_plan import StepOutputs
 from shards.decoding.sampling import SampleResult, SamplingParams
 from shards.model.shard import Shard
 from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
@@ -54,10 +55,10 @@ def test_a_plans_addresses_never_redirect_data_a_node_sends_to_members_where_it_
         plan=tuple(dataclasses.replace(step, address=f"h:6{i}") for i, step in enumerate(spec("r1").plan)),
     )
     assert b.accept_activations([Activation("r1", hidden(), elsewhere)]) == []
-    (send,) = b.step_done(b.take_batch()[0], {"r1": hidden()}, {})
+    (send,) = b.step_done(b.take_batch()[0], StepOutputs({"r1": hidden()}))
     assert send.address == ADDR["c"]
     assert c.accept_activations([Activation("r1", hidden(), elsewhere)]) == []
-    c.step_done(c.take_batch()[0], {"r1": logits()}, {})
+    c.step_done(c.take_batch()[0], StepOutputs({"r1": logits()}))
     actions = c.sampled({"r1": SampleResult(5)})
     assert {type(a): a.address for a in actions} == {Deliver: ADDR["entry"], Send: ADDR["a"]}
 

@@ -11,8 +11,9 @@ from node.core.actions import Deliver, Release, Sample, Send
 from node.core.admission import CoreLimits
 from node.core.node_core import NodeCore
 from node.core.requests import Activation
-from node.core.scheduler import Group, Queued, SchedulerLimits, StepScheduler
+from node.core.scheduler import Queued, SchedulerLimits, StepScheduler
 from node.core.speculation import Speculation, SpeculationLimits
+from node.core.step_plan import StepOutputs
 from node.grpc import wire
 from shards.decoding.sampling import SampleResult, SamplingParams
 from shards.model.shard import Shard
@@ -83,8 +84,8 @@ def test_a_returned_token_goes_on_with_proposals_and_its_cache_position():
 def test_the_first_node_sends_the_proposals_and_start_down_the_ring():
     a = first_node(Fixed())
     a.accept_activations([Activation("r1", tokens(5))])
-    group = Group(Shard("llama", 0, 2, 6), None, (queued(a),))
-    (send,) = of(Send, a.step_done(group, {"r1": hidden(3)}, {}))
+    (plan,) = a.take_batch()
+    (send,) = of(Send, a.step_done(plan, StepOutputs({"r1": hidden(3)})))
     (activation,) = send.activations
     assert send.address == "h:2" and activation.proposals == (7, 8) and activation.start == 4
 
@@ -190,16 +191,13 @@ def test_proposals_travel_the_wire_and_need_fewer_than_the_rows_and_a_start():
 def last_node(max_tokens=20):
     c = core("c")
     c.accept_activations([Activation("r1", hidden(4), request(max_tokens))])
-    item = queued(c)
-    (sample,) = of(
-        Sample, c.step_done(Group(Shard("llama", 4, 6, 6), None, (item,)), {"r1": np.zeros((1, 512), np.float32)}, {})
-    )
+    (plan,) = c.take_batch()
+    (sample,) = of(Sample, c.step_done(plan, StepOutputs({"r1": np.zeros((1, 512), np.float32)})))
     assert sample.drafts == ()
     of(Send, c.sampled({"r1": SampleResult(5)}))  # the first token, at position 4
     c.accept_activations([Activation("r1", hidden(3), proposals=(7, 8), start=4)])
-    item = queued(c)
-    shard = Shard("llama", 4, 6, 6)
-    (sample,) = of(Sample, c.step_done(Group(shard, None, (item,)), {"r1": np.zeros((3, 512), np.float32)}, {}))
+    (plan,) = c.take_batch()
+    (sample,) = of(Sample, c.step_done(plan, StepOutputs({"r1": np.zeros((3, 512), np.float32)})))
     return c, sample
 
 
@@ -288,10 +286,13 @@ def test_a_deferred_proposer_is_asked_just_before_the_step_and_its_drafts_join_t
     a.accept_prompt(request(), tokens(1, 2, 3, 4))
     a.queue.queue.clear()
     a.accept_activations([Activation("r1", tokens(5))])
-    item = queued(a)
+    (plan,) = a.take_batch()
+    (item,) = plan.rows
     assert item.data.tolist() == [5] and item.propose == 2 and proposer.seen == []
-    (drafts,) = a.speculation.draft([("r1", a.requests["r1"].history, item.propose)])
-    ready = a.proposed(item, drafts)
+    asks = a.proposal_asks(plan)
+    assert asks == [("r1", [1, 2, 3, 4, 5], 2)]
+    (drafts,) = a.speculation.draft(asks)
+    (ready,) = a.proposed(plan, {"r1": drafts}).rows
     assert ready.data.tolist() == [5, 7, 8] and ready.proposals == (7, 8) and ready.start == 4
     # the next token may drop those proposals, as if they had been made on arrival
     assert a.accept_activations([Activation("r1", tokens(42), start=5)]) == []

@@ -14,6 +14,7 @@ from node.core.admission import CoreLimits
 from node.core.node_core import NodeCore
 from node.core.requests import Activation
 from node.core.scheduler import SchedulerLimits
+from node.core.step_plan import StepOutputs
 from tests.support.factories import CFG, hidden, logits, spec, tokens
 from tests.unit.test_settings import settings
 
@@ -27,9 +28,9 @@ def passes(node):
     out = []
     while node.queue:
         (group,) = node.take_batch()
-        out.append([i.request_id for i in group.items])
-        rows = {i.request_id: (hidden() if not group.shard.is_last else logits()) for i in group.items}
-        node.step_done(group, rows, {})
+        out.append([r.request_id for r in group.rows])
+        rows = {r.request_id: (hidden() if not group.shard.is_last else logits()) for r in group.rows}
+        node.step_done(group, StepOutputs(rows))
     return out
 
 
@@ -64,7 +65,7 @@ def test_a_one_node_ring_batches_every_decoding_request_in_one_pass():
     for i in range(8):
         a.accept_prompt(spec(f"r{i}", nodes=(("a", 0, 6),), entry="a"), tokens(5))
     (group,) = a.take_batch()
-    assert len(group.items) == 8
+    assert len(group.rows) == 8
 
 
 def test_the_batch_size_follows_the_requests_held_and_never_caps_below_one_row():
@@ -81,7 +82,7 @@ def test_a_prompt_chunk_still_rides_with_a_batch_of_decode_rows():
     decoding(b, 6)
     b.accept_activations([Activation("p", hidden(5), dataclasses.replace(spec("p", max_tokens=3), prompt_tokens=5))])
     first = b.take_batch()
-    assert [[i.request_id for i in g.items] for g in first] == [["r0", "r1", "r2", "p"]]
+    assert [[r.request_id for r in g.rows] for g in first] == [["r0", "r1", "r2", "p"]]
 
 
 def test_micro_batches_are_a_flag_and_nonsense_is_refused_naming_it():

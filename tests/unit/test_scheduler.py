@@ -138,8 +138,8 @@ def test_inconsistent_limits_are_refused(limits, message):
 
 def measured(s, decode_s, prefill_s_per_position):
     """The node ran a step of two decode rows alone, then one with a 256-position chunk beside them."""
-    s.observe(group(decode("x"), decode("y")), decode_s)
-    s.observe(group(decode("x"), decode("y"), prompt("z", 256, True)), decode_s + 256 * prefill_s_per_position)
+    s.observe(group(decode("x"), decode("y")).items, decode_s)
+    s.observe(group(decode("x"), decode("y"), prompt("z", 256, True)).items, decode_s + 256 * prefill_s_per_position)
 
 
 def group(*items):
@@ -190,7 +190,7 @@ def test_costs_follow_the_steps_as_they_grow_slower():
     s = scheduler(step_tokens=512, prefill_chunk=256)
     measured(s, 0.040, 0.001)
     for _ in range(30):  # a long context: each position now costs 4 ms beside the decode rows
-        s.observe(group(decode("x"), prompt("z", 100, True)), 0.040 + 100 * 0.004)
+        s.observe(group(decode("x"), prompt("z", 100, True)).items, 0.040 + 100 * 0.004)
     s.push(decode("d"))
     s.push(prompt("long", 1000))
     assert take(s)[0][2][1] == ("long", 16, True)  # 10 would fit; the floor is 16

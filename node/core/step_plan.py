@@ -1,0 +1,151 @@
+"""One forward pass as a contract between the core and its driver: schedule -> execute -> update.
+
+`NodeCore.take_batch` answers with `StepPlan`s: everything the pass needs, frozen when it was chosen (each row's
+input, the most positions its cache reaches, the retained prefix it starts from, the cache position it rolls back
+to, whether every row's logits are wanted, and on the last shard the sampling parameters and sampler state to
+sample it with). The driver executes a plan without reading the core (node/runtime/shard_manager.py: the engine
+thread runs the pass and samples its rows at once) and hands the result back in one `NodeCore.step_done(plan,
+StepOutputs)`. A row whose request ended while the pass ran is dropped there (its caches released), never routed.
+
+Why frozen: the core keeps changing while a pass runs (requests end, inputs arrive); a plan that pointed into it
+would make the pass depend on when the engine thread read it. The sampler state is the one object a plan shares
+with the core: a request's state is made once at admission and only its own rows (one per pass) advance it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
+from shards.model.shard import Shard
+
+PREFIX_GONE = "prefix gone"  # how a refusal for an evicted retained prefix starts (the entry then prefills it all)
+
+Sampled = SampleResult | tuple[SampleResult, ...] | list[SampleResult] | BaseException
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a row's next token is drawn: the request's parameters and its sampler state (its RNG, its grammar)."""
+
+    params: SamplingParams
+    state: SamplerState
+
+
+@dataclass(frozen=True)
+class Follow:
+    """A one-node ring's row the engine thread may run on by itself (`next_pass`): its sampled token is its next
+    input, unless the token is a stop token or the request has no tokens left after it."""
+
+    stops: frozenset[int]
+    left: int  # tokens the request may still generate, this pass's included
+
+    def __post_init__(self) -> None:
+        if self.left < 1:
+            raise ValueError(f"a row with no tokens left ({self.left}) has no next pass to follow")
+
+    def goes_on(self, token: int) -> bool:
+        return token not in self.stops and self.left > 1
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request's input in a pass."""
+
+    request_id: str
+    data: np.ndarray  # int64 tokens [T] on the first shard, float32 hidden states [T, hidden] elsewhere
+    max_positions: int | None = None  # the most positions its cache will hold (sizes it once); None: unknown
+    start: int | None = None  # roll the cache back to this position first (speculation); None: append
+    reuse: tuple[str, int] | None = None  # start from this finished request's first positions (prefix reuse)
+    partial: bool = False  # a prompt chunk with more to come: nothing to sample after it
+    proposals: tuple[int, ...] = ()  # its last rows are these drafts: every row's logits are wanted
+    propose: int = 0  # drafts a deferred proposer is asked for before the pass (`NodeCore.proposed`)
+    sample: Sampling | None = None  # on the last shard, a complete input: sample its next token right after
+    follow: Follow | None = None  # a one-node ring's row whose token may go straight into the next pass
+
+    def __post_init__(self) -> None:
+        if self.sample is not None and self.partial:
+            raise ValueError(f"row {self.request_id}: a prompt chunk with more to come has nothing to sample")
+        if self.follow is not None and (self.sample is None or self.proposals or self.propose):
+            raise ValueError(f"row {self.request_id}: only a sampled row without proposals is followed")
+        if self.proposals and len(self.proposals) >= len(self.data):
+            raise ValueError(f"row {self.request_id}: {len(self.proposals)} proposals need more rows than that")
+
+    @property
+    def stepwise(self) -> bool:
+        """A running stream's step (see scheduler.Queued.stepwise)."""
+        return (len(self.data) == 1 and not self.partial) or bool(self.proposals)
+
+    @property
+    def every_row(self) -> bool:
+        """Logits for every row, not only the last: its proposals are verified."""
+        return bool(self.proposals)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A forward pass over one shard: its rows (one per request) and what retained caches may hold meanwhile."""
+
+    shard: Shard
+    bucket: int | None
+    rows: tuple[Row, ...]
+    retain_limit: int = 0  # bytes finished requests' retained caches may hold (what reservations leave free)
+
+    def __post_init__(self) -> None:
+        ids = [r.request_id for r in self.rows]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a pass takes one input per request, got {ids}")
+        if not self.shard.is_last and any(r.sample is not None for r in self.rows):
+            raise ValueError(f"rows are sampled on the last shard only, not on {self.shard}")
+        if not self.shard.is_first and any(r.follow is not None for r in self.rows):
+            raise ValueError(f"a token is its own next input on a whole model's shard only, not on {self.shard}")
+
+    @property
+    def sampled_rows(self) -> tuple[Row, ...]:
+        return tuple(r for r in self.rows if r.sample is not None)
+
+    @property
+    def positions(self) -> int:
+        return sum(len(r.data) for r in self.rows)
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """What executing a plan gave: outputs per request (hidden rows, or logits on the last shard), the requests
+    whose input the engine refused (and why: left out of the pass, not failing it), the rows already sampled (a
+    token, or for a row with proposals the accepted drafts and the token after, or the error that request hit),
+    and the seconds the engine computed (on its thread: no queueing in it)."""
+
+    outputs: Mapping[str, np.ndarray]
+    refused: Mapping[str, str] = field(default_factory=dict)
+    samples: Mapping[str, Sampled] = field(default_factory=dict)
+    computed: float = 0.0
+    followed: frozenset[str] = frozenset()  # rows whose next pass, on their token, the engine thread started
+
+    def __post_init__(self) -> None:
+        if not self.followed <= set(self.samples):
+            raise ValueError(f"requests {sorted(self.followed - set(self.samples))} followed without a token")
+        if both := set(self.outputs) & set(self.refused):
+            raise ValueError(f"requests {sorted(both)} both refused and computed")
+        if stray := set(self.samples) - set(self.outputs):
+            raise ValueError(f"requests {sorted(stray)} sampled without outputs")
+
+
+def next_pass(plan: StepPlan, samples: Mapping[str, Sampled]) -> StepPlan | None:
+    """The pass that follows `plan` on the engine thread with no trip through the core: its followed rows
+    (`Row.follow`) whose sampled token goes on, each with that token as its one input (None: no such row). What
+    the core would have scheduled for them: a token whose next input is itself, appended to the cache."""
+    rows = []
+    for row in plan.rows:
+        got = samples.get(row.request_id)
+        if row.follow is None or not isinstance(got, SampleResult) or not row.follow.goes_on(got.token):
+            continue
+        follow = Follow(row.follow.stops, row.follow.left - 1)
+        data = np.array([got.token], dtype=np.int64)
+        rows.append(Row(row.request_id, data, row.max_positions, sample=row.sample, follow=follow))
+    if not rows:
+        return None
+    return StepPlan(plan.shard, 1 if plan.bucket is not None else None, tuple(rows), plan.retain_limit)

@@ -1,0 +1,184 @@
+"""One pass on the engine thread (`run_pass`), and the passes that follow it there without a trip through the
+event loop (`Following`).
+
+A one-node ring's decode row knows its next input as soon as it is sampled: its own token. Sending that token
+through the core's queue costs a hand-off to the event loop and back per token, and the engine waits for it. So a
+plan's followed rows (`Row.follow`, which the core sets: node/core/step_plan.py) run on here, pass after pass
+(`step_plan.next_pass`), while the loop applies each pass's outputs as they come (`Following.on_pass`, through
+`call_soon_threadsafe`: tokens reach the client as before, one pass at a time). The core stays the one that
+decides: it knows which rows went on (`StepOutputs.followed`) and records their inputs as if they had come
+back (`RequestBook.followed`); the engine thread only applies the rule the core froze in the plan (no stop token,
+tokens left). It stops when the loop has anything else for it (`interrupt`: new work, an ended request, shutdown),
+after `max_passes`, or when no row goes on; the rows still going then come back through the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from node.core.step_plan import PREFIX_GONE, StepOutputs, StepPlan, next_pass
+from shards.engines.base import Engine, EngineInputError, StepInput
+
+log = logging.getLogger(__name__)
+FOLLOW_PASSES = 64  # passes the engine thread runs on by itself at most before the loop schedules again
+
+
+class StepSampler(Protocol):
+    """Samples a pass's rows on the engine thread (node/runtime/sampling_batcher.py)."""
+
+    def sample_step(self, engine: Engine, plan: StepPlan, outputs: Mapping[str, np.ndarray]) -> tuple[dict, list]:
+        """Results by request, and the counts its owner records on the event loop."""
+        ...
+
+
+@dataclass(frozen=True)
+class Executed:
+    """A pass as the engine thread ran it: its plan and what the core applies (`NodeCore.step_done`), the sampling
+    batches to count, and when the engine thread started and finished it (perf_counter: the time around it is
+    overhead)."""
+
+    plan: StepPlan
+    outputs: StepOutputs
+    sample_counts: list = field(default_factory=list)
+    began: float = 0.0
+    ended: float = 0.0
+
+
+def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None) -> Executed:
+    """One pass on the engine thread: the plan's inputs checked and computed, then its rows sampled."""
+    began = time.perf_counter()
+    items, refused = [], {}
+    retained = getattr(engine, "retained", None)
+    if retained is not None:
+        retained.limit = plan.retain_limit
+        retained.shrink(plan.retain_limit)
+    for row in plan.rows:
+        rid = row.request_id
+        if row.reuse is not None and engine.cache_length(rid) == 0:  # its first step here: the retained prefix
+            entry_id, count = row.reuse
+            if retained is None or not engine.resume(rid, entry_id, count):
+                refused[rid] = (
+                    f"{PREFIX_GONE}: {engine.shard} no longer holds the first {count} positions of {entry_id}"
+                )
+                continue
+        item = (
+            StepInput(rid, tokens=row.data, max_positions=row.max_positions)
+            if engine.shard.is_first
+            else StepInput(rid, hidden=row.data, max_positions=row.max_positions)
+        )
+        try:
+            if row.start is not None:
+                engine.rollback(rid, row.start)
+            engine.validate([item])
+            items.append(item)
+        except EngineInputError as e:
+            refused[rid] = str(e)
+    outputs = _outputs(engine, items, frozenset(r.request_id for r in plan.rows if r.every_row))
+    computed = time.perf_counter() - began
+    samples, counts = {}, []
+    if sampler is not None and plan.sampled_rows:
+        try:
+            samples, counts = sampler.sample_step(engine, plan, outputs)
+        except Exception:  # the rows take the batcher's own path (a Sample action), which reports what is wrong
+            log.exception("sampling the pass's rows on the engine thread failed")
+    return Executed(plan, StepOutputs(outputs, refused, samples, computed), counts, began, time.perf_counter())
+
+
+def _outputs(engine: Engine, items: list[StepInput], every_row: frozenset[str]) -> dict[str, np.ndarray]:
+    """One engine call for the step, or on a last shard with inputs to verify, one call returning every row's
+    logits for them and the decode rows (a decode row's one row is its last), and one for the prompt chunks, whose
+    rows but the last nobody needs (a head over 256 rows is costly)."""
+    whole = [i for i in items if i.request_id in every_row or i.length == 1] if engine.shard.is_last else []
+    if not any(i.request_id in every_row for i in whole):
+        whole = []
+    rest = [i for i in items if i.request_id not in {w.request_id for w in whole}]
+    outputs = dict(zip((i.request_id for i in whole), engine.forward(whole, all_logits=True) if whole else []))
+    outputs |= dict(zip((i.request_id for i in rest), engine.forward(rest) if rest else []))
+    return outputs
+
+
+class Following:
+    """The engine thread's runs of followed passes for one pipeline. `on_pass` is called on the event loop with
+    every pass of a run, the first included, in the order they ran (one queue of loop callbacks: a pass's tokens
+    never overtake the previous pass's); `interrupt` (on the loop) ends the current run after the pass it is in."""
+
+    def __init__(self, on_pass: Callable[[Executed], None], max_passes: int = FOLLOW_PASSES):
+        self.on_pass, self.max_passes = on_pass, max_passes
+        self.epoch = 0  # bumped by interrupt; a run goes on only while it is the one it started under
+
+    def interrupt(self) -> None:
+        self.epoch += 1
+
+    async def start(self, executor: Executor, engine: Engine, plan: StepPlan, sampler: StepSampler | None) -> None:
+        """Run `plan` and its followers; returns once the first pass was handed to `on_pass` (raises what running
+        it raised)."""
+        loop = asyncio.get_running_loop()
+        first: asyncio.Future[None] = loop.create_future()
+        executor.submit(self._run, loop, first, self.epoch, engine, plan, sampler)
+        await first
+
+    def _run(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        first: asyncio.Future[None],
+        epoch: int,
+        engine: Engine,
+        plan: StepPlan,
+        sampler: StepSampler | None,
+    ) -> None:
+        """On the engine thread: the first pass (to `first`), then its followers (to `on_pass`)."""
+        try:
+            done = self._followed(run_pass(engine, plan, sampler), epoch, 0)
+        except BaseException as e:
+            loop.call_soon_threadsafe(_settle, first, e)
+            return
+        loop.call_soon_threadsafe(self._first, first, done)
+        for passes in range(1, self.max_passes + 1):
+            nxt = next_pass(done.plan, done.outputs.samples) if done.outputs.followed else None
+            if nxt is None:
+                return
+            nxt = dataclasses.replace(nxt, rows=tuple(r for r in nxt.rows if r.request_id in done.outputs.followed))
+            try:
+                done = self._followed(run_pass(engine, nxt, sampler), epoch, passes)
+            except Exception as e:  # a bug: the rows fail, the node serves the others
+                log.exception("a followed pass failed")
+                why = f"internal error in a followed pass: {e}"
+                done = Executed(nxt, StepOutputs({}, {r.request_id: why for r in nxt.rows}))
+            try:
+                loop.call_soon_threadsafe(self.on_pass, done)
+            except RuntimeError:  # the loop is closed: the node stopped
+                return
+
+    def _first(self, first: asyncio.Future[None], done: Executed) -> None:
+        try:
+            self.on_pass(done)
+        finally:
+            _settle(first)
+
+    def _followed(self, done: Executed, epoch: int, passes: int) -> Executed:
+        """`done` with the rows whose next pass runs here at once (none once interrupted or at the limit)."""
+        if epoch != self.epoch or passes >= self.max_passes:
+            return done
+        nxt = next_pass(done.plan, done.outputs.samples)
+        if nxt is None:
+            return done
+        followed = frozenset(r.request_id for r in nxt.rows if r.request_id in done.outputs.outputs)
+        return dataclasses.replace(done, outputs=dataclasses.replace(done.outputs, followed=followed))
+
+
+def _settle(future: asyncio.Future, error: BaseException | None = None) -> None:
+    if future.done():
+        return  # its waiter was cancelled (the node stopping)
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(None)

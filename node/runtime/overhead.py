@@ -1,0 +1,56 @@
+"""Where a node's time goes outside its engine, as always-on status counters (a clock read or two per pass and
+per call: nothing measurable), so a benchmark can read them from /v1/topology (bench/bench_overhead.py).
+
+- `outside_us_total` / `outside_passes`: from the end of one pass on the engine thread to the start of the next,
+  less the time the worker waited for work to arrive. On a one-node ring at one stream that is the whole Python
+  cost of a token (the hand-offs, the core, the sampling's bookkeeping, the HTTP write on the same loop); at 8
+  streams, of a step.
+- `hop_in_us_total` / `hop_in`: from an activation accepted from a peer to the start of the pass that ran it (the
+  receiving side of a hop: waking the worker, scheduling, the hand-off to the engine thread).
+- `hop_out_us_total` / `hop_out`: from the end of the pass that made a batch of activations to its call to the
+  transport (the sending side: the core's routing, the outbox task).
+- `hop_send_us_total` / `hop_sends`: the transport call itself (serialising, gRPC, the peer taking it, the answer):
+  what a hop costs beyond the link is this less the link's round trip.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+
+class Overhead:
+    def __init__(self, counters: Counter[str]):
+        self.counters = counters
+        self.last_end: float | None = None  # when the engine thread finished the last pass (perf_counter)
+        self._idle = 0.0
+        self._arrivals: list[float] = []
+
+    def idle(self, seconds: float) -> None:
+        """The worker waited `seconds` for work to arrive: not overhead."""
+        self._idle += seconds
+
+    def arrived(self, at: float | None = None) -> None:
+        """Activations from a peer were queued (now, unless `at`)."""
+        self._arrivals.append(time.perf_counter() if at is None else at)
+
+    def ran(self, began: float, ended: float) -> None:
+        """A pass ran on the engine thread from `began` to `ended` (perf_counter: one clock for every thread)."""
+        c = self.counters
+        if self.last_end is not None and (gap := began - self.last_end - self._idle) >= 0:
+            c["outside_us_total"] += round(gap * 1e6)
+            c["outside_passes"] += 1
+        waited = [t for t in self._arrivals if t <= began]
+        c["hop_in_us_total"] += round(sum(began - t for t in waited) * 1e6)
+        c["hop_in"] += len(waited)
+        self._arrivals = [t for t in self._arrivals if t > began]
+        self.last_end, self._idle = ended, 0.0
+
+    def sent(self, called: float, returned: float) -> None:
+        """A call carrying activations left at `called` and was answered at `returned`."""
+        c = self.counters
+        if self.last_end is not None and called >= self.last_end:
+            c["hop_out_us_total"] += round((called - self.last_end) * 1e6)
+            c["hop_out"] += 1
+        c["hop_send_us_total"] += round((returned - called) * 1e6)
+        c["hop_sends"] += 1

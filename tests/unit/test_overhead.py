@@ -1,0 +1,26 @@
+"""The counters of a node's time outside its engine (node/runtime/overhead.py), fed with made-up clock readings."""
+
+from collections import Counter
+
+from node.runtime.overhead import Overhead
+
+
+def test_the_time_between_passes_counts_less_the_wait_for_work():
+    o = Overhead(c := Counter())
+    o.ran(1.000, 1.010)  # the first pass: nothing before it to measure
+    o.ran(1.0115, 1.020)  # 1.5 ms between: all overhead
+    o.idle(0.100)
+    o.ran(1.1210, 1.130)  # 101 ms between, 100 of them waiting for input
+    assert c["outside_passes"] == 2 and c["outside_us_total"] == 2500
+
+
+def test_a_hop_counts_from_arrival_to_the_pass_that_ran_it_and_from_a_pass_to_its_send():
+    o = Overhead(c := Counter())
+    o.arrived(2.000)
+    o.ran(2.0004, 2.010)
+    o.arrived(2.011)  # after the pass began: the next pass's
+    assert (c["hop_in"], c["hop_in_us_total"]) == (1, 400)
+    o.sent(2.0103, 2.0113)
+    assert (c["hop_out"], c["hop_out_us_total"], c["hop_sends"], c["hop_send_us_total"]) == (1, 300, 1, 1000)
+    o.ran(2.012, 2.020)
+    assert (c["hop_in"], c["hop_in_us_total"]) == (2, 1400)
