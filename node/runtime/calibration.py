@@ -1,8 +1,9 @@
 """This node's layer throughput, which placement balances (node/core/placement/balance.py): billions of parameters
 a token goes through per second on one row, reported in its capabilities.
 
-Measured twice over: once at start (`calibrate`: one-row forward steps through an engine on a slice of the
-model's layers, back to back for WINDOW_S: the sustained rate, as a CPU quota or a busy machine allows it), then from the live passes (`LayerSpeed.observed`: every one-row
+Measured twice over: at start (`calibrate_node`: one-row forward steps through an engine on a slice of the
+model's layers, back to back for WINDOW_S: the sustained rate, as a CPU quota allows it; ROUNDS times, ROUND_GAP_S
+apart, the fastest kept, since other processes starting at the same time only ever slow a round), then from the live passes (`LayerSpeed.observed`: every one-row
 pass's compute time over its shard's cost, smoothed). What is reported moves only when the smoothed measure is
 REPORT_STEPS quantisation steps away from it, so measurement noise never moves a layer; an operator's --speed
 fixes it and nothing is measured.
@@ -10,10 +11,11 @@ fixes it and nothing is measured.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,8 @@ WARMUP_STEPS = 2  # the first passes build graphs and touch the weights: not tim
 MIN_STEPS = 3  # timed steps at least, however long they take
 WINDOW_S = 0.3  # steps run back to back this long: three periods of a cgroup CPU quota's default 100 ms
 SLICE_LAYERS = 2  # the layers of the engine it times
+ROUNDS = 3  # calibration windows at start ...
+ROUND_GAP_S = 2.0  # ... this far apart
 SMOOTHING = 0.1  # weight of a live pass in the smoothed measure
 MIN_LIVE = 8  # live passes seen before they may move the report
 REPORT_STEPS = 2  # the report moves when the measure is this many quantisation steps away from it
@@ -41,6 +45,27 @@ def calibration_slice(model_id: str, n_layers: int) -> Shard:
         return Shard(model_id, 0, n_layers, n_layers)
     start = (n_layers - SLICE_LAYERS) // 2
     return Shard(model_id, start, start + SLICE_LAYERS, n_layers)
+
+
+async def calibrate_node(
+    run: Callable[..., Awaitable],
+    factory,
+    model_dir: Path,
+    model_id: str,
+    config: ModelConfig,
+    costs: Sequence[int],
+    speed: LayerSpeed,
+) -> None:
+    """ROUNDS calibrations of one engine on `calibration_slice`, through `run` (the engine thread), each reported
+    to `speed` (which keeps the fastest)."""
+    shard = calibration_slice(model_id, config.n_layers)
+    engine = await run(factory, model_dir, shard, config)
+    for i in range(ROUNDS):
+        if i:
+            await asyncio.sleep(ROUND_GAP_S)
+        seconds = await run(time_steps, engine, config)
+        speed.measured(sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9 if seconds else None)
+    log.info("calibrated: %.3g Gparam/s (%s)", speed.speed, shard)
 
 
 def calibrate(factory, model_dir: Path, shard: Shard, config: ModelConfig, costs: Sequence[int]) -> float | None:
@@ -96,8 +121,9 @@ class LayerSpeed:
         self._seen = 0
 
     def measured(self, speed: float | None) -> None:
-        """The calibration's result: reported at once (unless --speed fixes it)."""
-        if self.fixed is None and speed is not None and speed > 0:
+        """A calibration's result: reported at once when it is the first or faster than the last (unless --speed
+        fixes it)."""
+        if self.fixed is None and speed is not None and speed > 0 and min(speed, MAX_SPEED) > self.speed:
             self.speed = min(speed, MAX_SPEED)
             self._smoothed, self._seen = 1 / self.speed, MIN_LIVE
 

@@ -194,6 +194,25 @@ def test_calibration_times_a_slice_of_the_model_well_under_a_second():
     assert speed is not None and 0 < speed < 1e6
 
 
+def test_a_node_calibrates_on_its_engine_thread_and_keeps_its_fastest_round(monkeypatch):
+    import asyncio
+
+    from node.runtime import calibration
+
+    monkeypatch.setattr(calibration, "ROUND_GAP_S", 0.0)
+    cfg = ModelConfig.from_dir(LLAMA)
+    speed = LayerSpeed(layer_costs(cfg))
+
+    async def on_a_thread(fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+    asyncio.run(calibration.calibrate_node(on_a_thread, NumpyEngine, LLAMA, "llama", cfg, layer_costs(cfg), speed))
+    assert speed.speed > 0
+    fastest = speed.speed
+    speed.measured(fastest / 2)  # a round slowed by another process starting
+    assert speed.speed == fastest
+
+
 def test_live_passes_move_the_report_only_when_they_are_steps_away():
     costs = (10**9,) * 4
     speed = LayerSpeed(costs)
