@@ -1,6 +1,7 @@
 """Anthropic's Messages API on the same port: POST /v1/messages, streamed (message_start ... message_stop) or not.
 
-The body (system, messages of text / tool_use / tool_result blocks, tools, tool_choice, stop_sequences) is
+The body (system, messages of text / tool_use / tool_result blocks, tools, tool_choice, stop_sequences,
+output_config.format; temperature, top_p and top_k, which older clients send) is
 translated into the OpenAI chat body and parsed by the same code (node/http/chat.py), so it is generated,
 constrained and refused exactly as /v1/chat/completions is; every error is an Anthropic error object. The
 streamed events and the whole message are built from the same typed events by `MessageBuilder`, so they agree.
@@ -32,7 +33,7 @@ ERROR_TYPES = {
     503: "overloaded_error",
 }
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
-NAMES = {"stop": "stop_sequences", "tool_choice": "tool_choice", "response_format": "tools"}
+NAMES = {"stop": "stop_sequences", "response_format": "output_config.format"}
 
 
 def error_body(e: ApiError) -> dict[str, Any]:
@@ -125,6 +126,20 @@ def _tools(body: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _output(body: dict[str, Any]) -> dict[str, Any]:
+    """Structured output: `output_config.format` (or the older top-level `output_format`), a JSON schema the
+    reply is constrained to. `output_config.effort` is a hint a model without thinking has no use for."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise bad("output_config", "must be an object")
+    fmt = (config or {}).get("format", body.get("output_format"))
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad("output_config.format", 'must be {"type": "json_schema", "schema": {...}}')
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}}
+
+
 def parse_messages(body: dict[str, Any]) -> ChatRequest:
     """A /v1/messages body -> the typed request (stream flag included)."""
     max_tokens = body.get("max_tokens")
@@ -146,7 +161,7 @@ def parse_messages(body: dict[str, Any]) -> ChatRequest:
     if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
         raise bad("thinking", "extended thinking is not supported by this model")
     sampling = {k: body[k] for k in ("model", "temperature", "top_p", "top_k", "stream") if k in body}
-    translated = sampling | {"messages": out, "max_tokens": max_tokens, **_tools(body)}
+    translated = sampling | {"messages": out, "max_tokens": max_tokens, **_tools(body), **_output(body)}
     if body.get("stop_sequences") is not None:
         if not isinstance(body["stop_sequences"], list):
             raise bad("stop_sequences", "must be an array of strings")

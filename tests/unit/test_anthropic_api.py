@@ -173,3 +173,10 @@ def test_the_api_key_is_taken_from_x_api_key_as_anthropic_clients_send_it():
         [("POST", "/v1/messages", ok)], ApiSettings(api_key="sesame"), {"x-api-key": "sesame"}
     )
     assert status == 200 and json.loads(text)["usage"]["output_tokens"] == 2
+
+
+def test_output_config_format_is_the_grammar_paths_schema():
+    fmt = {"type": "json_schema", "schema": WEATHER}
+    assert anthropic.parse_messages(body(output_config={"format": fmt})).options.structure.json_schema == WEATHER
+    [(status, _, text)] = exchange([("POST", "/v1/messages", body(model="llama", output_config={"format": "json"}))])
+    assert status == 400 and "output_config.format" in json.loads(text)["error"]["message"]
