@@ -41,10 +41,10 @@ def test_three_pinned_nodes_equal_one_process(live_cluster):
     assert set(c.wait_idle().values()) == {0}
 
 
-def test_automatic_partitioning_weights_layers_by_memory():
-    with Cluster(MODEL, 3, memory_gb=[4, 2, 2]) as c:
+def test_automatic_partitioning_weights_layers_by_speed():
+    with Cluster(MODEL, 3, memory_gb=[4, 2, 2], per_node=[["--speed", "2"], ["--speed", "1"], ["--speed", "1"]]) as c:
         assert_matches_reference(c, PROMPTS[2])
-        # 6 layers in proportion 2:1:1 -> 3/2/1 or 3/1/2 with ties to the lower node id
+        # node0 at twice the speed takes the most layers (node2's one carries the head); memory only caps
         assert loaded_shards(c) == {"node0": ["llama[0:3/6]"], "node1": ["llama[3:5/6]"], "node2": ["llama[5:6/6]"]}
         assert set(c.wait_idle().values()) == {0}
 
