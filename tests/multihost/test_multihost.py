@@ -64,6 +64,7 @@ def start_hosts(lan, n: int, key, first: int = 0, extra=(), per_host=None) -> li
                     "--engine",
                     "numpy",
                     *key_args,
+                    *("--speed", "1"),  # the hosts share this machine's cores: equal (test_multihost_placement.py)
                     *extra,
                     *(per_host or {}).get(i, ()),
                 ),

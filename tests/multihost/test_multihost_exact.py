@@ -55,7 +55,9 @@ def start_default_host(lan, key, i: int) -> subprocess.Popen:
             "--threads",
             "1",
             "--memory-gb",
-            "2",  # equal shares: the plan runs through all three
+            "2",
+            "--speed",
+            "1",  # equal shares: the plan runs through all three
             "--cluster-key-file",
             str(key),
         ),

@@ -48,6 +48,8 @@ def test_two_hosts_without_the_model_fetch_their_layers_from_the_third(tmp_path,
                         str(key),
                         "--memory-gb",
                         "1",
+                        "--speed",
+                        "1",  # the hosts share this machine's cores: equal
                     ),
                     cwd=ROOT,
                     stdout=subprocess.PIPE,
