@@ -89,3 +89,14 @@ def test_bytes_per_parameter_come_from_the_model_files_only(tmp_path):
 def test_footprints_refuse_nonsense():
     with pytest.raises(ValueError, match="bytes_per_param"):
         layer_footprints(LLAMA, bytes_per_param=0, kv_tokens=1, kv_value_bytes=2)
+
+
+def test_plan_ring_moves_layers_to_nodes_with_room_rather_than_refusing():
+    feet = footprints(tokens=100_000)
+    small = sum(feet[:2])  # holds two layers, not the even third
+    nodes = [info("a", 10 * sum(feet)), info("b", small), info("c", 10 * sum(feet))]
+    ring = plan_ring(nodes, "m", LLAMA.n_layers, footprints=feet)
+    held = {node_id: sum(feet[s.start_layer : s.end_layer]) for node_id, s in ring}
+    assert held["b"] <= small and sum(s.layer_count for _, s in ring) == LLAMA.n_layers
+    with pytest.raises(PartitionError, match="no split of the 6 layers fits"):
+        plan_ring([info("a", small), info("b", small)], "m", LLAMA.n_layers, footprints=feet)
