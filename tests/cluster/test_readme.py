@@ -69,7 +69,7 @@ def test_the_first_run_answer_is_the_one_the_readme_shows(default_node):
     assert json.loads(out.stdout)["choices"][0]["message"]["content"] == shown, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("name", ["tools", "structured"])
+@pytest.mark.parametrize("name", ["tools", "structured", "ollama", "anthropic", "responses"])
 def test_tools_and_structured_output_examples(default_node, name):
     out = subprocess.run([sys.executable, "-c", block(name)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr
