@@ -15,8 +15,11 @@ Invariants:
   the last position's forward pass.
 - The index is bounded (`capacity` positions over all entries, and `max_entries`), least recently used first out;
   `add` and `evict` say which ids left, so the caller frees exactly those caches.
-- A hit takes the entry out (one request takes over one cache: no sharing, no reference counts); a request that
-  then finishes is added again under its own id with its longer tokens.
+- A hit on a whole entry takes it out: the request takes that cache over and extends it (a conversation's next
+  turn), and is added again under its own id with its longer tokens when it finishes. A hit on part of an entry
+  leaves it in, most recently used: every node copies that part into the request's own cache
+  (shards/engines/retained.py, the same rule), so a side request sharing only a preamble never consumes a
+  conversation's cache, and a shared preamble serves every client.
 
 Pure: no engine, no clock, no I/O; the runtime keeps the index and the engine's retained caches in step.
 """
@@ -61,7 +64,7 @@ class PrefixIndex:
         self.entries: OrderedDict[str, np.ndarray] = OrderedDict()  # least recently used first
         self.scopes: dict[str, str] = {}  # entry id -> the scope it was added in (a plan: nodes and layers)
         self.positions = 0
-        self.hits = self.hit_tokens = self.misses = self.evictions = 0
+        self.hits = self.hit_tokens = self.misses = self.evictions = self.partial_hits = 0
 
     def __contains__(self, entry_id: str) -> bool:
         return entry_id in self.entries
@@ -104,11 +107,16 @@ class PrefixIndex:
         return best
 
     def take(self, hit: PrefixHit) -> None:
-        """The new request took the entry's cache over: it leaves the index, and the hit is counted."""
+        """A new request starts from the hit: it takes a whole entry over (the entry leaves the index) or copies part
+        of one (the entry stays, most recently used). The hit is counted."""
         tokens = self.entries[hit.entry_id]
         if hit.tokens > len(tokens):
             raise ValueError(f"entry {hit.entry_id!r} holds {len(tokens)} positions, not {hit.tokens}")
-        self.remove(hit.entry_id)
+        if hit.tokens == len(tokens):
+            self.remove(hit.entry_id)
+        else:
+            self.entries.move_to_end(hit.entry_id)
+            self.partial_hits += 1
         self.hits += 1
         self.hit_tokens += hit.tokens
 

@@ -41,6 +41,10 @@ class KVCache(ABC):
     def nbytes(self) -> int:
         """Bytes of memory the cache holds (its capacity, not just its length)."""
 
+    def copy_prefix(self, positions: int) -> KVCache:
+        """A new layer cache holding a copy of this one's first `positions` positions (this one unchanged)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy a prefix")
+
 
 class SlabCache(KVCache):
     """Keys and values in preallocated [kv_heads, capacity, head_dim] slabs, written in place and grown by doubling;
@@ -69,6 +73,13 @@ class SlabCache(KVCache):
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def copy_prefix(self, positions: int) -> SlabCache:
+        n_kv, _, head_dim = self.k.shape
+        copy = SlabCache(self.zeros, n_kv, head_dim, positions)
+        copy.k[:, :positions] = self.k[:, :positions]
+        copy.v[:, :positions] = self.v[:, :positions]
+        return copy
+
 
 class RequestCache:
     """Every layer's cache of one request, and how many positions they hold.
@@ -90,6 +101,16 @@ class RequestCache:
         if positions < 1:
             raise ValueError(f"a step commits at least one position, not {positions}")
         self._length += positions
+
+    def copy_prefix(self, positions: int) -> RequestCache:
+        """A new cache holding a copy of this one's first `positions` positions, this one unchanged: a request that
+        shares only part of a retained prefix starts from the copy, and the prefix stays retained for the next
+        (shards/engines/retained.py). Raises NotImplementedError where the storage can't copy."""
+        if not 1 <= positions <= self._length:
+            raise ValueError(f"cannot copy {positions} positions of a cache of {self._length}")
+        copy = RequestCache([layer.copy_prefix(positions) for layer in self.layers])
+        copy._length = positions
+        return copy
 
     def truncate(self, positions: int) -> None:
         """Keep only the first `positions` positions (a later request reuses this prefix: see

@@ -31,6 +31,7 @@ class RetainedCaches:
         self.limit = limit
         self.caches: OrderedDict[str, RequestCache] = OrderedDict()  # least recently used first
         self.evictions = 0
+        self.copies = 0  # partial hits served by copying a prefix
 
     @property
     def nbytes(self) -> int:
@@ -52,11 +53,23 @@ class RetainedCaches:
         return self.shrink(self.limit)
 
     def take(self, entry_id: str, positions: int) -> RequestCache | None:
-        """The retained cache, truncated to its first `positions` positions, now owned by the caller; None when it
-        was evicted (the caller then computes every position)."""
+        """A cache of the retained one's first `positions` positions, owned by the caller; None when it was evicted
+        (the caller then computes every position). All of it: the cache itself, which leaves the store (the caller
+        extends it: a conversation's next turn). Part of it: a copy, and the retained cache stays, most recently
+        used (a side request sharing only a preamble must not consume a conversation's cache). Storage that can't
+        copy hands the cache itself over, truncated. node/core/prefix_cache.py applies the same rule to its index."""
         cache = self.caches.get(entry_id)
         if cache is None or not 1 <= positions <= cache.length:
             return None
+        if positions < cache.length:
+            try:
+                copy = cache.copy_prefix(positions)
+            except NotImplementedError:
+                pass
+            else:
+                self.caches.move_to_end(entry_id)
+                self.copies += 1
+                return copy
         del self.caches[entry_id]
         cache.truncate(positions)
         return cache

@@ -53,6 +53,14 @@ class TinygradCache(KVCache):
             grown[:, :length].assign(self.kv[:, :length]).realize()
         self.kv = grown
 
+    def copy_prefix(self, positions: int) -> TinygradCache:
+        copy = TinygradCache.empty(*self.kv.shape[2:])
+        copy.whole = self.whole
+        copy.reserve(positions, 0)
+        span = (None, (0, positions), None, None)
+        copy.kv.shrink(span).assign(self.kv.shrink(span)).realize()
+        return copy
+
     def update_and_fetch(self, k: Tensor, v: Tensor, start) -> tuple[Tensor, Tensor]:
         # `start` is an int, or a bound Variable while a decode step is being captured.
         t = k.shape[0]

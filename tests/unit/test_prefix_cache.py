@@ -42,7 +42,7 @@ def test_a_minimum_keeps_tiny_matches_from_counting():
     assert index.add("tiny", [1, 2]) == ["tiny"]  # shorter than any useful hit: not kept
 
 
-def test_a_hit_takes_its_entry_and_is_counted():
+def test_a_hit_on_a_whole_entry_takes_it_and_is_counted():
     index = PrefixIndex(capacity=100)
     index.add("a", [1, 2, 3, 4])
     hit = index.longest([1, 2, 3, 4, 5])
@@ -50,6 +50,21 @@ def test_a_hit_takes_its_entry_and_is_counted():
     assert "a" not in index and index.positions == 0
     assert (index.hits, index.hit_tokens) == (1, 4)
     assert index.longest([1, 2, 3, 4, 5]) is None
+
+
+def test_a_hit_on_part_of_an_entry_leaves_it_for_the_next_client():
+    """One conversation's cache and a side request sharing only its preamble: the side request copies the preamble,
+    the conversation's entry stays (most recently used), and its next turn still finds all of it."""
+    index = PrefixIndex(capacity=100)
+    index.add("conversation", [1, 2, 3, 4, 5, 6, 7, 8])
+    index.add("older", [9, 9, 9])
+    side = index.longest([1, 2, 3, 40, 50])
+    assert side == PrefixHit("conversation", 3)
+    index.take(side)
+    assert "conversation" in index and index.positions == 11 and index.partial_hits == 1
+    assert list(index.entries) == ["older", "conversation"]  # used: the last to leave
+    index.add("side", [1, 2, 3, 40, 50])
+    assert index.longest([1, 2, 3, 4, 5, 6, 7, 8, 9]) == PrefixHit("conversation", 8)
 
 
 def test_entries_leave_least_recently_used_first_to_stay_within_capacity():

@@ -170,6 +170,17 @@ class CellRange(RequestCache):
     def nbytes(self) -> int:
         return self.capacity * self.pool.position_bytes if self.pool is not None else 0
 
+    def copy_prefix(self, positions: int) -> CellRange:
+        """A new range of the pool holding a copy of this one's first `positions` cells, with the same reservation
+        (and room for the engine's smallest range, engine.py MIN_CAPACITY, so its first step needn't move it)."""
+        if not 1 <= positions <= self.length:
+            raise ValueError(f"cannot copy {positions} positions of a cache of {self.length}")
+        copy = CellRange(self.pool, max(positions, min(256, self.limit)))
+        copy.limit = self.limit
+        self.pool.copy(self.start, copy.start, positions)  # after the allocation: a grown pool keeps the indices
+        copy.commit(positions)
+        return copy
+
     def free(self) -> None:
         if self.pool is not None:
             self.pool.release(self.start, self.capacity)
