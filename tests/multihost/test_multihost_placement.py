@@ -62,7 +62,7 @@ def test_a_host_at_half_speed_gets_fewer_layers_and_the_ring_answers_exactly(how
                 else:
                     procs.append(start_host(lan, i, key, quota if i == SLOW else None))
             everyone = {"host0", "host1", "host2"}
-            wait_until(lambda: all(peers_seen(lan, i) == everyone for i in range(3)), 30, "all three to meet")
+            wait_until(lambda: all(peers_seen(lan, i) == everyone for i in range(3)), 60, "all three to meet")
 
             def measured() -> dict | None:
                 topo = call(lan, 0, "/v1/topology")
