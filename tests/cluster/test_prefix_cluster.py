@@ -40,14 +40,49 @@ def chat(c: Cluster, turns: int = len(TURNS)) -> list[str]:
     return answers
 
 
-@pytest.mark.parametrize("shards", [None, ["0:2", "2:4", "4:6"]], ids=["1 node", "3 nodes"])
-def test_each_turn_of_a_chat_reuses_the_conversation_so_far_and_answers_as_one_process(shards):
+@pytest.fixture(scope="module", params=[None, ["0:2", "2:4", "4:6"]], ids=["1 node", "3 nodes"])
+def ring(request):
+    """One cluster per ring shape for the tests that read its counters as differences."""
+    shards = request.param
     with Cluster(MODEL, 1 if shards is None else 3, shards=shards) as c:
-        chat(c)
-        status = c.self_info()["node0"]["status"]
-        assert status["prefix_hits"] == len(TURNS) - 1 and status["prefix_hit_tokens"] > 20
-        assert status.get("prefix_fallbacks", 0) == 0
-        assert value(scrape(c.nodes[0].api_url), "exo_prefix_hit_tokens_total") == status["prefix_hit_tokens"]
+        yield c
+
+
+def counters(c: Cluster) -> dict:
+    return dict(c.self_info()["node0"]["status"])
+
+
+def test_each_turn_of_a_chat_reuses_the_conversation_so_far_and_answers_as_one_process(ring):
+    before = counters(ring)
+    chat(ring)
+    status = counters(ring)
+    assert status["prefix_hits"] - before.get("prefix_hits", 0) == len(TURNS) - 1
+    assert status["prefix_hit_tokens"] - before.get("prefix_hit_tokens", 0) > 20
+    assert status.get("prefix_fallbacks", 0) == 0
+    assert value(scrape(ring.nodes[0].api_url), "exo_prefix_hit_tokens_total") == status["prefix_hit_tokens"]
+
+
+def test_a_conversation_keeps_its_cache_while_other_clients_come_between_its_turns(ring):
+    """Two conversations and a one-off question interleaved: each request shares the template's preamble with
+    every retained cache, yet each conversation's next turn resumes from all of its own history."""
+    a, b = [{"role": "user", "content": TURNS[0]}], [{"role": "user", "content": "What is the weather like?"}]
+    for messages in (a, b):
+        status, body = ring.chat(messages, max_tokens=10, temperature=0)
+        assert status == 200, body
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    hit_tokens = []
+    for messages, follow_up in ((a, TURNS[1]), ([{"role": "user", "content": "Say hi."}], None), (b, "And why?")):
+        if follow_up is not None:
+            messages.append({"role": "user", "content": follow_up})
+        before = counters(ring).get("prefix_hit_tokens", 0)
+        status, body = ring.chat(messages, max_tokens=10, temperature=0)
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == reference(messages, 10)
+        hit_tokens.append(counters(ring)["prefix_hit_tokens"] - before)
+    conversation_a, one_off, conversation_b = hit_tokens
+    # each conversation's turn 2 reuses its whole first turn (prompt and answer), not just the shared preamble
+    assert conversation_a > one_off + 10 and conversation_b > one_off + 10
+    assert counters(ring).get("prefix_fallbacks", 0) == 0
 
 
 def test_a_node_that_evicted_the_prefix_makes_the_entry_prefill_everything():
