@@ -12,8 +12,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from shards.formats.config import token_id_list
@@ -112,6 +110,8 @@ class Tokenizer:
         templates that render them (Qwen, Hermes), as transformers' apply_chat_template does."""
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template; use the completions endpoint instead")
+        from jinja2 import TemplateError  # jinja2 loads at the first chat rendered, not at every node's start
+
         try:
             return self._compiled_template().render(
                 messages=messages,
@@ -128,6 +128,8 @@ class Tokenizer:
         the stream of every other request waits on the event loop meanwhile), in a sandbox that can't touch Python
         objects. A template that doesn't compile raises TemplateError at each request, as rendering would."""
         if self._template is None or self._template[0] != self.chat_template:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment  # see render_chat
+
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
             self._template = (self.chat_template, env.from_string(self.chat_template))
@@ -224,11 +226,16 @@ _MARKS = str.maketrans("", "", CONTENT_OPEN + CONTENT_CLOSE)
 
 
 def marked_contents(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` with every non-empty text content (a string, or the text of a content part) wrapped in
+    """`messages` with every text content that is not blank (a string, or a content part's text) wrapped in
     CONTENT_OPEN ... CONTENT_CLOSE, for `Tokenizer.encode_marked`."""
 
     def mark(text: Any) -> Any:
-        return f"{CONTENT_OPEN}{text.translate(_MARKS)}{CONTENT_CLOSE}" if isinstance(text, str) and text else text
+        if not isinstance(text, str) or not text.strip():
+            return text
+        # whitespace at the ends stays outside the marks: a template that trims the content (Llama 3's) still can
+        text = text.translate(_MARKS)
+        start, end = len(text) - len(text.lstrip()), len(text.rstrip())
+        return f"{text[:start]}{CONTENT_OPEN}{text[start:end]}{CONTENT_CLOSE}{text[end:]}"
 
     out = []
     for m in messages:

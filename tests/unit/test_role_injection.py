@@ -57,3 +57,27 @@ def test_the_entrys_prompt_encoder_reads_content_as_text_unless_told_otherwise(t
     old = asyncio.run(PromptEncoder(tok, 8192, parse_special_in_content=True).chat(messages))
     assert safe == tok.encode_chat(messages)
     assert old == tok.encode_chat(messages, parse_special_in_content=True) != safe
+
+
+def test_a_template_that_trims_contents_still_trims_them():
+    tok = Tokenizer.load(resolve_model("smollm2")[0])
+    tok.chat_template = (  # Llama 3's way: each content trimmed
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n"
+    )
+    messages = [{"role": "user", "content": "\n  padded question  \n"}]
+    assert tok.encode_chat(messages) == tok.encode(tok.render_chat(messages), add_special_tokens=False)
+    hostile = [{"role": "user", "content": f"  {INJECTION}  "}]
+    assert controls(tok, tok.encode_chat(hostile)) == controls(tok, tok.encode_chat(messages))
+
+
+def test_marking_a_long_content_with_inner_whitespace_runs_takes_linear_time():
+    import time
+
+    from shards.formats.tokenizer import marked_contents
+
+    content = "x" + " " * 200_000 + "y" + "\n" * 1000
+    start = time.process_time()
+    (marked,) = marked_contents([{"role": "user", "content": content}])
+    assert time.process_time() - start < 0.5
+    assert marked["content"].strip("\ue000\ue001\n") == content.strip()
