@@ -16,8 +16,6 @@ import signal
 import sys
 from contextlib import AsyncExitStack
 
-from aiohttp import web
-
 from discovery.udp import Announcement, UdpDiscovery
 from node.core.topology import Availability
 from node.fetch import startup as fetching
@@ -26,8 +24,6 @@ from node.fetch.follow import Follower
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, message_bound
 from node.grpc.core_log import CoreLogFilter
 from node.grpc.server import GrpcServer
-from node.http import logs as http_logs
-from node.http.api import Api
 from node.runtime.membership import Membership
 from node.runtime.node import Node
 from node.runtime.settings import ServedModel
@@ -42,6 +38,12 @@ log = logging.getLogger("exo-node")
 
 
 async def serve_api(stack: AsyncExitStack, http: HttpSettings, node: Node) -> str:
+    # aiohttp and the HTTP layer load here: a node without an API (--no-api) never imports them.
+    from aiohttp import web
+
+    from node.http import logs as http_logs
+    from node.http.api import Api
+
     # keepalive_timeout also bounds how long a client may take to send a request's headers (aiohttp arms it when the
     # connection opens and incoming bytes don't reset it): slow-header clients can't hold connections open.
     http_logs.install()  # unparseable requests: one line each, no traceback

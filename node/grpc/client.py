@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -21,7 +22,9 @@ from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 from node.grpc.stream import PeerStream, StreamBroken
 from node.runtime.transport import TransportError
-from node.security import NodeIdentity, NodeTls
+
+if TYPE_CHECKING:  # node.security.tls loads cryptography: only a node with a cluster key needs it
+    from node.security.tls import NodeIdentity, NodeTls
 
 # Activations of a long prompt can be large (tokens x hidden x 4 bytes); grpc's default cap is 4 MiB.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024

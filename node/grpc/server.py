@@ -4,7 +4,7 @@ the node, and map bad input to INVALID_ARGUMENT."""
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 import numpy as np
@@ -20,7 +20,10 @@ from node.grpc.client import server_options
 from node.grpc.failures import abort
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
-from node.security import NodeTls, peer_node_id
+from node.security import peer_node_id
+
+if TYPE_CHECKING:  # node.security.tls loads cryptography: only a node with a cluster key needs it
+    from node.security.tls import NodeTls
 
 
 class Handler(Protocol):

@@ -26,11 +26,10 @@ import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
-from node.security.tls import ClusterCa, NodeTls
+if TYPE_CHECKING:
+    from node.security.tls import ClusterCa, NodeTls
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +107,10 @@ class ClusterKey:
 
     def derive(self, label: bytes, length: int = 32) -> bytes:
         """HKDF-SHA256 of the secret under `label` (one label per purpose)."""
+        # cryptography loads with the first key used: a node without a cluster key never imports it.
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
         return HKDF(algorithm=hashes.SHA256(), length=length, salt=_SALT, info=label).derive(self._secret)
 
     def discovery_key(self) -> bytes:
@@ -115,12 +118,16 @@ class ClusterKey:
         return self.derive(LABEL_DISCOVERY)
 
     def ca(self) -> ClusterCa:
+        from node.security.tls import ClusterCa  # cryptography's x509: only with a cluster key
+
         if self._ca is None:
             self._ca = ClusterCa.derive(self.derive(LABEL_CA), self.fingerprint)
         return self._ca
 
     def tls(self, node_id: str) -> NodeTls:
         """This node's TLS material (one leaf per node id, made on first use and kept)."""
+        from node.security.tls import NodeTls  # cryptography's x509: only with a cluster key
+
         if node_id not in self._tls:
             self._tls[node_id] = NodeTls(self.ca(), node_id)
         return self._tls[node_id]
@@ -133,6 +140,8 @@ class ClusterKey:
 
     @staticmethod
     def channel_options() -> list[tuple[str, str]]:
+        from node.security.tls import NodeTls  # cryptography's x509: only with a cluster key
+
         return NodeTls.channel_options()
 
 

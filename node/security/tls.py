@@ -40,7 +40,6 @@ new channel when it changed (see the integration notes).
 from __future__ import annotations
 
 import datetime as dt
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,11 +50,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-SERVER_NAME = "exo-node.cluster"
-NODE_URI_PREFIX = "urn:exo-node:node:"
+from node.security.peer import NODE_ID, NODE_URI_PREFIX, SERVER_NAME
+
 DEFAULT_LEAF_LIFETIME = dt.timedelta(days=7)
 CLOCK_SKEW = dt.timedelta(hours=1)  # leaf not_before is backdated this much: a peer's clock may lag ours
-NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")  # as discovery's; also fits a URI and the 64-char CN bound
 # Fixed CA validity: it must not depend on when a node starts, or the CA certificates would differ.
 # 9999-12-31 is RFC 5280's "no well-defined expiration".
 _CA_NOT_BEFORE = dt.datetime(2020, 1, 1, tzinfo=dt.UTC)
@@ -256,23 +254,3 @@ class NodeTls:
     def channel_options() -> list[tuple[str, str]]:
         """Check the server's certificate against the cluster name, not the address we dialled."""
         return [("grpc.ssl_target_name_override", SERVER_NAME)]
-
-
-def peer_node_id(context: grpc.aio.ServicerContext) -> str | None:
-    """The node id in the calling peer's verified certificate; None on a plaintext connection or without one.
-
-    grpc only fills the auth context from a certificate that passed verification against our CA, so what is
-    read here was vouched for by a holder of the secret. Exactly one well-formed node URI must be present.
-    """
-    auth = context.auth_context() or {}
-    if auth.get("transport_security_type") != [b"ssl"]:
-        return None
-    # 'peer_uri' lists URI SANs in recent grpc; older releases only have the mixed SAN list.
-    sans = auth.get("peer_uri") or auth.get("x509_subject_alternative_name") or []
-    ids = {
-        s[len(NODE_URI_PREFIX) :] for s in (b.decode("utf-8", "replace") for b in sans) if s.startswith(NODE_URI_PREFIX)
-    }
-    if len(ids) != 1:
-        return None
-    node_id = ids.pop()
-    return node_id if NODE_ID.match(node_id) else None

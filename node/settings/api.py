@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from node.http.api import ApiSettings
+if TYPE_CHECKING:
+    from node.http.api import ApiSettings
 
 
 def add_flags(ap: argparse.ArgumentParser) -> None:
@@ -74,6 +76,8 @@ class HttpSettings:
 def http_from_args(args: argparse.Namespace) -> HttpSettings | None:
     if args.no_api:
         return None
+    from node.http.api import ApiSettings  # the HTTP layer (aiohttp) loads only on a node with an API
+
     api = ApiSettings(
         max_tokens_cap=args.max_tokens,
         max_body_bytes=args.max_body_kb * 1024,

@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
-from node.security import SERVER_NAME, ClusterCa, ClusterKey, NodeTls, generate_secret, peer_node_id
-from node.security.tls import NODE_URI_PREFIX, _pem_cert
+from node.security import SERVER_NAME, ClusterKey, generate_secret, peer_node_id
+from node.security.tls import NODE_URI_PREFIX, ClusterCa, NodeTls, _pem_cert
 
 KEY_A, KEY_B = ClusterKey(generate_secret()), ClusterKey(generate_secret())
 REFUSED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
