@@ -35,8 +35,10 @@ LLAMACPP_BIN = Path("/opt/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/buil
 
 
 @contextlib.contextmanager
-def process(cmd: list[str], core: int):
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def process(cmd: list[str], core: int, log: Path | None = None):
+    """`cmd` running with every thread on `core`, its output in `log` (or dropped); terminated on exit."""
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
         pin(proc.pid, core)
         yield proc
@@ -46,6 +48,9 @@ def process(cmd: list[str], core: int):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+        if log:
+            out.close()
 
 
 def llama_server(binary: Path, gguf: Path, port: int, rpc: list[str] | None) -> list[str]:

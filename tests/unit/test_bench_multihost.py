@@ -1,0 +1,86 @@
+"""The multi-host benchmark's pure parts: the netem command lines, the counters' arithmetic and the report's table."""
+
+import json
+
+import pytest
+
+from bench.bench_multihost import Figures, Link, netem_commands, outside_ms, per_token, report, table, tx_counters
+
+
+def test_a_link_puts_its_delay_on_the_hosts_egress_only_and_its_rate_on_both_directions():
+    host, port = netem_commands("exo-h0-ab", "exo-sw-ab", "p0", Link(0.2, 1000))
+    assert host == "tc -n exo-h0-ab qdisc replace dev eth0 root netem delay 0.2ms rate 1000mbit".split()
+    assert port == "tc -n exo-sw-ab qdisc replace dev p0 root netem rate 1000mbit".split()
+
+
+def test_whole_delays_and_rates_are_written_without_a_decimal_point():
+    host, port = netem_commands("h", "sw", "p1", Link(5.0, 100.0))
+    assert host[-4:] == ["delay", "5ms", "rate", "100mbit"] and port[-1] == "100mbit"
+
+
+@pytest.mark.parametrize("delay, rate", [(-1, 100), (1, 0), (1, -5)])
+def test_a_link_refuses_a_negative_delay_or_a_rate_that_is_not_positive(delay, rate):
+    with pytest.raises(ValueError, match="delay >= 0 ms and a rate > 0"):
+        Link(delay, rate)
+
+
+def test_a_links_label_names_gigabit_rates_in_gbit():
+    assert Link(0.2, 1000).label == "0.2 ms, 1 Gbit/s"
+    assert Link(5, 100).label == "5 ms, 100 Mbit/s"
+
+
+def test_tx_counters_read_bytes_and_packets_sent_from_ip_json():
+    link = {"ifname": "eth0", "stats64": {"rx": {"bytes": 9, "packets": 1}, "tx": {"bytes": 1500, "packets": 7}}}
+    assert tx_counters(json.dumps([link])) == (1500, 7)
+
+
+def test_traffic_per_token_is_each_hops_difference_over_the_tokens():
+    assert per_token([(100, 10), (50, 5)], [(1100, 30), (450, 9)], 4) == [(250.0, 5.0), (100.0, 1.0)]
+    with pytest.raises(ValueError, match="no tokens"):
+        per_token([(0, 0)], [(1, 1)], 0)
+
+
+def test_outside_compute_per_hop_is_the_senders_hand_off_and_call_less_the_round_trip_and_the_receivers_hand_off():
+    zero = dict.fromkeys(
+        ("hop_out_us_total", "hop_out", "hop_send_us_total", "hop_sends", "hop_in_us_total", "hop_in"), 0
+    )
+    a0 = zero | {
+        "hop_out_us_total": 200,
+        "hop_out": 2,
+        "hop_send_us_total": 5000,
+        "hop_sends": 2,
+        "hop_in_us_total": 600,
+        "hop_in": 2,
+    }
+    a1 = zero | {"hop_out_us_total": 400, "hop_out": 2, "hop_send_us_total": 4400, "hop_sends": 2, "hop_in_us_total": 300, "hop_in": 2}  # fmt: skip
+    hop01, hop10 = outside_ms([zero, zero], [a0, a1], delay_ms=1.0)
+    assert hop01 == pytest.approx(0.1 + 2.5 - 2.0 + 0.15)  # node 0 sends, node 1 receives
+    assert hop10 == pytest.approx(0.2 + 2.2 - 2.0 + 0.3)
+
+
+def figures(one, eight, outside=(0.4, 0.5)):
+    return Figures(one, eight, 120.0, (2400.0, 2300.0), (3.0, 2.5), outside)
+
+
+def test_the_table_gives_both_systems_exos_ratios_and_whether_each_goal_is_met():
+    text = table(Link(1, 1000), 2, figures(30.0, 90.0), figures(25.0, 70.0, outside=None))
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in text.splitlines() if line.startswith("| ")
+    }
+    assert text.startswith("### 1 ms, 1 Gbit/s, 2 hosts\n")
+    assert rows["one stream, decode tok/s"] == ["30.0", "25.0", "1.20x (goal ≥ 1.0x: met) |"]
+    assert rows["8 streams, aggregate tok/s"] == ["90.0", "70.0", "1.29x (goal ≥ 1.5x: missed) |"]
+    assert rows["bytes per token, h0→h1 / h1→h0"][:2] == ["2400 / 2300", "2400 / 2300"]
+    assert rows["outside compute per token, ms, h0→h1 / h1→h0"][:2] == ["0.40 / 0.50", "—"]
+
+
+def test_three_hosts_say_beside_their_figures_that_they_share_the_cores():
+    three = Figures(10.0, 20.0, 300.0, (1.0, 2.0, 3.0), (1.0, 1.0, 1.0), None)
+    text = report([(Link(5, 100), three, three)], 3, "uv run python -m bench.bench_multihost --hosts 3", 1.0)
+    assert "### 5 ms, 100 Mbit/s, 3 hosts (3 hosts share the 2 cores)" in text
+    assert "share the machine's 2 cores" in text and "`uv run python -m bench.bench_multihost --hosts 3`" in text
+
+
+def test_figures_need_one_byte_and_one_packet_figure_per_hop():
+    with pytest.raises(ValueError, match="one figure per hop"):
+        Figures(1.0, 1.0, 1.0, (1.0, 2.0), (1.0,), None)
