@@ -12,6 +12,12 @@ ATTENTION_ROWS): ggml's CPU flash attention takes another kernel from 64 query r
 at once is not the computation exo-node runs (`--chunks 600` shows that case). Models: the packaged SmolLM2-135M
 Q4_1 (its own bytes, real text) and bench/moe_model.py's random Qwen3-MoE in Q4_K (random ids). Each side runs in
 a fresh process; ~3 minutes on 2 cores. Prints one JSON line per model, chunk size and mode.
+
+`greedy` (bench/agreement_greedy.py): the same comparison along the default engine's own greedy continuations of a
+few prompts per model (SmolLM2 Q4_1, the Gemma 2/3 fixtures, the MoE fixtures in F32 and Q8_0, a small random
+Qwen3-MoE in Q4_K), reporting every disagreement's margin in llama.cpp's logits:
+
+    uv run python -m bench.bench_agreement greedy --llama-python /tmp/llamavenv/bin/python --llama-env ...
 """
 
 from __future__ import annotations
@@ -118,6 +124,11 @@ def near_tie_threshold(refs: dict[str, np.ndarray]) -> float:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "greedy":
+        from bench.agreement_greedy import main as greedy_main
+
+        greedy_main(sys.argv[2:])
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--ours":  # one side's measurement, in this fresh process
         print(json.dumps(ours_logits(*sys.argv[2:5], int(sys.argv[5]), sys.argv[6] == "repack")))
         return

@@ -98,6 +98,42 @@ def random_qwen3moe(seed: int = 0, **shape) -> Path:
     return path
 
 
+def retyped(src: Path, outtype: str) -> Path:
+    """`src` with every F16 tensor stored as `outtype` ("f32": the same values, as llama.cpp's converter writes with
+    --outtype f32 from an F16 checkpoint; "q4_k": quantized by ggml's reference quantizer, as llama-quantize does
+    with a pure Q4_K mix), every other tensor and all metadata as they are. Made once into CACHE."""
+    out = CACHE / f"{src.stem}.{outtype}.gguf"
+    if out.exists():
+        return out
+    from gguf import GGUFValueType as V
+
+    from shards.engines.ggml.lib import quantize
+
+    r = gguf.GGUFReader(str(src))
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial")
+    w = gguf.GGUFWriter(str(tmp), r.fields["general.architecture"].contents())
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1] if f.types[0] == V.ARRAY else None)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if t.tensor_type == Q.F16 and outtype == "f32":
+            w.add_tensor(t.name, data.astype(np.float32))
+        elif t.tensor_type == Q.F16 and outtype == "q4_k" and data.shape[-1] % 256 == 0:
+            q = quantize(data.astype(np.float32).reshape(-1, data.shape[-1]), int(Q.Q4_K), os.cpu_count() or 1)
+            w.add_tensor(t.name, q.reshape(*data.shape[:-1], q.shape[-1]), raw_dtype=Q.Q4_K)
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.rename(out)
+    return out
+
+
 def parameters(**shape) -> tuple[int, int]:
     """(all, active per token) parameters of a shape."""
     s = {**SHAPE, **shape}
