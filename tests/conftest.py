@@ -6,8 +6,14 @@ tests/cluster    real node processes on loopback       slow, cluster
 tests/multihost  network namespaces, needs root        slow, root
 tests/web        a headless browser                    slow, browser
 tests/install    pip (not uv) installs the built wheel  slow, install
+
+A durations budget (.ci/run sets it): with PYTEST_DURATION_BUDGET_S the summary names every test whose setup + call
+took longer (a module's cluster start counts in its first test's setup), and with EXO_SUITE_BUDGET_S it gives the
+session's wall time against that budget. It names, it never fails a run: timings depend on the machine's load.
 """
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +22,7 @@ from tests.support.http import API_KEY
 from tests.support.models import FIXTURES, MODELS, golden
 
 __all__ = ["API_KEY", "FIXTURES", "MODELS", "golden"]  # (tests written before tests/support/ import them from here)
+_STARTED = pytest.StashKey[float]()
 
 TIER_MARKERS = {
     "engines": ("slow", "engines"),
@@ -68,3 +75,31 @@ def live_cluster():
 def cluster_api(live_cluster):
     """live_cluster's entry node 0: (base url, key)."""
     return live_cluster.nodes[0].api_url, "unused"
+
+
+_DURATIONS: dict[str, float] = {}  # nodeid -> seconds of setup + call
+
+
+def pytest_configure(config):
+    config.stash[_STARTED] = time.monotonic()  # before collection, which is part of what the suite costs
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call"):
+        _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+
+
+@pytest.hookimpl(trylast=True)  # after the other summaries, whose time is the session's too
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The durations budget (see the module docstring): the tests over the per-test budget, slowest first, and
+    the session against the suite's budget."""
+    per_test, suite = os.environ.get("PYTEST_DURATION_BUDGET_S"), os.environ.get("EXO_SUITE_BUDGET_S")
+    if per_test:
+        over = sorted(((s, n) for n, s in _DURATIONS.items() if s > float(per_test)), reverse=True)
+        terminalreporter.write_sep("=", f"{len(over)} tests over the {float(per_test):g} s budget (setup + call)")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
+    if suite:
+        took = time.monotonic() - config.stash[_STARTED]
+        verdict = "over" if took > float(suite) else "within"
+        terminalreporter.write_line(f"suite: {took:.0f} s of {float(suite):g} s budget ({verdict})")
