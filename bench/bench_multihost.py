@@ -7,7 +7,9 @@ As root (Linux). The hosts are tests/support/netns.py's: one namespace each, a v
 process of host i runs on core i (`taskset`), so two hosts stand for two one-core machines; three hosts share the
 two cores (the report says so beside the figures). A link setting is a one-way delay and a rate: each host's
 egress (eth0) gets `netem delay D rate R` and its switch port's egress `netem rate R`, so host to host is D one way
-and every host's link carries at most R in each direction.
+and every host's link carries at most R in each direction. On a kernel without sch_netem (probed at start) the
+rate is shaped by htb and the delay added by bench/delay_relay.py, a relay on every host through which its processes
+reach the others (the report says which was used).
 
 On the same hosts, started once and idle between turns (bench/bench_rpc.py's pieces):
 - exo-node: a node per host (`--quantize none --threads 1 --speed 1`, bench/bench_microbatch.py's SPLIT for two
@@ -45,7 +47,8 @@ from bench.local_cluster import ROOT
 
 DOCS = ROOT / "docs"
 SPLITS = {2: SPLIT, 3: ["0:13", "13:25", "25:30"]}  # SmolLM2: ~13 layers' work each (the head costs ~8 layers)
-EXO_GRPC, EXO_API, RPC_PORT, LLAMA_PORT = 50051, 52415, 50052, 8080  # each host has its own ports
+EXO_GRPC, RPC_PORT = 50051, 50100  # host i's exo node and ggml-rpc-server listen on these + i
+EXO_API, LLAMA_PORT = 52415, 8080  # on each host's own loopback
 STREAMS = (1, 8)
 GOALS = {1: 1.0, 8: 1.5}  # exo / llama.cpp RPC: one-stream decode, 8-stream aggregate
 SYSTEMS = ("exo", "rpc")
@@ -74,15 +77,32 @@ class Link:
         return f"{self.delay_ms:g} ms, {rate}"
 
 
-def netem_commands(host: str, switch: str, port: str, link: Link) -> list[list[str]]:
+def netem_commands(host: str, switch: str, port: str, link: Link, netem: bool = True) -> list[list[str]]:
     """`tc` argument vectors shaping one host: the delay on its egress only (one way between two hosts is then one
-    delay, not two), the rate on both its egress and its switch port's (what the bridge sends it)."""
+    delay, not two), the rate on both its egress and its switch port's (what the bridge sends it). `netem=False`
+    (a kernel without sch_netem): the rate by htb, the delay left to bench/delay_relay.py."""
     rate = f"{link.rate_mbit:g}mbit"
+    if not netem:
+        return [
+            ["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"]
+            if k == 0
+            else ["tc", "-n", ns, "class", "replace", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate]
+            for ns, dev in ((host, "eth0"), (switch, port))
+            for k in (0, 1)
+        ]
     return [
         ["tc", "-n", host, "qdisc", "replace", "dev", "eth0", "root", "netem", "delay", f"{link.delay_ms:g}ms"]
         + ["rate", rate],
         ["tc", "-n", switch, "qdisc", "replace", "dev", port, "root", "netem", "rate", rate],
     ]
+
+
+def relays(ips: list[str], i: int) -> list[str]:
+    """bench/delay_relay.py's pairs on host i (no netem): each other host's exo node, and from the entry host each
+    other host's RPC worker, at its port on i's loopback, which is where i's processes reach it."""
+    pairs = [(EXO_GRPC + j, ip) for j, ip in enumerate(ips) if j != i]
+    pairs += [(RPC_PORT + j, ip) for j, ip in enumerate(ips) if j != i and i == 0]
+    return [f"127.0.0.1:{port}={ip}:{port}" for port, ip in pairs]
 
 
 def tx_counters(ip_json: str) -> tuple[int, int]:
@@ -170,14 +190,23 @@ def table(link: Link, hosts: int, exo: Figures, rpc: Figures) -> str:
     return "\n".join(lines + [f"| {' | '.join(r)} |" for r in rows]) + "\n"
 
 
-def report(settings: list[tuple[Link, Figures, Figures]], hosts: int, command: str, load: float) -> str:
+NETEM = "links shaped by netem (delay and rate)"
+RELAYED = (
+    "this kernel has no netem: rates shaped by htb, delays added by bench/delay_relay.py on every connection between "
+    "hosts (its own TCP legs are undelayed, and its threads share the hosts' cores)"
+)
+
+
+def report(
+    settings: list[tuple[Link, Figures, Figures]], hosts: int, command: str, load: float, links: str = NETEM
+) -> str:
     head = [
         "# exo-node and llama.cpp RPC across hosts",
         "",
         f"Written by `{command}` (bench/bench_multihost.py: how the hosts, links and systems are set up).",
         f"{hosts} hosts, each a network namespace; "
         + ("each pinned to a core of its own." if hosts <= 2 else f"the {hosts} hosts share the machine's 2 cores.")
-        + f" Load average at the end: {load:.1f}. Per hop: at one stream, from the hosts' veth counters; "
+        + f" {links[0].upper()}{links[1:]}. Load average at the end: {load:.1f}. Per hop: at one stream, from the hosts' veth counters; "
         "outside compute: exo's status counters (llama.cpp RPC has none).",
         "",
     ]
@@ -225,10 +254,17 @@ def wait_for(what: str, ready, timeout: float = 600) -> None:
         time.sleep(1)
 
 
-def shape(lan, link: Link) -> None:
+def has_netem(lan) -> bool:
+    probe = ["tc", "-n", lan.hosts[0], "qdisc", "replace", "dev", "eth0", "root", "netem", "delay", "0ms"]
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+def shape(lan, link: Link, netem: bool, delay_file: Path) -> None:
     for i, host in enumerate(lan.hosts):
-        for cmd in netem_commands(host, lan.switch, f"p{i}", link):
+        for cmd in netem_commands(host, lan.switch, f"p{i}", link, netem):
             subprocess.run(cmd, check=True, capture_output=True)
+    delay_file.write_text("0" if netem else f"{link.delay_ms:g}")
+    time.sleep(0.5)  # the relays re-read it every 0.2 s
 
 
 def tx(lan) -> list[tuple[int, int]]:
@@ -244,25 +280,33 @@ def exo_status(lan) -> list[dict]:
     return [t["nodes"][0]["status"] for t in got]
 
 
-def start(stack: contextlib.ExitStack, lan, gguf: Path, bin_dir: Path, logs: Path) -> None:
+def start(
+    stack: contextlib.ExitStack, lan, gguf: Path, bin_dir: Path, logs: Path, netem: bool, systems=SYSTEMS
+) -> None:
+    """Every host's processes, pinned to its core; returns once llama-server and every exo node answer."""
     n, cores = len(lan.hosts), sorted(os.sched_getaffinity(0))
     core = lambda i: cores[i % len(cores)]  # noqa: E731
-    for i in range(n):
-        rpc = [str(bin_dir / "ggml-rpc-server"), "-H", lan.ips[i], "-p", str(RPC_PORT), "-t", "1"]
+    reach = lambda i, j: "127.0.0.1" if i == j or not netem else lan.ips[j]  # noqa: E731 (host j, from host i)
+    for i in range(n if not netem else 0):
+        relay = [sys.executable, "-m", "bench.delay_relay", str(logs / "delay_ms"), *relays(lan.ips, i)]
+        stack.enter_context(process(lan.exec(i, *relay), core(i), logs / f"relay-{i}.log"))
+    for i in range(n if "rpc" in systems else 0):
+        rpc = [str(bin_dir / "ggml-rpc-server"), "-H", "0.0.0.0", "-p", str(RPC_PORT + i), "-t", "1"]
         stack.enter_context(process(lan.exec(i, *rpc), core(i), logs / f"rpc-{i}.log"))
-    workers = [f"{'127.0.0.1' if i == 0 else ip}:{RPC_PORT}" for i, ip in enumerate(lan.ips)]
-    stack.enter_context(
-        process(
-            lan.exec(0, *llama_server(bin_dir / "llama-server", gguf, LLAMA_PORT, workers)), core(0), logs / "llama.log"
+    if "rpc" in systems:
+        llama = llama_server(
+            bin_dir / "llama-server", gguf, LLAMA_PORT, [f"{reach(0, i)}:{RPC_PORT + i}" for i in range(n)]
         )
-    )
+        stack.enter_context(process(lan.exec(0, *llama), core(0), logs / "llama.log"))
     for i in range(n):
-        peers = ",".join(f"{ip}:{EXO_GRPC}" for j, ip in enumerate(lan.ips) if j != i)
+        peers = ",".join(f"{reach(i, j)}:{EXO_GRPC + j}" for j in range(n) if j != i)
         node = [sys.executable, "-m", "node.cli", "--model", str(gguf), "--node-id", f"host{i}", "--host", lan.ips[i]]
-        node += ["--grpc-port", str(EXO_GRPC), "--discovery", "none", "--peers", peers, "--shard", SPLITS[n][i]]
+        node += ["--advertise-host", "127.0.0.1"] if not netem else []  # peers reach it through their own relays
+        node += ["--grpc-port", str(EXO_GRPC + i), "--discovery", "none", "--peers", peers, "--shard", SPLITS[n][i]]
         node += ["--api-port", str(EXO_API), "--quantize", "none", "--threads", "1", "--speed", "1"]
         stack.enter_context(process(lan.exec(i, *node), core(i), logs / f"exo-{i}.log"))
-    wait_for("llama-server", lambda: ns_get(lan, 0, f"http://127.0.0.1:{LLAMA_PORT}/health") is not None)
+    if "rpc" in systems:
+        wait_for("llama-server", lambda: ns_get(lan, 0, f"http://127.0.0.1:{LLAMA_PORT}/health") is not None)
     for i in range(n):
         topo = lambda i=i: ns_get(lan, i, f"http://127.0.0.1:{EXO_API}/v1/topology")  # noqa: E731
         wait_for(f"exo node on host {i}", lambda t=topo: (got := t()) is not None and len(got["nodes"]) == n)
@@ -311,13 +355,14 @@ def main() -> None:
     results: dict[tuple[Link, str, int], list[dict]] = {}
     with contextlib.ExitStack() as stack:
         lan = stack.enter_context(netns.PrivateLan(args.hosts, subnet=83))
-        shape(lan, links[0])
-        start(stack, lan, gguf, args.llamacpp_bin, logs)
+        netem = has_netem(lan)
+        shape(lan, links[0], netem, logs / "delay_ms")
+        start(stack, lan, gguf, args.llamacpp_bin, logs, netem)
         for system in SYSTEMS:  # warm up: graphs, the first prefill
             for streams, tokens in ((1, 4), (8, 16)):
                 run_turn(lan, system, model_id, streams, tokens, -1 - streams, links[0])
         for link in links:
-            shape(lan, link)
+            shape(lan, link, netem, logs / "delay_ms")
             for r in range(args.rounds):
                 for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
                     for streams in STREAMS:
@@ -329,7 +374,7 @@ def main() -> None:
         (link, *(figures({s: results[(link, sys_, s)] for s in STREAMS}) for sys_ in SYSTEMS)) for link in links
     ]
     command = "uv run --group bench python -m bench.bench_multihost " + " ".join(sys.argv[1:])
-    args.out.write_text(report(settings, args.hosts, command.strip(), os.getloadavg()[0]))
+    args.out.write_text(report(settings, args.hosts, command.strip(), os.getloadavg()[0], NETEM if netem else RELAYED))
     print(f"wrote {args.out}")
     if not args.no_plot:
         print(f"wrote {plot(settings, args.hosts, args.out.with_suffix('.png'))}")

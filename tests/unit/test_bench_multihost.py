@@ -1,10 +1,26 @@
 """The multi-host benchmark's pure parts: the netem command lines, the counters' arithmetic and the report's table."""
 
 import json
+import socket
+import threading
+import time
 
 import pytest
 
-from bench.bench_multihost import Figures, Link, netem_commands, outside_ms, per_token, report, table, tx_counters
+from bench.bench_multihost import (
+    EXO_GRPC,
+    RPC_PORT,
+    Figures,
+    Link,
+    netem_commands,
+    outside_ms,
+    per_token,
+    relays,
+    report,
+    table,
+    tx_counters,
+)
+from bench.delay_relay import Delay, serve
 
 
 def test_a_link_puts_its_delay_on_the_hosts_egress_only_and_its_rate_on_both_directions():
@@ -16,6 +32,27 @@ def test_a_link_puts_its_delay_on_the_hosts_egress_only_and_its_rate_on_both_dir
 def test_whole_delays_and_rates_are_written_without_a_decimal_point():
     host, port = netem_commands("h", "sw", "p1", Link(5.0, 100.0))
     assert host[-4:] == ["delay", "5ms", "rate", "100mbit"] and port[-1] == "100mbit"
+
+
+def test_without_netem_the_rate_is_shaped_by_htb_both_ways_and_no_delay_is_asked_of_tc():
+    cmds = netem_commands("h1", "sw", "p1", Link(5, 100), netem=False)
+    assert cmds == [
+        "tc -n h1 qdisc replace dev eth0 root handle 1: htb default 1".split(),
+        "tc -n h1 class replace dev eth0 parent 1: classid 1:1 htb rate 100mbit".split(),
+        "tc -n sw qdisc replace dev p1 root handle 1: htb default 1".split(),
+        "tc -n sw class replace dev p1 parent 1: classid 1:1 htb rate 100mbit".split(),
+    ]
+
+
+def test_relays_give_every_host_the_other_exo_nodes_and_the_entry_the_other_rpc_workers_on_loopback():
+    ips = ["10.0.0.10", "10.0.0.11", "10.0.0.12"]
+    assert relays(ips, 0) == [
+        f"127.0.0.1:{EXO_GRPC + 1}=10.0.0.11:{EXO_GRPC + 1}",
+        f"127.0.0.1:{EXO_GRPC + 2}=10.0.0.12:{EXO_GRPC + 2}",
+        f"127.0.0.1:{RPC_PORT + 1}=10.0.0.11:{RPC_PORT + 1}",
+        f"127.0.0.1:{RPC_PORT + 2}=10.0.0.12:{RPC_PORT + 2}",
+    ]
+    assert relays(ips, 2) == [f"127.0.0.1:{EXO_GRPC + j}=10.0.0.1{j}:{EXO_GRPC + j}" for j in (0, 1)]
 
 
 @pytest.mark.parametrize("delay, rate", [(-1, 100), (1, 0), (1, -5)])
@@ -84,3 +121,22 @@ def test_three_hosts_say_beside_their_figures_that_they_share_the_cores():
 def test_figures_need_one_byte_and_one_packet_figure_per_hop():
     with pytest.raises(ValueError, match="one figure per hop"):
         Figures(1.0, 1.0, 1.0, (1.0, 2.0), (1.0,), None)
+
+
+def test_the_relay_passes_bytes_intact_each_way_and_never_sooner_than_its_delay(tmp_path):
+    (tmp_path / "delay_ms").write_text("30")
+    delay = Delay(tmp_path / "delay_ms")
+    target, relay = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=serve, args=(relay, target.getsockname(), delay), daemon=True).start()
+    with socket.create_connection(relay.getsockname(), timeout=10) as client:
+        sent = time.perf_counter()
+        client.sendall(b"ping" * 1000)
+        far, _ = target.accept()
+        got = b""
+        while len(got) < 4000:
+            got += far.recv(4096)
+        arrived = time.perf_counter()
+        far.sendall(b"pong")
+        assert client.recv(4) == b"pong" and got == b"ping" * 1000
+        assert arrived - sent >= 0.03 and time.perf_counter() - sent >= 0.06
+        far.close()
