@@ -213,8 +213,9 @@ class Ollama:
         body = await read_json(request, any_content_type=True)
         model = body.get("model")
         self._check_model(model)
-        if generate and body.get("prompt") in (None, ""):  # Ollama: an empty prompt just loads the model
-            return web.json_response(_line(model, True, response="", done_reason="load"))
+        if body.get("prompt" if generate else "messages") in (None, "", []):  # Ollama: nothing to say loads the model
+            empty = {"response": ""} if generate else {"message": _message("")}
+            return web.json_response(_line(model, True, **empty, done_reason="load"))
         req, stream = (parse_generate if generate else parse_chat)(body)
         req = dataclasses.replace(req, options=dataclasses.replace(req.options, model=self.api.model_id))
         started = time.perf_counter()

@@ -91,6 +91,14 @@ def test_events_become_ndjson_lines_whose_fold_is_the_whole_answer():
     assert ollama.fold(gen, True)["response"] == "ab" and gen[-1]["done_reason"] == "length"
 
 
+def test_a_request_with_nothing_to_say_loads_the_model_as_ollama_answers_it():
+    load = exchange(
+        [("POST", "/api/chat", {"model": "llama", "messages": []}), ("POST", "/api/generate", {"model": "llama"})]
+    )
+    for status, _, text in load:
+        assert status == 200 and json.loads(text)["done_reason"] == "load" and json.loads(text)["done"] is True
+
+
 def test_an_error_is_ollamas_object():
     response = ollama.error_response(ApiError(503, "busy", retry_after=2))
     assert json.loads(response.body) == {"error": "busy"} and response.headers["Retry-After"] == "2"
@@ -102,7 +110,6 @@ HOSTILE = [
     ("POST", "/api/chat", {"messages": ASK}),
     ("POST", "/api/chat", {"model": "nope", "messages": ASK}),
     ("POST", "/api/chat", {"model": "llama", "messages": "hi"}),
-    ("POST", "/api/chat", {"model": "llama", "messages": []}),
     ("POST", "/api/chat", {"model": "llama", "messages": [7]}),
     ("POST", "/api/chat", {"model": "llama", "messages": [{"role": "wizard", "content": "x"}]}),
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "stream": "yes"}),
