@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.bench_microbatch import SPLIT
@@ -206,8 +206,10 @@ def report(
         f"Written by `{command}` (bench/bench_multihost.py: how the hosts, links and systems are set up).",
         f"{hosts} hosts, each a network namespace; "
         + ("each pinned to a core of its own." if hosts <= 2 else f"the {hosts} hosts share the machine's 2 cores.")
-        + f" {links[0].upper()}{links[1:]}. Load average at the end: {load:.1f}. Per hop: at one stream, from the hosts' veth counters; "
-        "outside compute: exo's status counters (llama.cpp RPC has none).",
+        + f" {links[0].upper()}{links[1:]}. Load average at the end: {load:.1f}."
+        " Per hop: at one stream, from the hosts' veth counters; outside compute: exo's status counters"
+        " (llama.cpp RPC has none).",
+        "",
         "",
     ]
     return "\n".join(head) + "\n".join(table(link, hosts, exo, rpc) for link, exo, rpc in settings)
@@ -227,7 +229,7 @@ def plot(settings: list[tuple[Link, Figures, Figures]], hosts: int, path: Path) 
         ax.set_ylabel("tok/s")
         ax.set_title(f"{title}, {hosts} hosts" + (" (sharing 2 cores)" if hosts > 2 else ""))
         ax.legend()
-    data = [{"link": link.label, "exo": exo.__dict__, "rpc": rpc.__dict__} for link, exo, rpc in settings]
+    data = [{"link": link.label, "exo": asdict(exo), "rpc": asdict(rpc)} for link, exo, rpc in settings]
     return _save(fig, path, data)
 
 
