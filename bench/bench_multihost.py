@@ -222,13 +222,16 @@ def plot(settings: list[tuple[Link, Figures, Figures]], hosts: int, path: Path) 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
     labels = [link.label for link, _, _ in settings]
     xs = range(len(settings))
-    for ax, what, title in ((axes[0], "one_stream", "one stream, decode"), (axes[1], "aggregate", "8 streams")):
+    for ax, what, title in (
+        (axes[0], "one_stream", "one stream, decode"),
+        (axes[1], "aggregate", "8 streams, aggregate"),
+    ):
         for k, (name, color) in enumerate(zip(("exo-node", "llama.cpp RPC"), COLORS)):
             ax.bar([x + 0.4 * k for x in xs], [getattr(s[1 + k], what) for s in settings], 0.4, color=color, label=name)
         ax.set_xticks([x + 0.2 for x in xs], labels, rotation=30, ha="right")
         ax.set_ylabel("tok/s")
         ax.set_title(f"{title}, {hosts} hosts" + (" (sharing 2 cores)" if hosts > 2 else ""))
-        ax.legend()
+        ax.legend(loc="lower right", framealpha=0.9)
     data = [{"link": link.label, "exo": asdict(exo), "rpc": asdict(rpc)} for link, exo, rpc in settings]
     return _save(fig, path, data)
 
