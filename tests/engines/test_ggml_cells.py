@@ -90,8 +90,8 @@ def test_a_lone_row_over_many_cells_equals_the_same_row_prefilled_or_beside_othe
     lets it, wherever the request's cells lie in the window."""
     e = smollm2(threads=2, layers=LAYERS)
     tokens = np.random.default_rng(5).integers(100, 5000, 41)
-    e.forward([StepInput("holder", tokens=tokens[:1], max_positions=230)])  # cells 1..230
-    e.forward([StepInput("lone", tokens=tokens[:-1], max_positions=41)])  # cells 231..271: across the threads' halves
+    e.forward([StepInput("holder", tokens=tokens[:1], max_positions=230)])  # cells 64..293 (ranges: CELL_ALIGN)
+    e.forward([StepInput("lone", tokens=tokens[:-1], max_positions=200)])  # cells 320..519: a span of 512
     whole = e.forward([StepInput("whole", tokens=tokens, max_positions=41)], all_logits=True)[0][-1]
     lone_step = [StepInput("lone", tokens=tokens[-1:])]
     assert e.runner.shape(e.pack(lone_step), [e.caches["lone"]], False).groups[0].cells >= SPLIT_KV_CELLS

@@ -22,13 +22,14 @@ import numpy as np
 
 from shards.engines.backend import Backend
 from shards.engines.ggml.gemm_rows import DEFAULT as FLOAT_MATMUL
-from shards.engines.ggml.gemm_rows import plan
+from shards.engines.ggml.gemm_rows import MIN_FLOAT_ROWS, plan
 from shards.engines.ggml.gemma_ops import GemmaOps, SlidingRotary
 from shards.engines.ggml.lib import F32, I32, Context, GgmlError, Tensor, g
 from shards.engines.ggml.moe import GExperts, GgmlMoE
 from shards.engines.ggml.weight_placement import GgmlWeights, GWeight
 from shards.formats.config import ModelConfig
 
+ATTENTION = "gemm"  # how rows attend: "gemm" (matmuls and a softmax) or "flash" (ggml_flash_attn_ext); see attention
 ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
 SPLIT_KV_CELLS = 512  # from this many cells on, ggml splits a single query row's cells across threads (ops.cpp)
 
@@ -303,6 +304,49 @@ class GgmlBackend(GgmlWeights, GemmaOps, Backend, GgmlMoE):
     def attention(
         self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float, softcap: float | None = None
     ) -> GArray:
+        """A step's rows attending: q [T, heads, hd] against keys/values [kv_heads, cells, hd] (F16 cache views),
+        `mask` F16 [T, cells] (0 visible, -inf not). -> [T, heads*hd]. By matmuls (`ATTENTION` "gemm", below) or
+        by ggml's flash attention (`flash_attention`)."""
+        if ATTENTION == "flash" or mask is None:
+            return self.flash_attention(q, keys, values, mask, scale, softcap)
+        return self.gemm_attention(q, keys, values, mask, scale, softcap)
+
+    def gemm_attention(
+        self, q: GArray, keys: GArray, values: GArray, mask: GArray, scale: float, softcap: float | None = None
+    ) -> GArray:
+        """softmax(q k^T * scale + mask) v as two F16 matmuls and a softmax, every row the same arithmetic whatever
+        the step: tinyBLAS sums each score over hd and each output over the span's cells in one order per element,
+        whatever its tile, thread or the rows beside it (so a lone row goes beside a copy of itself: one row would
+        take vec_dot, gemm_rows.py); the softmax sums a row in blocks of SIMD width from the span's start. Masked
+        cells count exact zeros in both sums, so a row's numbers depend only on its own cells and where they fall
+        in those blocks: ranges start on CELL_ALIGN cells (cells.py) and spans on WINDOW_STEP, so that is fixed by
+        the position. Why not flash attention: its one-row kernel, the only one that is the same for a lone row
+        and a prompt's rows, costs per cell several times what a matmul does, and a prompt's row attends every
+        cell before it: a long prompt's prefill grew several-fold per token (issue 35)."""
+        t, nh, hd = q.shape
+        nkv, cells, khd = keys.shape
+        expect(khd == hd and values.shape == keys.shape and nh % nkv == 0, f"attention: {q.shape}, {keys.shape}")
+        expect(mask.shape == (t, cells), f"attention: mask {mask.shape}")
+        rows = max(t, MIN_FLOAT_ROWS)
+        if rows > t:  # copies of the rows: every row in tinyBLAS, none alone
+            q = self.concat([q] * -(-rows // t), axis=0)[:rows]
+            mask = self.concat([mask] * -(-rows // t), axis=0)[:rows]
+        qp = self.node(g.ggml_permute, q.t, 0, 2, 1, 3)  # ne [hd, T, heads]
+        kq = self.node(g.ggml_mul_mat, keys.t, qp)  # ne [cells, T, heads]; kv head h // (heads / kv_heads)
+        if softcap:
+            kq = self.node(g.ggml_scale, kq, scale / softcap)
+            kq = self.node(g.ggml_scale, self.node(g.ggml_tanh, kq), softcap)
+            scale = 1.0
+        p = self.node(g.ggml_soft_max_ext, kq, self.contiguous(mask).t, scale, 0.0)
+        vt = self.node(g.ggml_cont, self.node(g.ggml_permute, values.t, 1, 0, 2, 3))  # ne [cells, hd, kv_heads]
+        out = self.node(g.ggml_mul_mat, vt, p)  # ne [hd, T, heads]
+        out = self.node(g.ggml_cont, self.node(g.ggml_permute, out, 0, 2, 1, 3))  # ne [hd, heads, T]
+        flat = self.view(self.wrap(out, (rows, nh, hd)), (rows, nh * hd), c_strides((rows, nh * hd), 4))
+        return flat if rows == t else flat[:t]
+
+    def flash_attention(
+        self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float, softcap: float | None = None
+    ) -> GArray:
         """Flash attention of a step's rows: q [T, heads, hd] against keys/values [kv_heads, cells, hd] (F16 cache
         views), `mask` F16 [T, cells] (0 visible, -inf not: ggml skips -inf cells outright). -> [T, heads*hd]
 
@@ -320,11 +364,14 @@ class GgmlBackend(GgmlWeights, GemmaOps, Backend, GgmlMoE):
             n = -(-t // ATTENTION_ROWS)  # blocks of t//n or t//n + 1 rows: none below 16 (a lone row: see above)
             bounds = [i * (t // n) + min(i, t % n) for i in range(n + 1)]
             return self.concat(
-                [self.attention(q[a:b], keys, values, mask[a:b], scale, softcap) for a, b in zip(bounds, bounds[1:])],
+                [
+                    self.flash_attention(q[a:b], keys, values, mask[a:b], scale, softcap)
+                    for a, b in zip(bounds, bounds[1:])
+                ],
                 axis=0,
             )
         if t == 1 and cells >= SPLIT_KV_CELLS:
-            twice = self.attention(
+            twice = self.flash_attention(
                 self.concat([q, q], axis=0),
                 keys,
                 values,

@@ -4,12 +4,13 @@ unified KV cache), each request owning a contiguous range of cells.
 Per layer one K and one V tensor [cells, kv_heads*head_dim] (a cell is one position of one request), all in one
 anonymous mapping: zero until written and backed by RAM only where written; a range given back is returned to
 the kernel (MADV_DONTNEED) and reads as zeros again. A request's range holds what it has now (at least 256 cells),
-taken first fit from the low end so the cells in use stay packed and the spans a step attends stay small, and
+taken first fit from the low end (the engine's starting on CELL_ALIGN cells) so the cells in use stay packed and
+the spans a step attends stay small, and
 moves to a range twice as large when it outgrows it, up to its reservation (StepInput.max_positions). When no
 free range is large enough the pool doubles (its tensors move: `generation` says so, and every graph built on the old ones goes).
 
 Cell 0 belongs to no request: rows that only pad a step to its graph's size (shards/engines/ggml/graph.py) write
-there, and no row ever attends it.
+there, and no request's row ever attends it.
 
 Because the graphs attend through a mask, not through per-request tensors, a step's graph depends only on its
 shape (rows, its groups' spans of cells, output), never on which requests it carries. A `CellRange` is the engine's
@@ -25,19 +26,22 @@ from shards.engines.backend import RequestCache
 from shards.engines.ggml.lib import F16, Context, MappedBuffer, Tensor
 
 SCRATCH_CELL = 0  # where padding rows write; in no request's range
+CELL_ALIGN = 64  # the engine's ranges start on multiples of this: a row's sums fall in the same SIMD blocks wherever
+# its range lies (GgmlBackend.gemm_attention)
 PAGE = mmap.PAGESIZE
 
 
 class CellPool:
     """Every layer's K and V cells, and which ranges of cells are free (sorted, disjoint, merged [start, end))."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, cells: int):
-        if n_layers < 1 or n_kv_heads < 1 or head_dim < 1 or cells < 2:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, cells: int, align: int = 1):
+        if n_layers < 1 or n_kv_heads < 1 or head_dim < 1 or cells < 2 or align < 1:
             raise ValueError(f"a cell pool needs layers, heads, head_dim >= 1 and >= 2 cells, got {cells} cells")
-        self.n_layers, self.width = n_layers, n_kv_heads * head_dim
+        self.n_layers, self.width, self.align = n_layers, n_kv_heads * head_dim, align
         self.row = self.width * 2  # bytes of one cell of one tensor (F16)
         self.position_bytes = 2 * n_layers * self.row  # what one cell costs across K and V of every layer
         self.generation = 0
+        self.copied = 0  # cells copied so far (ranges moved, the pool grown), per tensor: tests bound it
         self.ctx, self.mem = None, None
         self._map(cells)
         self.free_ranges: list[tuple[int, int]] = [(SCRATCH_CELL + 1, cells)]
@@ -72,18 +76,17 @@ class CellPool:
         return last[0] if last and last[1] == self.cells else self.cells
 
     def allocate(self, n: int) -> int:
-        """The first cell of a free range of n cells, the lowest that fits; the pool doubles when none does."""
+        """The first cell of a free range of n cells starting on a multiple of `align`, the lowest that fits; the
+        pool doubles when none does."""
         if n < 1:
             raise ValueError(f"a cell range holds at least one cell, not {n}")
         while True:
             for i, (start, end) in enumerate(self.free_ranges):
-                if end - start >= n:
-                    if end - start == n:
-                        del self.free_ranges[i]
-                    else:
-                        self.free_ranges[i] = (start + n, end)
-                    return start
-            self.grow(max(2 * self.cells, self.used_end + n))
+                at = -(-start // self.align) * self.align
+                if end - at >= n:
+                    self.free_ranges[i : i + 1] = [r for r in ((start, at), (at + n, end)) if r[1] > r[0]]
+                    return at
+            self.grow(max(2 * self.cells, -(-self.used_end // self.align) * self.align + n))
 
     def release(self, start: int, n: int) -> None:
         """Give cells [start, start+n) back, merged with free neighbours; the whole pages of the merged free range
@@ -118,6 +121,7 @@ class CellPool:
     def copy(self, src: int, dst: int, n: int) -> None:
         """Cells [src, src+n) to [dst, dst+n) in every tensor (ranges that do not overlap)."""
         if n > 0:
+            self.copied += n
             for t in self.k + self.v:
                 base = t.contents.data
                 ctypes.memmove(base + dst * self.row, base + src * self.row, n * self.row)
@@ -134,6 +138,7 @@ class CellPool:
         old_ctx, old_mem, old = self.ctx, self.mem, self.k + self.v
         used, old_cells = self.used_end, self.cells
         self._map(cells)
+        self.copied += used
         for src, dst in zip(old, self.k + self.v):
             ctypes.memmove(dst.contents.data, src.contents.data, used * self.row)
         old_mem.free()

@@ -25,9 +25,9 @@ import numpy as np
 
 from shards.engines.base import BlockEngine, EngineInputError, Packing, StepInput
 from shards.engines.ggml.backend import GgmlBackend
-from shards.engines.ggml.cells import SCRATCH_CELL, CellPool, CellRange
+from shards.engines.ggml.cells import CELL_ALIGN, SCRATCH_CELL, CellPool, CellRange
 from shards.engines.ggml.gemm_rows import DEFAULT as FLOAT_MATMUL
-from shards.engines.ggml.graph import WINDOW_STEP, Graph, GraphCache, Group, Shape, padded_rows
+from shards.engines.ggml.graph import WINDOW_STEP, Graph, GraphCache, Group, Shape, StepWork, padded_rows
 from shards.engines.ggml.lib import default_threads, g
 from shards.engines.ggml.sliding import SlidingWindows
 from shards.engines.ggml.threads import ThreadGovernor
@@ -91,7 +91,7 @@ class GgmlEngine(BlockEngine):
         self.step_threads = threads  # what the backend is set to; the governor lowers it while others load the CPUs
         self.governor = ThreadGovernor(threads, adapt=adapt_threads)
         try:
-            self.pool = CellPool(len(self.model.layers), cfg.n_kv_heads, cfg.head_dim, INITIAL_CELLS)
+            self.pool = CellPool(len(self.model.layers), cfg.n_kv_heads, cfg.head_dim, INITIAL_CELLS, CELL_ALIGN)
         except BaseException:
             g.ggml_backend_free(self.backend)
             self.ops.free()
@@ -151,6 +151,7 @@ class GraphRunner(Runner):
         self.generation = engine.pool.generation
         self.masks = CausalMasks(np.float16(0), np.float16(-np.inf), np.float16)
         self.sliding = SlidingWindows.for_shard(engine.config, engine.shard)  # Gemma's window masks (ggml/sliding.py)
+        self.last: StepWork | None = None  # what the last step cost, counted (tests, benchmarks)
 
     def cache(self, cache: CellRange | None, item: StepInput, end: int) -> CellRange:
         """A range of what the request holds now (at least MIN_CAPACITY cells), doubled (moved to a larger range) as
@@ -180,7 +181,7 @@ class GraphRunner(Runner):
 
         Decode rows and short prompt chunks, in the step's order, attend in groups of neighbours: a group grows
         while the span of its requests' ranges (WINDOW_STEP-aligned) stays within SPAN_CELLS, or the next range lies
-        inside it. Why: a row scans every cell of its group's span (ggml skips the masked ones, but looks at each),
+        inside it. Why: a row's attention computes over every cell of its group's span (GgmlBackend.gemm_attention),
         and one group over all of a 16-row step's requests made each row scan every request's cells to attend its
         own. Ranges are taken first fit from the pool's low end as requests arrive, so
         requests decoded in arrival order are mostly neighbours. Spans follow the ranges' capacities, not the
@@ -225,6 +226,7 @@ class GraphRunner(Runner):
             self.generation = e.pool.generation
         shape, member, first = self.layout(p, caches, all_logits)
         graph = self.graphs.get(shape)
+        self.last = StepWork.of(shape, p, built=graph is None)
         if graph is None:
             model = e.model if self.sliding is None else self.sliding.builder(e.model, e.ops)
             graph = Graph(e.ops, model, shape, e.pool, first=e.shard.is_first, hidden=self.config.hidden_size)
@@ -269,3 +271,5 @@ class GraphRunner(Runner):
         for c, s, n, gi, r in zip(caches, p.starts, p.lengths, member, first):
             lo = c.start - groups[gi].lo
             graph.masks_np[gi][r : r + n, lo : lo + s + n] = self.masks(s, n, s + n)
+        if padded > rows:  # padding rows see their group's first cell: a row seeing none is NaN, and so its cell
+            graph.masks_np[-1][rows - padded :, 0] = 0

@@ -9,12 +9,15 @@ forms a group over its own request's cells (a step with such chunks builds its g
 compute). Which requests a step carries, where their cells are and what each row may see are inputs: every row's
 token (or hidden row), position and cell (where ggml_set_rows writes its keys and values), and per group an F16 mask
 [rows, cells] that is 0 on the cells of the row's own request at or before its position and -inf everywhere else.
-So a step attends once per group and layer (in blocks of rows: GgmlBackend.attention) and the graph has a few nodes
-per layer however many requests decode in it.
+So a step attends once per group and layer and the graph has a few nodes per layer however many requests decode
+in it.
 
-Exactness: ggml's CPU flash attention skips every -inf cell outright (`if (mv == -INFINITY) continue;` in
-ggml-cpu/ops.cpp), so a row's result is the online softmax over exactly its own request's cells, in cell order:
-the same numbers whichever other requests share the group, and wherever the request's range lies in the pool.
+Exactness: a row attends by two F16 matmuls and a softmax over its group's span (GgmlBackend.gemm_attention), each
+summed in one order per element whatever else the step holds; the masked cells add exact zeros, so a row's result
+depends only on its own request's cells, their order, and where they fall in SIMD blocks, which the pool's aligned
+ranges fix (cells.py): the same numbers whichever other requests share the group, and wherever the request's range
+lies. Every cell is finite (keys and values are clamped to F16's range as they are written; padding rows see one
+cell), since a row's matmuls read every cell of its span, its neighbours' too.
 
 The first step of a shape builds its graph (milliseconds of Python) and gives it its own compute buffer;
 later steps copy the inputs and compute. Graphs are kept least recently used first out, at most `GraphCache.limit`.
@@ -36,6 +39,7 @@ from shards.model.transformer import ShardModel, Step
 WINDOW_STEP = 256  # spans of cells start and end on multiples of this (llama.cpp pads its KV view to 256 too)
 OUTPUTS = ("hidden", "last", "all")
 PAD_FROM = 64  # steps of this many rows and more are padded to a multiple of 8 rows
+F16_MAX = 65504.0  # the largest finite F16: what a cell's values are clamped to
 
 
 def padded_rows(n: int) -> int:
@@ -73,6 +77,29 @@ class Shape:
             raise ValueError(f"a graph has logits rows exactly when its output is 'last': {self}")
 
 
+@dataclass(frozen=True)
+class StepWork:
+    """What a step costs, counted rather than timed (the same on a busy machine): the rows the graph computes
+    (padded), the cells their attention scans (every cell of each row's group: the mask's elements, written each
+    step, and what the row's matmuls compute over), the cells they attend (a row at position p: its request's p + 1
+    cells, attention's own share), and whether the step built its graph."""
+
+    rows: int
+    scanned: int
+    visible: int
+    built: bool
+
+    def __post_init__(self):
+        if self.rows < 1 or not 0 < self.visible <= self.scanned:
+            raise ValueError(f"bad step work {self}")
+
+    @classmethod
+    def of(cls, shape: Shape, p, built: bool) -> StepWork:
+        """`p`: the step's Packing (shards/engines/step.py)."""
+        visible = int(np.sum(p.positions, dtype=np.int64)) + int(p.bounds[-1])
+        return cls(shape.rows, sum(gr.rows * gr.cells for gr in shape.groups), visible, built)
+
+
 class PoolKV(KVCache):
     """One layer of the cell pool as the graph sees it: `update_and_fetch` writes the step's keys and values at
     the rows' cells (an input) and returns views of the group's span of cells."""
@@ -85,6 +112,9 @@ class PoolKV(KVCache):
         t = k.shape[0]
         k_rows, v_rows = ops.reshape(k, (t, pool.width)), ops.reshape(v, (t, pool.width))
         expect(self.cells.shape == (t,) and k_rows.strides[-1] == v_rows.strides[-1] == 4, f"kv rows {k.shape}")
+        # every cell finite (ggml's clamp takes NaN to the top too): a row's matmuls read every cell of its span,
+        # its neighbours' included, where a non-finite value would make its own numbers NaN
+        k_rows, v_rows = (ops.wrap(ops.node(g.ggml_clamp, x.t, -F16_MAX, F16_MAX), x.shape) for x in (k_rows, v_rows))
         # set_rows returns a view of the cells that depends on the write: reading through it orders the read after it
         k_all = ops.wrap(
             ops.node(g.ggml_set_rows, pool.k[self.layer], k_rows.t, self.cells.t), (pool.cells, pool.width)
