@@ -1,0 +1,118 @@
+"""Time outside the engine, from the nodes' own counters (node/runtime/overhead.py): per token at one stream, per
+step at 8 streams on one node, and per hop on a two-node ring.
+
+    uv run python -m bench.bench_overhead [--tokens 64] [--streams 8] [--threads 1] [--engine auto]
+        [--node-args "--quantize none"] [--only one,eight,ring]
+
+Each case starts its nodes (the packaged SmolLM2, the default engine unless --engine), sends one warm-up request,
+reads the counters, runs its streams (greedy chat, --tokens each, speculation off so one pass is one token) and
+prints the counters' differences: the mean time between two passes on the engine thread, less the waits for work
+(`outside_ms_per_pass`), beside the engine's own mean pass (`forward_ms_per_pass`); on the ring, each node's
+sending side (pass end -> transport call), the call itself (serialise, gRPC, the peer's taking it, its answer) and
+the receiving side (arrival -> the pass that runs it). The load average is printed with the figures: the machine
+may be shared, and then the figures mean little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import time
+
+import aiohttp
+
+from bench.local_cluster import Cluster
+from shards.formats.packaged import DEFAULT_MODEL, resolve_model
+
+KEYS = (
+    "outside_us_total",
+    "outside_passes",
+    "forward_us_total",
+    "steps",
+    "hop_in_us_total",
+    "hop_in",
+    "hop_out_us_total",
+    "hop_out",
+    "hop_send_us_total",
+    "hop_sends",
+    "followed_rows",
+)
+
+
+async def stream(session: aiohttp.ClientSession, url: str, model: str, i: int, tokens: int) -> int:
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": f"Write a long story about a lighthouse keeper (#{i})."}],
+    }
+    n = 0
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        async for line in response.content:
+            n += line.startswith(b"data: {") and b'"content"' in line
+    return n
+
+
+async def counters(session: aiohttp.ClientSession, url: str) -> dict[str, int]:
+    async with session.get(f"{url}/v1/topology") as r:
+        status = (await r.json())["nodes"][0]["status"]
+    return {k: int(status.get(k, 0)) for k in KEYS}
+
+
+async def measure(urls: list[str], model: str, streams: int, tokens: int) -> dict:
+    """Counters' differences on every node (`urls`, the entry first) over `streams` concurrent requests."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        await stream(session, urls[0], model, -1, 8)  # warm-up: graphs built, caches sized
+        before = [await counters(session, u) for u in urls]
+        started = time.perf_counter()
+        got = await asyncio.gather(*(stream(session, urls[0], model, i, tokens) for i in range(streams)))
+        wall = time.perf_counter() - started
+        after = [await counters(session, u) for u in urls]
+    nodes = []
+    for b, a in zip(before, after):
+        d = {k: a[k] - b[k] for k in KEYS}
+        ms = lambda total, count: round(d[total] / max(1, d[count]) / 1000, 3)  # noqa: E731
+        nodes.append(
+            {
+                "passes": d["outside_passes"],
+                "followed_rows": d["followed_rows"],  # rows the engine thread ran on by itself
+                "outside_ms_per_pass": ms("outside_us_total", "outside_passes"),
+                "forward_ms_per_pass": ms("forward_us_total", "steps"),
+                "hop_out_ms": ms("hop_out_us_total", "hop_out"),
+                "hop_send_ms": ms("hop_send_us_total", "hop_sends"),
+                "hop_in_ms": ms("hop_in_us_total", "hop_in"),
+            }
+        )
+    return {"streams": streams, "tokens": sum(got), "wall_s": round(wall, 2), "nodes": nodes}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--engine", default=None)
+    p.add_argument("--node-args", default="", help='more node flags, e.g. "--quantize none"')
+    p.add_argument("--only", default="one,eight,ring", help="which cases: one, eight, ring")
+    args = p.parse_args()
+    path, model_id = resolve_model(DEFAULT_MODEL)
+    extra = ["--threads", str(args.threads), "--speculate", "off", *shlex.split(args.node_args)]
+    cases = {
+        "one": (1, None, 1),  # nodes, shards, streams
+        "eight": (1, None, args.streams),
+        "ring": (2, None, 1),
+    }
+    for name in args.only.split(","):
+        n, shards, streams = cases[name]
+        with Cluster(path, n, shards=shards, model_id=model_id, engine=args.engine, extra=extra) as c:
+            urls = [node.api_url for node in c.nodes]
+            result = asyncio.run(measure(urls, model_id, streams, args.tokens))
+        print(json.dumps({"case": name, **result, "load": os.getloadavg()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
