@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 from node.fetch.manifest import FILE_NAME, Manifest, ManifestError, ModelFile, Piece
-from shards.formats.gguf_file import GGUFError, open_gguf
+from shards.formats.gguf_names import GGUFError
 from shards.formats.loader import ModelFormatError, open_model
 
 DEFAULT_PIECE = 8 << 20  # big tensors travel in blocks of this size: what an interruption costs at most
@@ -98,6 +98,8 @@ def _label(name: str, fmt: str, n_layers: int) -> tuple[str, int]:
 def _gguf_files(path: Path) -> list[tuple[Path, list[tuple[str, int, int]]]]:
     """Each file of the GGUF model (a split model: every part, so a fetching node takes every part's header and the
     bytes of its own tensors only, from whichever parts hold them) with its tensors."""
+    from shards.formats.gguf_file import open_gguf  # the gguf package (and yaml): only for a GGUF model
+
     parts = open_gguf(path).parts()  # validates each tensor table: inside its file, no overlaps
     return [(f.path, [(t.name, t.offset, t.nbytes) for t in f.tensors.values()]) for f in parts]
 

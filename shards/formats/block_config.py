@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
 
-from shards.formats.gguf_file import GGUFError, GGUFFile
+from shards.formats.gguf_names import GGUFError
+
+if TYPE_CHECKING:  # gguf_file loads the gguf package: a GGUF model's block config is given its open file
+    from shards.formats.gguf_file import GGUFFile
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 # Hugging Face hidden_activation / hidden_act -> ours (Gemma's "gelu_pytorch_tanh" is the tanh approximation)

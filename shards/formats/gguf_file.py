@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,9 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
+from shards.formats.gguf_names import SPLIT_NAME, GGUFError
+
 _MISSING = object()
-
-
-class GGUFError(ValueError):
-    """A GGUF file is unreadable, corrupt, or describes something exo-node cannot run. Names the file."""
 
 
 @dataclass(frozen=True)
@@ -267,9 +264,6 @@ class SplitGGUF(GGUFFile):
 
     def raw(self, info: TensorInfo) -> np.ndarray:
         return self.parts_[info.part].raw(info)
-
-
-SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 
 
 def split_part_paths(path: Path, count: int) -> list[Path]:

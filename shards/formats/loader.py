@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shards.formats.config import ModelConfig
-from shards.formats.gguf_file import SPLIT_NAME, GGUFError
-from shards.formats.gguf_model import gguf_config, load_gguf_shard_weights
+from shards.formats.gguf_names import SPLIT_NAME, GGUFError
 from shards.formats.hf import HF_CONFIG, load_hf_shard_weights
 from shards.formats.weights import ShardWeights
 from shards.model.shard import Shard
@@ -56,7 +55,11 @@ class ModelSource:
 
     @functools.cached_property
     def config(self) -> ModelConfig:
-        return gguf_config(self.gguf) if self.gguf is not None else ModelConfig.from_dir(self.root)
+        if self.gguf is None:
+            return ModelConfig.from_dir(self.root)
+        from shards.formats.gguf_model import gguf_config  # the gguf package (and yaml): only for a GGUF model
+
+        return gguf_config(self.gguf)
 
     @property
     def default_id(self) -> str:
@@ -70,6 +73,8 @@ class ModelSource:
     def shard_weights(self, cfg: ModelConfig, shard: Shard) -> ShardWeights:
         """A shard's weights as float32 in Hugging Face layout (a GGUF's are dequantized at load)."""
         if self.gguf is not None:
+            from shards.formats.gguf_model import load_gguf_shard_weights  # see config
+
             return load_gguf_shard_weights(self.gguf, cfg, shard)
         return load_hf_shard_weights(self.root, cfg, shard)
 

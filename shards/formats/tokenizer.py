@@ -15,7 +15,6 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from shards.formats.config import token_id_list
-from shards.formats.gguf_tokenizer import gguf_tokenizer
 from shards.formats.loader import open_model
 
 
@@ -74,6 +73,8 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: Path) -> Tokenizer:
         """From the vocabulary, merges and chat template a GGUF file's metadata carries."""
+        from shards.formats.gguf_tokenizer import gguf_tokenizer  # the gguf package: only for a GGUF model
+
         g = gguf_tokenizer(path)
         self = cls.__new__(cls)
         self.hf, self.bos_token, self.eos_token = g.hf, g.bos_token, g.eos_token

@@ -15,9 +15,20 @@ import sys
 from bench.local_cluster import READY_GRPC, ROOT
 from tests.support.models import FIXTURES
 
-# What a node without an API, a GGUF model chosen for its engine, or a cluster key has no use for at start: the HTTP
-# layer (aiohttp, prometheus exposition, the API dialects), chat templates, TLS, and the engines not chosen.
-NOT_AT_START = ("aiohttp", "node.http", "jinja2", "cryptography", "node.security.tls", "tinygrad", "mlx")
+# What a node without an API or a cluster key, serving a safetensors folder, has no use for at start: the HTTP layer
+# (aiohttp, prometheus exposition, the API dialects), chat templates, TLS, the GGUF reader (and its yaml), and the
+# engines not chosen.
+NOT_AT_START = (
+    "aiohttp",
+    "node.http",
+    "jinja2",
+    "cryptography",
+    "node.security.tls",
+    "gguf",
+    "yaml",
+    "tinygrad",
+    "mlx",
+)
 IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)")
 
 
