@@ -4,7 +4,11 @@ manager), feeding every outcome back to the core. The core decides; this only do
 testable without threads, sockets or engines (node/core/node_core.py).
 
 All work that reaches a node is queued in the core, and the worker runs what the core picks in one forward pass,
-so concurrent requests batch at every stage of the pipeline.
+so concurrent requests batch at every stage of the pipeline. A pass is schedule -> execute -> update: the core's
+frozen plan (`take_batch`, node/core/step_plan.py), one engine-thread call that runs and samples it
+(`ShardManager.execute`), one `step_done(plan, outputs)`. What a node sends itself is taken at once (`Local`), and
+a one-node ring's rows run on on the engine thread while their token is their next input (`Following`,
+node/runtime/engine_step.py).
 """
 
 from __future__ import annotations
