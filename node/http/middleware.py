@@ -7,6 +7,7 @@ headers a browser needs to read it; errors outside auth, so a refused key leaves
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from node.http import webui
 from node.http.schema import ApiError
+from node.runtime.entry import CLIENT_KEY
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +62,10 @@ def auth(api_key: str | None):
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        bearer = request.headers.get("Authorization", "").encode()
+        x_api_key = request.headers.get("x-api-key", "").encode()
+        CLIENT_KEY.set(client_key(bearer, x_api_key))  # this request's task: the entry scopes prefixes by it
         if api_key and not webui.is_public(request.path):
-            bearer = request.headers.get("Authorization", "").encode()
-            x_api_key = request.headers.get("x-api-key", "").encode()
             # both compared, always: how long a refusal takes doesn't tell which header came close
             ok = hmac.compare_digest(bearer, f"Bearer {api_key}".encode())
             ok |= hmac.compare_digest(x_api_key, api_key.encode())
@@ -75,6 +78,13 @@ def auth(api_key: str | None):
         return await handler(request)
 
     return middleware
+
+
+def client_key(bearer: bytes, x_api_key: bytes) -> str:
+    """Who the client says it is, for --prefix-cache per-key: a digest of its API key (never the key itself, which
+    would then sit in the prefix index), "" for a client that sends none."""
+    key = bearer.removeprefix(b"Bearer ").strip() or x_api_key.strip()
+    return hashlib.sha256(key).hexdigest()[:32] if key else ""
 
 
 def cors(origins: tuple[str, ...]):

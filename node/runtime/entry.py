@@ -23,6 +23,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection
+from contextvars import ContextVar
 
 import numpy as np
 
@@ -45,9 +46,18 @@ def _resumed(sampling: SamplingParams, history: list[int]) -> SamplingParams:
     return dataclasses.replace(sampling, constraint=dataclasses.replace(sampling.constraint, prefix=tuple(history)))
 
 
-def _scope(plan: tuple[PlanStep, ...]) -> str:
-    """A plan as a prefix-index scope: a retained prefix serves only a plan of the same nodes and layers."""
-    return ",".join(f"{s.node_id}:{s.shard.start_layer}-{s.shard.end_layer}" for s in plan)
+# Who is asking, as the HTTP edge knows it (a digest of the client's API key; "" without one): with --prefix-cache
+# per-key, a retained prefix serves only requests of the same key. A context variable because it is a property of
+# the request's task, set once where the request comes in (node/http/middleware.py), whatever dialect carries it.
+CLIENT_KEY: ContextVar[str] = ContextVar("client_key", default="")
+
+
+def _scope(plan: tuple[PlanStep, ...], client: str | None = None) -> str:
+    """A plan as a prefix-index scope: a retained prefix serves only a plan of the same nodes and layers, and, when
+    `client` is given (--prefix-cache per-key), only that client: a shared prefix cache answers a request whose
+    prefix another client sent faster, which tells it what that client asked."""
+    where = ",".join(f"{s.node_id}:{s.shard.start_layer}-{s.shard.end_layer}" for s in plan)
+    return where if client is None else f"{where}|key:{client}"
 
 
 class _Final(Failed):
@@ -80,18 +90,20 @@ class Entry:
         spawn: Callable[..., object],
         vocab_size: int,
         prefixes: PrefixIndex | None = None,
+        per_key: bool = False,
     ):
         """`plan`: a new plan over the nodes alive, leaving out the ones given; `spawn` runs a coroutine as a task
         its owner cancels on stop (ending a request everywhere outlives the caller's stream); `vocab_size`: token
         ids at or above it are refused (they come from a broken or hostile node, and would crash the decoder);
-        `prefixes`: the finished requests whose caches the nodes of their plan retained (None: no prefix reuse)."""
+        `prefixes`: the finished requests whose caches the nodes of their plan retained (None: no prefix reuse);
+        `per_key`: each client's prefixes serve only its own requests (CLIENT_KEY)."""
         self.node_id, self.address, self.transport, self.plan = node_id, address, transport, plan
         self.vocab_size = vocab_size
         self.stop_token_ids, self.request_timeout, self.max_replays = stop_token_ids, request_timeout, max_replays
         self.queue_timeout = queue_timeout
         self.counters, self.spawn = counters, spawn
         self.attempts: dict[str, _Attempt] = {}  # request id -> the attempt we are the entry node of
-        self.prefixes = prefixes
+        self.prefixes, self.per_key = prefixes, per_key
         self.log = node_log(__name__, node_id)
 
     async def generate(
@@ -168,8 +180,11 @@ class Entry:
                 if reason in KEPT_AFTER and self.prefixes is not None and history:
                     # every node of the plan has computed prompt + history but the last token (sampled, not fed)
                     # and keeps it (node/core/node_core.py end_request); a node that can't says so when asked
-                    self.prefixes.add(attempt.spec.request_id, (prompt + history)[:-1], _scope(attempt.spec.plan))
+                    self.prefixes.add(attempt.spec.request_id, (prompt + history)[:-1], self._scope(attempt.spec.plan))
                 self.spawn(self._end_everywhere(attempt.spec, reason))
+
+    def _scope(self, plan: tuple[PlanStep, ...]) -> str:
+        return _scope(plan, CLIENT_KEY.get() if self.per_key else None)
 
     def _start(
         self,
@@ -181,7 +196,7 @@ class Entry:
         reuse: bool = False,
     ) -> _Attempt:
         plan = self.plan(excluded)
-        hit = self.prefixes.longest(tokens, _scope(plan)) if reuse and self.prefixes is not None else None
+        hit = self.prefixes.longest(tokens, self._scope(plan)) if reuse and self.prefixes is not None else None
         if hit is not None:
             self.prefixes.take(hit)  # the nodes hand that cache to this request (or say it is gone)
             self.counters["prefix_hits"] += 1

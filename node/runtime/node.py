@@ -125,7 +125,8 @@ class Node:
             counters=self.counters,
             spawn=self._spawn,
             vocab_size=model.config.vocab_size,
-            prefixes=PrefixIndex(PREFIX_INDEX_POSITIONS),
+            prefixes=None if settings.prefix_cache == "off" else PrefixIndex(PREFIX_INDEX_POSITIONS),
+            per_key=settings.prefix_cache == "per-key",
         )
         self._stat_sources = [
             self.counters,

@@ -19,6 +19,7 @@ from shards.formats.loader import load_config
 from shards.formats.tokenizer import Tokenizer
 
 DEFAULT_MAX_TENSOR_BYTES = 255 * 1024 * 1024
+PREFIX_CACHE_CHOICES = ("shared", "per-key", "off")  # --prefix-cache: who may reuse a finished request's KV cache
 SPECULATE_CHOICES = ("lookup", "draft", "off")  # --speculate: where a first node's proposals come from
 
 
@@ -40,6 +41,7 @@ class NodeSettings:
     speculation: SpeculationLimits = SpeculationLimits()  # how many
     draft_model: Path | None = None  # --draft-model, for speculate="draft"
     speed: float | None = None  # --speed: layer throughput to report (Gparam/s); None: measured (calibration.py)
+    prefix_cache: str = "shared"  # --prefix-cache: shared, per-key (by the client's API key) or off
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -53,6 +55,10 @@ class NodeSettings:
         for name in ("request_timeout", "queue_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)} (--{name.replace('_', '-')})")
+        if self.prefix_cache not in PREFIX_CACHE_CHOICES:
+            raise ValueError(
+                f"--prefix-cache must be one of {', '.join(PREFIX_CACHE_CHOICES)}, not {self.prefix_cache!r}"
+            )
         if self.max_replays < 0:
             raise ValueError(f"max_replays must be >= 0, got {self.max_replays} (--max-replays)")
         if self.sample_batch_max < 1 or self.sample_batch_window_ms < 0:

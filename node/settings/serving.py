@@ -10,7 +10,7 @@ from node.core.admission import CoreLimits
 from node.core.scheduler import SchedulerLimits
 from node.core.speculation import SpeculationLimits
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES
-from node.runtime.settings import SPECULATE_CHOICES, NodeSettings
+from node.runtime.settings import PREFIX_CACHE_CHOICES, SPECULATE_CHOICES, NodeSettings
 from node.settings.machine import Machine
 from node.settings.model import EngineSettings, parse_shard
 from shards.engines.registry import engine_class
@@ -21,6 +21,14 @@ KV_SHARE_OF_MEMORY = 0.4  # the KV cache's default budget: this share of the ava
 def add_flags(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("requests and the KV cache")
     g.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a token before failing")
+    g.add_argument(
+        "--prefix-cache",
+        choices=PREFIX_CACHE_CHOICES,
+        default="shared",
+        help="reuse of finished requests' KV caches by later requests that start with the same tokens: shared by "
+        "every client (default), per-key (only by requests with the same API key: another client can't learn "
+        "from a faster answer that a prompt was cached), or off",
+    )
     g.add_argument(
         "--max-replays",
         type=int,
@@ -161,6 +169,7 @@ def node_from_args(args: argparse.Namespace, *, node_id: str, engine: EngineSett
         request_timeout=args.request_timeout,
         max_replays=args.max_replays,
         queue_timeout=args.queue_timeout,
+        prefix_cache=args.prefix_cache,
         sample_batch_max=args.sample_batch_max,
         sample_batch_window_ms=args.sample_batch_window_ms,
         speculate=args.speculate,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.local_cluster import http
 from shards.engines.numpy_engine import NumpyEngine
 from shards.formats.config import ModelConfig
 from shards.formats.tokenizer import Tokenizer
@@ -94,3 +95,25 @@ def test_a_node_that_evicted_the_prefix_makes_the_entry_prefill_everything():
         assert status["prefix_hits"] == 1 and status["prefix_gone"] == 1 and status["prefix_fallbacks"] == 1
         metrics = scrape(c.nodes[0].api_url)
         assert value(metrics, "exo_prefix_evictions_total") == 1 and value(metrics, "exo_prefix_fallbacks_total") == 1
+
+
+def test_with_prefix_cache_per_key_a_client_reuses_only_its_own_prefixes():
+    """--prefix-cache per-key: the same conversation sent with another API key prefills everything (no timing tells
+    it what the first client asked), and the first client's next turn still resumes from all of its history."""
+    with Cluster(MODEL, 1, extra=["--prefix-cache", "per-key"]) as c:
+        url = f"{c.nodes[0].api_url}/v1/chat/completions"
+        messages = [{"role": "user", "content": TURNS[0]}]
+
+        def ask(key: str) -> int:
+            before = counters(c).get("prefix_hit_tokens", 0)
+            status, body = http(
+                "POST", url, {"model": c.model_id, "messages": messages, "max_tokens": 10, "temperature": 0}, key=key
+            )
+            assert status == 200, body
+            assert body["choices"][0]["message"]["content"] == reference(messages, 10)
+            return counters(c).get("prefix_hit_tokens", 0) - before
+
+        ask("alice")
+        messages += [{"role": "assistant", "content": reference(messages, 10)}, {"role": "user", "content": TURNS[1]}]
+        assert ask("bob") == 0  # alice's cache, and even the template's preamble, are not bob's
+        assert ask("alice") > 20

@@ -110,3 +110,22 @@ def test_a_reused_prefix_counts_against_the_positions_a_request_declared():
     assert "more than the 6 it declared" in refused.reason
     with pytest.raises(PlanError):
         dataclasses.replace(reusing, reuse_positions=4)  # nothing left to compute
+
+
+def test_a_client_is_known_by_a_digest_of_its_api_key_from_either_header():
+    from node.http.middleware import client_key
+
+    alice = client_key(b"Bearer alice", b"")
+    assert alice == client_key(b"", b"alice") and len(alice) == 32 and "alice" not in alice
+    assert alice != client_key(b"Bearer bob", b"") and client_key(b"", b"") == ""
+
+
+def test_per_key_scopes_keep_one_clients_prefixes_from_another():
+    from node.runtime.entry import _scope
+
+    index = PrefixIndex(capacity=100)
+    plan = ()
+    index.add("a", [1, 2, 3, 4], scope=_scope(plan, "alice"))
+    assert index.longest([1, 2, 3, 4, 5], scope=_scope(plan, "bob")) is None
+    assert index.longest([1, 2, 3, 4, 5], scope=_scope(plan)) is None  # shared requests don't see keyed ones
+    assert index.longest([1, 2, 3, 4, 5], scope=_scope(plan, "alice")) == PrefixHit("a", 4)
