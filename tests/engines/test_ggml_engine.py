@@ -14,6 +14,7 @@ pytest.importorskip("ggml", reason="the ggml extra is not installed")
 from bench.random_model import write_random_llama
 from shards.engines.base import EngineInputError, StepInput
 from shards.engines.ggml.backend import GgmlBackend, nocopy_strides
+from shards.engines.ggml.cells import CELL_ALIGN
 from shards.engines.ggml.engine import GgmlEngine
 from shards.engines.ggml.lib import F32, I32, Context, GgmlError, cpu_buffer_type, g, quantize, repack_supported
 from shards.engines.numpy_engine import NumpyEngine
@@ -260,7 +261,7 @@ def test_decode_steps_reuse_one_graph_whichever_requests_and_release_frees_their
     engine.forward([StepInput("c", tokens=np.arange(4), max_positions=40)])
     engine.forward([StepInput("c", tokens=np.array([1])), StepInput("b", tokens=np.array([1]))])
     assert engine.graphs.builds == builds + 1  # c's prefill is a new shape; c beside b decodes in a's graph
-    assert engine.caches["c"].start == 1  # first fit: c took the cells a gave back (cell 0 is the scratch cell)
+    assert engine.caches["c"].start == CELL_ALIGN  # first fit: c took the cells a gave back (cell 0: scratch)
     engine.release("b")
     engine.release("c")
     assert engine.cache_bytes() == 0 and engine.active_requests == 0
