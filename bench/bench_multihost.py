@@ -58,6 +58,7 @@ CLIENT = (
     "print(json.dumps(asyncio.run(concurrent(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])))))"
 )
 GET = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+CONNECT = "import socket, sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=5).close()"
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,15 @@ def netem_commands(host: str, switch: str, port: str, link: Link, netem: bool = 
     delay, not two), the rate on both its egress and its switch port's (what the bridge sends it). `netem=False`
     (a kernel without sch_netem): the rate by htb, the delay left to bench/delay_relay.py."""
     rate = f"{link.rate_mbit:g}mbit"
-    if not netem:
+    if not netem:  # htb can't be replaced by htb: remove the last setting's (a first `del` finds none: ignored)
         return [
-            ["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"]
-            if k == 0
-            else ["tc", "-n", ns, "class", "replace", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate]
+            cmd
             for ns, dev in ((host, "eth0"), (switch, port))
-            for k in (0, 1)
+            for cmd in (
+                ["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"],
+                ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"],
+                ["tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate],
+            )
         ]
     return [
         ["tc", "-n", host, "qdisc", "replace", "dev", "eth0", "root", "netem", "delay", f"{link.delay_ms:g}ms"]
@@ -251,6 +254,15 @@ def ns_get(lan, i: int, url: str) -> dict | None:
         return None
 
 
+def listening(lan, i: int, port: int) -> bool:
+    """Whether something accepts TCP on host i's loopback port."""
+    try:
+        ns_run(lan, i, sys.executable, "-c", CONNECT, str(port), timeout=30)
+        return True
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return False
+
+
 def wait_for(what: str, ready, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -267,7 +279,7 @@ def has_netem(lan) -> bool:
 def shape(lan, link: Link, netem: bool, delay_file: Path) -> None:
     for i, host in enumerate(lan.hosts):
         for cmd in netem_commands(host, lan.switch, f"p{i}", link, netem):
-            subprocess.run(cmd, check=True, capture_output=True)
+            subprocess.run(cmd, check=cmd[3:5] != ["qdisc", "del"], capture_output=True)
     delay_file.write_text("0" if netem else f"{link.delay_ms:g}")
     time.sleep(0.5)  # the relays re-read it every 0.2 s
 
@@ -298,6 +310,8 @@ def start(
     for i in range(n if "rpc" in systems else 0):
         rpc = [str(bin_dir / "ggml-rpc-server"), "-H", "0.0.0.0", "-p", str(RPC_PORT + i), "-t", "1"]
         stack.enter_context(process(lan.exec(i, *rpc), core(i), logs / f"rpc-{i}.log"))
+    for i in range(n if "rpc" in systems else 0):  # llama-server aborts if a worker isn't there yet
+        wait_for(f"ggml-rpc-server on host {i}", lambda i=i: listening(lan, i, RPC_PORT + i))
     if "rpc" in systems:
         llama = llama_server(
             bin_dir / "llama-server", gguf, LLAMA_PORT, [f"{reach(0, i)}:{RPC_PORT + i}" for i in range(n)]

@@ -37,10 +37,12 @@ def test_whole_delays_and_rates_are_written_without_a_decimal_point():
 def test_without_netem_the_rate_is_shaped_by_htb_both_ways_and_no_delay_is_asked_of_tc():
     cmds = netem_commands("h1", "sw", "p1", Link(5, 100), netem=False)
     assert cmds == [
-        "tc -n h1 qdisc replace dev eth0 root handle 1: htb default 1".split(),
-        "tc -n h1 class replace dev eth0 parent 1: classid 1:1 htb rate 100mbit".split(),
-        "tc -n sw qdisc replace dev p1 root handle 1: htb default 1".split(),
-        "tc -n sw class replace dev p1 parent 1: classid 1:1 htb rate 100mbit".split(),
+        "tc -n h1 qdisc del dev eth0 root".split(),
+        "tc -n h1 qdisc add dev eth0 root handle 1: htb default 1".split(),
+        "tc -n h1 class add dev eth0 parent 1: classid 1:1 htb rate 100mbit".split(),
+        "tc -n sw qdisc del dev p1 root".split(),
+        "tc -n sw qdisc add dev p1 root handle 1: htb default 1".split(),
+        "tc -n sw class add dev p1 parent 1: classid 1:1 htb rate 100mbit".split(),
     ]
 
 
