@@ -125,33 +125,40 @@ def key_file(tmp_path_factory):
     return path
 
 
-def test_a_keyed_cluster_serves_exactly_and_nodes_without_the_key_stay_out(key_file, tmp_path):
-    keyed = [["--cluster-key-file", str(key_file)]] * 3
-    with Cluster(MODEL, 3, shards=["0:2", "2:4", "4:6"], per_node=keyed) as c:
-        assert_matches_reference(c, "The capital of France is", 16)
-        write_key_file(tmp_path / "other.key")
-        peers = ",".join(f"127.0.0.1:{p}" for p in c.ports)
-        # both strangers at once, one with another key and one with none: each a lone node0 of its own
-        with (
-            Cluster(MODEL, 1, per_node=[["--cluster-key-file", str(tmp_path / "other.key"), "--peers", peers]]) as d,
-            Cluster(MODEL, 1, per_node=[["--peers", peers]]) as e,
-        ):
-            time.sleep(3)  # several membership rounds, both ways
-            for stranger in (d, e):
-                assert [n["node_id"] for n in stranger.topology()["nodes"]] == ["node0"]
-            assert len(c.topology()["nodes"]) == 3
-        assert_matches_reference(c, "Hello there, how are you?", 16)
+@pytest.fixture(scope="module")
+def keyed(key_file):
+    """Three nodes holding the key, layers pinned 0:2 / 2:4 / 4:6: the members, and the victims of the attacks."""
+    with Cluster(MODEL, 3, shards=["0:2", "2:4", "4:6"], per_node=[["--cluster-key-file", str(key_file)]] * 3) as c:
+        yield c
 
 
-def test_without_the_key_no_rpc_completes_and_no_work_is_done(key_file):
-    with Cluster(MODEL, 1, per_node=[["--cluster-key-file", str(key_file)]]) as c:
-        for attacker_is_entry in (True, False):  # free compute / forged answers, then the activation leak
-            codes, received = attack(victim_address(c), attacker_is_entry=attacker_is_entry)
-            assert codes[0] in REFUSED and received == []
-        assert set(other_calls(victim_address(c))) <= set(REFUSED)
-        with_tls = grpc.ssl_channel_credentials()  # TLS, but trusting only the public roots and with no client cert
-        assert attack(victim_address(c), credentials=with_tls)[0][0] in REFUSED
-        assert steps(c) == 0 and c.active_requests()["node0"] == 0
+def test_a_keyed_cluster_serves_exactly_and_nodes_without_the_key_stay_out(keyed, tmp_path):
+    c = keyed
+    assert_matches_reference(c, "The capital of France is", 16)
+    write_key_file(tmp_path / "other.key")
+    peers = ",".join(f"127.0.0.1:{p}" for p in c.ports)
+    # both strangers at once, one with another key and one with none: each a lone node0 of its own
+    with (
+        Cluster(MODEL, 1, per_node=[["--cluster-key-file", str(tmp_path / "other.key"), "--peers", peers]]) as d,
+        Cluster(MODEL, 1, per_node=[["--peers", peers]]) as e,
+    ):
+        time.sleep(3)  # several membership rounds, both ways
+        for stranger in (d, e):
+            assert [n["node_id"] for n in stranger.topology()["nodes"]] == ["node0"]
+        assert len(c.topology()["nodes"]) == 3
+    assert_matches_reference(c, "Hello there, how are you?", 16)
+
+
+def test_without_the_key_no_rpc_completes_and_no_work_is_done(keyed):
+    c = keyed  # (whatever it served before: the attacks below must add no step and hold no request)
+    before = steps(c)
+    for attacker_is_entry in (True, False):  # free compute / forged answers, then the activation leak
+        codes, received = attack(victim_address(c), attacker_is_entry=attacker_is_entry)
+        assert codes[0] in REFUSED and received == []
+    assert set(other_calls(victim_address(c))) <= set(REFUSED)
+    with_tls = grpc.ssl_channel_credentials()  # TLS, but trusting only the public roots and with no client cert
+    assert attack(victim_address(c), credentials=with_tls)[0][0] in REFUSED
+    assert steps(c) == before and c.active_requests()["node0"] == 0
 
 
 def test_without_a_key_a_node_still_only_follows_plans_among_its_members():
