@@ -9,7 +9,11 @@ far as llama.cpp's own kernels can tell (its two kernel sets split at leads of t
 `near_tie_threshold`), over it the engine chose a token llama.cpp clearly ranks lower. `ours_margin` is the same lead in
 the engine's logits (its pick over llama.cpp's), so a disagreement both sides call close reads apart from one side's
 error. Where a mixture of experts disagrees past NEAR_TIE, every position gets `router_gap` (router_gaps): how close
-the float computation's routers were to choosing other experts there. Prints one JSON line per model, then a table.
+the float computation's routers were to choosing other experts there. `--self-check` adds llama.cpp against itself
+(one row a decode, as it serves, against its batches of 32: `llama_self_agree`, its own near-tie scale) and the
+engine against llama.cpp decoding (`agree_with_llama_decoding`). `--attention` sets the ggml backend's attention
+kernel where it has a choice (its flash attention is llama.cpp's, so only it can be bit-identical). Prints one JSON
+line per model, then a table (docs/correctness.md, "Agreement with llama.cpp", has the figures).
 """
 
 from __future__ import annotations
@@ -159,7 +163,7 @@ def router_gaps(path: Path, ids: list[int]) -> np.ndarray | None:
 
 
 def measure(args, name: str, path: Path, work: Path) -> dict:
-    rows, own, paths, e = [], [], [], engine(path, args.threads)
+    rows, own, decoded, paths, e = [], [], [], [], engine(path, args.threads)
     try:
         for i, prompt in enumerate(prompts(name, path, args.prompts, args.prompt_len)):
             paths.append((prompt, *ours_greedy(e, f"r{i}", prompt, args.n)))
@@ -171,12 +175,14 @@ def measure(args, name: str, path: Path, work: Path) -> dict:
         if args.self_check:  # llama.cpp against itself: one row a decode, as it serves, against batches of 32
             alone = llama_logits(args, path, prompt + picks, work, 1)[len(prompt) - 1 : len(prompt) - 1 + args.n]
             own += compare(i, len(prompt), [int(r.argmax()) for r in alone], alone, ref)
+            decoded += compare(i, len(prompt), picks, ours, alone)
         if any(r["margin"] >= NEAR_TIE for r in found) and (gaps := router_gaps(path, prompt + picks)) is not None:
             for r in found:
                 r["router_gap"] = round(float(gaps[r["position"] - 1]), 5)
         rows += found
-    off, self_off = ([r for r in x if r["ours"] != r["llama"]] for x in (rows, own))
+    off, self_off, decode_off = ([r for r in x if r["ours"] != r["llama"]] for x in (rows, own, decoded))
     baseline = {
+        "agree_with_llama_decoding": round(1 - len(decode_off) / max(len(decoded), 1), 4),
         "llama_self_agree": round(1 - len(self_off) / max(len(own), 1), 4),
         "llama_self_worst_margin": max((r["margin"] for r in self_off), default=0.0),
     }
@@ -201,8 +207,15 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--n", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--attention", choices=["flash", "gemm"], help="the ggml backend's ATTENTION, where it has one")
     ap.add_argument("--self-check", action="store_true", help="also llama.cpp decoding alone vs in batches of 32")
     args = ap.parse_args(argv)
+    if args.attention:
+        import shards.engines.ggml.backend as backend
+
+        if not hasattr(backend, "ATTENTION"):
+            raise SystemExit("this ggml backend has one attention (flash): drop --attention")
+        backend.ATTENTION = args.attention
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in model_files(args.models.split(",")).items():
