@@ -12,16 +12,13 @@ from __future__ import annotations
 import functools
 import json
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from node.http import chat
-from node.http.chat import CallOut, Event, TextOut
+from node.http.chat import CallOut, ChatApi, Event, TextOut
 from node.http.schema import ApiError, ChatRequest, read_json
-
-if TYPE_CHECKING:
-    from node.http.api import Api
 
 PATHS = ("/v1/messages",)
 ERROR_TYPES = {
@@ -238,7 +235,7 @@ class MessageBuilder:
 _PING = ("ping", {"type": "ping"})
 
 
-async def messages(api: Api, request: web.Request) -> web.StreamResponse:
+async def messages(api: ChatApi, request: web.Request) -> web.StreamResponse:
     req = parse_messages(await read_json(request))
     if req.options.model != api.model_id:
         raise ApiError(404, f"model: '{req.options.model}' does not exist; this cluster serves '{api.model_id}'")
@@ -259,5 +256,5 @@ async def messages(api: Api, request: web.Request) -> web.StreamResponse:
         return await chat.stream(request, "text/event-stream", events(), lambda e: chat.sse(error_body(e), "error"))
 
 
-def routes(api: Api) -> list[web.RouteDef]:
+def routes(api: ChatApi) -> list[web.RouteDef]:
     return [web.post("/v1/messages", functools.partial(messages, api))]

@@ -30,11 +30,11 @@ from node.http.failures import api_error
 from node.http.format import ChatFormat, CompletionFormat, Format
 from node.http.prompt import PromptEncoder
 from node.http.schema import ApiError, ChatRequest, CompletionRequest, Options, parse_chat, parse_completion, read_json
-from node.http.tools import ToolError, prompt_inputs
+from node.http.tools import ToolError, prompt_inputs, with_tool_syntax
 from node.runtime.node import Node
 from shards.decoding.grammar import Constraint, GrammarError, grammar_tokenizer
-
 from shards.decoding.grammar_admission import admit
+
 log = logging.getLogger(__name__)
 CREATED = int(time.time())
 # Each dialect's paths answer every error in that API's own shape; the others, OpenAI error objects.
@@ -48,8 +48,8 @@ class ApiSettings:
     max_concurrent: int = 64  # requests generating at once; beyond -> 503
     api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers
-
     parse_special_in_content: bool = False  # control-token text in message content read as control tokens
+
 
 class Api:
     def __init__(self, node: Node, settings: ApiSettings = ApiSettings()):
@@ -98,7 +98,7 @@ class Api:
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
-        self._check_model(request.match_info["model_id"])
+        self.check_model(request.match_info["model_id"])
         return web.json_response(self._model_card())
 
     async def healthcheck(self, request: web.Request) -> web.Response:
@@ -132,7 +132,7 @@ class Api:
         encode, content_type = choose_encoder(request.headers.get("Accept", ""))
         return web.Response(body=encode(self.node.metrics.registry), headers={"Content-Type": content_type})
 
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
         if model != self.model_id:
             raise ApiError(
                 404,
@@ -144,9 +144,10 @@ class Api:
     # -- generation endpoints ---------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_chat(await read_json(request))
-        self._check_model(req.options.model)
+        self.check_model(req.options.model)
         async with self.chat_run(req) as run:
-            fmt = ChatFormat(req.options, run.prompt_tokens, self.model_id)
+            options = dataclasses.replace(req.options, structure=run.structure)  # in the model's tool syntax
+            fmt = ChatFormat(options, run.prompt_tokens, self.model_id)
             return await self._respond(request, fmt, run.pieces, "")
 
     @asynccontextmanager
@@ -155,6 +156,7 @@ class Api:
         template (tools too), its grammar compiled, the request admitted and its first piece generated. Refusals
         before that are ApiErrors (each dialect's error middleware shapes them); leaving the block ends the
         request on every node of its plan."""
+        req = with_tool_syntax(req, self.node.tokenizer)  # calls in the model family's own syntax
         messages, tools = prompt_inputs(req.messages, req.options.structure, self.node.tokenizer.chat_template)
         prompt = await self.prompts.chat(messages, tools)
         req = await self._constrained(req)
@@ -163,7 +165,7 @@ class Api:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_completion(await read_json(request))
-        self._check_model(req.options.model)
+        self.check_model(req.options.model)
         tok = self.node.tokenizer
         if isinstance(req.prompt, str):
             prompt, echo = await self.prompts.text(req.prompt), req.prompt

@@ -12,14 +12,18 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
 from node.http.completion import TextDelta
 from node.http.schema import ApiError, ChatRequest, parse_chat
 from node.http.tools import Structure, ToolCall, ToolCallParser
+
+if TYPE_CHECKING:
+    from node.runtime.node import Node
 
 log = logging.getLogger(__name__)
 WRITE_TIMEOUT_S = 30
@@ -57,7 +61,7 @@ class ChatEvents:
     (ToolCallParser); without, every piece's text is content."""
 
     def __init__(self, structure: Structure):
-        self.parser = ToolCallParser() if structure.calls_tools else None
+        self.parser = ToolCallParser(structure.syntax.call_family) if structure.calls_tools else None
         self.called = False
 
     def feed(self, piece: TextDelta) -> list[Event]:
@@ -73,6 +77,20 @@ class ChatEvents:
             reason = "tool_calls" if self.called and piece.finish_reason == "stop" else piece.finish_reason
             out.append(Finished(reason, piece.completion_tokens, piece.stop_sequence))
         return out
+
+
+class ChatApi(Protocol):
+    """What a dialect (node/http/ollama.py, anthropic.py, responses.py) uses of the entry's API (node/http/api.py
+    `Api`): its node and model, the model check, and the one chat path every dialect shares."""
+
+    node: Node
+
+    @property
+    def model_id(self) -> str: ...
+
+    def check_model(self, model: str) -> None: ...
+
+    def chat_run(self, req: ChatRequest, endpoint: str = "chat") -> AbstractAsyncContextManager[ChatRun]: ...
 
 
 @dataclass(frozen=True)

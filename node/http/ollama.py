@@ -14,16 +14,13 @@ import dataclasses
 import json
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from node.http import chat
-from node.http.chat import CallOut, Event, Finished, TextOut
+from node.http.chat import CallOut, ChatApi, Event, Finished, TextOut
 from node.http.schema import ApiError, ChatRequest, bad, read_json
-
-if TYPE_CHECKING:
-    from node.http.api import Api
 
 PATHS = ("/api/",)
 VERSION = "0.6.3"  # the Ollama release whose API this follows (clients check it for features)
@@ -194,7 +191,7 @@ def fold(lines: list[dict[str, Any]], generate: bool) -> dict[str, Any]:
 
 # -- the endpoints ----------------------------------------------------------------------------------------------
 class Ollama:
-    def __init__(self, api: Api):
+    def __init__(self, api: ChatApi):
         self.api = api
 
     def _check_model(self, model: Any) -> None:
@@ -267,7 +264,7 @@ class Ollama:
         )
 
 
-def routes(api: Api) -> list[web.RouteDef]:
+def routes(api: ChatApi) -> list[web.RouteDef]:
     o = Ollama(api)
     return [
         web.post("/api/chat", o.chat),

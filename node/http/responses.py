@@ -14,16 +14,13 @@ import copy
 import functools
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from node.http import chat
-from node.http.chat import CallOut, Event, TextOut
+from node.http.chat import CallOut, ChatApi, Event, TextOut
 from node.http.schema import ApiError, ChatRequest, bad, read_json
-
-if TYPE_CHECKING:
-    from node.http.api import Api
 
 NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
 STATELESS = {  # fields that need state kept between requests, which this server doesn't keep
@@ -255,10 +252,10 @@ class ResponseBuilder:
         return chat.sse(data, kind)
 
 
-async def create(api: Api, request: web.Request) -> web.StreamResponse:
+async def create(api: ChatApi, request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse_response_request(body)
-    api._check_model(req.options.model)
+    api.check_model(req.options.model)
     async with api.chat_run(req, "responses") as run:
         builder = ResponseBuilder(body, req.options.model, run.prompt_tokens)
         if not req.options.stream:
@@ -276,5 +273,5 @@ async def create(api: Api, request: web.Request) -> web.StreamResponse:
         return await chat.stream(request, "text/event-stream", events(), builder.error)
 
 
-def routes(api: Api) -> list[web.RouteDef]:
+def routes(api: ChatApi) -> list[web.RouteDef]:
     return [web.post("/v1/responses", functools.partial(create, api))]
