@@ -38,7 +38,7 @@ SMALL_MOE = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, experts
 
 
 def model_files(which: list[str]) -> dict[str, Path]:
-    from bench.moe_model import random_qwen3moe, retyped
+    from bench.moe_model import as_float32, random_qwen3moe
 
     out: dict[str, Path] = {}
     for name in which:
@@ -49,7 +49,7 @@ def model_files(which: list[str]) -> dict[str, Path]:
         elif name in ("gemma2", "gemma3"):
             out[f"{name}-f16"] = FIXTURES / "gemma" / f"{name}.gguf"
         elif name in ("qwen3moe", "mixtral", "qwen2moe"):
-            out[f"{name}-f32"] = retyped(FIXTURES / "moe" / f"{name}.gguf", "f32")
+            out[f"{name}-f32"] = as_float32(FIXTURES / "moe" / f"{name}.gguf")
             if name == "qwen3moe":
                 out["qwen3moe-q8_0"] = FIXTURES / "moe" / "qwen3moe.q8_0.gguf"
         elif name == "moe-q4_k":

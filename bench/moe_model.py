@@ -9,6 +9,8 @@ runtimes load it. Shapes: SHAPE (383M parameters, 86M active per token with the 
 default, or $EXO_BENCH_MOE_CACHE: never the repository) and reused.
 
     uv run python -m bench.moe_model [--1b]   # -> /tmp/exo-node-bench/random-qwen3moe-6x32x512-q4_k.gguf
+
+`as_float32` stores an F16 GGUF's matrices as F32 (the MoE fixtures in F32, for bench/agreement_greedy.py).
 """
 
 from __future__ import annotations
@@ -98,16 +100,13 @@ def random_qwen3moe(seed: int = 0, **shape) -> Path:
     return path
 
 
-def retyped(src: Path, outtype: str) -> Path:
-    """`src` with every F16 tensor stored as `outtype` ("f32": the same values, as llama.cpp's converter writes with
-    --outtype f32 from an F16 checkpoint; "q4_k": quantized by ggml's reference quantizer, as llama-quantize does
-    with a pure Q4_K mix), every other tensor and all metadata as they are. Made once into CACHE."""
-    out = CACHE / f"{src.stem}.{outtype}.gguf"
+def as_float32(src: Path) -> Path:
+    """`src` with every F16 tensor stored as F32 (the same values: what llama.cpp's converter writes with --outtype
+    f32 from an F16 checkpoint), every other tensor and all metadata as they are. Made once into CACHE."""
+    out = CACHE / f"{src.stem}.f32.gguf"
     if out.exists():
         return out
     from gguf import GGUFValueType as V
-
-    from shards.engines.ggml.lib import quantize
 
     r = gguf.GGUFReader(str(src))
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -119,11 +118,8 @@ def retyped(src: Path, outtype: str) -> Path:
         w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1] if f.types[0] == V.ARRAY else None)
     for t in r.tensors:
         data = np.asarray(t.data)
-        if t.tensor_type == Q.F16 and outtype == "f32":
+        if t.tensor_type == Q.F16:
             w.add_tensor(t.name, data.astype(np.float32))
-        elif t.tensor_type == Q.F16 and outtype == "q4_k" and data.shape[-1] % 256 == 0:
-            q = quantize(data.astype(np.float32).reshape(-1, data.shape[-1]), int(Q.Q4_K), os.cpu_count() or 1)
-            w.add_tensor(t.name, q.reshape(*data.shape[:-1], q.shape[-1]), raw_dtype=Q.Q4_K)
         else:
             w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
     w.write_header_to_file()
