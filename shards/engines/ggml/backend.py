@@ -29,7 +29,11 @@ from shards.engines.ggml.moe import GExperts, GgmlMoE
 from shards.engines.ggml.weight_placement import GgmlWeights, GWeight
 from shards.formats.config import ModelConfig
 
-ATTENTION = "gemm"  # how rows attend: "gemm" (matmuls and a softmax) or "flash" (ggml_flash_attn_ext); see attention
+# How rows attend: "flash" (ggml_flash_attn_ext's one-row kernel) or "gemm" (matmuls and a softmax; see attention).
+# gemm costs a prompt's rows a third of flash's instructions, but a decode row over a span of cells more: it
+# transposes the span's values every layer (ggml_cont of F16, element by element). Flash stays the default until
+# the pool keeps values transposed (llama.cpp's layout without flash attention).
+ATTENTION = "flash"
 ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
 SPLIT_KV_CELLS = 512  # from this many cells on, ggml splits a single query row's cells across threads (ops.cpp)
 

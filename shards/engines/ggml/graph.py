@@ -12,8 +12,10 @@ token (or hidden row), position and cell (where ggml_set_rows writes its keys an
 So a step attends once per group and layer and the graph has a few nodes per layer however many requests decode
 in it.
 
-Exactness: a row attends by two F16 matmuls and a softmax over its group's span (GgmlBackend.gemm_attention), each
-summed in one order per element whatever else the step holds; the masked cells add exact zeros, so a row's result
+Exactness: by default a row attends through ggml's CPU flash attention, which skips every -inf cell outright, one
+row at a time (GgmlBackend.flash_attention): the online softmax over exactly its own request's cells, in cell order.
+With backend.ATTENTION "gemm", by two F16 matmuls and a softmax over its group's span (GgmlBackend.gemm_attention),
+each summed in one order per element whatever else the step holds; the masked cells add exact zeros, so a row's result
 depends only on its own request's cells, their order, and where they fall in SIMD blocks, which the pool's aligned
 ranges fix (cells.py): the same numbers whichever other requests share the group, and wherever the request's range
 lies. Every cell is finite (keys and values are clamped to F16's range as they are written; padding rows see one
