@@ -40,6 +40,7 @@ class PromptEncoder:
         self.parse_special = parse_special_in_content
         self.max_chars = context * max_token_chars(tokenizer)  # beyond this, more tokens than the context holds
         self._slots: asyncio.Semaphore | None = None  # made on the loop that uses it
+        tokenizer.prepare_chat()
 
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:

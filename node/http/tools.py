@@ -31,6 +31,7 @@ __all__ = ["CallDelta", "CallStream", "ToolSyntax", "generic_messages", "knows_t
 
 MAX_TOOLS = 128
 MAX_SCHEMA_BYTES = 64 * 1024
+MAX_SCHEMA_DEPTH = 128  # nested objects and arrays; real schemas stay within a few dozen
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
 
@@ -111,13 +112,26 @@ class Structure:
 def _schema(value: Any, param: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ToolError(param, f"'{param}' must be a JSON Schema object")
-    try:
-        size = len(json.dumps(value))
-    except RecursionError:
-        raise ToolError(param, f"'{param}' is nested too deeply; flatten it (use $defs)") from None
-    if size > MAX_SCHEMA_BYTES:
+    if _depth(value) > MAX_SCHEMA_DEPTH:
+        raise ToolError(
+            param, f"'{param}' is nested too deeply (over {MAX_SCHEMA_DEPTH} levels); flatten it (use $defs)"
+        )
+    if len(json.dumps(value)) > MAX_SCHEMA_BYTES:
         raise ToolError(param, f"'{param}' exceeds {MAX_SCHEMA_BYTES} bytes")
     return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply objects and arrays nest in `value`, walked without recursion: the interpreter's recursion limit,
+    which other libraries raise, must not decide whether a schema is refused."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_SCHEMA_DEPTH:
+                stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def parse_tools(body: dict[str, Any]) -> tuple[Tool, ...]:

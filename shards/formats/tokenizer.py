@@ -124,6 +124,18 @@ class Tokenizer:
         except TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from None
 
+    def prepare_chat(self) -> None:
+        """Compile the chat template now: a node serving an API does at start, so that jinja2's import and the
+        compile don't fall on its first request, on the event loop. A template that doesn't compile still fails
+        each request, as rendering would."""
+        from jinja2 import TemplateError
+
+        try:
+            if self.chat_template:
+                self._compiled_template()
+        except TemplateError:
+            pass
+
     def _compiled_template(self):
         """The chat template compiled once (compiling a template to Python is jinja2's slow part, and
         the stream of every other request waits on the event loop meanwhile), in a sandbox that can't touch Python

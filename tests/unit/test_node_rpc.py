@@ -62,7 +62,8 @@ class RawClient:
 async def serving(pinned=None, node_id="n0"):
     cfg = ModelConfig.from_dir(MODEL)
     server = GrpcServer("127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES)
-    settings = NodeSettings(node_id=node_id, memory_bytes=1 << 30, pinned=pinned, max_tensor_bytes=8 << 20)
+    # a fixed speed: no calibration passes on the engine thread while a test measures or steps the node
+    settings = NodeSettings(node_id=node_id, memory_bytes=1 << 30, pinned=pinned, max_tensor_bytes=8 << 20, speed=1.0)
     node = Node(
         settings,
         ServedModel("llama", MODEL, cfg, Tokenizer(MODEL)),

@@ -32,7 +32,7 @@ async def serving(node_id: str) -> tuple[Node, GrpcServer, GrpcTransport]:
     server = GrpcServer("127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES)
     transport = GrpcTransport(rpc_timeout=2.0)
     node = Node(
-        NodeSettings(node_id=node_id, memory_bytes=1 << 30),
+        NodeSettings(node_id=node_id, memory_bytes=1 << 30, speed=1.0),  # no calibration passes
         ServedModel("llama", MODEL, ModelConfig.from_dir(MODEL), Tokenizer(MODEL)),
         address=f"127.0.0.1:{server.port}",
         engines=engine_factory("numpy"),
