@@ -202,29 +202,29 @@ def test_a_rollback_never_goes_forward_or_below_zero(start):
 
 def test_a_node_refuses_a_rollback_its_engine_cannot_make():
     """The engine thread's check behind the core's: a start past the cache fails that request only."""
-    from node.runtime.shard_manager import _forward
+    from node.core.step_plan import Row, StepPlan
+    from node.runtime.engine_step import run_pass
 
     engine, _ = make("numpy")
     feed(engine, "r", list(range(1, 5)))
-    outputs, refused, _ = _forward(
-        engine,
-        [("r", np.array([7], np.int64), 64), ("s", np.array([1, 2], np.int64), 64)],
-        {},
-        0,
-        {"r": 9},
-        frozenset(),
-    )
-    assert list(outputs) == ["s"] and "cannot roll its cache of 4 positions back to 9" in refused["r"]
+    rows = (Row("r", np.array([7], np.int64), 64, start=9), Row("s", np.array([1, 2], np.int64), 64))
+    done = run_pass(engine, StepPlan(engine.shard, None, rows), None)
+    assert list(done.outputs.outputs) == ["s"]
+    assert "cannot roll its cache of 4 positions back to 9" in done.outputs.refused["r"]
 
 
 def test_the_last_shard_returns_every_row_for_requests_with_proposals_and_the_last_row_for_the_others():
-    from node.runtime.shard_manager import _forward
+    from node.core.step_plan import Row, StepPlan
+    from node.runtime.engine_step import run_pass
 
     engine, _ = make("numpy")
-    inputs = [("p", np.array([1, 2, 3], np.int64), 64), ("q", np.array([4, 5, 6, 7], np.int64), 64)]
-    outputs, refused, _ = _forward(engine, inputs, {}, 0, {}, frozenset({"p"}))
-    assert not refused and outputs["p"].shape == (3, engine.config.vocab_size)
-    assert outputs["q"].shape == (1, engine.config.vocab_size)
+    rows = (
+        Row("p", np.array([1, 2, 3], np.int64), 64, proposals=(2, 3)),  # drafts: every row's logits are wanted
+        Row("q", np.array([4, 5, 6, 7], np.int64), 64),
+    )
+    done = run_pass(engine, StepPlan(engine.shard, None, rows), None)
+    assert not done.outputs.refused and done.outputs.outputs["p"].shape == (3, engine.config.vocab_size)
+    assert done.outputs.outputs["q"].shape == (1, engine.config.vocab_size)
 
 
 def test_greedy_answers_with_a_draft_model_are_the_answers_without():

@@ -7,6 +7,7 @@ the shard manager's one engine-thread call.
 
 import asyncio
 import dataclasses
+import threading
 
 import pytest
 
@@ -336,11 +337,22 @@ def test_the_engine_thread_runs_followed_passes_that_give_the_tokens_of_passes_r
 def test_an_interrupt_ends_a_run_of_followed_passes_after_the_pass_it_is_in():
     async def go():
         whole = Shard("llama", 0, 6, 6)
-        shards = ShardManager(FIXTURES / "llama", CFG, lambda d, s, c: NumpyEngine(d, s, ModelConfig.from_dir(d)))
+        gate = threading.Event()  # the second pass waits until the loop has taken the first and interrupted
+
+        class Gated(NumpyEngine):
+            calls = 0
+
+            def forward(self, *args, **kw):
+                Gated.calls += 1
+                if Gated.calls == 2:
+                    gate.wait(10)
+                return super().forward(*args, **kw)
+
+        shards = ShardManager(FIXTURES / "llama", CFG, lambda d, s, c: Gated(d, s, ModelConfig.from_dir(d)))
         batcher = SamplingBatcher(8, 60_000, executor=shards.executor)
         engine = await shards.get(whole)
         passes = []
-        following = Following(lambda done: (passes.append(done), following.interrupt()))
+        following = Following(lambda done: (passes.append(done), following.interrupt(), gate.set()))
         ask = Sampling(SamplingParams(temperature=0), SamplerState())
         plan = StepPlan(whole, None, (Row("r", tokens(5, 6), 60, sample=ask, follow=Follow(frozenset(), 50)),))
         await shards.execute(engine, plan, batcher, following)
