@@ -186,6 +186,10 @@ class MessageBuilder:
         }
         self.open = False  # a text block is open
 
+    @property
+    def body(self) -> dict[str, Any]:
+        return self.message
+
     def start(self) -> list[tuple[str, dict[str, Any]]]:
         return [("message_start", {"type": "message_start", "message": self.message | {"content": []}}), _PING]
 
@@ -241,19 +245,7 @@ async def messages(api: ChatApi, request: web.Request) -> web.StreamResponse:
         raise ApiError(404, f"model: '{req.options.model}' does not exist; this cluster serves '{api.model_id}'")
     async with api.chat_run(req, "anthropic") as run:
         builder = MessageBuilder(req.options.model, run.prompt_tokens)
-        if not req.options.stream:
-            async for event in run.events():
-                builder.feed(event)
-            return web.json_response(builder.message)
-
-        async def events():
-            for name, data in builder.start():
-                yield chat.sse(data, name)
-            async for event in run.events():
-                for name, data in builder.feed(event):
-                    yield chat.sse(data, name)
-
-        return await chat.stream(request, "text/event-stream", events(), lambda e: chat.sse(error_body(e), "error"))
+        return await chat.reply(request, run, builder, req.options.stream, lambda e: chat.sse(error_body(e), "error"))
 
 
 def routes(api: ChatApi) -> list[web.RouteDef]:

@@ -148,6 +148,37 @@ async def stream(
     return response
 
 
+class EventBuilder(Protocol):
+    """A dialect's answer built from the chat events (node/http/anthropic.py MessageBuilder, responses.py
+    ResponseBuilder): its opening events, the events each chat event becomes, and the whole body at the end."""
+
+    def start(self) -> list[tuple[str, Any]]: ...
+
+    def feed(self, event: Event) -> list[tuple[str, Any]]: ...
+
+    @property
+    def body(self) -> dict[str, Any]: ...
+
+
+async def reply(
+    request: web.Request, run: ChatRun, builder: EventBuilder, streamed: bool, error: Callable[[ApiError], bytes]
+) -> web.StreamResponse:
+    """A named-event dialect's reply: the whole body when not streamed, else its events as server-sent events."""
+    if not streamed:
+        async for event in run.events():
+            builder.feed(event)
+        return web.json_response(builder.body)
+
+    async def events() -> AsyncIterator[bytes]:
+        for name, data in builder.start():
+            yield sse(data, name)
+        async for event in run.events():
+            for name, data in builder.feed(event):
+                yield sse(data, name)
+
+    return await stream(request, "text/event-stream", events(), error)
+
+
 def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     """One server-sent event (`event:` named, as Anthropic and the Responses API send them)."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)

@@ -176,6 +176,10 @@ class ResponseBuilder:
         self.seq += 1
         return kind, {"type": kind, "sequence_number": self.seq - 1, **copy.deepcopy(fields)}
 
+    @property
+    def body(self) -> dict[str, Any]:
+        return self.response
+
     def start(self) -> list[tuple[str, dict[str, Any]]]:
         return [
             self._event("response.created", response=self.response),
@@ -258,19 +262,7 @@ async def create(api: ChatApi, request: web.Request) -> web.StreamResponse:
     api.check_model(req.options.model)
     async with api.chat_run(req, "responses") as run:
         builder = ResponseBuilder(body, req.options.model, run.prompt_tokens)
-        if not req.options.stream:
-            async for event in run.events():
-                builder.feed(event)
-            return web.json_response(builder.response)
-
-        async def events():
-            for name, data in builder.start():
-                yield chat.sse(data, name)
-            async for event in run.events():
-                for name, data in builder.feed(event):
-                    yield chat.sse(data, name)
-
-        return await chat.stream(request, "text/event-stream", events(), builder.error)
+        return await chat.reply(request, run, builder, req.options.stream, builder.error)
 
 
 def routes(api: ChatApi) -> list[web.RouteDef]:

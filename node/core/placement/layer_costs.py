@@ -18,19 +18,23 @@ from shards.formats.config import ModelConfig
 def layer_costs(cfg: ModelConfig) -> tuple[int, ...]:
     """Parameters a token goes through in each layer (the active experts of a sparse layer), the output head
     counted with the last: what a node's measured speed (billions of parameters per second) is a rate of."""
-    h = cfg.hidden_size
-    attention = _attention(cfg)
-    dense = 3 * h * cfg.intermediate_size
-    if cfg.moe is None:
-        costs = [attention + dense] * cfg.n_layers
-    else:
-        m = cfg.moe
-        active = (
-            h * m.n_experts + 3 * m.n_used * h * m.expert_size + (3 * h * m.shared_size + h if m.shared_size else 0)
-        )
-        costs = [attention + (active if m.sparse(i) else dense) for i in range(cfg.n_layers)]
+    h, m = cfg.hidden_size, cfg.moe
+    active = (
+        0
+        if m is None
+        else h * m.n_experts + 3 * m.n_used * h * m.expert_size + (3 * h * m.shared_size + h if m.shared_size else 0)
+    )
+    costs = _layers(cfg, active)
     costs[-1] += cfg.vocab_size * h + h
     return tuple(costs)
+
+
+def _layers(cfg: ModelConfig, sparse: int) -> list[int]:
+    """Each layer's attention and feed-forward parameters: dense, or `sparse` where a mixture's layer is sparse."""
+    attention, dense = _attention(cfg), 3 * cfg.hidden_size * cfg.intermediate_size
+    if cfg.moe is None:
+        return [attention + dense] * cfg.n_layers
+    return [attention + (sparse if cfg.moe.sparse(i) else dense) for i in range(cfg.n_layers)]
 
 
 def _attention(cfg: ModelConfig) -> int:
@@ -42,13 +46,7 @@ def layer_params(cfg: ModelConfig) -> tuple[int, ...]:
     """Parameters of each layer of any model, dense or not, the embedding with the first and the head with the
     last."""
     h = cfg.hidden_size
-    attention = _attention(cfg)
-    dense = 3 * h * cfg.intermediate_size
-    if cfg.moe is None:
-        costs = [attention + dense] * cfg.n_layers
-    else:
-        sparse = cfg.moe.expert_params(h)
-        costs = [attention + (sparse if cfg.moe.sparse(i) else dense) for i in range(cfg.n_layers)]
+    costs = _layers(cfg, 0 if cfg.moe is None else cfg.moe.expert_params(h))
     table = cfg.vocab_size * h
     costs[0] += table
     costs[-1] += table + h  # the head (the embedding again when tied: the last node holds its own copy) and norm
