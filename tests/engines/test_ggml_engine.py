@@ -16,7 +16,7 @@ from shards.engines.base import EngineInputError, StepInput
 from shards.engines.ggml.backend import GgmlBackend, nocopy_strides
 from shards.engines.ggml.cells import CELL_ALIGN
 from shards.engines.ggml.engine import GgmlEngine
-from shards.engines.ggml.lib import F32, I32, Context, GgmlError, cpu_buffer_type, g, quantize, repack_supported
+from shards.engines.ggml.lib import F32, I32, Context, GgmlError, g, quantize, repack_supported
 from shards.engines.numpy_engine import NumpyEngine
 from shards.engines.registry import engine_factory, resolve
 from shards.formats.config import ModelConfig
@@ -27,6 +27,7 @@ from shards.formats.quant import SUPPORTED_TYPES, QuantizedTensor
 from shards.model.shard import Shard
 from shards.reference.generate import chain_forward
 from tests.conftest import FIXTURES
+from tests.support.ggml_graph import computed
 from tests.support.gguf_util import fixture, smollm2_path
 from tests.support.tolerance import QUANTIZED_RMS, regrouped_atol, relative_rms
 
@@ -66,18 +67,8 @@ def run_ops(
         w, table = ops.weight(qt), ops.table(qt)
         xin, idx = ops.input(F32, x.shape), ops.input(I32, ids.shape)
         y, rows = ops.linear(xin, w), ops.embedding(table, idx)
-        gf = ctx.graph()
-        for t in (y, rows):
-            g.ggml_set_output(t.t)
-            g.ggml_build_forward_expand(gf, t.t)
-        galloc = g.ggml_gallocr_new(cpu_buffer_type())
-        assert g.ggml_gallocr_alloc_graph(galloc, gf)
-        g.ggml_backend_tensor_set(xin.t, x.ctypes.data, 0, x.nbytes)
-        g.ggml_backend_tensor_set(idx.t, ids.ctypes.data, 0, ids.nbytes)
-        assert g.ggml_backend_graph_compute(backend, gf) == 0
-        out = ops.to_numpy(y), ops.to_numpy(rows), dict(ops.repacked)
-        g.ggml_gallocr_free(galloc)
-        return out
+        with computed(ctx, backend, [y, rows], [(xin, x), (idx, ids)]):
+            return ops.to_numpy(y), ops.to_numpy(rows), dict(ops.repacked)
     finally:
         ctx.free()
         ops.free()

@@ -10,10 +10,11 @@ import pytest
 pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from shards.engines.ggml.backend import GgmlBackend
-from shards.engines.ggml.lib import F32, Context, cpu_buffer_type, g
+from shards.engines.ggml.lib import F32, Context, g
 from shards.engines.moe_backend import top_experts
 from shards.engines.registry import installed
 from shards.formats.loader import load_config
+from tests.support.ggml_graph import computed
 from tests.support.models import FIXTURES
 
 pytestmark = pytest.mark.skipif("ggml" not in installed(), reason="the ggml engine is not installed")
@@ -31,17 +32,8 @@ def ggml_moe(gate, up, down, x, logits, n_used: int, normalize: bool) -> np.ndar
         xin, lin = ops.input(F32, x.shape), ops.input(F32, logits.shape)
         y = ops.moe(xin, lin, experts, n_used, normalize)
         y = ops.contiguous(y)
-        gf = ctx.graph()
-        g.ggml_set_output(y.t)
-        g.ggml_build_forward_expand(gf, y.t)
-        galloc = g.ggml_gallocr_new(cpu_buffer_type())
-        assert g.ggml_gallocr_alloc_graph(galloc, gf)
-        for t, a in ((xin, x), (lin, logits)):
-            g.ggml_backend_tensor_set(t.t, a.ctypes.data, 0, a.nbytes)
-        assert g.ggml_backend_graph_compute(backend, gf) == 0
-        out = ops.to_numpy(y)
-        g.ggml_gallocr_free(galloc)
-        return out
+        with computed(ctx, backend, [y], [(xin, x), (lin, logits)]):
+            return ops.to_numpy(y)
     finally:
         ctx.free()
         ops.free()

@@ -11,11 +11,12 @@ pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from shards.engines.base import StepInput
 from shards.engines.ggml.backend import GgmlBackend
-from shards.engines.ggml.lib import F32, I32, Context, cpu_buffer_type, g, quantize, repack_supported
+from shards.engines.ggml.lib import F32, I32, Context, g, quantize, repack_supported
 from shards.engines.registry import engine_class, installed
 from shards.formats.loader import load_config
 from shards.formats.quant import QuantizedTensor
 from shards.model.shard import Shard
+from tests.support.ggml_graph import computed
 from tests.support.models import FIXTURES
 
 pytestmark = pytest.mark.skipif("ggml" not in installed(), reason="the ggml engine is not installed")
@@ -60,17 +61,8 @@ def mul_mat_id(experts: QuantizedTensor, x: np.ndarray, ids: np.ndarray, repack:
         w = ops.experts(experts, experts, experts).gate
         xin, idx = ops.input(F32, (len(x), 1, x.shape[1])), ops.input(I32, ids.shape)
         y = ops.wrap(ops.node(g.ggml_mul_mat_id, w, xin.t, idx.t), (*ids.shape, experts.shape[1]))
-        gf = ctx.graph()
-        g.ggml_set_output(y.t)
-        g.ggml_build_forward_expand(gf, y.t)
-        galloc = g.ggml_gallocr_new(cpu_buffer_type())
-        assert g.ggml_gallocr_alloc_graph(galloc, gf)
-        for t, a in ((xin, x), (idx, ids)):
-            g.ggml_backend_tensor_set(t.t, a.ctypes.data, 0, a.nbytes)
-        assert g.ggml_backend_graph_compute(backend, gf) == 0
-        out = ops.to_numpy(y), dict(ops.repacked)
-        g.ggml_gallocr_free(galloc)
-        return out
+        with computed(ctx, backend, [y], [(xin, x), (idx, ids)]):
+            return ops.to_numpy(y), dict(ops.repacked)
     finally:
         ctx.free()
         ops.free()
