@@ -57,15 +57,13 @@ def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None) -> Exe
     """One pass on the engine thread: the plan's inputs checked and computed, then its rows sampled."""
     began = time.perf_counter()
     items, refused = [], {}
-    retained = getattr(engine, "retained", None)
-    if retained is not None:
-        retained.limit = plan.retain_limit
-        retained.shrink(plan.retain_limit)
+    engine.retained.limit = plan.retain_limit
+    engine.retained.shrink(plan.retain_limit)
     for row in plan.rows:
         rid = row.request_id
         if row.reuse is not None and engine.cache_length(rid) == 0:  # its first step here: the retained prefix
             entry_id, count = row.reuse
-            if retained is None or not engine.resume(rid, entry_id, count):
+            if not engine.resume(rid, entry_id, count):
                 refused[rid] = (
                     f"{PREFIX_GONE}: {engine.shard} no longer holds the first {count} positions of {entry_id}"
                 )

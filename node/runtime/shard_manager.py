@@ -76,18 +76,17 @@ class ShardManager:
 
     def release(self, request_id: str, keep: bool = False) -> None:
         """Queue the release of a request's caches in every engine (after any forward already queued); `keep`: a
-        finished request's caches are retained for prefix reuse by engines that can (BlockEngine.retain)."""
+        finished request's caches are retained for prefix reuse (`Engine.retain`)."""
         for engine in list(self.engines.values()):
-            retain = getattr(engine, "retain", None) if keep else None
-            self.executor.submit(retain or engine.release, request_id)
+            self.executor.submit(engine.retain if keep else engine.release, request_id)
 
     def retained_evictions(self) -> int:
         """Retained caches freed for room so far, over every engine."""
-        return sum(e.retained.evictions for e in list(self.engines.values()) if hasattr(e, "retained"))
+        return sum(e.retained.evictions for e in list(self.engines.values()))
 
     def retained_bytes(self) -> int:
         """Memory held by finished requests' retained caches (a snapshot: the engine thread changes them)."""
-        return sum(e.retained.nbytes for e in list(self.engines.values()) if hasattr(e, "retained"))
+        return sum(e.retained.nbytes for e in list(self.engines.values()))
 
     @property
     def active_requests(self) -> int:
@@ -98,18 +97,8 @@ class ShardManager:
         return tuple(self.engines)
 
     def cache_bytes(self) -> int:
-        """Bytes held by every KV cache of the engines. The engine thread adds and drops caches meanwhile; a dict
-        that changes while it is summed raises, and the next try gets a consistent view."""
-        total = 0
-        for engine in list(self.engines.values()):
-            measure = getattr(engine, "cache_bytes", None)
-            for _ in range(5):
-                try:
-                    total += measure() if measure else 0
-                    break
-                except RuntimeError:
-                    continue
-        return total
+        """Bytes held by every running request's KV cache, over the engines (each sums a snapshot of its caches)."""
+        return sum(e.cache_bytes() for e in list(self.engines.values()))
 
     def weights_bytes(self) -> int:
         """Bytes held by the loaded weights."""

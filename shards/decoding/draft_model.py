@@ -118,13 +118,11 @@ class DraftModelProposer:
             self._release(request_id)
 
     def close(self) -> None:
-        """Release every request and free the engine (ggml's memory at once; others when collected)."""
+        """Release every request and free the engine's caches (ggml's memory too) at once."""
         with self._lock:
             for rid in list(self._seen):
                 self._release(rid)
-            close = getattr(self.engine, "close", None)
-            if close is not None:
-                close()
+            self.engine.close()
 
     def __len__(self) -> int:
         """How many requests hold a draft cache."""

@@ -1,12 +1,14 @@
-"""The interface every inference engine (numpy, tinygrad, mlx, ggml) implements, and the one way they run a step.
+"""The one interface every inference engine (numpy, tinygrad, mlx, ggml) implements, and the one way they run a step.
 
 Batch-first: one `forward` call advances many requests at once. Each request is a prefill (many positions) or a
 decode step (one position); their rows are packed together so the weight matmuls run once for the whole batch,
 while attention runs per request against that request's own KV cache.
 
-Every engine is a `BlockEngine`: `forward` validates and packs the step, and `run` hands it to the engine's runner
-(shards/engines/runner.py: eager, a TinyJit capture, a ggml graph) with each request's cache, then commits the
-positions to the caches. Engines differ in their backend and runner, never in how a step is carried out.
+Every engine is an `Engine` built the same way (`Engine.__init__`: config, backend, weights, runner, through
+hooks an engine overrides) and run the same way: `forward` validates and packs the step, and `run` hands it to the
+engine's runner (shards/engines/runner.py: eager, a TinyJit capture, a ggml graph) with each request's cache, then
+commits the positions to the caches. Engines differ in their backend, weights and runner, never in how a step is
+carried out, nor in what they declare: KV caches, retained caches, their size, options; callers never probe.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from itertools import accumulate
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +26,8 @@ from shards.engines.retained import RetainedCaches
 from shards.engines.runner import EagerRunner, Runner
 from shards.engines.step import Packing, StepInput
 from shards.formats.config import ModelConfig
-from shards.formats.loader import load_shard_weights
+from shards.formats.loader import load_config, load_shard_weights
+from shards.formats.weights import ShardWeights
 from shards.model.shard import Shard
 from shards.model.transformer import ShardModel
 
@@ -33,55 +37,130 @@ class EngineInputError(ValueError):
 
 
 class Engine(ABC):
-    """Runs one shard's layers. Outputs are numpy float32 whatever the engine computes in."""
+    """Runs one shard's layers: a backend's array operations, the shared model (shards/model/transformer.py) and a
+    runner that carries out each step (shards/engines/runner.py). Outputs are numpy float32 whatever the engine
+    computes in. A subclass supplies `make_backend`, and `load_weights` / `make_runner` where its own differ; the
+    initialiser is the same for all, so every engine holds the same attributes in the same order of making."""
 
     name: str
-    config: ModelConfig
-    shard: Shard
-    caches: dict  # request id -> that request's KV cache, in the engine's own representation
+    options: tuple[str, ...] = ()  # keyword options its constructor takes beyond the model (node flags --threads, ...)
+    # Length buckets the engine pads prompt chunks to (few distinct shapes: compiled kernels, reusable graphs), or
+    # None when any length runs as fast. The node's scheduler cuts and charges chunks accordingly.
+    prefill_buckets: tuple[int, ...] | None = None
+    # Bytes of one cached key or value element: what the node's KV cache budget charges per position.
+    kv_value_bytes: int = 4
+    # Whether `sample` takes a stacked batch. An engine without a batched sampler sets this False and the
+    # last node's sampling batcher falls back to `sample_one` per request for its rows.
+    batched_sampling: bool = True
+
+    def __init__(self, model_dir: str | Path, shard: Shard, config: ModelConfig | None = None):
+        self.config = config or load_config(model_dir)
+        self.shard = shard
+        self.ops = self.make_backend(Path(model_dir))
+        self.model = ShardModel(self.ops, self.config, self.load_weights(Path(model_dir)))
+        self.caches: dict[str, RequestCache] = {}  # request id -> its KV cache, in the runner's storage
+        self.retained = RetainedCaches()  # finished requests' caches kept for reuse; nothing until given a limit
+        self.runner = self.make_runner()
 
     @abstractmethod
+    def make_backend(self, model_dir: Path) -> Backend:
+        """The array operations the shared model runs on (made first: the weights are loaded into them)."""
+
+    def load_weights(self, model_dir: Path) -> ShardWeights:
+        """The shard's weights, float32 in Hugging Face layout, whatever the model's format."""
+        return load_shard_weights(model_dir, self.config, self.shard)
+
+    def make_runner(self) -> Runner:
+        """What carries out each step (made last: it reads the model)."""
+        return EagerRunner(self)
+
+    @staticmethod
+    def check_options(model_dir: str | Path, **options: Any) -> None:
+        """Refuse bad `options` against the model at start-up rather than when a shard first loads (an engine
+        with options overrides this; one without has none to check)."""
+
     def forward(self, batch: list[StepInput], all_logits: bool = False) -> list[np.ndarray]:
         """Advance every request in `batch` (distinct request ids) by its positions.
 
         Returns per request, in order: hidden states [T, hidden] on a non-last shard; on the last shard logits
         [1, vocab] for the last position, or [T, vocab] for every position when `all_logits`.
         """
+        return self.run(batch, self.pack(batch), all_logits) if batch else []
+
+    def run(self, batch: list[StepInput], p: Packing, all_logits: bool) -> list[np.ndarray]:
+        """The forward pass of a validated, packed batch, the same for every engine: the runner computes it, then
+        each request's cache takes the step's positions (only now: a step that raised has committed nothing)."""
+        caches = [self.request_cache(item, start + n) for item, start, n in zip(batch, p.starts, p.lengths)]
+        x = self.tokens(batch) if self.shard.is_first else self.hidden(batch)
+        out = self.runner.run(x, p, caches, all_logits)
+        for cache, n in zip(caches, p.lengths):
+            cache.commit(n)
+        return p.split(out, self.shard.is_last and not all_logits)
+
+    def request_cache(self, item: StepInput, end: int) -> RequestCache:
+        """The request's cache, made or grown by the runner (which knows its storage) to hold `end` positions."""
+        cache = self.caches[item.request_id] = self.runner.cache(self.caches.get(item.request_id), item, end)
+        return cache
 
     def release(self, request_id: str) -> None:
         """Free the request's KV cache. Unknown ids are ignored (release is idempotent)."""
-        self.caches.pop(request_id, None)
+        cache = self.caches.pop(request_id, None)
+        if cache is not None:
+            self.runner.drop(request_id)
+            cache.free()
 
-    @abstractmethod
     def cache_length(self, request_id: str) -> int:
         """Positions already cached for the request (0 if unknown)."""
+        cache = self.caches.get(request_id)
+        return cache.length if cache else 0
 
     def rollback(self, request_id: str, start: int) -> None:
         """Keep only the request's first `start` cached positions: the next step writes from `start` on (rejected
-        speculative proposals are dropped this way). Never forward and never below 0: EngineInputError otherwise.
-        An engine whose caches can't be cut only takes a `start` at the cache's end."""
-        _check_rollback(self.cache_length(request_id), request_id, start)
-        if start != self.cache_length(request_id):
-            raise EngineInputError(f"engine {self.name} cannot roll a cache back")
+        speculative proposals are dropped this way). Never forward and never below 0: EngineInputError otherwise."""
+        cache = self.caches.get(request_id)
+        _check_rollback(cache.length if cache else 0, request_id, start)
+        if cache is not None and start < cache.length:
+            cache.truncate(int(start))  # the cells past `start` are rewritten before they are read
+
+    def retain(self, request_id: str) -> list[str]:
+        """End a request but keep its cache, under its id, for a later request with the same first tokens. Returns
+        the ids whose caches were freed to stay within the retained limit (maybe this one)."""
+        cache = self.caches.pop(request_id, None)
+        if cache is None:
+            return []
+        self.runner.drop(request_id)  # graphs name the request: a later one builds its own
+        return self.retained.keep(request_id, cache)
+
+    def resume(self, request_id: str, entry_id: str, positions: int) -> bool:
+        """Start `request_id` from the first `positions` positions of the cache retained as `entry_id` (its next step
+        starts at position `positions`). False when that cache is gone: the request computes every position."""
+        if request_id in self.caches:
+            raise EngineInputError(f"request {request_id!r} already has a cache")
+        cache = self.retained.take(entry_id, positions)
+        if cache is None:
+            return False
+        self.caches[request_id] = cache
+        return True
 
     @property
     def active_requests(self) -> int:
         """How many requests hold a KV cache."""
         return len(self.caches)
 
-    @abstractmethod
     def nbytes(self) -> int:
         """Bytes of weights this engine keeps for its shard."""
+        return sum(self.ops.nbytes(a) for a in self.model.parameters())
 
-    # Length buckets the engine pads prompt chunks to (few distinct shapes: compiled kernels, reusable graphs), or
-    # None when any length runs as fast. The node's scheduler cuts and charges chunks accordingly.
-    prefill_buckets: tuple[int, ...] | None = None
-    # Bytes of one cached key or value element: what the node's KV cache budget charges per position.
-    kv_value_bytes: int = 4
+    def cache_bytes(self) -> int:
+        """Memory held by every running request's KV cache. Read from other threads while the engine thread adds
+        and drops caches: the sum runs over a snapshot of the dict (one C call under the GIL), never the live one."""
+        return sum(c.nbytes for c in list(self.caches.values()))
 
-    # Whether `sample` takes a stacked batch. An engine without a batched sampler sets this False and the
-    # last node's sampling batcher falls back to `sample_one` per request for its rows.
-    batched_sampling: bool = True
+    def close(self) -> None:
+        """Free every cache, running and retained, at once rather than when the engine is collected."""
+        for request_id in list(self.caches):
+            self.release(request_id)
+        self.retained.clear()
 
     def sample(
         self, logits: np.ndarray, params: list[SamplingParams], states: list[SamplerState]
@@ -157,91 +236,3 @@ def check_input(cfg: ModelConfig, first: bool, data: np.ndarray | None, who: str
         or data.shape[1] != cfg.hidden_size
     ):
         raise EngineInputError(f"{who}: expected float32 hidden states [T>0, {cfg.hidden_size}]")
-
-
-class BlockEngine(Engine):
-    """An engine made of a backend's array operations, the shared model (shards/model/transformer.py) and a runner that
-    carries out each step (shards/engines/runner.py). Subclasses supply `make_backend` and `make_runner`; one whose
-    weights load differently (ggml) sets the same attributes in its own __init__."""
-
-    def __init__(self, model_dir: str | Path, shard: Shard, config: ModelConfig | None = None):
-        self.config = cfg = config or ModelConfig.from_dir(model_dir)
-        self.shard = shard
-        self.ops = self.make_backend()
-        self.model = ShardModel(self.ops, cfg, load_shard_weights(model_dir, cfg, shard))
-        self.caches: dict[str, RequestCache] = {}
-        self.runner = self.make_runner()
-
-    @abstractmethod
-    def make_backend(self) -> Backend: ...
-
-    def make_runner(self) -> Runner:
-        return EagerRunner(self)
-
-    def forward(self, batch: list[StepInput], all_logits: bool = False) -> list[np.ndarray]:
-        return self.run(batch, self.pack(batch), all_logits) if batch else []
-
-    def run(self, batch: list[StepInput], p: Packing, all_logits: bool) -> list[np.ndarray]:
-        """The forward pass of a validated, packed batch, the same for every engine: the runner computes it, then
-        each request's cache takes the step's positions (only now: a step that raised has committed nothing)."""
-        caches = [self.request_cache(item, start + n) for item, start, n in zip(batch, p.starts, p.lengths)]
-        x = self.tokens(batch) if self.shard.is_first else self.hidden(batch)
-        out = self.runner.run(x, p, caches, all_logits)
-        for cache, n in zip(caches, p.lengths):
-            cache.commit(n)
-        return p.split(out, self.shard.is_last and not all_logits)
-
-    def request_cache(self, item: StepInput, end: int) -> RequestCache:
-        """The request's cache, made or grown by the runner (which knows its storage) to hold `end` positions."""
-        cache = self.caches[item.request_id] = self.runner.cache(self.caches.get(item.request_id), item, end)
-        return cache
-
-    def release(self, request_id: str) -> None:
-        cache = self.caches.pop(request_id, None)
-        if cache is not None:
-            self.runner.drop(request_id)
-            cache.free()
-
-    def cache_length(self, request_id: str) -> int:
-        cache = self.caches.get(request_id)
-        return cache.length if cache else 0
-
-    def rollback(self, request_id: str, start: int) -> None:
-        cache = self.caches.get(request_id)
-        _check_rollback(cache.length if cache else 0, request_id, start)
-        if cache is not None and start < cache.length:
-            cache.truncate(int(start))  # the cells past `start` are rewritten before they are read
-
-    @property
-    def retained(self) -> RetainedCaches:
-        """Finished requests' caches kept for reuse (shards/engines/retained.py); keeps nothing until given a limit."""
-        if (store := self.__dict__.get("_retained")) is None:
-            store = self.__dict__["_retained"] = RetainedCaches()
-        return store
-
-    def retain(self, request_id: str) -> list[str]:
-        """End a request but keep its cache, under its id, for a later request with the same first tokens. Returns
-        the ids whose caches were freed to stay within the retained limit (maybe this one)."""
-        cache = self.caches.pop(request_id, None)
-        if cache is None:
-            return []
-        self.runner.drop(request_id)  # graphs name the request: a later one builds its own
-        return self.retained.keep(request_id, cache)
-
-    def resume(self, request_id: str, entry_id: str, positions: int) -> bool:
-        """Start `request_id` from the first `positions` positions of the cache retained as `entry_id` (its next step
-        starts at position `positions`). False when that cache is gone: the request computes every position."""
-        if request_id in self.caches:
-            raise EngineInputError(f"request {request_id!r} already has a cache")
-        cache = self.retained.take(entry_id, positions)
-        if cache is None:
-            return False
-        self.caches[request_id] = cache
-        return True
-
-    def nbytes(self) -> int:
-        return sum(self.ops.nbytes(a) for a in self.model.parameters())
-
-    def cache_bytes(self) -> int:
-        """Memory held by every request's KV cache (read from other threads: a snapshot of the dict)."""
-        return sum(c.nbytes for c in list(self.caches.values()))

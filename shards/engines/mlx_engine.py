@@ -6,6 +6,8 @@ next layer is built, so the graph never grows beyond one layer.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 try:
@@ -14,7 +16,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
     raise ImportError("the mlx engine needs MLX: pip install 'exo-node[mlx]'") from e
 
 from shards.engines.backend import EagerBackend, KVCache, SlabCache
-from shards.engines.base import BlockEngine
+from shards.engines.base import Engine
 from shards.engines.moe_backend import EagerMoE
 
 
@@ -74,10 +76,10 @@ class MlxBackend(EagerBackend, EagerMoE):
         return x
 
 
-class MlxEngine(BlockEngine):
+class MlxEngine(Engine):
     name = "mlx"
 
-    def make_backend(self) -> MlxBackend:
+    def make_backend(self, model_dir: Path) -> MlxBackend:
         return MlxBackend()
 
     def __init__(self, *args, **kwargs):

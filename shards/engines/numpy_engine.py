@@ -6,10 +6,12 @@ is one BLAS call per projection: that is what makes batched decode pay.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from shards.engines.backend import EagerBackend, SlabCache
-from shards.engines.base import BlockEngine
+from shards.engines.base import Engine
 from shards.engines.moe_backend import NumpyMoE
 
 
@@ -68,8 +70,8 @@ class NumpyBackend(EagerBackend, NumpyMoE):
         return np.tanh(x)
 
 
-class NumpyEngine(BlockEngine):
+class NumpyEngine(Engine):
     name = "numpy"
 
-    def make_backend(self) -> NumpyBackend:
+    def make_backend(self, model_dir: Path) -> NumpyBackend:
         return NumpyBackend()

@@ -66,14 +66,13 @@ def engine_factory(
     With `model_dir`, an engine's `check_options` vets them against the model now, before any shard loads."""
     cls = engine_class(name)  # fail at start-up, not at the first request
     given = {k: v for k, v in options.items() if v is not None}
-    refused = sorted(set(given) - set(getattr(cls, "options", ())))
+    refused = sorted(set(given) - set(cls.options))
     if refused:
         raise ValueError(
             f"--{refused[0].replace('_', '-')} is an option of the ggml engine; this node's engine is {resolve(name)}"
         )
-    if model_dir is not None and hasattr(cls, "check_options"):
-        cls.check_options(model_dir, **given)
     if model_dir is not None:
+        cls.check_options(model_dir, **given)
         check_engine(resolve(name), load_config(model_dir))
 
     def make(model_dir: Path, shard: Shard, config: ModelConfig) -> Engine:

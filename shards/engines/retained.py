@@ -100,7 +100,7 @@ class RetainedCaches:
 
 
 def resume_all(engines, request_id: str, entry_id: str, positions: int) -> bool:
-    """Start `request_id` on every engine of a chain (`BlockEngine`s, one per shard, in order) from the first
+    """Start `request_id` on every engine of a chain (`Engine`s, one per shard, in order) from the first
     `positions` positions retained as `entry_id`, or on none: if one engine no longer holds that cache, the others
     release what they took and the request computes every position (a prefix missing from one shard can't be
     used by any: each shard's input is the previous one's output)."""

@@ -1,9 +1,9 @@
-"""How a step is carried out once `BlockEngine.run` has validated and packed it: the pluggable part of an engine.
+"""How a step is carried out once `Engine.run` has validated and packed it: the pluggable part of an engine.
 
 A `Runner` makes and grows each request's cache (it knows the storage) and computes a packed step over the shared
 model: `EagerRunner` op by op (numpy, MLX, and tinygrad's shapes it has not captured), tinygrad's `TinyJitRunner`
 by replaying captured kernels, ggml's `GraphRunner` by re-running a graph built once per batch layout. A runner
-writes keys and values but never advances a cache's length: `BlockEngine.run` commits the step once it returns.
+writes keys and values but never advances a cache's length: `Engine.run` commits the step once it returns.
 Masks come from shards/engines/masks.py in every runner, in its backend's form.
 """
 
@@ -23,7 +23,7 @@ from shards.model.transformer import ShardModel, Sliding, Step
 
 
 class EngineParts(Protocol):
-    """What a runner reads of its engine (a `BlockEngine`), named here so that runners never import the engine
+    """What a runner reads of its engine (an `Engine`), named here so that runners never import the engine
     module that imports them."""
 
     ops: EagerBackend

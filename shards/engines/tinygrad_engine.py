@@ -7,11 +7,13 @@ position, so decode steps are captured once per (batch size, capacities) with Ti
 being compiled for every step. Prompt chunks are padded to length buckets (16/64/256) and attend over the cache's
 whole capacity with a mask from the true lengths, so a prefill is captured once per (requests, bucket,
 capacities): a new prompt length no longer compiles new kernels. Both are `TinyJitRunner`, the engine's runner for
-`BlockEngine.run`; other shapes (every row's logits, chunks of several buckets) and models with sliding-window
+`Engine.run`; other shapes (every row's logits, chunks of several buckets) and models with sliding-window
 layers run eagerly. Activations leave as numpy float32.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
@@ -21,7 +23,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
     raise ImportError("the tinygrad engine needs tinygrad: pip install 'exo-node[tinygrad]'") from e
 
 from shards.engines.backend import EagerBackend, KVCache, RequestCache, rotary_tables
-from shards.engines.base import BlockEngine, Packing, StepInput
+from shards.engines.base import Engine, Packing, StepInput
 from shards.engines.runner import EagerRunner
 from shards.model.transformer import Step
 
@@ -217,13 +219,13 @@ class TinyJitRunner(EagerRunner):
         return self.model(x, step, caches, None).realize()
 
 
-class TinygradEngine(BlockEngine):
+class TinygradEngine(Engine):
     name = "tinygrad"
     # No batched sampler yet: the last node's sampling batcher samples tinygrad rows one request at a time.
     batched_sampling = False
     prefill_buckets = (16, 64, 256)
 
-    def make_backend(self) -> TinygradBackend:
+    def make_backend(self, model_dir: Path) -> TinygradBackend:
         return TinygradBackend()
 
     def make_runner(self) -> TinyJitRunner:

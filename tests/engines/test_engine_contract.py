@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from shards.engines.backend import Backend, EagerBackend, RequestCache
-from shards.engines.base import BlockEngine, StepInput
+from shards.engines.base import Engine, StepInput
 from shards.engines.registry import engine_class, installed
 from shards.engines.runner import Runner
 from shards.formats.config import ModelConfig
@@ -28,11 +28,11 @@ def engine(request):
 
 
 def test_every_engine_runs_its_steps_through_the_one_run_with_its_own_runner(engine):
-    assert isinstance(engine, BlockEngine) and isinstance(engine.runner, Runner)
+    assert isinstance(engine, Engine) and isinstance(engine.runner, Runner)
     for cls in type(engine).__mro__:
-        if cls is BlockEngine:
+        if cls is Engine:
             break
-        assert "run" not in vars(cls) and "forward" not in vars(cls), f"{cls.__name__} bypasses BlockEngine.run"
+        assert "run" not in vars(cls) and "forward" not in vars(cls), f"{cls.__name__} bypasses Engine.run"
 
 
 def test_a_runner_writes_a_step_but_only_the_engine_commits_it_to_the_cache(engine):

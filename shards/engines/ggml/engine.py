@@ -8,7 +8,7 @@ quantized CPU kernels on up to `threads` threads: fewer while other processes ke
 Matmul weights of the types ggml's CPU_REPACK buffer has kernels for on this CPU (per llama.cpp's own probe: Q4_0,
 Q4_K here) are placed there; everything else, and always the embedding table, in plain CPU memory.
 
-A step runs as every engine's does (`BlockEngine.run`); this engine's runner, `GraphRunner`, gives each step shape
+A step runs as every engine's does (`Engine.run`); this engine's runner, `GraphRunner`, gives each step shape
 (rows, the spans of KV cells its groups of rows attend, output: shards/engines/ggml/graph.py) one compute graph, built
 by running the shared model on the ggml backend the first time the shape is seen and re-run afterwards, whichever
 requests the step carries. KV caches are F16 cells of one pool shared by every request, each owning a contiguous
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.engines.base import BlockEngine, EngineInputError, Packing, StepInput
+from shards.engines.base import Engine, EngineInputError, Packing, StepInput
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CELL_ALIGN, SCRATCH_CELL, CellPool, CellRange
 from shards.engines.ggml.gemm_rows import DEFAULT as FLOAT_MATMUL
@@ -38,8 +38,8 @@ from shards.engines.runner import Runner
 from shards.formats.config import ModelConfig
 from shards.formats.gguf_model import rope_pairs_interleaved
 from shards.formats.loader import open_model
+from shards.formats.weights import ShardWeights
 from shards.model.shard import Shard
-from shards.model.transformer import ShardModel
 
 log = logging.getLogger(__name__)
 MIN_CAPACITY = 256  # a request without a reservation starts with this many positions and doubles
@@ -48,7 +48,7 @@ OWN_GROUP_ROWS = 64  # a prompt chunk of this many rows attends its own cells (G
 SPAN_CELLS = 1024  # shorter rows attend in groups of neighbouring requests whose ranges span at most this (layout)
 
 
-class GgmlEngine(BlockEngine):
+class GgmlEngine(Engine):
     name = "ggml"
     options = ("threads", "quantize", "float_matmul")  # engine options it takes (node flags --threads, ...)
     kv_value_bytes = 2  # F16 cache
@@ -65,17 +65,31 @@ class GgmlEngine(BlockEngine):
         float_matmul: str | None = None,
     ):
         self.check_options(model_dir, threads, quantize, float_matmul)
-        self.config = cfg = config or open_model(model_dir).config
-        self.shard = shard
-        self.threads = threads = default_threads() if threads is None else threads
-        # a llama GGUF's Q/K rows stay in llama.cpp's order, rotated as llama.cpp rotates them (ggml_weights.py)
-        interleaved = open_model(model_dir).format == "gguf" and rope_pairs_interleaved(cfg)
-        self.ops = GgmlBackend(cfg, shard.layer_count, repack, interleaved, float_matmul=float_matmul or FLOAT_MATMUL)
+        self.threads = default_threads() if threads is None else threads
+        self.quantize, self.repack, self.adapt_threads = quantize, repack, adapt_threads
+        self.float_matmul = float_matmul or FLOAT_MATMUL
+        self.ops: GgmlBackend | None = None
         try:
-            self.model = ShardModel(self.ops, cfg, load_ggml_shard_weights(model_dir, cfg, shard, quantize, threads))
+            super().__init__(model_dir, shard, config)
         except BaseException:
-            self.ops.free()
+            if self.ops is not None:
+                self.ops.free()  # what the weights took, now rather than when collected
             raise
+
+    def make_backend(self, model_dir: Path) -> GgmlBackend:
+        # a llama GGUF's Q/K rows stay in llama.cpp's order, rotated as llama.cpp rotates them (ggml_weights.py)
+        interleaved = open_model(model_dir).format == "gguf" and rope_pairs_interleaved(self.config)
+        return GgmlBackend(
+            self.config, self.shard.layer_count, self.repack, interleaved, float_matmul=self.float_matmul
+        )
+
+    def load_weights(self, model_dir: Path) -> ShardWeights:
+        """The shard's weights in their file's block types (or `quantize`'s), for ggml's kernels."""
+        return load_ggml_shard_weights(model_dir, self.config, self.shard, self.quantize, self.threads)
+
+    def make_runner(self) -> GraphRunner:
+        """The CPU backend and the KV cell pool the step graphs run on, then the runner that builds them."""
+        cfg, threads = self.config, self.threads
         self.ops.loaded()
         if self.ops.repacked:
             log.info(
@@ -85,22 +99,17 @@ class GgmlEngine(BlockEngine):
         self._weights = {id(w): w for w in self.model.parameters()}  # tied embedding and head counted once
         self.backend = g.ggml_backend_cpu_init()
         if not self.backend:
-            self.ops.free()
             raise MemoryError("ggml could not start its CPU backend")
         g.ggml_backend_cpu_set_n_threads(self.backend, threads)
         self.step_threads = threads  # what the backend is set to; the governor lowers it while others load the CPUs
-        self.governor = ThreadGovernor(threads, adapt=adapt_threads)
+        self.governor = ThreadGovernor(threads, adapt=self.adapt_threads)
         try:
             self.pool = CellPool(len(self.model.layers), cfg.n_kv_heads, cfg.head_dim, INITIAL_CELLS, CELL_ALIGN)
         except BaseException:
             g.ggml_backend_free(self.backend)
-            self.ops.free()
+            self.backend = None
             raise
-        self.caches: dict[str, CellRange] = {}
-        self.runner = GraphRunner(self)
-
-    def make_backend(self) -> GgmlBackend:
-        return self.ops  # made in __init__, which needs the model's files to choose its rope mode
+        return GraphRunner(self)
 
     @property
     def graphs(self) -> GraphCache:
