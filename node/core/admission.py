@@ -2,8 +2,8 @@
 
 A request is admitted once, at its first message to this node, and holds its reservation until it ends: a node
 never starts what it may not have the memory to finish. Refusals say why: a busy `Failed` (node/core/failures.py)
-for a lack of room now (the entry may try again later), `PlanError` for a request this node will never take as
-asked.
+for a lack of room now (the entry may try again later), a refused one for what this node will never take as asked
+(both name the node: the failure carries it), `PlanError` for a request that is not valid anywhere.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from node.core.authz import check_plan_members
-from node.core.failures import busy
+from node.core.failures import busy, refused
 from node.core.plan import PlanError, RequestSpec
 from node.core.requests import RequestState
 from shards.decoding.sampling import SamplerState
@@ -76,17 +76,18 @@ class Admission:
 
     def admit(self, spec: RequestSpec, held: Mapping[str, RequestState], now: float) -> RequestState:
         """The state of a request this node takes part in from now on, its KV cache reserved; `held`: the requests
-        held already. Raises a busy Failed or PlanError, reserving nothing, when it can't be taken."""
+        held already. Raises a busy or refused Failed (naming this node) or PlanError, reserving nothing, when it can't
+        be taken."""
         index = spec.step_of(self.id)
         shard = spec.plan[index].shard
         if (shard.model_id, shard.n_layers) != (self.model_id, self.config.n_layers):
-            raise PlanError(
-                f"plan asks for {shard}, this node serves {self.model_id} with {self.config.n_layers} layers"
+            raise refused(
+                f"plan asks for {shard}, this node serves {self.model_id} with {self.config.n_layers} layers", self.id
             )
         if self.draining:
-            raise PlanError(f"node {self.id} is shutting down")
+            raise refused("shutting down", self.id)
         if not self.serves(shard):  # a plan made from a stale view of this node's fetching: refuse, never guess
-            raise PlanError(f"node {self.id} does not hold the weights of {shard} yet")
+            raise refused(f"does not hold the weights of {shard} yet", self.id)
         if self.members is not None:
             check_plan_members(spec, self.members())
         if len(held) >= self.limits.max_requests:
@@ -105,9 +106,10 @@ class Admission:
         kv_bytes = self.kv_bytes(shard, spec.positions)
         budget = self.limits.kv_budget
         if budget is not None and kv_bytes > budget:
-            raise PlanError(
-                f"{spec.positions} positions need {kv_bytes / 2**20:.1f} MiB of KV cache on node {self.id}, "
-                f"more than its budget of {budget / 2**20:.1f} MiB"
+            raise refused(
+                f"{spec.positions} positions need {kv_bytes / 2**20:.1f} MiB of KV cache, more than its budget of "
+                f"{budget / 2**20:.1f} MiB",
+                self.id,
             )
         if budget is not None and self.kv_reserved + kv_bytes > budget:
             raise busy(

@@ -72,3 +72,7 @@ def busy(detail: str, node: str = "") -> Failed:
 
 def lost(detail: str, node: str = "") -> Failed:
     return Failed(Failure(FailureKind.LOST, detail, node))
+
+
+def refused(detail: str, node: str = "") -> Failed:
+    return Failed(Failure(FailureKind.REFUSED, detail, node))

@@ -70,14 +70,14 @@ class NodeCore(RequestBook):
                 self.counters["prefix_gone"] += 1
                 actions += self.failed(rid, Failure(FailureKind.PREFIX_GONE, why, self.id))
             else:
-                actions += self.fail(rid, f"node {self.id}: {why}")
+                actions += self.fail(rid, why)
         outputs = done.outputs
         if (problem := malformed_outputs(self.config, plan, outputs)) is not None:
             # Validated as a whole before any row is routed: an engine that got one row wrong can't be trusted
             # with the others of the same call.
             self.counters["malformed_steps"] += 1
             for rid in outputs:
-                actions += self.fail(rid, f"node {self.id}: the engine returned {problem}")
+                actions += self.fail(rid, f"the engine returned {problem}")
             return actions
         self.counters["steps"] += 1
         self.counters["step_rows"] += len(outputs)
@@ -135,7 +135,7 @@ class NodeCore(RequestBook):
                 ):
                     result = ValueError(f"{len(result)} results do not verify the {len(drafts)} proposals")
             if isinstance(result, BaseException):
-                actions += self.fail(rid, f"node {self.id}: sampling failed: {type(result).__name__}: {result}")
+                actions += self.fail(rid, f"sampling failed: {type(result).__name__}: {result}")
                 continue
             spec, reason, emitted = req.spec, None, []
             for r in result:
@@ -193,9 +193,10 @@ class NodeCore(RequestBook):
     def fail(
         self, request_id: str, message: str, retryable: bool = False, ended_as: str = "failed", busy: bool = False
     ) -> list[Action]:
-        """`failed` with a node or link failure (`retryable`: lost), a lack of room (`busy`) or else an error."""
+        """`failed` with a node or link failure (`retryable`: lost), a lack of room (`busy`) or else an error, seen
+        here: the failure names this node, so `message` says only what went wrong."""
         kind = FailureKind.BUSY if busy else FailureKind.LOST if retryable else FailureKind.ERROR
-        return self.failed(request_id, Failure(kind, message), ended_as)
+        return self.failed(request_id, Failure(kind, message, self.id), ended_as)
 
     def failed(self, request_id: str, failure: Failure, ended_as: str = "failed") -> list[Action]:
         """Drop our state for a failed request and tell its entry node why; the failure's kind tells the entry
@@ -216,7 +217,7 @@ class NodeCore(RequestBook):
         """The next node could not be reached (`retryable`), or the call failed otherwise."""
         actions: list[Action] = []
         for a in activations:
-            actions += self.fail(a.request_id, f"node {self.id}: sending to {address} failed: {why}", retryable)
+            actions += self.fail(a.request_id, f"sending to {address} failed: {why}", retryable)
         return actions
 
     def refused(self, address: str, refusals: list[Refusal]) -> list[Action]:
@@ -260,7 +261,7 @@ class NodeCore(RequestBook):
             if rid not in queued and now - req.last_active > self.limits.idle_timeout:
                 actions += self.fail(
                     rid,
-                    f"node {self.id}: no input for {self.limits.idle_timeout:g}s",
+                    f"no input for {self.limits.idle_timeout:g}s",
                     retryable=True,
                     ended_as="expired",
                 )

@@ -110,7 +110,7 @@ class Pipeline:
                 except Exception as e:  # a bug: fail this batch's requests, keep serving the others
                     log.exception("pipeline step failed")
                     for row in plan.rows:
-                        self.do(core.fail(row.request_id, f"node {core.id}: internal error: {e}"))
+                        self.do(core.fail(row.request_id, f"internal error: {e}"))
             # rows the engine thread could not sample wait in the sampling batch: sample them now, not after the
             # window (the next pass, a micro-batch or a prompt chunk, takes longer than the window anyway)
             self.batcher.flush()
@@ -123,7 +123,7 @@ class Pipeline:
             engine = await self.shards.get(plan.shard)
         except Exception as e:
             for row in plan.rows:
-                self.do(core.fail(row.request_id, f"node {core.id} cannot load {plan.shard}: {e}"))
+                self.do(core.fail(row.request_id, f"cannot load {plan.shard}: {e}"))
             return
         if asks := core.proposal_asks(plan):  # a draft model's proposals, computed on the engine thread
             drafts = await self.shards.run(core.speculation.draft, asks)
@@ -137,7 +137,7 @@ class Pipeline:
         except Exception as e:
             log.exception("forward failed")
             for row in plan.rows:
-                self.do(core.fail(row.request_id, f"node {core.id}: forward failed: {e}"))
+                self.do(core.fail(row.request_id, f"forward failed: {e}"))
             return
         if done is not None:  # else `following` handed it to _on_pass, with its followers
             self._applied(done, engine, time.perf_counter() - started)
@@ -149,7 +149,7 @@ class Pipeline:
         except Exception as e:  # a bug: fail the pass's requests, keep serving the others
             log.exception("applying a followed pass failed")
             for row in done.plan.rows:
-                self.do(self.core.fail(row.request_id, f"node {self.core.id}: internal error: {e}"))
+                self.do(self.core.fail(row.request_id, f"internal error: {e}"))
 
     def _applied(self, done: Executed, engine: Engine | None, seconds: float) -> None:
         """Count a pass and give what it made to the core. forward_us: the engine computing; step_us: the pass as
@@ -192,7 +192,7 @@ class Pipeline:
                 try:
                     samples[action.request_id] = self.batcher.submit(item)
                 except (ValueError, BatcherClosed) as e:
-                    self.do(self.core.fail(action.request_id, f"node {self.core.id}: cannot sample: {e}"))
+                    self.do(self.core.fail(action.request_id, f"cannot sample: {e}"))
         if samples:
             if not self.core.queue:
                 self.batcher.flush()  # no more forward passes queued here: nothing else can join this batch

@@ -6,8 +6,7 @@ import dataclasses
 import pytest
 
 from node.core.admission import Admission, CoreLimits
-from node.core.failures import Failed
-from node.core.plan import PlanError
+from node.core.failures import Failed, Failure, FailureKind
 from shards.model.shard import Shard
 from tests.support.factories import CFG, spec
 
@@ -30,25 +29,33 @@ def test_an_admitted_request_reserves_its_kv_cache_until_released():
 
 
 @pytest.mark.parametrize(
-    "refuse, error",
+    "refuse, kind",
     [
-        (dict(kv_budget=1), PlanError),  # more than the whole budget: never
-        (dict(max_requests=1), Failed),  # one held already: not now
-        (dict(members=lambda: {"b": "h:2"}), Failed),  # the plan names nodes b doesn't know (yet)
-        (dict(serves=lambda shard: False), PlanError),  # b has not fetched these layers
+        (dict(kv_budget=1), FailureKind.REFUSED),  # more than the whole budget: never
+        (dict(max_requests=1), FailureKind.BUSY),  # one held already: not now
+        (dict(members=lambda: {"b": "h:2"}), FailureKind.BUSY),  # the plan names nodes b doesn't know (yet)
+        (dict(serves=lambda shard: False), FailureKind.REFUSED),  # b has not fetched these layers
     ],
 )
-def test_a_refused_request_reserves_nothing(refuse, error):
+def test_a_refused_request_reserves_nothing(refuse, kind):
     a = admission(**refuse)
     held = {"r0": a.admit(spec("r0"), {}, now=0.0)} if "max_requests" in refuse else {}
     before = a.kv_reserved
-    with pytest.raises(error):
+    with pytest.raises(Failed) as refused:
         a.admit(spec("r1"), held, now=0.0)
-    assert a.kv_reserved == before
+    assert refused.value.kind is kind and a.kv_reserved == before
+
+
+def test_a_refusal_names_the_node_once_through_its_failure():
+    with pytest.raises(Failed) as refused:
+        admission(kv_budget=1).admit(spec("r1"), {}, now=0.0)
+    assert refused.value.failure.node == "b" and "node b" not in refused.value.failure.detail
+    assert str(refused.value).startswith("node b: ") and str(refused.value).count("node b") == 1
 
 
 def test_a_draining_node_takes_nothing_new():
     a = admission()
     a.draining = True
-    with pytest.raises(PlanError, match="shutting down"):
+    with pytest.raises(Failed, match="^node b: shutting down$") as refused:
         a.admit(spec("r1"), {}, now=0.0)
+    assert refused.value.failure == Failure(FailureKind.REFUSED, "shutting down", "b")
