@@ -7,20 +7,9 @@ import time
 
 import pytest
 
-from bench.bench_multihost import (
-    EXO_GRPC,
-    RPC_PORT,
-    Figures,
-    Link,
-    netem_commands,
-    outside_ms,
-    per_token,
-    relays,
-    report,
-    table,
-    tx_counters,
-)
 from bench.delay_relay import Delay, serve
+from bench.multihost_lan import EXO_GRPC, RPC_PORT, Link, netem_commands, relays, tx_counters
+from bench.multihost_report import Figures, outside_ms, per_token, report, table
 
 
 def test_a_link_puts_its_delay_on_the_hosts_egress_only_and_its_rate_on_both_directions():
