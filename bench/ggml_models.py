@@ -59,17 +59,9 @@ def gguf_name(hf: str) -> str:
     return f"blk.{i}.{NAMES[rest.rsplit('.', 1)[0]]}.weight"
 
 
-def random_gguf(kind: str, seed: int = 0) -> Path:
-    path = CACHE / f"random357m-{kind}.gguf"
-    if path.exists():
-        return path
-    from shards.engines.ggml.lib import quantize
-
-    qtype, s = TYPES[kind], MID
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
-    w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_name(f"random 357.6M Llama ({kind})")
+def llama_header(w: gguf.GGUFWriter, name: str, s: dict) -> None:
+    """A random Llama's metadata of shape `s` (random_model.py's keys), with the vocabulary described above."""
+    w.add_name(name)
     w.add_block_count(s["num_hidden_layers"])
     w.add_context_length(4096)
     w.add_embedding_length(s["hidden_size"])
@@ -90,6 +82,19 @@ def random_gguf(kind: str, seed: int = 0) -> Path:
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_chat_template("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}")
+
+
+def random_gguf(kind: str, seed: int = 0) -> Path:
+    path = CACHE / f"random357m-{kind}.gguf"
+    if path.exists():
+        return path
+    from shards.engines.ggml.lib import quantize
+
+    qtype, s = TYPES[kind], MID
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    llama_header(w, f"random 357.6M Llama ({kind})", s)
     for name, t in random_llama_tensors(seed, **s).items():
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = s["num_attention_heads"] if "q_proj" in name else s["num_key_value_heads"]
