@@ -21,6 +21,7 @@ from node.core.topology import Availability
 from node.fetch import startup as fetching
 from node.fetch.fetcher import Fetcher
 from node.fetch.follow import Follower
+from node.fetch.seal import ManifestSeal
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, message_bound
 from node.grpc.core_log import CoreLogFilter
 from node.grpc.server import GrpcServer
@@ -117,8 +118,13 @@ async def run(settings: Settings) -> int:
         )
         stack.push_async_callback(membership.stop)
         fetch_counters = fetching.fetch_counters()
+        seal = ManifestSeal(key.manifest_key(), node_id) if key else None  # signed manifests: with a key only
         fetcher = Fetcher(
-            model_id, transport, fetching.sources_from(lambda: board.peers, model_id), counters=fetch_counters
+            model_id,
+            transport,
+            fetching.sources_from(lambda: board.peers, model_id),
+            counters=fetch_counters,
+            seal=seal,
         )
         copy = None
         if model_path is None:  # a model this node doesn't have: find a peer that has it, fetch its metadata first
@@ -131,7 +137,9 @@ async def run(settings: Settings) -> int:
                 f"{model_path}: the config has {model.config.n_layers} layers, the peers' manifest "
                 f"{copy.manifest.n_layers}"
             )
-        source = fetching.weight_source(settings.fetch, model_path, model_id, model.config.n_layers, copy=copy)
+        source = fetching.weight_source(
+            settings.fetch, model_path, model_id, model.config.n_layers, copy=copy, seal=seal
+        )
         stack.callback(source.close)
         follower = Follower(copy, fetcher, fetch_counters) if copy is not None else None
         node = Node(

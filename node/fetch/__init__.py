@@ -4,6 +4,7 @@
   big tensors in blocks), each labelled with the layer (or embedding/norm/head) it belongs to.
 - `layout`: builds a manifest from a model on disk (GGUF file or Hugging Face folder), reading only headers.
 - `hashes`: the serving side's sha256 of each piece, computed on first request and cached on disk.
+- `seal`: with a cluster key, manifests carry every piece's sha256 and are signed (HMAC) under it.
 - `source`: the serving side: which pieces exist, who may have them, how fast and how many at once.
 - `local_copy`: the fetching side's copy, the model's files at full size as sparse files holding only the pieces
   fetched and verified so far, and a record of those pieces that survives restarts.

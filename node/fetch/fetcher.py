@@ -5,6 +5,10 @@ check is counted, logged and fetched again (from the next peer, when there are s
 or refusing is skipped for a moment and the piece is asked of another one, so a fetch goes on from another peer when
 its peer dies; when no peer is left it waits for one. Peers are only used when their manifest is the one the copy
 was started from (the same files, the same pieces), so pieces from different copies never mix.
+
+With a cluster key (`seal`) a peer's manifest is used only when its signature verifies (node/fetch/seal.py); one
+that doesn't is refused with an error naming the peer, which is not asked again for a while, and every piece is
+checked against the signed manifest's digest, whatever its peer states with it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from node.core.failures import FailureKind
 from node.fetch.local_copy import LocalCopy
 from node.fetch.manifest import Manifest
+from node.fetch.seal import ManifestSeal, SignatureError
 from node.runtime.transport import Transport, TransportError
 from shards.formats.progress import Progress
 
@@ -51,9 +56,11 @@ class Fetcher:
         counters: Counter[str] | None = None,
         concurrency: int = 2,
         idle_timeout: float = 30.0,
+        seal: ManifestSeal | None = None,
     ):
-        """`sources`: the peers that have the whole model right now (asked again whenever one is needed)."""
-        self.model_id, self.transport, self.sources = model_id, transport, sources
+        """`sources`: the peers that have the whole model right now (asked again whenever one is needed); `seal`:
+        with a cluster key, what checks (and, serving, signs) manifests."""
+        self.model_id, self.transport, self.sources, self.seal = model_id, transport, sources, seal
         self.counters = Counter() if counters is None else counters
         self.concurrency, self.idle_timeout = concurrency, idle_timeout
         self._fingerprints: dict[str, str] = {}  # source address -> fingerprint of its manifest
@@ -68,18 +75,40 @@ class Fetcher:
         while True:
             for source in self._usable():
                 try:
-                    manifest = await self.transport.manifest(source.address, self.model_id)
+                    manifest = await self._manifest_of(source)
                 except TransportError as e:
                     log.info("peer %s has no manifest of %s for us: %s", source.node_id, self.model_id, e)
                     self._cool(source)
                     continue
-                if manifest.model_id != self.model_id:
+                if manifest is None or manifest.model_id != self.model_id:
                     self._cool(source)
                     continue
                 self._fingerprints[source.address] = manifest.fingerprint
                 return manifest
             waited = self._waiting(waited)
             await asyncio.sleep(0.25)
+
+    async def _manifest_of(self, source: Source) -> Manifest | None:
+        """The peer's manifest; None, and an error naming the peer, when a cluster key is set and it doesn't
+        verify. Raises TransportError."""
+        manifest = await self.transport.manifest(source.address, self.model_id)
+        if self.seal is None:
+            return manifest
+        try:
+            self.seal.verify(manifest)
+        except SignatureError as e:
+            self.counters["fetch_bad_manifests"] += 1
+            first = source.address not in self._mismatch_warned  # said once per peer, not at every retry
+            self._mismatch_warned.add(source.address)
+            (log.error if first else log.debug)(
+                "peer %s (%s) sent a manifest this node refuses: %s. Not fetching from it; check that it holds "
+                "the same cluster key and runs the same exo-node version",
+                source.node_id,
+                source.address,
+                e,
+            )
+            return None
+        return manifest
 
     def _waiting(self, since: float) -> float:
         """Say (now and then) that we are waiting for a peer; returns when it was last said."""
@@ -145,7 +174,8 @@ class Fetcher:
                     )
                     self._cool(source)
                 continue
-            if await asyncio.to_thread(lambda: hashlib.sha256(data).digest()) != stated:
+            want = copy.manifest.sha256[index] if copy.manifest.signed else stated  # signed: the original's
+            if stated != want or await asyncio.to_thread(lambda: hashlib.sha256(data).digest()) != want:
                 corrupt += 1
                 self.counters["fetch_corrupt_pieces"] += 1
                 log.warning(
@@ -158,7 +188,7 @@ class Fetcher:
                 if corrupt >= MAX_CORRUPT:
                     raise FetchError(f"piece {index} of {self.model_id} failed its sha256 check {corrupt} times")
                 continue
-            write = asyncio.ensure_future(asyncio.to_thread(self._store, copy, index, data, stated))
+            write = asyncio.ensure_future(asyncio.to_thread(self._store, copy, index, data, want))
             self._writes.add(write)
             write.add_done_callback(self._writes.discard)
             await asyncio.shield(write)
@@ -180,12 +210,13 @@ class Fetcher:
             source = candidates[(turn + k) % len(candidates)]
             if source.address not in self._fingerprints:
                 try:
-                    self._fingerprints[source.address] = (
-                        await self.transport.manifest(source.address, self.model_id)
-                    ).fingerprint
+                    theirs = await self._manifest_of(source)
                 except TransportError:
+                    theirs = None
+                if theirs is None:
                     self._cool(source)
                     continue
+                self._fingerprints[source.address] = theirs.fingerprint
             if self._fingerprints[source.address] == manifest.fingerprint:
                 return source
             if source.address not in self._mismatch_warned:

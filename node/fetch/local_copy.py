@@ -16,6 +16,11 @@ Weights are checked at rest, not only in transit: a reused copy's pieces are has
 a piece whose bytes no longer match the source's digest (a flipped block on disk, an edit by hand) is dropped and
 fetched again, never loaded or served on. The digests a copy hands to other fetching peers are the recorded ones,
 never recomputed from its own, possibly damaged, bytes (node/fetch/source.py checks them before each upload).
+
+With a cluster key the manifest recorded is the signed one (node/fetch/seal.py), and its digests are the ones
+that count: a reused copy whose manifest does not verify under the key (edited, signed under another key, or
+fetched without one) is not reused but fetched again, and a recorded digest that differs from the signed one
+drops its piece.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 from node.core.topology import Availability
 from node.fetch.hashes import hash_range
 from node.fetch.manifest import METADATA, Manifest, ManifestError
+from node.fetch.seal import ManifestSeal
 
 log = logging.getLogger(__name__)
 STATE, MANIFEST = ".exo-fetch.json", ".exo-fetch-manifest.json"
@@ -73,12 +79,15 @@ class LocalCopy:
 
     # -- opening ----------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, root: Path) -> LocalCopy | None:
+    def load(cls, root: Path, seal: ManifestSeal | None = None) -> LocalCopy | None:
         """The copy in `root` as a previous run left it, its held pieces hashed again (disk work: call it off the
         event loop), or None when there is none (or it is unusable). A piece recorded without the source's digest
-        (a record of an older version) counts as missing: nothing is trusted that can't be checked."""
+        (a record of an older version) counts as missing: nothing is trusted that can't be checked. With `seal`
+        (a cluster key) the recorded manifest must verify, and a piece is kept only with its signed digest."""
         try:
             manifest = Manifest.from_json(json.loads((root / MANIFEST).read_text()))
+            if seal is not None:
+                seal.verify(manifest)
             state = json.loads((root / STATE).read_text())
             verified = bytearray(len(manifest.pieces))
             for start, end in state["verified"]:
@@ -87,7 +96,7 @@ class LocalCopy:
                 raise ValueError("verified pieces beyond the manifest")
             digests = _digests(state.get("sha256", {}), len(manifest.pieces))
             for i in range(len(verified)):
-                if i not in digests:
+                if i not in digests or (manifest.signed and digests[i] != manifest.sha256[i]):
                     verified[i] = 0
         except FileNotFoundError:
             return None
@@ -100,10 +109,10 @@ class LocalCopy:
         return copy
 
     @classmethod
-    def create(cls, root: Path, manifest: Manifest) -> LocalCopy:
-        """The copy of `manifest` in `root`: the one already there when it is of the same model layout, else a
-        fresh one (what was there is removed)."""
-        old = cls.load(root)
+    def create(cls, root: Path, manifest: Manifest, seal: ManifestSeal | None = None) -> LocalCopy:
+        """The copy of `manifest` in `root`: the one already there when it is of the same model layout (and, with
+        `seal`, its manifest verifies), else a fresh one (what was there is removed)."""
+        old = cls.load(root, seal)
         if old is not None and old.manifest.fingerprint == manifest.fingerprint:
             return old
         try:
@@ -245,6 +254,8 @@ class LocalCopy:
         bytes were checked against)."""
         if len(digest) != 32:
             raise ValueError(f"piece {index}: a sha256 digest has 32 bytes, got {len(digest)}")
+        if self.manifest.signed and digest != self.manifest.sha256[index]:
+            raise ValueError(f"piece {index}: the digest differs from the signed manifest's")
         piece = self.manifest.pieces[index]
         f = self.manifest.files[piece.file]
         if len(data) != piece.length:

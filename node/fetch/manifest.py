@@ -9,6 +9,10 @@ shard, and everything else (`file`, `header`, `other`) is metadata every node fe
 A manifest comes from a peer, so it is hostile until checked: `Manifest.__post_init__` validates everything
 (plain file names only, pieces inside their files, in order, without overlap, of bounded size) and raises
 `ManifestError` otherwise. Everything that builds one, from the wire or from disk, goes through it.
+
+With a cluster key a manifest also carries each piece's sha256 (of the original file's bytes), the id of the node
+that stated them and an HMAC over both under the cluster key (node/fetch/seal.py): what a fetched copy checks its
+pieces against, on arrival, at every restart and before it serves one on.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import functools
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shards.model.shard import Shard
@@ -31,6 +36,7 @@ METADATA = ("file", "header", "other")  # parts every node fetches, whatever its
 PARTS = (*METADATA, "layer", "embed", "norm", "head")
 MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # also a folder name in the models dir
 FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")  # no '/', no leading '.': never a path elsewhere
+SIGNER = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")  # a node id (node/security/peer.py's NODE_ID)
 
 
 SLOWEST_LINK = 16_000  # bytes per second a piece's transfer is given time for, on both ends
@@ -72,6 +78,9 @@ class Manifest:
     n_layers: int
     files: tuple[ModelFile, ...]
     pieces: tuple[Piece, ...]  # ordered by (file, offset)
+    sha256: tuple[bytes, ...] = ()  # signed: each piece's sha256, in piece order; unsigned: none
+    signer: str = ""  # signed: the node id that stated the digests
+    signature: bytes = b""  # signed: HMAC-SHA256 of `signed_bytes()` under the cluster key's manifest key
 
     def __post_init__(self) -> None:
         _check(self)
@@ -105,13 +114,23 @@ class Manifest:
         return sum(self.pieces[i].length for i in (range(len(self.pieces)) if indices is None else indices))
 
     # -- identity and storage ---------------------------------------------------------------------------------
+    @property
+    def signed(self) -> bool:
+        return bool(self.signature)
+
     def to_json(self) -> dict:
+        signed = {"signer": self.signer, "signature": self.signature.hex()} if self.signed else {}
+        return {**self._content(), **signed}
+
+    def _content(self) -> dict:
+        """What the manifest says about the model: its layout and, when signed, the pieces' digests."""
         return {
             "model_id": self.model_id,
             "format": self.format,
             "n_layers": self.n_layers,
             "files": [[f.name, f.size] for f in self.files],
             "pieces": [[p.file, p.offset, p.length, p.part, p.layer] for p in self.pieces],
+            **({"sha256": [d.hex() for d in self.sha256]} if self.sha256 else {}),
         }
 
     @classmethod
@@ -122,15 +141,25 @@ class Manifest:
                 raw["format"],
                 raw["n_layers"],  # type: ignore[index]
                 tuple(ModelFile(name, size) for name, size in raw["files"]),  # type: ignore[index]
-                tuple(Piece(*p) for p in raw["pieces"]),
-            )  # type: ignore[index]
-        except (KeyError, TypeError, ValueError) as e:
+                tuple(Piece(*p) for p in raw["pieces"]),  # type: ignore[index]
+                tuple(bytes.fromhex(d) for d in raw.get("sha256", ())),  # type: ignore[union-attr]
+                raw.get("signer", ""),  # type: ignore[union-attr]
+                bytes.fromhex(raw.get("signature", "")),  # type: ignore[union-attr]
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ManifestError(f"not a manifest ({type(e).__name__}: {e})") from None
+
+    def signed_bytes(self) -> bytes:
+        """What a signature covers: the layout, every piece's digest and the signer, under a version label (so a
+        signature made for anything else never verifies as a manifest's)."""
+        body = {**self._content(), "signer": self.signer}
+        return b"exo-node manifest v1\n" + json.dumps(body, separators=(",", ":")).encode()
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """Identifies the layout: a fetching node only mixes pieces from peers whose manifests agree."""
-        return hashlib.sha256(json.dumps(self.to_json(), separators=(",", ":")).encode()).hexdigest()
+        """Identifies the layout and, when signed, the bytes: a fetching node only mixes pieces from peers whose
+        manifests agree. Not the signer's id: copies of one file signed by different nodes agree."""
+        return hashlib.sha256(json.dumps(self._content(), separators=(",", ":")).encode()).hexdigest()
 
 
 def same_layout(a: Manifest, b: Manifest) -> bool:
@@ -213,6 +242,21 @@ def _check(m: Manifest) -> None:
         fail(f"layers {sorted(set(range(m.n_layers)) - layers)[:8]} have no pieces")
     if not any(p.part == "embed" for p in m.pieces) or not any(p.part == "norm" for p in m.pieces):
         fail("no embedding or final norm")
+    _check_signed(m, fail)
+
+
+def _check_signed(m: Manifest, fail: Callable[[str], None]) -> None:
+    """Digests, signer and signature all present, well formed and one digest per piece, or none of them."""
+    if not (m.sha256 or m.signer or m.signature):
+        return
+    if not isinstance(m.sha256, tuple) or len(m.sha256) != len(m.pieces):
+        fail(f"{len(m.sha256) if isinstance(m.sha256, tuple) else '?'} digests for {len(m.pieces)} pieces")
+    if not all(isinstance(d, bytes) and len(d) == 32 for d in m.sha256):
+        fail("a piece's digest is not 32 bytes")
+    if not isinstance(m.signer, str) or not SIGNER.match(m.signer):
+        fail(f"signer {str(m.signer)[:64]!r} is not a node id")
+    if not isinstance(m.signature, bytes) or len(m.signature) != 32:
+        fail("the signature is not 32 bytes (HMAC-SHA256)")
 
 
 _SPLIT_PART = re.compile(r"^(?P<prefix>.+)-00001-of-(?P<count>\d{5})\.gguf$")  # shards.formats.gguf_file.SPLIT_NAME

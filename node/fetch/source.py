@@ -7,6 +7,11 @@ complete the TLS handshake (as for every RPC); without one gRPC listens on loopb
 A node serving weights also serves requests, so uploads are bounded: at most `max_transfers` pieces stream at once
 (further asks are refused as busy and retried by the fetching node, possibly elsewhere), and with `rate` set all
 uploads together stay under that many bytes per second (a token bucket, shared).
+
+With a cluster key (`seal`) the manifest served states every piece's sha256 and is signed (node/fetch/seal.py): the
+first ask hashes the whole model once (in a thread; the digests are cached on disk across restarts), and an ask
+that comes while that runs longer than `SIGN_WAIT_S` is refused with how far it got, so the fetcher asks again.
+A fetched copy serves the signed manifest it received, unchanged.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from node.fetch.hashes import HashCache
 from node.fetch.layout import DEFAULT_PIECE, LayoutError, build_manifest, model_root
 from node.fetch.local_copy import LocalCopy
 from node.fetch.manifest import Manifest
+from node.fetch.seal import ManifestSeal
 
 CHUNK = 1 << 20  # bytes per streamed message (far below gRPC's message limit; bounds each message's memory)
 MIN_CHUNK = 16 << 10
+SIGN_WAIT_S = 10.0  # how long a manifest ask waits for the hashing that signing needs (the fetcher's limit is 30 s)
 
 
 class FetchRefused(ValueError):
@@ -83,14 +90,18 @@ class WeightSource:
         ready: Callable[[], bool] = lambda: True,
         manifest: Manifest | None = None,
         copy: LocalCopy | None = None,
+        seal: ManifestSeal | None = None,
     ):
         """`rate`: bytes per second for all uploads together (None: unlimited). `ready`: whether the weights are
         all here (a node that fetched its copy serves it once it is complete); `manifest`: the one to serve
         instead of building it from the files (a fetched copy's); `copy`: that fetched copy, whose pieces are
-        served with the digests their source stated, each checked against the bytes on disk first."""
+        served with the digests their source stated, each checked against the bytes on disk first; `seal`: with a
+        cluster key, signs the manifest of the model's own files."""
         self.path, self.model_id, self.n_layers, self.max_piece = path, model_id, n_layers, max_piece
         self.root = model_root(path)
-        self.ready, self._manifest, self.copy = ready, manifest, copy
+        self.ready, self._manifest, self.copy, self.seal = ready, manifest, copy, seal
+        self._signing: asyncio.Task | None = None
+        self._hashed = 0  # pieces hashed so far for the signature
         self.hashes = HashCache(cache_dir)
         # Chunks small enough that a slow cap still sends one every ~quarter second (the receiver's idle timeout
         # must never fire on a healthy, throttled stream).
@@ -113,7 +124,34 @@ class WeightSource:
                 )
             except LayoutError as e:
                 raise FetchRefused(f"cannot describe {self.model_id!r}: {e}") from None
+        if self.seal is not None and not self._manifest.signed and self.copy is None:
+            self._manifest = await self._signed(self._manifest)
         return self._manifest
+
+    async def _signed(self, manifest: Manifest) -> Manifest:
+        """`manifest` with every piece's digest, signed; hashing runs once, whoever asks and however often."""
+        if self._signing is None:
+            self._signing = asyncio.ensure_future(self._sign(manifest))
+        done, _ = await asyncio.wait([self._signing], timeout=SIGN_WAIT_S)
+        if not done:
+            raise FetchRefused(
+                f"hashing {self.model_id!r} to sign its manifest ({self._hashed} of {len(manifest.pieces)} pieces): "
+                "ask again shortly"
+            )
+        try:
+            return self._signing.result()
+        except OSError as e:  # a read error may pass: hash again on the next ask
+            self._signing = None
+            raise FetchRefused(f"cannot hash {self.model_id!r} to sign its manifest: {e.strerror or e}") from None
+
+    async def _sign(self, manifest: Manifest) -> Manifest:
+        digests = []
+        for p in manifest.pieces:
+            path = self.root / manifest.files[p.file].name
+            self._check_unchanged(path, manifest.files[p.file].size)
+            digests.append(await self.hashes.sha256(path, p.offset, p.length))
+            self._hashed += 1
+        return self.seal.sign(manifest, tuple(digests))
 
     async def open(self, model_id: str, index: int) -> Transfer:
         """A piece to stream; raises FetchRefused, or a busy Failed when every upload slot is taken. The upload
@@ -140,7 +178,11 @@ class WeightSource:
         shown to still have it (a damaged piece is dropped from the copy and refused, never served on); the
         original file's own, hashed once and remembered."""
         if self.copy is None:
-            return await self.hashes.sha256(path, offset, length)
+            digest = await self.hashes.sha256(path, offset, length)
+            signed = self._manifest.sha256 if self._manifest is not None else ()
+            if signed and signed[index] != digest:
+                raise FetchRefused(f"piece {index} of {self.model_id!r} changed since its manifest was signed")
+            return digest
         stated = self.copy.digest(index)
         if stated is None or not await asyncio.to_thread(self.copy.intact, index):
             self.copy.damaged(index)
@@ -178,4 +220,6 @@ class WeightSource:
             os.close(fd)
 
     def close(self) -> None:
+        if self._signing is not None and not self._signing.done():
+            self._signing.cancel()
         self.hashes.close()

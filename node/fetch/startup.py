@@ -22,6 +22,7 @@ from node.fetch.fetcher import Fetcher, Source
 from node.fetch.layout import build_manifest
 from node.fetch.local_copy import LocalCopy
 from node.fetch.manifest import MODEL_ID, same_layout
+from node.fetch.seal import ManifestSeal
 from node.fetch.source import WeightSource
 from shards.formats.packaged import PACKAGED, ModelNotFound, resolve_model
 
@@ -87,13 +88,13 @@ def sources_from(peers: Callable[[], dict[str, NodeInfo]], model_id: str) -> Cal
 async def open_copy(model_id: str, models_dir: Path, fetcher: Fetcher) -> LocalCopy:
     """The local copy of `model_id` with at least its metadata (config, tokenizer, headers), fetched if need be."""
     root = models_dir / model_id
-    copy = await asyncio.to_thread(LocalCopy.load, root)  # hashes the pieces it holds again: disk work
+    copy = await asyncio.to_thread(LocalCopy.load, root, fetcher.seal)  # hashes its pieces again: disk work
     if copy is not None and copy.has_metadata:
         log.info("using the copy of %s in %s", model_id, root)
     else:
         log.info("%s is not here: fetching it from a peer into %s", model_id, root)
         manifest = await fetcher.manifest()
-        copy = LocalCopy.create(root, manifest)
+        copy = LocalCopy.create(root, manifest, fetcher.seal)
         started = time.monotonic()
         await fetcher.fetch(copy, manifest.metadata(), f"fetching {model_id}: config, tokenizer, headers")
         fetcher.counters["fetch_ms"] += int((time.monotonic() - started) * 1000)
@@ -109,12 +110,19 @@ async def open_copy(model_id: str, models_dir: Path, fetcher: Fetcher) -> LocalC
 
 
 def weight_source(
-    fetch: FetchSettings, path: Path, model_id: str, n_layers: int, *, copy: LocalCopy | None
+    fetch: FetchSettings,
+    path: Path,
+    model_id: str,
+    n_layers: int,
+    *,
+    copy: LocalCopy | None,
+    seal: ManifestSeal | None = None,
 ) -> WeightSource:
-    """What this node offers peers that fetch: its model once it has all of it."""
+    """What this node offers peers that fetch: its model once it has all of it (with a cluster key, `seal`, under
+    a signed manifest: its own, or the one its copy was fetched with)."""
     rate, cache = fetch.upload_rate, fetch.models_dir / ".hashes"
     if copy is None:
-        return WeightSource(path, model_id, n_layers, cache_dir=cache, rate=rate)
+        return WeightSource(path, model_id, n_layers, cache_dir=cache, rate=rate, seal=seal)
     return WeightSource(
         copy.root,
         model_id,
@@ -124,6 +132,7 @@ def weight_source(
         ready=lambda: copy.complete,
         manifest=copy.manifest,
         copy=copy,
+        seal=seal,
     )
 
 

@@ -107,6 +107,9 @@ def encode_manifest(m: Manifest) -> pb.Manifest:
         n_layers=m.n_layers,
         files=[pb.ModelFile(name=f.name, size=f.size) for f in m.files],
         pieces=[pb.Piece(file=p.file, offset=p.offset, length=p.length, part=p.part, layer=p.layer) for p in m.pieces],
+        sha256=m.sha256,
+        signer=m.signer,
+        signature=m.signature,
     )
 
 
@@ -116,7 +119,8 @@ def decode_manifest(m: pb.Manifest) -> Manifest:
         pieces = tuple(
             Piece(p.file, p.offset, p.length, p.part, p.layer) for p in _count(m.pieces, "pieces", MAX_PIECES)
         )
-        return Manifest(m.model_id, m.format, m.n_layers, files, pieces)
+        digests = tuple(_count(m.sha256, "piece digests", MAX_PIECES))
+        return Manifest(m.model_id, m.format, m.n_layers, files, pieces, digests, m.signer, m.signature)
     except ManifestError as e:
         raise WireError(str(e)) from None
 

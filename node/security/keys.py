@@ -43,6 +43,7 @@ _SALT = b"exo-node cluster key v1"
 LABEL_CA = b"exo-node/v1/tls-ca-ed25519"
 LABEL_DISCOVERY = b"exo-node/v1/discovery-hmac-sha256"
 LABEL_FINGERPRINT = b"exo-node/v1/fingerprint"
+LABEL_MANIFEST = b"exo-node/v1/manifest-hmac-sha256"
 
 
 class ClusterKeyError(ValueError):
@@ -116,6 +117,10 @@ class ClusterKey:
     def discovery_key(self) -> bytes:
         """The HMAC-SHA256 key for signing discovery announcements (`UdpDiscovery(key=...)`)."""
         return self.derive(LABEL_DISCOVERY)
+
+    def manifest_key(self) -> bytes:
+        """The HMAC-SHA256 key for signing weight manifests (`node.fetch.seal.ManifestSeal`)."""
+        return self.derive(LABEL_MANIFEST)
 
     def ca(self) -> ClusterCa:
         from node.security.tls import ClusterCa  # cryptography's x509: only with a cluster key

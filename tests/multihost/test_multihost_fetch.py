@@ -1,7 +1,8 @@
 """Download once across real hosts: three network namespaces on a private bridge, a cluster key, UDP discovery; only
-host0 has the model. The other two find it, fetch their own layers from it over mutual TLS, and the cluster
-answers exactly as one process holding the model."""
+host0 has the model. The other two find it, fetch their own layers from it over mutual TLS under its signed
+manifest (which each keeps beside its copy), and the cluster answers exactly as one process holding the model."""
 
+import json
 import subprocess
 import sys
 import threading
@@ -10,7 +11,10 @@ import time
 import pytest
 
 from node.fetch.layout import build_manifest
-from node.security import write_key_file
+from node.fetch.local_copy import MANIFEST
+from node.fetch.manifest import Manifest
+from node.fetch.seal import ManifestSeal
+from node.security import read_key_file, write_key_file
 from shards.model.shard import Shard
 from tests.cluster.test_fetch_cluster import MARGIN
 from tests.multihost.test_multihost import call
@@ -97,6 +101,11 @@ def test_two_hosts_without_the_model_fetch_their_layers_from_the_third(tmp_path,
                     assert expected <= received <= expected * (1 + MARGIN)
                     fetched[step["node_id"]] = received
             assert set(fetched) == {"host1", "host2"}
+            seal = ManifestSeal(read_key_file(key).manifest_key(), "checker")
+            for i in (1, 2):  # each copy keeps host0's manifest, signed under the cluster key, with its digests
+                recorded = Manifest.from_json(json.loads((tmp_path / f"host{i}" / "llama" / MANIFEST).read_text()))
+                seal.verify(recorded)
+                assert recorded.signer == "host0" and len(recorded.sha256) == len(recorded.pieces)
             with capsys.disabled():
                 print(
                     f"\n[multihost fetch] 2 hosts fetched {fetched} bytes of the {manifest.nbytes()}-byte model "

@@ -312,18 +312,24 @@ class Piece(_message.Message):
     def __init__(self, file: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., part: _Optional[str] = ..., layer: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("model_id", "format", "n_layers", "files", "pieces")
+    __slots__ = ("model_id", "format", "n_layers", "files", "pieces", "sha256", "signer", "signature")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     format: str
     n_layers: int
     files: _containers.RepeatedCompositeFieldContainer[ModelFile]
     pieces: _containers.RepeatedCompositeFieldContainer[Piece]
-    def __init__(self, model_id: _Optional[str] = ..., format: _Optional[str] = ..., n_layers: _Optional[int] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ...) -> None: ...
+    sha256: _containers.RepeatedScalarFieldContainer[bytes]
+    signer: str
+    signature: bytes
+    def __init__(self, model_id: _Optional[str] = ..., format: _Optional[str] = ..., n_layers: _Optional[int] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., sha256: _Optional[_Iterable[bytes]] = ..., signer: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PieceRequest(_message.Message):
     __slots__ = ("model_id", "piece")
