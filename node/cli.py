@@ -202,9 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keygen"]:
         return keygen_main(argv[1:])
+    if argv[:1] == ["build-backend"]:  # a ggml GPU backend (shards/engines/ggml/build.py)
+        from shards.engines.ggml.build import main as build_backend
+
+        return build_backend(argv[1:])
     args = parse_args(argv)
     if args.list_models:
         print(list_models())
+        return 0
+    if args.list_devices:
+        from shards.engines.ggml.devices import describe, devices, load_backends
+
+        load_backends()
+        print(describe(devices()))
         return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

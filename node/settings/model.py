@@ -53,6 +53,13 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         help="ggml engine, F16/F32 weights: pad (default: batch-invariant, exact replay; 1-row steps cost more), "
         "rowwise (batch-invariant; prefill and batches cost more), fast (not batch-invariant): docs/operations.md",
     )
+    g.add_argument(
+        "--device",
+        help="ggml engine: the device to compute on, as --list-devices names it (CPU, Vulkan0, CUDA0, ...; a "
+        "backend's name, vulkan, takes its first device), or auto (default): the fastest present, a GPU's "
+        "backend once built with `exo-node build-backend`, else the CPU",
+    )
+    g.add_argument("--list-devices", action="store_true", help="list the ggml engine's devices and exit")
 
     g = ap.add_argument_group("fetching", "a node without the model fetches its layers from peers")
     g.add_argument(
@@ -78,6 +85,7 @@ class EngineSettings:
     threads: int | None = None
     quantize: str | None = None
     float_matmul: str | None = None
+    device: str | None = None  # the ggml engine's --device ("auto" unless given: the node's default)
 
     def __post_init__(self) -> None:
         if self.name not in ENGINES:
@@ -90,11 +98,14 @@ class EngineSettings:
             raise ValueError(
                 f"--float-matmul must be one of {', '.join(FLOAT_MATMUL_CHOICES)}, got {self.float_matmul!r}"
             )
+        if self.device is not None and not self.device.strip():
+            raise ValueError("--device must name a device (see exo-node --list-devices) or be auto")
 
     @property
     def options(self) -> dict[str, object]:
         """What `engine_factory` takes, --quantize as given (`default_quantize` fills in a packaged model's)."""
-        return {"threads": self.threads, "quantize": self.quantize, "float_matmul": self.float_matmul}
+        given = {"threads": self.threads, "quantize": self.quantize, "float_matmul": self.float_matmul}
+        return given if self.device is None else {**given, "device": self.device}
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -110,7 +121,9 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
 
 
 def engine_from_args(args: argparse.Namespace) -> EngineSettings:
-    return EngineSettings(resolve(args.engine), args.threads, args.quantize, args.float_matmul)
+    name = resolve(args.engine)
+    device = args.device if args.device is not None or name != "ggml" else "auto"  # the fastest device present
+    return EngineSettings(name, args.threads, args.quantize, args.float_matmul, device)
 
 
 def fetch_from_args(args: argparse.Namespace) -> FetchSettings:

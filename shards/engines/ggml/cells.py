@@ -51,7 +51,7 @@ class CellPool:
         stride = -(-cells * self.row // PAGE) * PAGE
         ctx = Context(2 * self.n_layers)
         try:
-            mem = MappedBuffer(2 * self.n_layers * stride)
+            mem = self._buffer(2 * self.n_layers * stride)
         except BaseException:
             ctx.free()
             raise
@@ -68,6 +68,10 @@ class CellPool:
         self.cells, self.stride, self.ctx, self.mem = cells, stride, ctx, mem
         self.k: list[Tensor] = tensors[0::2]
         self.v: list[Tensor] = tensors[1::2]
+
+    def _buffer(self, size: int) -> MappedBuffer:
+        """The memory the tensors go in (a device pool's is the device's: shards/engines/ggml/on_device.py)."""
+        return MappedBuffer(size)
 
     @property
     def used_end(self) -> int:

@@ -14,11 +14,15 @@ by running the shared model on the ggml backend the first time the shape is seen
 requests the step carries. KV caches are F16 cells of one pool shared by every request, each owning a contiguous
 range (shards/engines/ggml/cells.py), and the step attends once per layer and group of neighbouring requests,
 through a mask. Every input is validated before ggml sees it: a ggml assertion would abort the process.
+
+With `device` (a GPU's, shards/engines/ggml/devices.py) the same graphs run through ggml's backend scheduler with
+the weights and the cell pool in the device's memory (shards/engines/ggml/on_device.py); without one, on the CPU.
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +30,11 @@ import numpy as np
 from shards.engines.base import Engine, EngineInputError, Packing, StepInput
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CELL_ALIGN, SCRATCH_CELL, CellPool, CellRange
+from shards.engines.ggml.devices import select
 from shards.engines.ggml.gemm_rows import DEFAULT as FLOAT_MATMUL
 from shards.engines.ggml.graph import WINDOW_STEP, Graph, GraphCache, Group, Shape, StepWork, padded_rows
 from shards.engines.ggml.lib import default_threads, g
+from shards.engines.ggml.on_device import DeviceGraph, DevicePool, OnDevice
 from shards.engines.ggml.sliding import SlidingWindows
 from shards.engines.ggml.threads import ThreadGovernor
 from shards.engines.ggml.weights import QUANTIZE_CHOICES, load_ggml_shard_weights
@@ -50,7 +56,7 @@ SPAN_CELLS = 1024  # shorter rows attend in groups of neighbouring requests whos
 
 class GgmlEngine(Engine):
     name = "ggml"
-    options = ("threads", "quantize", "float_matmul")  # engine options it takes (node flags --threads, ...)
+    options = ("threads", "quantize", "float_matmul", "device")  # engine options it takes (node flags --threads, ...)
     kv_value_bytes = 2  # F16 cache
 
     def __init__(
@@ -63,8 +69,11 @@ class GgmlEngine(Engine):
         repack: bool = True,
         adapt_threads: bool = True,
         float_matmul: str | None = None,
+        device: str | None = None,
     ):
         self.check_options(model_dir, threads, quantize, float_matmul)
+        # None: the CPU, as ever; a name or "auto" (the node's default): shards/engines/ggml/devices.py
+        self.on = None if device is None or (chosen := select(device)).is_cpu else OnDevice(chosen)
         self.threads = default_threads() if threads is None else threads
         self.quantize, self.repack, self.adapt_threads = quantize, repack, adapt_threads
         self.float_matmul = float_matmul or FLOAT_MATMUL
@@ -74,14 +83,15 @@ class GgmlEngine(Engine):
         except BaseException:
             if self.ops is not None:
                 self.ops.free()  # what the weights took, now rather than when collected
+            if self.on is not None:
+                self.on.free()
             raise
 
     def make_backend(self, model_dir: Path) -> GgmlBackend:
         # a llama GGUF's Q/K rows stay in llama.cpp's order, rotated as llama.cpp rotates them (ggml_weights.py)
         interleaved = open_model(model_dir).format == "gguf" and rope_pairs_interleaved(self.config)
-        return GgmlBackend(
-            self.config, self.shard.layer_count, self.repack, interleaved, float_matmul=self.float_matmul
-        )
+        ops = GgmlBackend(self.config, self.shard.layer_count, self.repack, interleaved, float_matmul=self.float_matmul)
+        return ops if self.on is None else self.on.hold_weights(ops)
 
     def load_weights(self, model_dir: Path) -> ShardWeights:
         """The shard's weights in their file's block types (or `quantize`'s), for ggml's kernels."""
@@ -101,10 +111,13 @@ class GgmlEngine(Engine):
         if not self.backend:
             raise MemoryError("ggml could not start its CPU backend")
         g.ggml_backend_cpu_set_n_threads(self.backend, threads)
+        if self.on is not None:
+            self.on.cpu = self.backend  # the scheduler's fallback for ops the device lacks
         self.step_threads = threads  # what the backend is set to; the governor lowers it while others load the CPUs
         self.governor = ThreadGovernor(threads, adapt=self.adapt_threads)
         try:
-            self.pool = CellPool(len(self.model.layers), cfg.n_kv_heads, cfg.head_dim, INITIAL_CELLS, CELL_ALIGN)
+            pool = CellPool if self.on is None else partial(DevicePool, self.on)
+            self.pool = pool(len(self.model.layers), cfg.n_kv_heads, cfg.head_dim, INITIAL_CELLS, CELL_ALIGN)
         except BaseException:
             g.ggml_backend_free(self.backend)
             self.backend = None
@@ -117,9 +130,15 @@ class GgmlEngine(Engine):
 
     @staticmethod
     def check_options(
-        model_dir: str | Path, threads: int | None = None, quantize: str | None = None, float_matmul: str | None = None
+        model_dir: str | Path,
+        threads: int | None = None,
+        quantize: str | None = None,
+        float_matmul: str | None = None,
+        device: str | None = None,
     ) -> None:
         """Refuse bad options at start-up rather than when a shard first loads."""
+        if device is not None:
+            select(device)  # a device the build lacks: refused, naming those present and how to build more
         if float_matmul is not None and float_matmul not in FLOAT_MATMUL_CHOICES:
             raise ValueError(f"--float-matmul must be one of {', '.join(FLOAT_MATMUL_CHOICES)}, got {float_matmul!r}")
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
@@ -141,6 +160,8 @@ class GgmlEngine(Engine):
             g.ggml_backend_free(self.backend)
             self.backend = None
             self.ops.free()
+            if self.on is not None:
+                self.on.free()
 
     def __del__(self) -> None:
         try:
@@ -238,7 +259,8 @@ class GraphRunner(Runner):
         self.last = StepWork.of(shape, p, built=graph is None)
         if graph is None:
             model = e.model if self.sliding is None else self.sliding.builder(e.model, e.ops)
-            graph = Graph(e.ops, model, shape, e.pool, first=e.shard.is_first, hidden=self.config.hidden_size)
+            new = Graph if e.on is None else partial(DeviceGraph, e.on)
+            graph = new(e.ops, model, shape, e.pool, first=e.shard.is_first, hidden=self.config.hidden_size)
             if self.sliding is not None:
                 self.sliding.attach(graph, model)
             self.graphs.put(graph)

@@ -186,11 +186,19 @@ class Graph:
         self.gf = self.ctx.graph()
         g.ggml_build_forward_expand(self.gf, out.t)
         self.nodes = int(g.ggml_graph_n_nodes(self.gf))
+        self.compute_bytes = self.allocate()
+
+    def allocate(self) -> int:
+        """One CPU compute buffer for every node, kept for the graph's re-runs; its size. (A graph on a device
+        allocates through ggml's scheduler instead: shards/engines/ggml/on_device.py.)"""
         self.galloc = g.ggml_gallocr_new(cpu_buffer_type())
         if not self.galloc or not g.ggml_gallocr_alloc_graph(self.galloc, self.gf):
             self.free()
             raise MemoryError("ggml could not allocate the compute buffer of a graph")
-        self.compute_bytes = int(g.ggml_gallocr_get_buffer_size(self.galloc, 0))
+        return int(g.ggml_gallocr_get_buffer_size(self.galloc, 0))
+
+    def compute(self, backend: int) -> int:
+        return g.ggml_backend_graph_compute(backend, self.gf)
 
     def run(self, backend: int, hidden: np.ndarray | None, out_ids: np.ndarray | None) -> np.ndarray:
         """Compute with `ints_np` and `mask_np` as the caller filled them (ggml copies bytes and checks nothing:
@@ -201,7 +209,7 @@ class Graph:
             g.ggml_backend_tensor_set(self.out_ids.t, out_ids.ctypes.data, 0, out_ids.nbytes)
         g.ggml_backend_tensor_set(self.ints.t, self.ints_np.ctypes.data, 0, self.ints_np.nbytes)
         g.ggml_backend_tensor_set(self.mask.t, self.mask_np.ctypes.data, 0, self.mask_np.nbytes)
-        status = g.ggml_backend_graph_compute(backend, self.gf)
+        status = self.compute(backend)
         if status != 0:
             raise GgmlError(f"ggml graph compute failed with status {status}")
         out = np.empty(self.out_shape, dtype=np.float32)  # fresh: callers may keep outputs across steps
