@@ -242,6 +242,7 @@ def test_an_input_the_engine_refused_fails_only_its_request():
     b.accept_activations([Activation("r1", hidden(), spec("r1")), Activation("r2", hidden(), spec("r2"))])
     actions = b.step_done(ran(Shard("llama", 2, 4, 6), r1=1, r2=1), StepOutputs({"r2": hidden()}, {"r1": "too long"}))
     assert failed(actions) == "node b: too long"
+    assert of(Deliver, actions)[0].message.failure == Failure(FailureKind.ERROR, "too long", "b")  # named once
     assert list(b.requests) == ["r2"] and [s.activations[0].request_id for s in of(Send, actions)] == ["r2"]
 
 
