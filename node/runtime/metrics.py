@@ -81,34 +81,20 @@ class NodeMetrics:
         self.completion_tokens = Counter(
             "exo_completion_tokens", "Tokens generated for this entry node's requests", registry=r
         )
-        self.ttft = Histogram(
-            "exo_time_to_first_token_seconds",
-            "From a request's arrival to its first token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "exo_inter_token_latency_seconds",
-            "Gap between successive tokens of a request",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.step_seconds = Histogram(
-            "exo_forward_step_seconds",
-            "Duration of one forward pass over this node's layers",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = latency("exo_time_to_first_token_seconds", "From a request's arrival to its first token")
+        self.itl = latency("exo_inter_token_latency_seconds", "Gap between successive tokens of a request")
+        self.step_seconds = latency("exo_forward_step_seconds", "Duration of one forward pass over this node's layers")
         self.step_rows = Histogram(
             "exo_forward_step_rows", "Requests batched into one forward pass", buckets=SIZE_BUCKETS, registry=r
         )
-        self.loop_lag = Histogram(
+        self.loop_lag = latency(
             "exo_event_loop_lag_seconds",
-            "How late the node's event loop woke a task that "
-            "asked to wake (sampled every 0.1 s): while it is held, the API, gRPC and health "
-            "checks wait",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            "How late the node's event loop woke a task that asked to wake (sampled every 0.1 s): while it is held, "
+            "the API, gRPC and health checks wait",
         )
         self.rpc_errors = Counter(
             "exo_peer_rpc_errors",
