@@ -39,6 +39,9 @@ KEYS = (
     "hop_send_us_total",
     "hop_sends",
     "followed_rows",
+    "cpu_outside_us_total",
+    "cpu_engine_us_total",
+    "cpu_passes",
 )
 
 
@@ -85,6 +88,9 @@ async def measure(urls: list[str], model: str, streams: int, tokens: int) -> dic
                 "hop_out_ms": ms("hop_out_us_total", "hop_out"),
                 "hop_send_ms": ms("hop_send_us_total", "hop_sends"),
                 "hop_in_ms": ms("hop_in_us_total", "hop_in"),
+                # CPU time (meaningful on a loaded machine too): the process less its engine thread, per pass
+                "cpu_outside_ms_per_pass": ms("cpu_outside_us_total", "cpu_passes"),
+                "cpu_engine_ms_per_pass": ms("cpu_engine_us_total", "cpu_passes"),
             }
         )
     return {"streams": streams, "tokens": sum(got), "wall_s": round(wall, 2), "nodes": nodes}

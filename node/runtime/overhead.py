@@ -9,8 +9,12 @@ per call: nothing measurable), so a benchmark can read them from /v1/topology (b
   receiving side of a hop: waking the worker, scheduling, the hand-off to the engine thread).
 - `hop_out_us_total` / `hop_out`: from the end of the pass that made a batch of activations to its call to the
   transport (the sending side: the core's routing, the outbox task).
-- `hop_send_us_total` / `hop_sends`: the transport call itself (serialising, gRPC, the peer taking it, the answer):
-  what a hop costs beyond the link is this less the link's round trip.
+- `hop_send_us_total` / `hop_sends`: the transport call itself, up to the call being written (serialising, gRPC;
+  the answer is not waited for: node/grpc/stream.py).
+- `cpu_outside_us_total` / `cpu_engine_us_total` / `cpu_passes`: CPU time (the kernel's clocks, which count only
+  time on a CPU, so they keep their meaning on a loaded machine where wall-clock gaps do not) between two passes'
+  ends: the whole process's less the engine thread's, and the engine thread's. On a node with one core nothing
+  overlaps, so the first is what each pass pays outside the engine (the event loop, gRPC's threads, the core).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ class Overhead:
         self.last_end: float | None = None  # when the engine thread finished the last pass (perf_counter)
         self._idle = 0.0
         self._arrivals: list[float] = []
+        self._cpu: tuple[float, float] | None = None  # (process, engine thread) CPU seconds at the last pass
+        self.engine_clock: int | None = None  # the engine thread's CPU clock (`thread_clock`), once known
 
     def idle(self, seconds: float) -> None:
         """The worker waited `seconds` for work to arrive: not overhead."""
@@ -47,10 +53,32 @@ class Overhead:
         self.last_end, self._idle = ended, 0.0
 
     def sent(self, called: float, returned: float) -> None:
-        """A call carrying activations left at `called` and was answered at `returned`."""
+        """A call carrying activations was made at `called` and written at `returned`."""
         c = self.counters
         if self.last_end is not None and called >= self.last_end:
             c["hop_out_us_total"] += round((called - self.last_end) * 1e6)
             c["hop_out"] += 1
         c["hop_send_us_total"] += round((returned - called) * 1e6)
         c["hop_sends"] += 1
+
+    def read_cpu(self) -> None:
+        """After a pass: the CPU clocks read (nothing where the engine thread's clock is unknown)."""
+        if self.engine_clock is not None:
+            self.cpu(time.process_time(), time.clock_gettime(self.engine_clock))
+
+    def cpu(self, process: float, engine: float) -> None:
+        """After a pass: CPU seconds used so far by the whole process and by its engine thread."""
+        if self._cpu is not None:
+            c, (p0, e0) = self.counters, self._cpu
+            c["cpu_outside_us_total"] += round((process - p0 - (engine - e0)) * 1e6)
+            c["cpu_engine_us_total"] += round((engine - e0) * 1e6)
+            c["cpu_passes"] += 1
+        self._cpu = (process, engine)
+
+
+def thread_clock(ident: int) -> int | None:
+    """The CPU-time clock of thread `ident` (threading.get_ident()), or None where there is none (macOS)."""
+    try:
+        return time.pthread_getcpuclockid(ident)
+    except (AttributeError, OSError):
+        return None

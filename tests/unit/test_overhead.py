@@ -1,8 +1,10 @@
 """The counters of a node's time outside its engine (node/runtime/overhead.py), fed with made-up clock readings."""
 
+import threading
+import time
 from collections import Counter
 
-from node.runtime.overhead import Overhead
+from node.runtime.overhead import Overhead, thread_clock
 
 
 def test_the_time_between_passes_counts_less_the_wait_for_work():
@@ -24,3 +26,29 @@ def test_a_hop_counts_from_arrival_to_the_pass_that_ran_it_and_from_a_pass_to_it
     assert (c["hop_out"], c["hop_out_us_total"], c["hop_sends"], c["hop_send_us_total"]) == (1, 300, 1, 1000)
     o.ran(2.012, 2.020)
     assert (c["hop_in"], c["hop_in_us_total"]) == (2, 1400)
+
+
+def test_cpu_outside_the_engine_is_the_process_cpu_less_the_engine_threads_between_two_passes():
+    o = Overhead(c := Counter())
+    o.cpu(10.0, 8.0)  # the first reading: nothing before it to measure
+    o.cpu(10.012, 8.010)
+    assert (c["cpu_passes"], c["cpu_outside_us_total"], c["cpu_engine_us_total"]) == (1, 2000, 10000)
+
+
+def test_a_threads_clock_counts_only_its_own_cpu_time():
+    ident, done = [], threading.Event()
+
+    def sleeper():
+        ident.append(threading.get_ident())
+        done.wait(5)
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    while not ident:
+        time.sleep(0.001)
+    clock = thread_clock(ident[0])
+    before = time.clock_gettime(clock)
+    sum(i * i for i in range(200_000))  # this thread's work, not the sleeper's
+    assert time.clock_gettime(clock) - before < 0.005
+    done.set()
+    t.join()
