@@ -114,3 +114,71 @@ def test_a_peer_still_starting_is_waited_for_within_the_deadline():
         await server.stop(None)
 
     asyncio.run(go())
+
+
+class Batching(pb_grpc.NodeServiceServicer):
+    """Answers every `every` messages with one response (`answers`: how many), its refusal naming the last, and
+    `extra` more than it got, to play a hostile peer."""
+
+    def __init__(self, every: int, extra: int = 0):
+        self.every, self.extra, self.got = every, extra, []
+
+    async def SendStream(self, requests, context):
+        async for request in requests:
+            self.got.append(request.entries[0].request_id)
+            if len(self.got) % self.every == 0:
+                yield pb.SendResponse(answers=self.every + self.extra, rejected=[pb.Rejected(request_id=self.got[-1])])
+
+
+def test_messages_go_out_without_waiting_for_answers_and_one_response_settles_several_in_order():
+    async def go():
+        port = free_port()
+        peer = Batching(every=3)
+        server = await serve(peer, port)
+        stream, channel = stream_to(port)
+        answers = [await stream.post(message(f"m{i}")) for i in range(6)]  # no answer comes before the third
+        got = await asyncio.gather(*answers)
+        assert got[0] is None and got[1] is None and answered(got[2]) == "m2"
+        assert got[3] is None and got[4] is None and answered(got[5]) == "m5"
+        await stream.close()
+        await channel.close()
+        await server.stop(None)
+
+    asyncio.run(go())
+
+
+def test_a_peer_that_answers_more_messages_than_were_sent_breaks_the_stream():
+    async def go():
+        port = free_port()
+        server = await serve(Batching(every=1, extra=1), port)
+        stream, channel = stream_to(port)
+        with pytest.raises(StreamBroken) as e:
+            await stream.send(message("one"))
+        assert e.value.code == grpc.StatusCode.INTERNAL and stream.call is None
+        await stream.close()
+        await channel.close()
+        await server.stop(None)
+
+    asyncio.run(go())
+
+
+def test_at_most_max_in_flight_messages_wait_for_answers_and_the_next_waits_for_room():
+    async def go():
+        port = free_port()
+        server = await serve(Batching(every=4), port)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options(1 << 20))
+        stub = pb_grpc.NodeServiceStub(channel)
+        stream = PeerStream(lambda: stub.SendStream(wait_for_ready=True), 1.0, max_in_flight=2)
+        first = [await stream.post(message(f"m{i}")) for i in range(2)]
+        third = asyncio.ensure_future(stream.post(message("m2")))
+        await asyncio.sleep(0.2)
+        assert not third.done() and len(stream.waiting) == 2  # no room: the peer answers every fourth only
+        with pytest.raises(StreamBroken) as e:  # ... so nothing ever makes room, and the deadline ends the stream
+            await asyncio.gather(*first)
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.wait_for(third, 5)  # it went out on a fresh stream
+        await stream.close()
+        await channel.close()
+        await server.stop(None)
+
+    asyncio.run(go())
