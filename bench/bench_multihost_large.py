@@ -148,7 +148,7 @@ def memory_of(proc, host: int, what: str, share: int | None) -> HostMemory:
 
 
 def turns(lan, url: str, model_id: str, streams: list[int], args) -> tuple[dict, ...]:
-    serve(lan, url, model_id, 1, 2, -1)  # warm up: graphs, the first prefill
+    serve(lan, url, model_id, 1, 4, -1)  # warm up: graphs, the first prefill
     got = []
     for r in range(args.rounds):
         for s in streams:
@@ -188,7 +188,7 @@ def run_rpc(lan, gguf_path: Path, model_id: str, ctx) -> SystemRun:
         addresses = rpc_addresses(lan, netem)
         llama = [str(bin_dir / "llama-server"), "-m", str(gguf_path), "-t", "1", "-np", str(slots)]
         llama += ["-c", str(slots * SLOT_CONTEXT), "--host", "127.0.0.1", "--port", str(LLAMA_PORT)]
-        llama += ["-ngl", "99", "--rpc", ",".join(addresses)]
+        llama += ["-ngl", "99", "--rpc", ",".join(addresses), "-lv", "4"]  # 4: the loader's buffer sizes too
         server = stack.enter_context(process(joined(lan.exec(0, *llama), groups[0]), core(0), logs / "llama.log"))
         url = f"http://127.0.0.1:{LLAMA_PORT}"
         wait_for("llama-server", lambda: ns_get(lan, 0, f"{url}/health") is not None, 1800)

@@ -136,7 +136,7 @@ def report(planner: Outcome, statics: list[Outcome], head: str) -> str:
     return "\n".join(lines + rows) + "\n"
 
 
-def plot(planner: Outcome, statics: list[Outcome], slow: int, path: Path) -> Path:
+def plot(planner: Outcome, statics: list[Outcome], slow: int, quota: float, path: Path) -> Path:
     from bench.plots import COLORS, _pyplot, _save
 
     plt = _pyplot()
@@ -147,7 +147,7 @@ def plot(planner: Outcome, statics: list[Outcome], slow: int, path: Path) -> Pat
     ax.axhline(planner.median, color=COLORS[2], label=f"planner: {planner.split.label}")
     ax.set_xticks(list(xs), [o.split.label for o in statics], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel(f"tok/s, {STREAMS} streams")
-    ax.set_title(f"host {slow} at a reduced CPU quota: every static split and the planner's")
+    ax.set_title(f"host {slow} held to {quota:g} of a core: every static split and the planner's")
     ax.legend(loc="lower right", framealpha=0.9)
     data = {"planner": asdict(planner), "static": [asdict(o) for o in statics]}
     return _save(fig, path, data)
@@ -269,7 +269,7 @@ def main() -> None:
     args.out.write_text(report(planner, statics, head))
     print(f"wrote {args.out}")
     if not args.no_plot:
-        print(f"wrote {plot(planner, statics, args.slow, args.out.with_suffix('.png'))}")
+        print(f"wrote {plot(planner, statics, args.slow, args.quota, args.out.with_suffix('.png'))}")
 
 
 if __name__ == "__main__":

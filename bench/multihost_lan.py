@@ -215,7 +215,10 @@ def exo_status(lan) -> list[dict]:
 def serve(lan, url: str, model_id: str, streams: int, tokens: int, round_: int) -> dict:
     """bench/bench_serve.py's `concurrent` run inside host 0 (its HTTP never crosses a link)."""
     args = (url, model_id, str(streams), str(tokens), str(round_))
-    return json.loads(ns_run(lan, 0, sys.executable, "-c", CLIENT, *args))
+    try:
+        return json.loads(ns_run(lan, 0, sys.executable, "-c", CLIENT, *args))
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"the client's requests to {url} failed:\n{e.stderr[-2000:]}") from None
 
 
 def start_relays(stack: contextlib.ExitStack, lan, logs: Path) -> None:
