@@ -2,9 +2,10 @@
 every row attends its request's cells up to its position, so that part grows with the position and nothing else
 may. Counted, not timed (the runner's StepWork, the pool's copied cells): the same on a busy machine. A prompt of
 2,048 tokens against one of 256, in the node's chunks: per token the same padded rows, at most one graph built per
-chunk, range moves that copy under a cell per token, and an attention scan per row of the row's own cells plus a
-bounded margin (the chunk's later rows and the span's alignment), never a span that grows faster than the prompt
-(a range's capacity, the pool, a mask over every cell seen so far)."""
+chunk, range moves that copy under a cell per token, graph copies that do not grow with the cells attended, and an
+attention scan per row of the row's own cells plus a bounded margin (the chunk's later rows and the span's
+alignment), never a span that grows faster than the prompt (a range's capacity, the pool, a mask over every cell
+seen so far)."""
 
 import numpy as np
 import pytest
@@ -20,18 +21,19 @@ CHUNK = SchedulerLimits().prefill_chunk  # what a node prefills per request and 
 LAYERS = 1  # the work counted is the same in every layer: one counts what thirty would
 
 
-def prefill(tokens: int) -> tuple[list, int]:
-    """A fresh engine prefills `tokens` positions of one request in CHUNK-position steps; each step's StepWork
-    and the cells copied per tensor."""
+def prefill(tokens: int) -> tuple[list, int, list[int]]:
+    """A fresh engine prefills `tokens` positions of one request in CHUNK-position steps; each step's StepWork,
+    the cells copied per tensor, and the bytes each step's graph copies."""
     e = smollm2(layers=LAYERS)
     prompt = np.random.default_rng(tokens).integers(100, 5000, tokens)
-    work = []
+    work, graph_copies = [], []
     for at in range(0, tokens, CHUNK):
         e.forward([StepInput("r", tokens=prompt[at : at + CHUNK], max_positions=tokens + 64)])
         work.append(e.runner.last)
+        graph_copies.append(next(reversed(e.graphs.graphs.values())).copied_bytes())  # the step's graph: last used
     copied = e.pool.copied
     e.close()
-    return work, copied
+    return work, copied, graph_copies
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +42,27 @@ def short_and_long():
 
 
 def test_work_outside_attention_per_token_is_the_same_for_a_long_prompt_as_for_a_short_one(short_and_long):
-    for tokens, (work, copied) in zip((256, 2048), short_and_long):
+    for tokens, (work, copied, _) in zip((256, 2048), short_and_long):
         assert sum(w.rows for w in work) == tokens  # chunks of CHUNK rows need no padding rows
         assert sum(w.built for w in work) <= len(work)  # at most one graph built per chunk
         assert copied <= tokens, f"{tokens} tokens: range moves copied {copied} cells per tensor"
 
 
 def test_a_rows_attention_scans_its_own_cells_and_a_margin_that_does_not_grow_with_the_prompt(short_and_long):
-    for work, _ in short_and_long:
+    for work, _, _ in short_and_long:
         for k, w in enumerate(work):
             end = (k + 1) * CHUNK  # the chunk's last position + 1
             assert w.visible == CHUNK * (k * CHUNK) + CHUNK * (CHUNK + 1) // 2  # row p attends p + 1 cells
             assert w.scanned - w.visible <= w.rows * (CHUNK + WINDOW_STEP), (k, w)  # masked: a bounded margin
             assert w.scanned <= w.rows * (end + WINDOW_STEP), (k, w)  # up to its own position, aligned
-    (short, _), (long, _) = short_and_long
+    (short, _, _), (long, _, _) = short_and_long
     per_token = [sum(w.scanned for w in work) / sum(w.rows for w in work) for work in (short, long)]
     mean_end = [256 / 2 + CHUNK, 2048 / 2 + CHUNK]  # a row's mean position, plus the margin's bound
     assert per_token[1] / per_token[0] <= mean_end[1] / mean_end[0] * 1.5, per_token
+
+
+def test_a_chunks_graph_copies_no_more_for_a_long_prompt_than_for_a_short_one(short_and_long):
+    """Copies move data beside the math; one that grows with the cells attended (the span's values transposed every
+    step, before the pool kept them transposed) made a long prompt's chunks cost more per token outside attention."""
+    (_, _, short), (_, _, long) = short_and_long
+    assert max(long) <= max(short), (short, long)  # chunks of CHUNK rows each

@@ -29,10 +29,11 @@ from shards.engines.ggml.moe import GExperts, GgmlMoE
 from shards.engines.ggml.weight_placement import GgmlWeights, GWeight
 from shards.formats.config import ModelConfig
 
-# How rows attend: "flash" (ggml_flash_attn_ext's one-row kernel) or "gemm" (matmuls and a softmax; see attention).
-# gemm costs a prompt's rows a third of flash's instructions, but a decode row over a span of cells more: it
-# transposes the span's values every layer (ggml_cont of F16, element by element). Flash stays the default until
-# the pool keeps values transposed (llama.cpp's layout without flash attention).
+# How rows attend: "flash" (ggml_flash_attn_ext's one-row kernel: llama.cpp's attention, its logits bit for bit) or
+# "gemm" (two F16 matmuls and a softmax on values the pool keeps transposed: gemm_attention), a third of flash's
+# work for a prompt's rows and less for a decode row, but rounded otherwise than llama.cpp: enough to fail the
+# agreement bounds of tests/engines/test_gguf_lowbit.py and test_moe.py on quantized activations. Read when a pool
+# (its values' layout) and a graph are made.
 ATTENTION = "flash"
 ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
 SPLIT_KV_CELLS = 512  # from this many cells on, ggml splits a single query row's cells across threads (ops.cpp)
@@ -62,6 +63,14 @@ class GArray:
 
     def reshape(self, *shape) -> GArray:
         return self.ops.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
+
+
+class ValueLines(GArray):
+    """A span of cached values stored transposed, [kv_heads, head_dim, cells]: each element's cells in one line
+    (a pool made for "gemm" attention, shards/engines/ggml/cells.py). Plain GArray values are [kv_heads, cells,
+    head_dim]; the type, not the shape, says which (the two shapes coincide where head_dim equals the span)."""
+
+    __slots__ = ()
 
 
 def expect(condition: bool, what: str) -> None:
@@ -308,12 +317,23 @@ class GgmlBackend(GgmlWeights, GemmaOps, Backend, GgmlMoE):
     def attention(
         self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float, softcap: float | None = None
     ) -> GArray:
-        """A step's rows attending: q [T, heads, hd] against keys/values [kv_heads, cells, hd] (F16 cache views),
-        `mask` F16 [T, cells] (0 visible, -inf not). -> [T, heads*hd]. By matmuls (`ATTENTION` "gemm", below) or
-        by ggml's flash attention (`flash_attention`)."""
-        if ATTENTION == "flash" or mask is None:
-            return self.flash_attention(q, keys, values, mask, scale, softcap)
-        return self.gemm_attention(q, keys, values, mask, scale, softcap)
+        """A step's rows attending: q [T, heads, hd] against keys [kv_heads, cells, hd] and values as the pool keeps
+        them (F16 views, shards/engines/ggml/cells.py: ValueLines, or [kv_heads, cells, hd] like the keys), `mask`
+        F16 [T, cells] (0 visible, -inf not). -> [T, heads*hd]. By matmuls (`ATTENTION` "gemm", below) or by
+        ggml's flash attention (`flash_attention`); values in the other's layout are transposed to it first, a copy
+        of the span every layer (only a pool made before ATTENTION changed pays it)."""
+        lines = isinstance(values, ValueLines)
+        if ATTENTION == "gemm" and mask is not None:
+            if not lines:
+                nkv, cells, hd = values.shape
+                t = self.node(g.ggml_cont, self.node(g.ggml_permute, values.t, 1, 0, 2, 3))
+                values = ValueLines(self, t, (nkv, hd, cells))
+            return self.gemm_attention(q, keys, values, mask, scale, softcap)
+        if lines:
+            nkv, hd, cells = values.shape
+            t = self.node(g.ggml_cont, self.node(g.ggml_permute, values.t, 1, 0, 2, 3))
+            values = self.wrap(t, (nkv, cells, hd))
+        return self.flash_attention(q, keys, values, mask, scale, softcap)
 
     def gemm_attention(
         self, q: GArray, keys: GArray, values: GArray, mask: GArray, scale: float, softcap: float | None = None
@@ -326,10 +346,15 @@ class GgmlBackend(GgmlWeights, GemmaOps, Backend, GgmlMoE):
         in those blocks: ranges start on CELL_ALIGN cells (cells.py) and spans on WINDOW_STEP, so that is fixed by
         the position. Why not flash attention: its one-row kernel, the only one that is the same for a lone row
         and a prompt's rows, costs per cell several times what a matmul does, and a prompt's row attends every
-        cell before it: a long prompt's prefill grew several-fold per token (issue 35)."""
+        cell before it: a long prompt's prefill grew several-fold per token (issue 35). The values are multiplied
+        where the pool keeps them, transposed (each element's cells in one line): no step copies or transposes the
+        span, which made a decode row cost several times flash's."""
         t, nh, hd = q.shape
         nkv, cells, khd = keys.shape
-        expect(khd == hd and values.shape == keys.shape and nh % nkv == 0, f"attention: {q.shape}, {keys.shape}")
+        expect(
+            khd == hd and isinstance(values, ValueLines) and values.shape == (nkv, hd, cells) and nh % nkv == 0,
+            f"attention: {q.shape}, {keys.shape}",
+        )
         expect(mask.shape == (t, cells), f"attention: mask {mask.shape}")
         rows = max(t, MIN_FLOAT_ROWS)
         if rows > t:  # copies of the rows: every row in tinyBLAS, none alone
@@ -342,8 +367,7 @@ class GgmlBackend(GgmlWeights, GemmaOps, Backend, GgmlMoE):
             kq = self.node(g.ggml_scale, self.node(g.ggml_tanh, kq), softcap)
             scale = 1.0
         p = self.node(g.ggml_soft_max_ext, kq, self.contiguous(mask).t, scale, 0.0)
-        vt = self.node(g.ggml_cont, self.node(g.ggml_permute, values.t, 1, 0, 2, 3))  # ne [cells, hd, kv_heads]
-        out = self.node(g.ggml_mul_mat, vt, p)  # ne [hd, T, heads]
+        out = self.node(g.ggml_mul_mat, values.t, p)  # values ne [cells, hd, kv_heads], strided: out ne [hd, T, heads]
         out = self.node(g.ggml_cont, self.node(g.ggml_permute, out, 0, 2, 1, 3))  # ne [hd, heads, T]
         flat = self.view(self.wrap(out, (rows, nh, hd)), (rows, nh * hd), c_strides((rows, nh * hd), 4))
         return flat if rows == t else flat[:t]

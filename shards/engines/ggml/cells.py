@@ -1,13 +1,18 @@
 """KV cells of the ggml engine: every request's keys and values in one pair of F16 tensors per layer (llama.cpp's
 unified KV cache), each request owning a contiguous range of cells.
 
-Per layer one K and one V tensor [cells, kv_heads*head_dim] (a cell is one position of one request), all in one
-anonymous mapping: zero until written and backed by RAM only where written; a range given back is returned to
-the kernel (MADV_DONTNEED) and reads as zeros again. A request's range holds what it has now (at least 256 cells),
-taken first fit from the low end (the engine's starting on CELL_ALIGN cells) so the cells in use stay packed and
-the spans a step attends stay small, and
-moves to a range twice as large when it outgrows it, up to its reservation (StepInput.max_positions). When no
-free range is large enough the pool doubles (its tensors move: `generation` says so, and every graph built on the old ones goes).
+Per layer one K tensor [cells, kv_heads*head_dim] (a cell is one position of one request: its keys contiguous) and
+one V tensor, laid out for the backend's attention (backend.ATTENTION when the pool is made): for "gemm" transposed,
+[kv_heads*head_dim, cells] (one value element's cells contiguous: llama.cpp's layout without flash attention), so
+attention multiplies a span of values as they lie (GgmlBackend.gemm_attention); for "flash" as the keys are, the
+rows ggml_flash_attn_ext reads. Either way no step transposes the values. All in one anonymous mapping: zero until
+written and backed by RAM only where written (transposed values a page of every element's line at a time); the whole
+pages of a range given back are returned to the kernel (MADV_DONTNEED) and read as zeros again, and any cell left
+holds a finite value (graph.py clamps what it writes).
+A request's range holds what it has now (at least 256 cells), taken first fit from the low end (the engine's
+starting on CELL_ALIGN cells) so the cells in use stay packed and the spans a step attends stay small, and moves to a
+range twice as large when it outgrows it, up to its reservation (StepInput.max_positions). When no free range is
+large enough the pool doubles (its tensors move: `generation` says so, and every graph built on the old ones goes).
 
 Cell 0 belongs to no request: rows that only pad a step to its graph's size (shards/engines/ggml/graph.py) write
 there, and no request's row ever attends it.
@@ -22,7 +27,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 
+import numpy as np
+
 from shards.engines.backend import RequestCache
+from shards.engines.ggml import backend
 from shards.engines.ggml.lib import F16, Context, MappedBuffer, Tensor
 
 SCRATCH_CELL = 0  # where padding rows write; in no request's range
@@ -34,10 +42,13 @@ PAGE = mmap.PAGESIZE
 class CellPool:
     """Every layer's K and V cells, and which ranges of cells are free (sorted, disjoint, merged [start, end))."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, cells: int, align: int = 1):
+    def __init__(
+        self, n_layers: int, n_kv_heads: int, head_dim: int, cells: int, align: int = 1, transposed: bool | None = None
+    ):
         if n_layers < 1 or n_kv_heads < 1 or head_dim < 1 or cells < 2 or align < 1:
             raise ValueError(f"a cell pool needs layers, heads, head_dim >= 1 and >= 2 cells, got {cells} cells")
         self.n_layers, self.width, self.align = n_layers, n_kv_heads * head_dim, align
+        self.transposed = backend.ATTENTION == "gemm" if transposed is None else transposed  # values' layout
         self.row = self.width * 2  # bytes of one cell of one tensor (F16)
         self.position_bytes = 2 * n_layers * self.row  # what one cell costs across K and V of every layer
         self.generation = 0
@@ -58,7 +69,8 @@ class CellPool:
         try:
             tensors = []
             for i in range(2 * self.n_layers):
-                t = ctx.new(F16, (self.width, cells))
+                lines = i % 2 == 1 and self.transposed
+                t = ctx.new(F16, (cells, self.width) if lines else (self.width, cells))  # ne, innermost first
                 mem.place(t, i * stride)
                 tensors.append(t)
         except BaseException:
@@ -114,21 +126,40 @@ class CellPool:
         self._discard(start, end)
 
     def _discard(self, start: int, end: int) -> None:
-        """Return the whole pages of cells [start, end) of every tensor to the kernel (they read as zeros after)."""
+        """Return the whole pages of cells [start, end) of every tensor to the kernel (they read as zeros after):
+        one span per tensor of cells, one per element's line of transposed values (where it spans a page)."""
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
-        first, last = -(-start * self.row // PAGE) * PAGE, end * self.row // PAGE * PAGE
-        if last > first:
-            for i in range(2 * self.n_layers):
-                self.mem.map.madvise(mmap.MADV_DONTNEED, i * self.stride + first, last - first)
+        spans = [
+            (i * self.stride + start * self.row, i * self.stride + end * self.row)
+            for i in range(0, 2 * self.n_layers, 2 if self.transposed else 1)
+        ]
+        if self.transposed and (end - start) * 2 >= PAGE:
+            rows = [
+                i * self.stride + e * self.cells * 2 for i in range(1, 2 * self.n_layers, 2) for e in range(self.width)
+            ]
+            spans += [(r + start * 2, r + end * 2) for r in rows]
+        for a, b in spans:
+            first, last = -(-a // PAGE) * PAGE, b // PAGE * PAGE
+            if last > first:
+                self.mem.map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+    def values(self, layer: int) -> np.ndarray:
+        """A layer's values as F16 [kv_heads*head_dim, cells], a view of the pool's memory (valid until it moves)."""
+        if self.transposed:
+            return tensor_array(self.v[layer], (self.width, self.cells))
+        return tensor_array(self.v[layer], (self.cells, self.width)).T
 
     def copy(self, src: int, dst: int, n: int) -> None:
         """Cells [src, src+n) to [dst, dst+n) in every tensor (ranges that do not overlap)."""
         if n > 0:
             self.copied += n
-            for t in self.k + self.v:
+            for t in self.k + ([] if self.transposed else self.v):
                 base = t.contents.data
                 ctypes.memmove(base + dst * self.row, base + src * self.row, n * self.row)
+            for layer in range(self.n_layers if self.transposed else 0):
+                v = self.values(layer)
+                v[:, dst : dst + n] = v[:, src : src + n]
 
     def move(self, start: int, n: int, keep: int, new_n: int) -> int:
         """A range of n cells (its first `keep` in use) moved to a new range of new_n cells; its first cell."""
@@ -143,8 +174,11 @@ class CellPool:
         used, old_cells = self.used_end, self.cells
         self._map(cells)
         self.copied += used
-        for src, dst in zip(old, self.k + self.v):
+        lines = self.n_layers if self.transposed else 2 * self.n_layers  # the tensors from here on: transposed
+        for src, dst in zip(old[:lines], (self.k + self.v)[:lines]):
             ctypes.memmove(dst.contents.data, src.contents.data, used * self.row)
+        for layer, src in enumerate(old[lines:]):
+            self.values(layer)[:, :used] = tensor_array(src, (self.width, old_cells))[:, :used]
         old_mem.free()
         old_ctx.free()
         if self.free_ranges and self.free_ranges[-1][1] == old_cells:
@@ -194,3 +228,10 @@ class CellRange(RequestCache):
         if self.pool is not None:
             self.pool.release(self.start, self.capacity)
             self.pool = None
+
+
+def tensor_array(t: Tensor, shape: tuple[int, int]) -> np.ndarray:
+    """An F16 tensor's memory as a numpy view of `shape` (numpy order); no copy, and no export of the mapping that
+    holds it, so the mapping can still be closed (after which the view must not be used)."""
+    n = shape[0] * shape[1]
+    return np.ctypeslib.as_array((ctypes.c_uint16 * n).from_address(t.contents.data)).view(np.float16).reshape(shape)

@@ -1,9 +1,9 @@
 """The ggml backend's operations for Gemma's flags of the shared block (formats/block_config.py): the GeGLU gate,
 soft-capping, and the rotary of sliding-window layers with their own base (Gemma 3's local layers).
 
-Soft-capped attention scores are not here: ggml_flash_attn_ext takes the cap itself (its `logit_softcap`, which
-computes cap * tanh(scale * q.k / cap) before adding the mask, as transformers and llama.cpp do), so
-GgmlBackend.attention passes it on. The sliding window itself is a mask, an input like the causal one.
+Soft-capped attention scores are not here: GgmlBackend.gemm_attention caps its scores itself, cap * tanh(scale *
+q.k / cap) before adding the mask, as transformers and llama.cpp do (and ggml_flash_attn_ext's `logit_softcap` under
+ATTENTION "flash"). The sliding window itself is a mask, an input like the causal one.
 """
 
 from __future__ import annotations

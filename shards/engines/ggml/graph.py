@@ -12,14 +12,15 @@ token (or hidden row), position and cell (where ggml_set_rows writes its keys an
 So a step attends once per group and layer and the graph has a few nodes per layer however many requests decode
 in it.
 
-Exactness: by default a row attends through ggml's CPU flash attention, which skips every -inf cell outright, one
-row at a time (GgmlBackend.flash_attention): the online softmax over exactly its own request's cells, in cell order.
-With backend.ATTENTION "gemm", by two F16 matmuls and a softmax over its group's span (GgmlBackend.gemm_attention),
-each summed in one order per element whatever else the step holds; the masked cells add exact zeros, so a row's result
-depends only on its own request's cells, their order, and where they fall in SIMD blocks, which the pool's aligned
-ranges fix (cells.py): the same numbers whichever other requests share the group, and wherever the request's range
-lies. Every cell is finite (keys and values are clamped to F16's range as they are written; padding rows see one
-cell), since a row's matmuls read every cell of its span, its neighbours' too.
+Exactness, with either of the backend's attentions (backend.ATTENTION). "flash", llama.cpp's kernel: ggml's CPU flash
+attention, which skips every -inf cell outright, one row at a time (GgmlBackend.flash_attention): the online softmax
+over exactly its own request's cells, in cell order. "gemm": two F16 matmuls and a softmax over the group's span
+(GgmlBackend.gemm_attention), the values read where the pool keeps them, transposed (cells.py), each sum in one order
+per element whatever else the step holds; the masked cells add exact zeros, so a row's result depends only on its
+own request's cells, their order, and where they fall in SIMD blocks, which the pool's aligned ranges fix (cells.py):
+the same numbers whichever other requests share the group, and wherever the request's range lies. Every cell is
+finite (keys and values are clamped to F16's range as they are written; padding rows see one cell), since a row's
+matmuls read every cell of its span, its neighbours' too.
 
 The first step of a shape builds its graph (milliseconds of Python) and gives it its own compute buffer;
 later steps copy the inputs and compute. Graphs are kept least recently used first out, at most `GraphCache.limit`.
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shards.engines.backend import KVCache
-from shards.engines.ggml.backend import ATTENTION_ROWS, GArray, GgmlBackend, expect
+from shards.engines.ggml.backend import ATTENTION_ROWS, GArray, GgmlBackend, ValueLines, expect
 from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.lib import F16, F32, I32, Context, GgmlError, cpu_buffer_type, g
 from shards.model.transformer import ShardModel, Step
@@ -121,12 +122,23 @@ class PoolKV(KVCache):
         k_all = ops.wrap(
             ops.node(g.ggml_set_rows, pool.k[self.layer], k_rows.t, self.cells.t), (pool.cells, pool.width)
         )
-        v_all = ops.wrap(
-            ops.node(g.ggml_set_rows, pool.v[self.layer], v_rows.t, self.cells.t), (pool.cells, pool.width)
-        )
         heads, hd, gr = k.shape[1], k.shape[2], self.group
-        shape, strides, at = (heads, gr.cells, hd), (hd * 2, pool.row, 2), gr.lo * pool.row
-        return ops.view(k_all, shape, strides, at), ops.view(v_all, shape, strides, at)
+        at = gr.lo * pool.row
+        keys = ops.view(k_all, (heads, gr.cells, hd), (hd * 2, pool.row, 2), at)
+        if not pool.transposed:
+            v_all = ops.wrap(
+                ops.node(g.ggml_set_rows, pool.v[self.layer], v_rows.t, self.cells.t), (pool.cells, pool.width)
+            )
+            return keys, ops.view(v_all, (heads, gr.cells, hd), (hd * 2, pool.row, 2), at)
+        # values stored transposed (cells.py): each of a row's elements is a one-element "row" of its element's line
+        # of cells, written at the row's cell (set_rows broadcasts the cells over the elements)
+        v_lines = ops.view(
+            ops.wrap(pool.v[self.layer], (pool.width, pool.cells)), (pool.width, pool.cells, 1), (pool.cells * 2, 2, 2)
+        )
+        v_elems = ops.view(v_rows, (pool.width, t, 1), (4, v_rows.strides[0], 4))
+        v_all = ops.wrap(ops.node(g.ggml_set_rows, v_lines.t, v_elems.t, self.cells.t), v_lines.shape)
+        lines = ops.view(v_all, (heads, hd, gr.cells), (hd * pool.cells * 2, pool.cells * 2, 2), gr.lo * 2)
+        return keys, ValueLines(ops, lines.t, lines.shape)  # [kv_heads, hd, cells]
 
     @property
     def nbytes(self) -> int:
@@ -142,10 +154,10 @@ class Graph:
         rows, layers = shape.rows, len(model.layers)
         self.shape, self.first = shape, first
         blocks = sum(-(-gr.rows // ATTENTION_ROWS) + 1 for gr in shape.groups)
-        # ~40 tensors per layer (measured 38 for Qwen3 with q/k norms), 8 per attention block and 6 per group and
-        # layer, 8 per group, MoE ~20 + top-k
+        # ~40 tensors per layer (measured 38 for Qwen3 with q/k norms), 8 per (flash) attention block and 10 per
+        # group and layer (cache writes and views, gemm attention), 8 per group, MoE ~20 + top-k
         n = len(shape.groups)
-        self.ctx = Context(64 + 8 * n + layers * (96 + 8 * blocks + 6 * n), graph=True)
+        self.ctx = Context(64 + 8 * n + layers * (96 + 8 * blocks + 10 * n), graph=True)
         ops.ctx = self.ctx
         try:
             n_ints = (3 if first else 2) * rows
@@ -215,6 +227,12 @@ class Graph:
         out = np.empty(self.out_shape, dtype=np.float32)  # fresh: callers may keep outputs across steps
         g.ggml_backend_tensor_get(self.out, out.ctypes.data, 0, out.nbytes)
         return out
+
+    def copied_bytes(self) -> int:
+        """What the graph's copies (ggml_cont, ggml_cpy) write per run: data moved beside the math, which must not
+        grow with the cells attended (tests bound it)."""
+        nodes = (g.ggml_graph_node(self.gf, i) for i in range(self.nodes))
+        return sum(int(g.ggml_nbytes(t)) for t in nodes if g.ggml_op_name(t.contents.op) in (b"CONT", b"CPY"))
 
     def free(self) -> None:
         if self.galloc:
