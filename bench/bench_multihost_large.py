@@ -96,6 +96,7 @@ class HostMemory:
     share: int | None  # bytes; None: it holds no share (llama-server, an orchestrator)
     rss: int
     peak: int
+    planned: int | None = None  # exo: what the planner counted against its memory (weights + a context's KV)
 
     @property
     def ratio(self) -> float | None:
@@ -130,21 +131,29 @@ def report(runs: list[SystemRun], model_bytes: int, head: str, streams: list[int
     for s in streams:
         what = "one stream, decode tok/s" if s == 1 else f"{s} streams, aggregate tok/s"
         lines.append(f"| {what} | " + " | ".join(f"{r.median(s):.2f}" for r in runs) + " |")
-    lines += ["", "| system | host | process, layers | share GiB | resident GiB | peak GiB | peak / share |"]
-    lines.append("|---|---|---|---|---|---|---|")
+    lines += [
+        "",
+        "Share: the bytes of the model the process holds (exo: its planned layers in the file; llama.cpp: the model"
+        " buffer llama-server sent it). Planned: what exo's planner counted against the host's --memory-gb for those"
+        " layers (their weights and one context's KV cache).",
+        "",
+        "| system | host | process, layers | share GiB | resident GiB | peak GiB | peak / share | planned GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         for m in r.memory:
-            share = gib(m.share) if m.share else "—"
+            share, planned = (gib(x) if x else "—" for x in (m.share, m.planned))
             ratio = f"{m.ratio:.2f}x" if m.ratio is not None else "—"
-            lines.append(f"| {r.name} | {m.host} | {m.what} | {share} | {gib(m.rss)} | {gib(m.peak)} | {ratio} |")
+            cells = (r.name, m.host, m.what, share, gib(m.rss), gib(m.peak), ratio, planned)
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines) + "\n"
 
 
 # -- running the systems ------------------------------------------------------------------------------------------
-def memory_of(proc, host: int, what: str, share: int | None) -> HostMemory:
+def memory_of(proc, host: int, what: str, share: int | None, planned: int | None = None) -> HostMemory:
     if proc.poll() is not None:
         raise RuntimeError(f"{what} on host {host} exited ({proc.returncode}): killed by its memory cap? see its log")
-    return HostMemory(host, what, share, *resident(Path(f"/proc/{proc.pid}/status").read_text()))
+    return HostMemory(host, what, share, *resident(Path(f"/proc/{proc.pid}/status").read_text()), planned)
 
 
 def turns(lan, url: str, model_id: str, streams: list[int], args) -> tuple[dict, ...]:
@@ -157,7 +166,7 @@ def turns(lan, url: str, model_id: str, streams: list[int], args) -> tuple[dict,
     return tuple(got)
 
 
-def run_exo(lan, gguf_path: Path, model_id: str, tensors: dict[str, int], n_layers: int, ctx) -> SystemRun:
+def run_exo(lan, gguf_path: Path, model_id: str, tensors: dict[str, int], planned: tuple[int, ...], ctx) -> SystemRun:
     groups, netem, logs, args, streams = ctx
     with contextlib.ExitStack() as stack:
         procs = []
@@ -170,8 +179,8 @@ def run_exo(lan, gguf_path: Path, model_id: str, tensors: dict[str, int], n_laye
         memory = []
         for i, proc in enumerate(procs):
             start, end = plan.get(f"host{i}", (0, 0))
-            share = share_bytes(tensors, start, end, n_layers) if end > start else None
-            memory.append(memory_of(proc, i, f"node, layers {start}:{end}", share))
+            share = share_bytes(tensors, start, end, len(planned)) if end > start else None
+            memory.append(memory_of(proc, i, f"node, layers {start}:{end}", share, sum(planned[start:end])))
     return SystemRun("exo-node", done, tuple(memory))
 
 
@@ -203,6 +212,9 @@ def main() -> None:
     import gguf
 
     from bench.large_model import large_gguf
+    from node.core.placement.layer_costs import file_bytes_per_param, layer_footprints
+    from shards.engines.ggml.engine import GgmlEngine
+    from shards.formats.loader import load_config
     from shards.formats.packaged import model_id as model_id_of
     from tests.support import netns  # the multihost tests' hosts
 
@@ -234,7 +246,12 @@ def main() -> None:
         )
     reader = gguf.GGUFReader(gguf_path)
     tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
-    n_layers = int(reader.fields["llama.block_count"].contents())
+    cfg = load_config(
+        gguf_path
+    )  # the planner's footprints, as the entry node works them out (node/runtime/planning.py)
+    bpp, kv_tokens = file_bytes_per_param(gguf_path, cfg), cfg.max_position_embeddings
+    planned = layer_footprints(cfg, bytes_per_param=bpp, kv_tokens=kv_tokens, kv_value_bytes=GgmlEngine.kv_value_bytes)
+    n_layers = cfg.n_layers
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds the stack below: processes, then namespaces
     logs = Path(tempfile.mkdtemp(prefix="bench-multihost-large-"))
     print(f"logs: {logs}", flush=True)
@@ -248,7 +265,7 @@ def main() -> None:
         if not netem:
             start_relays(stack, lan, logs)
         ctx = (groups, netem, logs, args, streams)
-        runs.append(run_exo(lan, gguf_path, model_id_of(gguf_path), tensors, n_layers, ctx))
+        runs.append(run_exo(lan, gguf_path, model_id_of(gguf_path), tensors, planned, ctx))
         if not args.no_rpc:
             runs.append(run_rpc(lan, gguf_path, model_id_of(gguf_path), ctx))
     command = "uv run --group bench python -m bench.bench_multihost_large " + " ".join(sys.argv[1:])

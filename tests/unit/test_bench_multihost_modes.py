@@ -91,13 +91,17 @@ def test_the_large_report_judges_exo_by_its_worst_host_and_gives_both_systems_sp
     exo = SystemRun(
         "exo-node",
         ({"streams": 1, "per_stream": 2.0, "aggregate": 2.0},),
-        (HostMemory(0, "node, layers 0:11", gib, gib, int(1.05 * gib)), HostMemory(1, "node", gib, gib, 2 * gib)),
+        (
+            HostMemory(0, "node, layers 0:11", gib, gib, int(1.05 * gib), planned=int(1.25 * gib)),
+            HostMemory(1, "node", gib, gib, 2 * gib),
+        ),
     )
     rpc = SystemRun("llama.cpp RPC", ({"streams": 1, "per_stream": 1.5, "aggregate": 1.5},), ())
     text = report([exo, rpc], 4 * gib, "# head", [1])
     assert f"2.00x (goal ≤ {GOAL:.1f}x: missed)" in text
     assert "| one stream, decode tok/s | 2.00 | 1.50 |" in text
-    assert "| exo-node | 0 | node, layers 0:11 | 1.00 | 1.00 | 1.05 | 1.05x |" in text
+    assert "| exo-node | 0 | node, layers 0:11 | 1.00 | 1.00 | 1.05 | 1.05x | 1.25 |" in text
+    assert "| exo-node | 1 | node | 1.00 | 1.00 | 2.00 | 2.00x | — |" in text
 
 
 def test_resident_memory_is_read_from_proc_status_in_bytes():
