@@ -68,13 +68,9 @@ class PeerStream:
         peer's response, or None for a message answered by a later one's). Raises StreamBroken when it can't be
         written; the future fails with StreamBroken when the stream ends before the answer."""
         async with self.lock:
-            if len(self.waiting) >= self.max_in_flight:
+            if len(self.waiting) >= self.max_in_flight:  # room comes with an answer, or with the oldest's deadline
                 self.room.clear()
-                try:
-                    async with asyncio.timeout(self.timeout):
-                        await self.room.wait()
-                except TimeoutError:
-                    self._close(StreamBroken(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout:g}s"))
+                await self.room.wait()
             if self.call is None or time.monotonic() - self.opened > self.max_age and not self.waiting:
                 self._open()
             answer = asyncio.get_running_loop().create_future()
@@ -82,7 +78,7 @@ class PeerStream:
             if self.watch is None:
                 self.watch = asyncio.get_running_loop().call_later(self.timeout, self._check)
             try:
-                async with asyncio.timeout(self.timeout):
+                async with asyncio.timeout(self.timeout):  # a cancelled call does not end a write waiting to connect
                     await self.call.write(message)
             except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
                 self._close(
