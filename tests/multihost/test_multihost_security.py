@@ -94,7 +94,12 @@ def test_a_host_without_the_key_is_never_a_member_and_replayed_announcements_are
             assert all(s.get("udp_replayed", 0) > 0 for s in seen)  # host0's announcement, sent again by the rogue
             loaded = {n["node_id"] for n in call(lan, 0, "/v1/topology")["nodes"] if n["loaded"]}
             # greedy: a sampled end-of-text token may end a random fixture's answer early
-            body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+            body = {
+                "model": "llama",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+                "temperature": 0,
+            }
             assert call(lan, 0, "/v1/chat/completions", body)["usage"]["completion_tokens"] == 4
             assert "host3" not in loaded | {n["node_id"] for n in call(lan, 0, "/v1/topology")["nodes"] if n["loaded"]}
             raw = subprocess.run(
