@@ -179,6 +179,10 @@ class CellPool:
             ctypes.memmove(dst.contents.data, src.contents.data, used * self.row)
         for layer, src in enumerate(old[lines:]):
             self.values(layer)[:, :used] = tensor_array(src, (self.width, old_cells))[:, :used]
+        self._grown(old_ctx, old_mem, old_cells, cells)
+
+    def _grown(self, old_ctx, old_mem, old_cells: int, cells: int) -> None:
+        """After a move into `cells` cells: the old mapping freed, the new cells [old_cells, cells) free."""
         old_mem.free()
         old_ctx.free()
         if self.free_ranges and self.free_ranges[-1][1] == old_cells:

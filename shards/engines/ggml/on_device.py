@@ -238,13 +238,7 @@ class DevicePool(CellPool):
             b = self._read(t)
             self._by_cell(b, cells)[:used] = self._by_cell(a, old_cells)[:used]
             self._write(t, b)
-        old_mem.free()
-        old_ctx.free()
-        if self.free_ranges and self.free_ranges[-1][1] == old_cells:
-            self.free_ranges[-1] = (self.free_ranges[-1][0], cells)
-        else:
-            self.free_ranges.append((old_cells, cells))
-        self.generation += 1
+        self._grown(old_ctx, old_mem, old_cells, cells)
 
 
 class DeviceGraph(Graph):
