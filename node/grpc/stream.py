@@ -68,9 +68,13 @@ class PeerStream:
         peer's response, or None for a message answered by a later one's). Raises StreamBroken when it can't be
         written; the future fails with StreamBroken when the stream ends before the answer."""
         async with self.lock:
-            if len(self.waiting) >= self.max_in_flight:  # room comes with an answer, or with the oldest's deadline
+            if len(self.waiting) >= self.max_in_flight:
                 self.room.clear()
-                await self.room.wait()
+                try:
+                    async with asyncio.timeout(self.timeout):
+                        await self.room.wait()
+                except TimeoutError:
+                    self._close(StreamBroken(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout:g}s"))
             if self.call is None or time.monotonic() - self.opened > self.max_age and not self.waiting:
                 self._open()
             answer = asyncio.get_running_loop().create_future()
@@ -78,7 +82,7 @@ class PeerStream:
             if self.watch is None:
                 self.watch = asyncio.get_running_loop().call_later(self.timeout, self._check)
             try:
-                async with asyncio.timeout(self.timeout):  # a cancelled call does not end a write waiting to connect
+                async with asyncio.timeout(self.timeout):
                     await self.call.write(message)
             except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
                 self._close(
