@@ -43,15 +43,13 @@ class Handler(Protocol):
 
 ANSWER_WINDOW_S = 0.5  # longest a message without refusals waits for its answer (far below any sender's deadline)
 MAX_UNANSWERED = 64  # messages answered together at most
-EAGER_BYTES = 64 << 10  # a message carrying more tensor bytes is answered at once: its sender holds them till then
 
 
 class Answers:
     """The answers on one data-path stream. A message with refusals is answered at once (and with it every
     message before it: one response answers `answers` messages, in order, its refusals among them); the others
     within ANSWER_WINDOW_S, together, or as MAX_UNANSWERED pile up. The stream's first message is answered at
-    once (a peer's first call finds out at once whether it is taken), and so is a large one (a prompt chunk's
-    activations, which the sender keeps until the answer, to fail their requests if the call is lost). At one token in flight a peer would
+    once (a peer's first call finds out at once whether it is taken). At one token in flight a peer would
     otherwise send an answer per hop, and on a node with one core its every microsecond is on the token's path.
     One write at a time: a response always answers every message taken before it was built."""
 
@@ -61,11 +59,10 @@ class Answers:
         self.timer: asyncio.TimerHandle | None = None
         self.writer: asyncio.Task | None = None
 
-    def taken(self, refused: list[Refusal], nbytes: int = 0) -> None:
-        """A message was taken: `refused`, its activations refused; `nbytes`, its tensors' bytes."""
+    def taken(self, refused: list[Refusal]) -> None:
         self.count, self.seen = self.count + 1, self.seen + 1
         self.refused += refused
-        if refused or self.seen == 1 or self.count >= MAX_UNANSWERED or nbytes > EAGER_BYTES:
+        if refused or self.seen == 1 or self.count >= MAX_UNANSWERED:
             self._send()
         elif self.timer is None:
             self.timer = asyncio.get_running_loop().call_later(self.window, self._send)
@@ -127,7 +124,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
                 refused = self.node.accept_activations(activations, caller) if activations else []
                 for message in messages:
                     self.node.accept_tokens(message, caller)
-                answers.taken(refused, sum(a.data.nbytes for a in activations))
+                answers.taken(refused)
             await answers.flush()
         finally:
             answers.close()

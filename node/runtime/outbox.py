@@ -1,7 +1,6 @@
 """Messages for one peer, sent in order, one call at a time.
 
-Whatever queues up while a call is being made goes out together in the next call (the pipeline's `send` returns
-once its call is written, not answered: node/runtime/transport.py's `post`). Order matters: the chunks of a
+Whatever queues up while a call is in flight goes out together in the next call. Order matters: the chunks of a
 prompt and the tokens of a stream must arrive as they were produced, and concurrent unary gRPC calls don't promise
 that. Coalescing is the other gain: with many requests decoding, one call per step and peer instead of one per
 request. A call carries at most `max_batch` items and `max_bytes` of them (as `size` counts them): the receiving

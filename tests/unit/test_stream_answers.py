@@ -5,7 +5,7 @@ import asyncio
 
 from node.core.failures import Failure, FailureKind
 from node.core.requests import Refusal
-from node.grpc.server import EAGER_BYTES, MAX_UNANSWERED, Answers
+from node.grpc.server import MAX_UNANSWERED, Answers
 
 BUSY = Refusal("r2", Failure(FailureKind.BUSY, "no room"))
 
@@ -72,22 +72,6 @@ def test_no_more_than_max_unanswered_messages_wait_for_the_window():
             answers.taken([])
         await asyncio.sleep(0)
         assert sent == [(1, []), (MAX_UNANSWERED, [])]
-        answers.close()
-
-    asyncio.run(go())
-
-
-def test_a_large_message_is_answered_at_once_so_its_sender_holds_its_activations_no_longer():
-    async def go():
-        answers, sent = answering(window=10.0)
-        answers.taken([])
-        await asyncio.sleep(0)
-        answers.taken([], nbytes=EAGER_BYTES // 2)
-        await asyncio.sleep(0)
-        assert sent == [(1, [])]  # a decode row's activations wait for the window
-        answers.taken([], nbytes=EAGER_BYTES + 1)
-        await asyncio.sleep(0)
-        assert sent == [(1, []), (2, [])]
         answers.close()
 
     asyncio.run(go())
