@@ -88,24 +88,6 @@ def _translated(call):
     return wrapper
 
 
-def _refusals(answer: asyncio.Future, refused: asyncio.Future, address: str) -> None:
-    """`refused` settled from the stream's `answer` (node/grpc/stream.py): the activations refused, or the
-    TransportError of the stream's end (the only error an answer fails with: StreamBroken)."""
-    if refused.done():
-        return  # its waiter was cancelled
-    if answer.cancelled():
-        refused.cancel()
-    elif (e := answer.exception()) is not None:
-        refused.set_exception(TransportError(*failure_of(e.code, e.details, address)))
-    else:
-        response = answer.result()  # None: answered with a later message's response, which says nothing of it
-        try:
-            refused.set_result([] if response is None else [wire.decode_refusal(r) for r in response.rejected])
-        except wire.WireError as e:
-            failure = Failure(FailureKind.ERROR, f"answered with a malformed message: {e}", address)
-            refused.set_exception(TransportError(failure, "malformed"))
-
-
 class GrpcTransport:
     """The `Transport` over gRPC. Calls on a request's data path wait for a connection that is not up yet
     (`wait_for_ready`: a peer still starting, a reconnect in progress) but never longer than `rpc_timeout`; a peer
@@ -147,15 +129,10 @@ class GrpcTransport:
         request = pb.SendPromptRequest(spec=wire.encode_spec(spec), tokens=wire.encode_tensor(tokens))
         await self.stub(address).SendPrompt(request, timeout=self.rpc_timeout, wait_for_ready=True)
 
+    @_translated
     async def send(
         self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]
     ) -> list[Refusal]:
-        return await (await self.post(address, activations, messages))
-
-    @_translated
-    async def post(
-        self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]
-    ) -> asyncio.Future[list[Refusal]]:
         stub = self.stub(address)  # first: it may replace a channel whose certificate was renewed
         on, stream = self.streams.get(address, (None, None))
         if on is not stub:  # a new channel gets its own stream
@@ -164,12 +141,10 @@ class GrpcTransport:
             stream = PeerStream(lambda: stub.SendStream(wait_for_ready=True), self.rpc_timeout)
             self.streams[address] = (stub, stream)
         try:
-            answer = await stream.post(wire.encode_send(activations, messages))
+            response = await stream.send(wire.encode_send(activations, messages))
         except StreamBroken as e:
             raise TransportError(*failure_of(e.code, e.details, address)) from None
-        refused = asyncio.get_running_loop().create_future()
-        answer.add_done_callback(lambda done: _refusals(done, refused, address))
-        return refused
+        return [wire.decode_refusal(r) for r in response.rejected]
 
     @_translated
     async def end_request(self, address: str, request_id: str, reason: str) -> None:

@@ -4,7 +4,6 @@ the node, and map bad input to INVALID_ARGUMENT."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
@@ -41,60 +40,6 @@ class Handler(Protocol):
     def info(self) -> NodeInfo: ...
 
 
-ANSWER_WINDOW_S = 0.5  # longest a message without refusals waits for its answer (far below any sender's deadline)
-MAX_UNANSWERED = 64  # messages answered together at most
-
-
-class Answers:
-    """The answers on one data-path stream. A message with refusals is answered at once (and with it every
-    message before it: one response answers `answers` messages, in order, its refusals among them); the others
-    within ANSWER_WINDOW_S, together, or as MAX_UNANSWERED pile up. The stream's first message is answered at
-    once (a peer's first call finds out at once whether it is taken). At one token in flight a peer would
-    otherwise send an answer per hop, and on a node with one core its every microsecond is on the token's path.
-    One write at a time: a response always answers every message taken before it was built."""
-
-    def __init__(self, write: Callable[[pb.SendResponse], Awaitable[None]], window: float = ANSWER_WINDOW_S):
-        self.write, self.window = write, window
-        self.count, self.refused, self.seen = 0, [], 0
-        self.timer: asyncio.TimerHandle | None = None
-        self.writer: asyncio.Task | None = None
-
-    def taken(self, refused: list[Refusal]) -> None:
-        self.count, self.seen = self.count + 1, self.seen + 1
-        self.refused += refused
-        if refused or self.seen == 1 or self.count >= MAX_UNANSWERED:
-            self._send()
-        elif self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(self.window, self._send)
-
-    def _send(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if self.writer is None or self.writer.done():
-            self.writer = asyncio.ensure_future(self._write())  # a writer already running takes these too
-
-    async def _write(self) -> None:
-        while self.count:
-            response = pb.SendResponse(answers=self.count, rejected=[wire.encode_refusal(r) for r in self.refused])
-            self.count, self.refused = 0, []
-            try:
-                await self.write(response)
-            except (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError):
-                return  # the call ended: the sender fails what it still waits for, by its deadline or the break
-
-    async def flush(self) -> None:
-        """Everything taken so far answered (the sender stopped sending)."""
-        self._send()
-        await self.writer
-
-    def close(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        if self.writer is not None and not self.writer.done():
-            self.writer.cancel()
-
-
 class NodeServicer(pb_grpc.NodeServiceServicer):
     def __init__(self, node: Handler, source: WeightSource | None = None):
         self.node, self.source = node, source  # source: the weights this node hands to peers (None: none)
@@ -111,23 +56,18 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
             await abort(context, Failure(FailureKind.REFUSED, str(e)))
         return pb.Ack()
 
-    async def SendStream(self, requests, context: grpc.aio.ServicerContext) -> None:
-        """The data path: every message (activations, token messages) is taken at once, in order; the answers
-        (the activations refused) go back as `Answers` sends them."""
-        caller, answers = peer_node_id(context), Answers(context.write)
-        try:
-            async for request in requests:
-                try:
-                    activations, messages = wire.decode_send(request, self.node.max_tensor_bytes)
-                except wire.WireError as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                refused = self.node.accept_activations(activations, caller) if activations else []
-                for message in messages:
-                    self.node.accept_tokens(message, caller)
-                answers.taken(refused)
-            await answers.flush()
-        finally:
-            answers.close()
+    async def SendStream(self, requests, context: grpc.aio.ServicerContext):
+        """The data path: each message (activations, token messages) is answered with the activations refused."""
+        caller = peer_node_id(context)
+        async for request in requests:
+            try:
+                activations, messages = wire.decode_send(request, self.node.max_tensor_bytes)
+            except wire.WireError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            refused = self.node.accept_activations(activations, caller) if activations else []
+            for message in messages:
+                self.node.accept_tokens(message, caller)
+            yield pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused])
 
     async def EndRequest(self, request: pb.EndRequestRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         self.node.end_request(request.request_id[:MAX_REQUEST_ID], request.reason[:32], peer_node_id(context))

@@ -314,8 +314,7 @@ class Node:
         return rejected
 
     def accept_tokens(self, message: TokenMessage, caller: str | None = None) -> None:
-        # the client's part waits for the pass its token came with (node/runtime/pipeline.py's after_pass)
-        self.pipeline.after_pass(lambda: self.entry.accept_tokens(message, caller))
+        self.entry.accept_tokens(message, caller)
 
     def end_request(self, request_id: str, reason: str, caller: str | None = None) -> None:
         self.pipeline.do(self.core.end_request(request_id, reason, caller))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from node.runtime.calibration import LayerSpeed
 from node.runtime.engine_step import Executed, Following
 from node.runtime.metrics import NodeMetrics
 from node.runtime.outbox import Outbox
-from node.runtime.overhead import Overhead, thread_clock
+from node.runtime.overhead import Overhead
 from node.runtime.sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
 from node.runtime.shard_manager import ShardManager
 from node.runtime.transport import Transport, TransportError
@@ -74,15 +73,11 @@ class Pipeline:
         self.following = Following(self._on_pass)
         self._wake = asyncio.Event()
         self._outboxes: dict[str, Outbox] = {}
-        self._unanswered = 0  # calls written whose answer has not come
-        self._busy = False  # the worker is running passes
-        self._later: list[Callable[[], None]] = []  # `after_pass` work, in order
 
     @property
     def sending(self) -> bool:
-        """Whether messages are still on their way out, or not yet answered (a request's last token leaves after it
-        ended here)."""
-        return bool(self._outboxes) or self._unanswered > 0
+        """Whether messages are still on their way out (a request's last token leaves after it ended here)."""
+        return bool(self._outboxes)
 
     def wake(self) -> None:
         """New work was queued in the core: the engine thread stops running rows on by itself (`Following`), so
@@ -94,28 +89,9 @@ class Pipeline:
         """A request ended from outside, or the node stops: the engine thread stops running rows on by itself."""
         self.following.interrupt()
 
-    def after_pass(self, work: Callable[[], None]) -> None:
-        """Run `work` (a delivery to a client: nothing a pass needs) once the pass queued or running here has
-        run and what it made is on its way; at once when there is none. A node on a core of its own computes and
-        waits in turn: what it does while it waits for its next input costs its tokens nothing, what it does
-        beside a pass is time the pass loses. In order: what came first runs first."""
-        if self._later or self._busy or self.core.queue:
-            self._later.append(work)
-        else:
-            work()
-
-    def _run_later(self) -> None:
-        later, self._later = self._later, []
-        for work in later:
-            try:
-                work()
-            except Exception:  # a bug in one delivery: the others still go
-                log.exception("a deferred delivery failed")
-
     # -- the worker -------------------------------------------------------------------------------------------
     async def work(self) -> None:
         core = self.core
-        self.overhead.engine_clock = thread_clock(await self.shards.run(threading.get_ident))
         while True:
             if not core.queue or core.should_wait:
                 self._wake.clear()
@@ -128,7 +104,6 @@ class Pipeline:
                 finally:
                     if for_input:
                         self.overhead.idle(time.perf_counter() - waited)
-            self._busy = True
             for plan in core.take_batch():
                 try:
                     await self._run(plan)
@@ -139,9 +114,6 @@ class Pipeline:
             # rows the engine thread could not sample wait in the sampling batch: sample them now, not after the
             # window (the next pass, a micro-batch or a prompt chunk, takes longer than the window anyway)
             self.batcher.flush()
-            self._busy = False
-            if self._later:  # after the sends the pass made, which were queued first
-                asyncio.get_running_loop().call_soon(self._run_later)
 
     async def _run(self, plan: StepPlan) -> None:
         """Schedule -> execute -> update: the plan runs on the engine thread, which samples its rows there, and
@@ -187,7 +159,6 @@ class Pipeline:
         self.counters["forward_us_total"] += int(done.outputs.computed * 1e6)
         self.counters["step_us_total"] += int(seconds * 1e6)
         self.overhead.ran(done.began, done.ended)
-        self.overhead.read_cpu()
         if self.speed is not None:
             self.speed.observed(plan.shard, plan.positions, done.outputs.computed)
         self.metrics.step_done(seconds, len(plan.rows), plan.positions)
@@ -249,45 +220,22 @@ class Pipeline:
         return box
 
     async def _send(self, address: str, batch: tuple[Activation | TokenMessage, ...]) -> None:
-        """One call with `batch`, not waiting for its answer (the next call follows at once, in order): the answer
-        comes to `_answered`."""
         activations = tuple(m for m in batch if isinstance(m, Activation))
         messages = tuple(m for m in batch if isinstance(m, TokenMessage))
         try:
             called = time.perf_counter()
-            answer = await self.transport.post(address, activations, messages)
+            refused = await self.transport.send(address, activations, messages)
             if activations:
                 self.overhead.sent(called, time.perf_counter())
         except Exception as e:  # a transport error, or a message that can't be sent: its requests fail, never vanish
-            self._failed(address, activations, messages, e)
+            if not isinstance(e, TransportError):
+                log.exception("sending to %s failed", address)
+            self.metrics.rpc_error(address, "send")
+            self.do(self.core.send_failed(address, activations, str(e), isinstance(e, TransportError) and e.retryable))
+            for message in messages:
+                self.do(self.core.deliver_failed(address, message, str(e)))
             return
-        self._unanswered += 1
-        answer.add_done_callback(lambda done: self._answered(address, activations, messages, done))
-
-    def _answered(
-        self,
-        address: str,
-        activations: tuple[Activation, ...],
-        messages: tuple[TokenMessage, ...],
-        answer: asyncio.Future[list[Refusal]],
-    ) -> None:
-        self._unanswered -= 1
-        if answer.cancelled():
-            return  # the node stops
-        if (e := answer.exception()) is not None:
-            self._failed(address, activations, messages, e)
-        else:
-            self.do(self.core.refused(address, answer.result()))
-
-    def _failed(
-        self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...], e: BaseException
-    ) -> None:
-        if not isinstance(e, TransportError):
-            log.error("sending to %s failed", address, exc_info=e)
-        self.metrics.rpc_error(address, "send")
-        self.do(self.core.send_failed(address, activations, str(e), isinstance(e, TransportError) and e.retryable))
-        for message in messages:
-            self.do(self.core.deliver_failed(address, message, str(e)))
+        self.do(self.core.refused(address, refused))
 
 
 def _wire_size(item: Activation | TokenMessage) -> int:

@@ -6,7 +6,6 @@ about grpc or protobuf; everything else talks to a `Transport`.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
@@ -45,13 +44,6 @@ class Transport(Protocol):
     ) -> list[Refusal]:
         """Activations (for requests the peer runs) and token messages (for requests it is the entry node of), in
         one call; returns the activations the peer refused, and why."""
-
-    async def post(
-        self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]
-    ) -> asyncio.Future[list[Refusal]]:
-        """`send` without waiting for the answer: returns once the call is on its way, after every earlier one to
-        `address` (so the next may follow at once, in order), with the future of the activations refused (which
-        fails with a TransportError if the call is lost). Raises a TransportError when it can't go at all."""
 
     async def end_request(self, address: str, request_id: str, reason: str) -> None: ...
 

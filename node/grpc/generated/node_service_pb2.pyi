@@ -151,12 +151,10 @@ class Rejected(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
 
 class SendResponse(_message.Message):
-    __slots__ = ("rejected", "answers")
+    __slots__ = ("rejected",)
     REJECTED_FIELD_NUMBER: _ClassVar[int]
-    ANSWERS_FIELD_NUMBER: _ClassVar[int]
     rejected: _containers.RepeatedCompositeFieldContainer[Rejected]
-    answers: int
-    def __init__(self, rejected: _Optional[_Iterable[_Union[Rejected, _Mapping]]] = ..., answers: _Optional[int] = ...) -> None: ...
+    def __init__(self, rejected: _Optional[_Iterable[_Union[Rejected, _Mapping]]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token", "logprob")
