@@ -2,7 +2,7 @@
 `--float-matmul pad`), three hosts on a private bridge with a cluster key. The middle host of the request's plan is
 killed (-9), frozen (SIGSTOP) or cut off the network while a seeded completion is being generated; the entry
 replays prompt + generated tokens as one prefill on the survivors, and the text is the undisturbed run's, character
-for character (issue 28: before, 5 of 5 such texts changed after the fault).
+for character (before the replay was made exact, 5 of 5 such texts changed after the fault).
 
 The three faults share one private network and its hosts (a module fixture): after each, the victim is killed if
 it still runs, its link brought back up and a fresh process started on it under the same name, which rejoins; the

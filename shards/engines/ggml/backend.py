@@ -346,7 +346,7 @@ class GgmlBackend(GgmlWeights, GemmaOps, Backend, GgmlMoE):
         in those blocks: ranges start on CELL_ALIGN cells (cells.py) and spans on WINDOW_STEP, so that is fixed by
         the position. Why not flash attention: its one-row kernel, the only one that is the same for a lone row
         and a prompt's rows, costs per cell several times what a matmul does, and a prompt's row attends every
-        cell before it: a long prompt's prefill grew several-fold per token (issue 35). The values are multiplied
+        cell before it: a long prompt's prefill grew several-fold per token. The values are multiplied
         where the pool keeps them, transposed (each element's cells in one line): no step copies or transposes the
         span, which made a decode row cost several times flash's."""
         t, nh, hd = q.shape
