@@ -173,6 +173,13 @@ class Backend(ABC):
     @abstractmethod
     def silu(self, x: Array) -> Array: ...
 
+    def gated(self, gate_up: Array, width: int, act: str) -> Array:
+        """act(gate_up[:, :width]) * gate_up[:, width:], act "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU): the
+        feed-forward's gate over its fused projection. A graph backend fuses it into one op on the whole rows (a
+        device's kernels for the activation alone may want contiguous input, which the halves are not)."""
+        gate, up = gate_up[:, :width], gate_up[:, width:]
+        return (self.silu(gate) if act == "silu" else self.gelu_tanh(gate)) * up
+
     # Gemma's operations (formats/block_config.py), called only for a model whose flags ask for them: every backend
     # here implements them (EagerBackend once for numpy, MLX and tinygrad; ggml in ggml/gemma_ops.py).
     def gelu_tanh(self, x: Array) -> Array:

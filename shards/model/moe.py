@@ -57,7 +57,7 @@ class SparseMoE:
         if self.shared_expert is not None:
             gate_up, down = self.shared_expert
             h = ops.linear(x, gate_up)
-            shared = ops.linear(ops.silu(h[:, : self.shared_size]) * h[:, self.shared_size :], down)
+            shared = ops.linear(ops.gated(h, self.shared_size, "silu"), down)
             out = out + shared * ops.sigmoid(ops.linear(x, self.shared_expert_gate))
         return out
 

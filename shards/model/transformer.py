@@ -126,14 +126,12 @@ class Attention:
 class MLP:
     def __init__(self, ops: Backend, cfg: ModelConfig, w: LayerWeights):
         self.ops, self.intermediate = ops, cfg.intermediate_size
-        self.act = ops.silu if cfg.block.activation == "silu" else ops.gelu_tanh  # SwiGLU, or Gemma's GeGLU
+        self.act = "silu" if cfg.block.activation == "silu" else "gelu_tanh"  # SwiGLU, or Gemma's GeGLU
         self.gate_up_proj = Linear(ops, ops.fused_weight(w.gate_proj, w.up_proj))
         self.down_proj = Linear(ops, ops.weight(w.down_proj))
 
     def __call__(self, x: Array) -> Array:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.ops.gated(self.gate_up_proj(x), self.intermediate, self.act))
 
 
 class TransformerBlock:

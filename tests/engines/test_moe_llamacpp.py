@@ -24,6 +24,11 @@ pytestmark = pytest.mark.skipif("ggml" not in installed(), reason="the ggml engi
 backend = pytest.importorskip("shards.engines.ggml.backend", reason="the ggml extra is not installed")
 
 MOE = FIXTURES / "moe"
+# The Q8_0 file on a CPU other than the one its reference was made on: ggml picks its Q8_0 matmul kernel by the CPU's
+# features and by how many rows an expert gets (a vector dot, or llamafile's tiles), and the kernels sum the blocks
+# in their own order: some positions come out bit-identical, others up to 0.035 apart (an AVX-512 EPYC), with every
+# top token the same.
+QUANT_KERNEL_ATOL = 0.05
 
 
 @cache
@@ -40,7 +45,7 @@ def test_with_llama_cpps_attention_ggml_computes_moe_ggufs_as_llama_cpp_does(fil
     cfg = load_config(MOE / file)
     engine = engine_class("ggml")(MOE / file, Shard("m", 0, cfg.n_layers, cfg.n_layers), cfg)
     got = chain_forward([engine], "r", path_ids(file.split(".")[0]), all_logits=True)
-    bound = regrouped_atol("ggml")
+    bound = QUANT_KERNEL_ATOL if ".q8_0." in file else regrouped_atol("ggml")
     assert np.abs(got - reference).max() <= bound
     wrong, clear = clear_top1_disagreements(got, reference, 2 * bound)
     assert not wrong and clear >= len(reference) // 2

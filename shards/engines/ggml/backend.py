@@ -268,6 +268,17 @@ class GgmlBackend(GgmlWeights, GemmaOps, Backend, GgmlMoE):
     def silu(self, x: GArray) -> GArray:
         return self.wrap(self.node(g.ggml_silu, x.t), x.shape)
 
+    def gated(self, gate_up: GArray, width: int, act: str) -> GArray:
+        """ggml's fused GLU (ggml_swiglu, ggml_geglu: the first half of each row activated, times the second), the
+        op llama.cpp's graphs use: the same float math as the activation then the product on the CPU, and one
+        kernel on a device, whose activation kernels take only contiguous rows (a half-row view fell back to the
+        CPU on CUDA, a copy each way per layer)."""
+        rows, both = gate_up.shape
+        if both != 2 * width or gate_up.strides[-1] != 4 or (rows > 1 and gate_up.strides[0] != both * 4):
+            return super().gated(gate_up, width, act)
+        fused = g.ggml_swiglu if act == "silu" else g.ggml_geglu
+        return self.wrap(self.node(fused, gate_up.t), (rows, width))
+
     def concat(self, xs: list[GArray], axis: int) -> GArray:
         """Pairwise, as a balanced tree: n pieces cost log2(n) copies of each element, not n."""
         while len(xs) > 1:
