@@ -6,7 +6,7 @@ tests/cluster    real node processes on loopback       slow, cluster
 tests/multihost  network namespaces, needs root        slow, root
 tests/web        a headless browser                    slow, browser
 tests/install    pip (not uv) installs the built wheel  slow, install
-tests/vulkan     the ggml engine on a Vulkan device      slow, vulkan
+tests/gpu        the ggml engine on a GPU backend's device  slow, gpu
 
 A durations budget (.ci/run sets it): with PYTEST_DURATION_BUDGET_S the summary names every test whose setup + call
 took longer (a module's cluster start counts in its first test's setup), and with EXO_SUITE_BUDGET_S it gives the
@@ -31,7 +31,7 @@ TIER_MARKERS = {
     "multihost": ("slow", "root"),
     "web": ("slow", "browser"),
     "install": ("slow", "install"),
-    "vulkan": ("slow", "vulkan"),
+    "gpu": ("slow", "gpu"),
 }
 
 

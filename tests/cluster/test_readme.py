@@ -25,8 +25,8 @@ def test_readme_commands():
     assert "pip install uv && uv run --locked pytest" in README
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert 'pip install uv && uv run --locked pytest -m "not slow"' in ci
-    assert 'uv run --locked pytest -m "slow and not vulkan"' in ci
-    assert "  uv run --locked pytest -m vulkan" in ci
+    assert 'uv run --locked pytest -m "slow and not gpu"' in ci
+    assert "  uv run --locked pytest -m gpu" in ci
 
 
 @pytest.fixture(scope="module")

@@ -105,6 +105,32 @@ def test_the_build_asks_ggml_pythons_cmake_project_for_the_backend_alone_as_a_lo
         assert flag in args
     assert "-DVulkan_INCLUDE_DIR=/h/usr/include" in args
     assert "-DGGML_CUDA=ON" in build.configure_args("cuda", tmp_path, tmp_path, "0.0.45", None)
+    assert "-DCMAKE_CUDA_ARCHITECTURES=90" in build.configure_args("cuda", tmp_path, tmp_path, "0.0.45", None, "90")
+
+
+def test_a_cuda_toolkit_without_cublas_is_named_before_building(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    monkeypatch.setattr(build.shutil, "which", lambda c: str(tmp_path / "bin" / c) if c == "nvcc" else "/usr/bin/x")
+    monkeypatch.setattr(build.glob, "glob", lambda _: [])
+    assert [m.what for m in build.missing("cuda")] == ["cuBLAS (cublas_v2.h and libcublas, which ggml-cuda links)"]
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cublas_v2.h").write_text("")
+    monkeypatch.setattr(build.glob, "glob", lambda p: [p] if "libcublas" in p and str(tmp_path / "lib64") in p else [])
+    assert build.missing("cuda") == []
+
+
+def test_cuda_builds_for_the_gpus_present_unless_told_and_for_ggmls_portable_list_without_one(monkeypatch):
+    listed = build.subprocess.CompletedProcess([], 0, "GPU 0: NVIDIA H200 (UUID: GPU-1)\n", "")
+    monkeypatch.setattr(build.subprocess, "run", lambda *a, **k: listed)
+    assert build.cuda_architectures(None) == "native"
+    assert build.cuda_architectures("86;89") == "86;89"
+
+    def no_driver(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(build.subprocess, "run", no_driver)
+    assert build.cuda_architectures(None) is None
 
 
 def test_the_node_computes_on_the_fastest_device_unless_told_and_only_the_ggml_engine_takes_one():

@@ -108,6 +108,13 @@ def missing(backend: str, vulkan_include: Path | None = None) -> list[Missing]:
             out.append(
                 Missing("nvcc (the CUDA toolkit)", "apt-get install nvidia-cuda-toolkit, or NVIDIA's CUDA toolkit")
             )
+        elif not cuda_has_cublas():
+            out.append(
+                Missing(
+                    "cuBLAS (cublas_v2.h and libcublas, which ggml-cuda links)",
+                    "apt-get install nvidia-cuda-toolkit (or libcublas-dev-13-0 from NVIDIA's repository)",
+                )
+            )
     elif backend == "hip":
         if not _have("hipcc", "hipconfig"):
             out.append(
@@ -119,6 +126,27 @@ def missing(backend: str, vulkan_include: Path | None = None) -> list[Missing]:
         elif not _have("xcrun"):
             out.append(Missing("Xcode's command line tools", "xcode-select --install"))
     return out
+
+
+def cuda_has_cublas() -> bool:
+    """Whether the toolkit that holds nvcc also holds cuBLAS (some trimmed CUDA installs ship the compiler alone)."""
+    root = Path(os.path.realpath(shutil.which("nvcc") or "/")).parent.parent
+    headers = [root / "include", *root.glob("targets/*/include"), Path("/usr/include")]
+    libs = [root / "lib64", root / "lib", *root.glob("targets/*/lib"), *map(Path, glob.glob("/usr/lib/*-linux-gnu"))]
+    return any((d / "cublas_v2.h").is_file() for d in headers) and any(glob.glob(f"{d}/libcublas.so*") for d in libs)
+
+
+def cuda_architectures(given: str | None) -> str | None:
+    """What CMAKE_CUDA_ARCHITECTURES to build: --cuda-architectures, else `native` (the GPUs present, one
+    architecture each: minutes of compiling, not the tens that ggml's portable list of seven takes) when nvidia-smi
+    lists a GPU, else None (ggml's portable list, for building on a machine without the GPU)."""
+    if given:
+        return given
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return "native" if listed.returncode == 0 and "GPU" in listed.stdout else None
 
 
 def debian_vulkan_headers(into: Path, suite: str = DEBIAN_HEADERS_SUITE) -> Path:
@@ -189,7 +217,9 @@ def fetch_source(version: str, into: Path) -> Path:
     return src
 
 
-def configure_args(backend: str, src: Path, build: Path, version: str, vulkan_include: Path | None) -> list[str]:
+def configure_args(
+    backend: str, src: Path, build: Path, version: str, vulkan_include: Path | None, cuda_archs: str | None = None
+) -> list[str]:
     """cmake's configure step: ggml-python's project, the backend as a loadable module, nothing else of ggml's."""
     args = [
         "cmake",
@@ -210,17 +240,21 @@ def configure_args(backend: str, src: Path, build: Path, version: str, vulkan_in
         args += ["-G", "Ninja"]
     if backend == "vulkan" and vulkan_include is not None:
         args.append(f"-DVulkan_INCLUDE_DIR={vulkan_include}")
+    if backend == "cuda" and cuda_archs:
+        args.append(f"-DCMAKE_CUDA_ARCHITECTURES={cuda_archs}")
     return args
 
 
-def build(backend: str, source: Path | None, vulkan_include: Path | None, jobs: int) -> Built:
+def build(
+    backend: str, source: Path | None, vulkan_include: Path | None, jobs: int, cuda_archs: str | None = None
+) -> Built:
     version = binding_version()
     home = backends_dir() / backend
     src = source or fetch_source(version, home / "source")
     tree = home / "build"
     started = time.monotonic()
     if not (tree / "CMakeCache.txt").is_file():
-        subprocess.run(configure_args(backend, src, tree, version, vulkan_include), check=True)
+        subprocess.run(configure_args(backend, src, tree, version, vulkan_include, cuda_archs), check=True)
     subprocess.run(["cmake", "--build", str(tree), "--target", f"ggml-{backend}", "-j", str(jobs)], check=True)
     name = module_name(backend)
     found = sorted(p for p in tree.rglob(f"{name}*") if p.is_file() and not p.is_symlink())
@@ -252,6 +286,11 @@ def main(argv: list[str]) -> int:
         help=f"vulkan on an older Debian: fetch {DEBIAN_HEADERS_SUITE}'s libvulkan-dev with apt and build with its headers "
         "(unpacked beside the build; nothing is installed)",
     )
+    ap.add_argument(
+        "--cuda-architectures",
+        help="cuda: CMAKE_CUDA_ARCHITECTURES, e.g. 86 for an RTX 3090, 89 for a 4090, 90 for an H100 (default: the "
+        "GPUs present, else ggml's portable list)",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs (default: all cores)")
     ap.add_argument("--check", action="store_true", help="only check what the system lacks")
     args = ap.parse_args(argv)
@@ -271,7 +310,8 @@ def main(argv: list[str]) -> int:
         return 0
     include = vulkan_headers(args.vulkan_headers) if args.backend == "vulkan" else None
     try:
-        built = build(args.backend, args.source, include, max(1, args.jobs))
+        archs = cuda_architectures(args.cuda_architectures) if args.backend == "cuda" else None
+        built = build(args.backend, args.source, include, max(1, args.jobs), archs)
     except (subprocess.CalledProcessError, RuntimeError, OSError) as e:
         print(f"exo-node build-backend {args.backend}: {e}", file=sys.stderr)
         return 1
