@@ -30,6 +30,7 @@ from node.runtime.node import Node
 from node.runtime.settings import ServedModel
 from node.security import ClusterKey, keygen_main, load_secret
 from node.settings import DEMO_MODEL, GrpcSettings, HttpSettings, Machine, Settings, parse_args, settings_from_args
+from node.settings.model import engine_from_args
 from shards.engines.registry import engine_factory
 from shards.formats.loader import load_config
 from shards.formats.packaged import default_quantize, list_models
@@ -218,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return asyncio.run(run(settings_from_args(args, machine=Machine.here())))
+        engine = engine_from_args(args)  # a GPU node reports its GPU's memory: the machine asks for the device
+        return asyncio.run(run(settings_from_args(args, machine=Machine.here(engine.name, engine.device))))
     except (ValueError, OSError) as e:  # bad model folder, bad flags, port in use: one clear line, no traceback
         print(f"exo-node: error: {e}", file=sys.stderr)
         return 2

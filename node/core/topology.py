@@ -15,6 +15,8 @@ class Capabilities:
     n_layers: int  # layers of that model
     speed: float = 0.0  # billions of parameters a token goes through per second on one row: what placement balances
     # (node/runtime/calibration.py; --speed); 0: not measured yet, counted as the others' (node/core/placement/)
+    device: str = ""  # the GPU its layers compute on ("CUDA0 (NVIDIA H200)"; memory_bytes is then that GPU's); "": CPU
+    host_memory_bytes: int = 0  # the host's memory beside a GPU's; 0: not reported
 
 
 @dataclass(frozen=True)

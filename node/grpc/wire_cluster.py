@@ -16,6 +16,7 @@ from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.wire import (
     MAX_ERROR,
     MAX_MODEL_ID,
+    MAX_NAME,
     WireError,
     _count,
     _text,
@@ -37,7 +38,13 @@ def encode_node_info(n: NodeInfo) -> pb.NodeInfo:
         node_id=n.node_id,
         address=n.address,
         capabilities=pb.Capabilities(
-            memory_bytes=c.memory_bytes, engine=c.engine, model_id=c.model_id, n_layers=c.n_layers, speed=c.speed
+            memory_bytes=c.memory_bytes,
+            engine=c.engine,
+            model_id=c.model_id,
+            n_layers=c.n_layers,
+            speed=c.speed,
+            device=c.device,
+            host_memory_bytes=c.host_memory_bytes,
         ),
         loaded=[encode_shard(s) for s in n.loaded],
         active_requests=n.active_requests,
@@ -72,7 +79,10 @@ def decode_node_info(m: pb.NodeInfo) -> NodeInfo:
     model_id = _text(c.model_id, "model_id", MAX_MODEL_ID, required=False)
     if not (math.isfinite(c.speed) and 0 <= c.speed <= MAX_SPEED):  # placement divides by it
         raise WireError(f"node {node_id!r} reports a speed of {c.speed}: need 0 (unmeasured) to {MAX_SPEED:g}")
-    caps = Capabilities(c.memory_bytes, _text(c.engine, "engine"), model_id, c.n_layers, c.speed)
+    device = _text(c.device, "device", MAX_NAME, required=False)
+    caps = Capabilities(
+        c.memory_bytes, _text(c.engine, "engine"), model_id, c.n_layers, c.speed, device, c.host_memory_bytes
+    )
     pinned = None
     if m.HasField("pinned"):
         p = decode_shard(m.pinned)  # validates the range

@@ -169,7 +169,15 @@ class Node:
         return NodeInfo(
             node_id=self.id,
             address=self.address,
-            capabilities=Capabilities(s.memory_bytes, s.engine, self.model_id, self.config.n_layers, self.speed.speed),
+            capabilities=Capabilities(
+                s.memory_bytes,
+                s.engine,
+                self.model_id,
+                self.config.n_layers,
+                self.speed.speed,
+                device=s.device,
+                host_memory_bytes=s.host_memory_bytes,
+            ),
             pinned=s.pinned,
             loaded=self.shards.loaded,
             active_requests=self._active_requests(),

@@ -26,7 +26,9 @@ SPECULATE_CHOICES = ("lookup", "draft", "off")  # --speculate: where a first nod
 @dataclass(frozen=True)
 class NodeSettings:
     node_id: str
-    memory_bytes: int  # memory this node reports for partitioning
+    memory_bytes: int  # memory this node reports for partitioning: its GPU's on a GPU node, else the host's
+    host_memory_bytes: int = 0  # the host's available memory (reported beside a GPU's); 0: not known
+    device: str = ""  # the GPU the engine computes on ("CUDA0 (NVIDIA H200)"); "": the CPU
     engine: str = "numpy"
     pinned: tuple[int, int] | None = None  # --shard START:END: exactly these layers, no automatic partitioning
     max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES  # largest tensor a peer may send this node

@@ -153,7 +153,7 @@ def node_from_args(args: argparse.Namespace, *, node_id: str, engine: EngineSett
     kv_budget = (
         int(args.kv_memory_gb * 2**30)
         if args.kv_memory_gb is not None
-        else int(KV_SHARE_OF_MEMORY * machine.available_memory)
+        else int(KV_SHARE_OF_MEMORY * machine.memory_for_layers)
     )
     if not 0 < args.kv_entry_share <= 1:
         raise ValueError(f"--kv-entry-share must be in (0, 1], got {args.kv_entry_share}")
@@ -161,7 +161,9 @@ def node_from_args(args: argparse.Namespace, *, node_id: str, engine: EngineSett
         raise ValueError(f"--micro-batches must be 0 (one per node of the ring) or more, got {args.micro_batches}")
     return NodeSettings(
         node_id=node_id,
-        memory_bytes=int(args.memory_gb * 2**30) if args.memory_gb is not None else machine.available_memory,
+        memory_bytes=int(args.memory_gb * 2**30) if args.memory_gb is not None else machine.memory_for_layers,
+        host_memory_bytes=machine.available_memory,
+        device=machine.gpu.label if machine.gpu is not None else "",
         speed=args.speed,
         engine=engine.name,
         pinned=parse_shard(args.shard),

@@ -120,3 +120,12 @@ def test_a_device_the_build_lacks_is_refused_with_the_devices_present_and_the_fi
     other = "hip" if BACKEND == "cuda" else "cuda"
     with pytest.raises(ValueError, match=rf"--device {other}0: .*no such device.*build-backend {other}"):
         engine(FIXTURES / "llama", layers=1, device=f"{other}0")
+
+
+def test_a_node_on_the_device_reports_its_memory_for_placement(gpu):
+    from node.settings import Machine
+
+    machine = Machine.here("ggml", BACKEND)
+    assert machine.gpu is not None and machine.gpu.name == gpu.name
+    assert machine.memory_for_layers == machine.gpu.free <= gpu.memory_total
+    assert Machine.here("ggml", "cpu").gpu is None

@@ -286,7 +286,10 @@ function nodeCard(node, index, range, color, nLayers) {
     ["layers", range ? `${end - start === 1 ? start : `${start}–${end - 1}`} of ${nLayers}` : "none"],
     ["address", node.address],
     ["engine", node.capabilities.engine],
-    ["memory", gib(node.capabilities.memory_bytes)],
+    ["device", node.capabilities.device || "CPU"],
+    ["memory", node.capabilities.device
+      ? `${gib(node.capabilities.memory_bytes)} on the GPU, ${gib(node.capabilities.host_memory_bytes || 0)} host`
+      : gib(node.capabilities.memory_bytes)],
     ["in flight", String(node.active_requests)],
     ["tok/s", tokps === null ? "–" : tokps.toFixed(1)],
     ["rows/step", rows === null ? "–" : rows.toFixed(2)],
