@@ -142,3 +142,25 @@ def test_the_node_computes_on_the_fastest_device_unless_told_and_only_the_ggml_e
         engine_factory("numpy", **options)
     with pytest.raises(ValueError, match="--device must name a device"):
         engine_from_args(parse_args(["--engine", "ggml", "--device", " "]))
+
+
+def test_a_node_on_the_cpu_of_a_machine_with_an_unserved_gpu_says_once_how_to_build_its_backend(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setenv("EXO_NODE_BACKENDS", str(tmp_path / "backends"))  # nothing built
+    monkeypatch.setattr(devices.sys, "platform", "linux")
+    monkeypatch.setattr(devices, "_hinted", set())
+    assert devices.unused_gpu(tmp_path) is None  # no GPU: no hint
+    (tmp_path / "proc/driver/nvidia/gpus").mkdir(parents=True)
+    assert devices.unused_gpu(tmp_path) == ("an NVIDIA GPU", "cuda")
+    with caplog.at_level(logging.WARNING, logger="shards.engines.ggml.devices"):
+        assert devices.select("auto", tmp_path).is_cpu
+        assert devices.select(None, tmp_path).is_cpu
+        assert devices.select("cpu", tmp_path).is_cpu  # asked for: no hint
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "exo-node build-backend cuda" in said[0] and "--device cpu" in said[0]
+    folder = tmp_path / "backends" / "cuda"
+    folder.mkdir(parents=True)
+    (folder / "libggml-cuda.so").write_bytes(b"")
+    Built("cuda", "0.0.45", folder / "libggml-cuda.so").write()
+    assert devices.unused_gpu(tmp_path) is None  # built (whether it loads is load_backends' to say)

@@ -20,6 +20,7 @@ import ctypes
 import json
 import logging
 import os
+import platform
 import sys
 from dataclasses import dataclass
 from importlib import metadata
@@ -215,11 +216,45 @@ def choose(asked: str | None, present: tuple[Device, ...]) -> Device:
     )
 
 
-def select(asked: str | None) -> Device:
-    """Load the built backends (unless the CPU is asked for) and choose among every device then present."""
+# Signs of a GPU that the OS already drives, and the backend that would compute on it: what a node on the CPU
+# looks for when nothing better was built (the hint is all it does: the node still starts, on the CPU).
+GPU_SIGNS = (
+    ("proc/driver/nvidia/gpus", "an NVIDIA GPU", "cuda"),
+    ("dev/kfd", "an AMD GPU with ROCm's driver", "hip"),
+    ("dev/dri/renderD128", "a GPU with a render node", "vulkan"),
+)
+_hinted: set[str] = set()
+
+
+def unused_gpu(root: Path = Path("/")) -> tuple[str, str] | None:
+    """(what, backend) for a GPU this machine has that no built backend serves, else None."""
+    built = {b.backend for b in built_backends()}
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        return None if "metal" in built else ("an Apple Silicon GPU", "metal")
+    for path, what, backend in GPU_SIGNS:
+        if (root / path).exists() and backend not in built:
+            return what, backend
+    return None
+
+
+def select(asked: str | None, root: Path = Path("/")) -> Device:
+    """Load the built backends (unless the CPU is asked for) and choose among every device then present. When the
+    fastest present is the CPU but the machine has a GPU no built backend serves, say once how to build one."""
     if asked is None or asked.lower() != "cpu":
         load_backends()
-    return choose(asked, devices())
+    chosen = choose(asked, devices())
+    if chosen.is_cpu and (asked is None or asked.lower() == "auto") and (gpu := unused_gpu(root)) is not None:
+        what, backend = gpu
+        if backend not in _hinted:
+            _hinted.add(backend)
+            log.warning(
+                "this machine has %s, but the ggml engine computes on the CPU: no %s backend is built. "
+                "`exo-node build-backend %s` builds one (README: GPU nodes); --device cpu silences this",
+                what,
+                backend,
+                backend,
+            )
+    return chosen
 
 
 def describe(present: tuple[Device, ...]) -> str:
