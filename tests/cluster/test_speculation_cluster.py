@@ -14,6 +14,7 @@ from tests.support.metrics import scrape, value
 pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from shards.formats.packaged import DEFAULT_MODEL, resolve_model  # noqa: E402
+from shards.formats.tokenizer import Tokenizer  # noqa: E402
 
 CODE = """def total_price(items, tax_rate):
     subtotal = 0
@@ -85,7 +86,10 @@ def test_a_speculating_stream_whose_last_node_is_killed_is_replayed_with_the_sam
     with the same rule (greedy here; seeded streams: tests/cluster/test_replay_ggml.py, speculation on too).
     (The module's last test: it kills node2.)"""
     c = cluster
-    body = {"model": c.model_id, "prompt": REWRITE, "max_tokens": 48, "temperature": 0}
+    # the chat's prompt as token ids: the instruct answer rewrites the code, repeating it, on every CPU tried (as a
+    # raw text prompt the continuation depends on the CPU's kernels, and on one it left prompt lookup nothing to hit)
+    ids = Tokenizer.load(resolve_model(DEFAULT_MODEL)[0]).encode_chat([{"role": "user", "content": REWRITE}])
+    body = {"model": c.model_id, "prompt": [int(i) for i in ids], "max_tokens": 48, "temperature": 0}
     url = f"{c.nodes[0].api_url}/v1/completions"
     reference = "".join(e.text for e in stream_completion(url, body, timeout=180))
     accepted = counts(c, "spec_accepted")  # (the module's earlier requests counted too)
