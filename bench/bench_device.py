@@ -26,6 +26,15 @@ from shards.formats.loader import load_config
 from shards.model.shard import Shard
 
 SHAPES = {
+    # SmolLM2-135M's body (the packaged model's shape): 0.16B parameters with its 49152-piece vocabulary
+    "135m": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+    ),
     # Llama-3.2-1B's body on a 32000-piece vocabulary: 1.1B parameters, 2.2 GB in F16
     "1b": dict(
         hidden_size=2048,

@@ -20,13 +20,15 @@ def block(name: str) -> str:
 
 
 def test_readme_commands():
-    """CI runs the README's test command: in stages (fast tier first) that together select every test, the Vulkan
-    tier (a ~35-minute build) only when asked."""
+    """CI runs the README's test command: in stages (fast tier first) that together select every test, the GPU
+    tier last, on lavapipe, after the README's command builds the Vulkan backend."""
     assert "pip install uv && uv run --locked pytest" in README
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert 'pip install uv && uv run --locked pytest -m "not slow"' in ci
     assert 'uv run --locked pytest -m "slow and not gpu"' in ci
     assert "  uv run --locked pytest -m gpu" in ci
+    assert '  uv run --locked exo-node build-backend vulkan --debian-headers --jobs "$(nproc)"' in ci
+    assert 'if [ "${EXO_CI_VULKAN:-1}" = 1 ]; then' in ci  # on unless told
 
 
 @pytest.fixture(scope="module")

@@ -129,3 +129,25 @@ def test_a_node_on_the_device_reports_its_memory_for_placement(gpu):
     assert machine.gpu is not None and machine.gpu.name == gpu.name
     assert machine.memory_for_layers == machine.gpu.free <= gpu.memory_total
     assert Machine.here("ggml", "cpu").gpu is None
+
+
+def test_on_the_device_a_row_alone_and_among_others_agree_within_rounding_not_bit_for_bit(gpu, capsys):
+    """The CPU engine is batch invariant (a row's logits are the same bits whatever else its step holds:
+    tests/engines); a device's kernels pick their tiling by the batch's size, so on a device the stated mode is
+    agreement within the two backends' rounding. What the device gives is printed (0 would be bitwise)."""
+    path = FIXTURES / "llama"
+    ids = np.random.default_rng(3).integers(3, load_config(path).vocab_size, 60)
+    e = engine(path, quantize="none", device=gpu.name)
+    for name in ("alone", "beside"):
+        e.forward([StepInput(name, tokens=ids[:40], max_positions=48)])
+    alone = e.forward([StepInput("alone", tokens=ids[40:41])])[0]
+    others = [StepInput(f"o{i}", tokens=ids[i + 1 : i + 41], max_positions=48) for i in range(15)]
+    e.forward(others)
+    beside = e.forward(
+        [StepInput("beside", tokens=ids[40:41]), *(StepInput(o.request_id, tokens=ids[:1]) for o in others)]
+    )
+    e.close()
+    worst = float(np.abs(alone - beside[0]).max() / np.std(alone))
+    with capsys.disabled():
+        print(f"\n{gpu.name}: a decode row alone vs among 16, largest difference {worst:.2e} of the logits' spread")
+    assert worst < FLOAT_RMS and np.argmax(alone) == np.argmax(beside[0])
