@@ -160,7 +160,7 @@ class Pipeline:
         self.counters["step_us_total"] += int(seconds * 1e6)
         self.overhead.ran(done.began, done.ended)
         if self.speed is not None:
-            self.speed.observed(plan.shard, plan.positions, done.outputs.computed)
+            self.speed.observed(plan.shard, plan.positions, done.outputs.computed, alone=core.active <= 1)
         self.metrics.step_done(seconds, len(plan.rows), plan.positions)
         self.batcher.record(done.sample_counts)
         self.do(core.step_done(plan, done.outputs), engine)

@@ -231,6 +231,19 @@ def test_live_passes_move_the_report_only_when_they_are_steps_away():
     assert speed.speed == reported
 
 
+def test_passes_timed_beside_other_requests_never_move_the_report():
+    """Under load a pass's wall time grows with the other requests' work on the core: the ring must not follow it."""
+    speed = LayerSpeed((10**9,) * 4)
+    shard = Shard("m", 0, 2, 4)
+    speed.measured(10.0)
+    for _ in range(50):
+        speed.observed(shard, 1, 2 / 4, alone=False)  # 2.5x slower, beside 7 other streams
+    assert speed.speed == 10.0
+    for _ in range(50):
+        speed.observed(shard, 1, 2 / 4)  # as slow with the node to itself: it is slower
+    assert speed.speed < 10.0 / SPEED_STEP**REPORT_STEPS
+
+
 def test_an_operators_speed_is_reported_as_given_and_never_measured():
     speed = LayerSpeed((10**9,) * 4, fixed=3.0)
     speed.measured(100.0)
