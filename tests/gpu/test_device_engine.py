@@ -169,19 +169,3 @@ def test_mixture_of_experts_on_the_device_gives_the_cpu_engines_logits(gpu, file
     with capsys.disabled():
         print(f"\n{gpu.name}: {file}, {len(cpu)} positions: relative RMS {rms:.2e}, top-1 {top1:.3f}")
     assert rms < ROUTED_RMS and top1 >= ROUTED_TOP1
-
-
-def test_rolled_back_proposals_on_the_device_leave_the_logits_of_a_cache_never_written_past(gpu):
-    """Speculation's rollback: three rejected proposals written and dropped, then the accepted token, against a
-    request that never saw them (the same step shapes; the dropped cells are masked, rewritten before read)."""
-    path = FIXTURES / "llama"
-    ids = np.random.default_rng(5).integers(3, load_config(path).vocab_size, 40)
-    e = engine(path, quantize="none", device=gpu.name)
-    for name in ("rolled", "clean"):
-        e.forward([StepInput(name, tokens=ids[:30], max_positions=48)])
-    e.forward([StepInput("rolled", tokens=ids[35:38])])  # proposals, rejected
-    e.rollback("rolled", 30)
-    rolled = e.forward([StepInput("rolled", tokens=ids[30:31])])[0]
-    clean = e.forward([StepInput("clean", tokens=ids[30:31])])[0]
-    e.close()
-    assert np.abs(rolled - clean).max() / np.std(clean) < 1e-3 and np.argmax(rolled) == np.argmax(clean)

@@ -64,3 +64,39 @@ def test_a_gpu_node_and_a_cpu_node_answer_the_fixture_with_the_cpu_engines_text(
     with capsys.disabled():
         print(f"\n{gpu_env.name} + CPU ring, llama fixture: {got!r}\nCPU engine: {want!r}")
     assert got == want and len(want) > 0
+
+
+def test_a_ring_through_a_gpu_node_replays_a_stream_whose_last_node_is_killed(gpu_env, capsys):
+    """Three nodes, the first on the device: the last is killed mid-stream, the entry replays prompt + the tokens so
+    far on the two left (the GPU node prefills them in one step where it had decoded them one by one), and the
+    stream goes on to its length without an error. Before the kill the text is the undisturbed run's exactly (the
+    same steps on the same device); after it, the device's rounding may take another token at a near-tie
+    (tests/gpu/test_device_state.py bounds the logits), so the text is compared only where that cannot apply."""
+    from tests.cluster.test_replay import PROMPT
+    from tests.support.http import stream_completion
+
+    body = {"model": "llama", "prompt": PROMPT, "max_tokens": 100, "temperature": 0}
+    with Cluster(
+        FIXTURES / "llama",
+        3,
+        memory_gb=[2, 2, 2],
+        model_id="llama",
+        engine="ggml",
+        per_node=[["--device", BACKEND], ["--device", "cpu"], ["--device", "cpu"]],
+        extra=["--threads", "1", "--quantize", "none"],
+    ) as c:
+        url = f"{c.nodes[0].api_url}/v1/completions"
+        reference = list(stream_completion(url, body, timeout=120))
+        events = []
+        for event in stream_completion(url, body, timeout=120):
+            events.append(event)
+            if len(events) == 12:
+                before = "".join(e.text for e in events)
+                c.nodes[2].proc.kill()
+        text = "".join(e.text for e in events)
+        assert [e.error for e in events if e.error] == [] and c.self_info()["node0"]["status"]["replays"] == 1
+        assert "".join(e.text for e in reference).startswith(before) and text.startswith(before)
+        assert events[-1].finish_reason == reference[-1].finish_reason == "length"
+        with capsys.disabled():
+            same = text == "".join(e.text for e in reference)
+            print(f"\n{gpu_env.name} + 2 CPU nodes, last killed after 12 events: replayed, text identical: {same}")
