@@ -207,15 +207,15 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--n", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--attention", choices=["flash", "gemm"], help="the ggml backend's ATTENTION, where it has one")
+    ap.add_argument("--attention", choices=["flash", "gemm"], help="the ggml attention module's ATTENTION")
     ap.add_argument("--self-check", action="store_true", help="also llama.cpp decoding alone vs in batches of 32")
     args = ap.parse_args(argv)
     if args.attention:
-        import shards.engines.ggml.backend as backend
+        import shards.engines.ggml.attention as attention
 
-        if not hasattr(backend, "ATTENTION"):
+        if not hasattr(attention, "ATTENTION"):
             raise SystemExit("this ggml backend has one attention (flash): drop --attention")
-        backend.ATTENTION = args.attention
+        attention.ATTENTION = args.attention
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in model_files(args.models.split(",")).items():

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from shards.engines.base import StepInput
-from shards.engines.ggml.backend import SPLIT_KV_CELLS
+from shards.engines.ggml.attention import SPLIT_KV_CELLS
 from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.engine import SPAN_CELLS, GgmlEngine
 from shards.engines.ggml.graph import WINDOW_STEP, padded_rows

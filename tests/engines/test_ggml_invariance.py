@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from shards.engines.base import StepInput
-from shards.engines.ggml.backend import ATTENTION_ROWS
+from shards.engines.ggml.attention import ATTENTION_ROWS
 from shards.engines.ggml.engine import GgmlEngine
 from shards.engines.ggml.gemm_rows import MIN_FLOAT_ROWS
 from shards.formats.loader import load_config

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from shards.engines.base import StepInput
-from shards.engines.ggml import backend
+from shards.engines.ggml import attention as ggml_attention
 from shards.engines.ggml.cells import PAGE, CellPool
 from shards.engines.ggml.engine import GgmlEngine
 from shards.formats.loader import load_config
@@ -60,7 +60,7 @@ def held(pool: CellPool, start: int, written: list[tuple[np.ndarray, np.ndarray]
 @pytest.fixture(params=["gemm", "flash"])
 def attention(request, monkeypatch) -> str:
     """Each attention, set before the engine (and its pool's layout) is made."""
-    monkeypatch.setattr(backend, "ATTENTION", request.param)
+    monkeypatch.setattr(ggml_attention, "ATTENTION", request.param)
     return request.param
 
 
@@ -141,7 +141,7 @@ def test_the_default_attention_gives_llama_cpps_flash_attention_logits_but_for_r
     prompt = np.random.default_rng(3).integers(100, 5000, 250)
     runs = []
     for attention in ("gemm", "flash"):
-        monkeypatch.setattr(backend, "ATTENTION", attention)
+        monkeypatch.setattr(ggml_attention, "ATTENTION", attention)
         e = float_smollm2(layers=4)
         out = [e.forward([StepInput("a", tokens=prompt, max_positions=300)], all_logits=True)[0]]
         out.append(e.forward([StepInput("b", tokens=prompt[:20], max_positions=40)])[0])
@@ -163,7 +163,7 @@ def test_with_matmul_attention_a_row_gets_the_same_numbers_in_a_prefill_in_chunk
     """What exact replay and batching need of the "gemm" attention (tests/engines/test_ggml_invariance.py asks it
     of the default): a prompt at once, in uneven chunks and token by token, and a request decoding alone or beside
     others over a span of 1,024 cells and more, bit for bit."""
-    monkeypatch.setattr(backend, "ATTENTION", "gemm")
+    monkeypatch.setattr(ggml_attention, "ATTENTION", "gemm")
     e = smollm2(layers=4)
     tokens = np.random.default_rng(7).integers(100, 5000, 100)
     whole = e.forward([StepInput("whole", tokens=tokens, max_positions=100)], all_logits=True)[0]

@@ -3,9 +3,9 @@
 --tokens` over each fixture's prompt and greedy ids) against the engine's over the same positions. On the CPU they
 were made on the two are bit-identical (docs/correctness.md, "Agreement with llama.cpp"); another CPU's kernels may
 sum the same math in another order, so the bound is the engine's for regrouped positions, and the top token must
-agree wherever llama.cpp's two best are further apart than twice that. Only with llama.cpp's attention kernel (the
-backend's ATTENTION "flash"): the default F16-matmul attention rounds otherwise, which a routed model amplifies past
-any such bound (the Q8_0 file: logits 1.6 apart, a router at a near-tie picking other experts)."""
+agree wherever llama.cpp's two best are further apart than twice that. Only with llama.cpp's attention kernel
+(shards/engines/ggml/attention.py's ATTENTION "flash"): the F16-matmul attention rounds otherwise, which a routed
+model amplifies past any such bound (the Q8_0 file: logits 1.6 apart, a router at a near-tie picking other experts)."""
 
 import json
 from functools import cache
@@ -21,7 +21,7 @@ from tests.support.models import FIXTURES
 from tests.support.tolerance import clear_top1_disagreements, regrouped_atol
 
 pytestmark = pytest.mark.skipif("ggml" not in installed(), reason="the ggml engine is not installed")
-backend = pytest.importorskip("shards.engines.ggml.backend", reason="the ggml extra is not installed")
+attention = pytest.importorskip("shards.engines.ggml.attention", reason="the ggml extra is not installed")
 
 MOE = FIXTURES / "moe"
 # The Q8_0 file on a CPU other than the one its reference was made on: ggml picks its Q8_0 matmul kernel by the CPU's
@@ -39,7 +39,7 @@ def path_ids(model: str) -> np.ndarray:
 
 @pytest.mark.parametrize("file", ["qwen3moe.gguf", "qwen3moe.q8_0.gguf", "mixtral.gguf"])
 def test_with_llama_cpps_attention_ggml_computes_moe_ggufs_as_llama_cpp_does(file, monkeypatch):
-    monkeypatch.setattr(backend, "ATTENTION", "flash")
+    monkeypatch.setattr(attention, "ATTENTION", "flash")
     with np.load(MOE / "llamacpp.npz") as z:
         reference = z[file.removesuffix(".gguf").replace(".", "_")]
     cfg = load_config(MOE / file)

@@ -2,7 +2,7 @@
 unified KV cache), each request owning a contiguous range of cells.
 
 Per layer one K tensor [cells, kv_heads*head_dim] (a cell is one position of one request: its keys contiguous) and
-one V tensor, laid out for the backend's attention (backend.ATTENTION when the pool is made): for "gemm" transposed,
+one V tensor, laid out for the backend's attention (attention.ATTENTION when the pool is made): for "gemm" transposed,
 [kv_heads*head_dim, cells] (one value element's cells contiguous: llama.cpp's layout without flash attention), so
 attention multiplies a span of values as they lie (GgmlBackend.gemm_attention); for "flash" as the keys are, the
 rows ggml_flash_attn_ext reads. Either way no step transposes the values. All in one anonymous mapping: zero until
@@ -30,7 +30,7 @@ import mmap
 import numpy as np
 
 from shards.engines.backend import RequestCache
-from shards.engines.ggml import backend
+from shards.engines.ggml import attention
 from shards.engines.ggml.lib import F16, Context, MappedBuffer, Tensor
 
 SCRATCH_CELL = 0  # where padding rows write; in no request's range
@@ -48,7 +48,7 @@ class CellPool:
         if n_layers < 1 or n_kv_heads < 1 or head_dim < 1 or cells < 2 or align < 1:
             raise ValueError(f"a cell pool needs layers, heads, head_dim >= 1 and >= 2 cells, got {cells} cells")
         self.n_layers, self.width, self.align = n_layers, n_kv_heads * head_dim, align
-        self.transposed = backend.ATTENTION == "gemm" if transposed is None else transposed  # values' layout
+        self.transposed = attention.ATTENTION == "gemm" if transposed is None else transposed  # values' layout
         self.row = self.width * 2  # bytes of one cell of one tensor (F16)
         self.position_bytes = 2 * n_layers * self.row  # what one cell costs across K and V of every layer
         self.generation = 0

@@ -12,7 +12,7 @@ token (or hidden row), position and cell (where ggml_set_rows writes its keys an
 So a step attends once per group and layer and the graph has a few nodes per layer however many requests decode
 in it.
 
-Exactness, with either of the backend's attentions (backend.ATTENTION). "flash", llama.cpp's kernel: ggml's CPU flash
+Exactness, with either of the backend's attentions (attention.ATTENTION). "flash", llama.cpp's kernel: ggml's CPU flash
 attention, which skips every -inf cell outright, one row at a time (GgmlBackend.flash_attention): the online softmax
 over exactly its own request's cells, in cell order. "gemm": two F16 matmuls and a softmax over the group's span
 (GgmlBackend.gemm_attention), the values read where the pool keeps them, transposed (cells.py), each sum in one order
@@ -34,7 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from shards.engines.backend import KVCache
-from shards.engines.ggml.backend import ATTENTION_ROWS, GArray, GgmlBackend, ValueLines, expect
+from shards.engines.ggml.arrays import GArray, ValueLines, expect
+from shards.engines.ggml.attention import ATTENTION_ROWS
+from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.lib import F16, F32, I32, Context, GgmlError, cpu_buffer_type, g
 from shards.model.transformer import ShardModel, Step

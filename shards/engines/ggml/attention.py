@@ -1,0 +1,123 @@
+"""Attention of a step's rows over the cache's cells, as ggml graph nodes: ggml's flash attention in blocks that keep
+every row on one kernel (llama.cpp's numbers, exact replay), or two F16 matmuls and a softmax over values kept
+transposed. A mixin of GgmlBackend (shards/engines/ggml/backend.py), which supplies `node`, `wrap`, `view`, `concat`
+and `contiguous`."""
+
+from __future__ import annotations
+
+from shards.engines.ggml.arrays import GArray, ValueLines, c_strides, expect
+from shards.engines.ggml.gemm_rows import MIN_FLOAT_ROWS
+from shards.engines.ggml.lib import g
+
+# How rows attend: "flash" (ggml_flash_attn_ext's one-row kernel: llama.cpp's attention, its logits bit for bit) or
+# "gemm" (two F16 matmuls and a softmax on values the pool keeps transposed: gemm_attention), a third of flash's
+# work for a prompt's rows and less for a decode row, but rounded otherwise than llama.cpp: enough to fail the
+# agreement bounds of tests/engines/test_gguf_lowbit.py and test_moe.py on quantized activations. Read when a pool
+# (its values' layout) and a graph are made.
+ATTENTION = "flash"
+ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
+SPLIT_KV_CELLS = 512  # from this many cells on, ggml splits a single query row's cells across threads (ops.cpp)
+
+
+class GgmlAttention:
+    """The attention ops of the ggml backend (see the module docstring)."""
+
+    def attention(
+        self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float, softcap: float | None = None
+    ) -> GArray:
+        """A step's rows attending: q [T, heads, hd] against keys [kv_heads, cells, hd] and values as the pool keeps
+        them (F16 views, shards/engines/ggml/cells.py: ValueLines, or [kv_heads, cells, hd] like the keys), `mask`
+        F16 [T, cells] (0 visible, -inf not). -> [T, heads*hd]. By matmuls (`ATTENTION` "gemm", below) or by
+        ggml's flash attention (`flash_attention`); values in the other's layout are transposed to it first, a copy
+        of the span every layer (only a pool made before ATTENTION changed pays it)."""
+        lines = isinstance(values, ValueLines)
+        if ATTENTION == "gemm" and mask is not None:
+            if not lines:
+                nkv, cells, hd = values.shape
+                t = self.node(g.ggml_cont, self.node(g.ggml_permute, values.t, 1, 0, 2, 3))
+                values = ValueLines(self, t, (nkv, hd, cells))
+            return self.gemm_attention(q, keys, values, mask, scale, softcap)
+        if lines:
+            nkv, hd, cells = values.shape
+            t = self.node(g.ggml_cont, self.node(g.ggml_permute, values.t, 1, 0, 2, 3))
+            values = self.wrap(t, (nkv, cells, hd))
+        return self.flash_attention(q, keys, values, mask, scale, softcap)
+
+    def gemm_attention(
+        self, q: GArray, keys: GArray, values: GArray, mask: GArray, scale: float, softcap: float | None = None
+    ) -> GArray:
+        """softmax(q k^T * scale + mask) v as two F16 matmuls and a softmax, every row the same arithmetic whatever
+        the step: tinyBLAS sums each score over hd and each output over the span's cells in one order per element,
+        whatever its tile, thread or the rows beside it (so a lone row goes beside a copy of itself: one row would
+        take vec_dot, gemm_rows.py); the softmax sums a row in blocks of SIMD width from the span's start. Masked
+        cells count exact zeros in both sums, so a row's numbers depend only on its own cells and where they fall
+        in those blocks: ranges start on CELL_ALIGN cells (cells.py) and spans on WINDOW_STEP, so that is fixed by
+        the position. Why not flash attention: its one-row kernel, the only one that is the same for a lone row
+        and a prompt's rows, costs per cell several times what a matmul does, and a prompt's row attends every
+        cell before it: a long prompt's prefill grew several-fold per token. The values are multiplied
+        where the pool keeps them, transposed (each element's cells in one line): no step copies or transposes the
+        span, which made a decode row cost several times flash's."""
+        t, nh, hd = q.shape
+        nkv, cells, khd = keys.shape
+        expect(
+            khd == hd and isinstance(values, ValueLines) and values.shape == (nkv, hd, cells) and nh % nkv == 0,
+            f"attention: {q.shape}, {keys.shape}",
+        )
+        expect(mask.shape == (t, cells), f"attention: mask {mask.shape}")
+        rows = max(t, MIN_FLOAT_ROWS)
+        if rows > t:  # copies of the rows: every row in tinyBLAS, none alone
+            q = self.concat([q] * -(-rows // t), axis=0)[:rows]
+            mask = self.concat([mask] * -(-rows // t), axis=0)[:rows]
+        qp = self.node(g.ggml_permute, q.t, 0, 2, 1, 3)  # ne [hd, T, heads]
+        kq = self.node(g.ggml_mul_mat, keys.t, qp)  # ne [cells, T, heads]; kv head h // (heads / kv_heads)
+        if softcap:
+            kq = self.node(g.ggml_scale, kq, scale / softcap)
+            kq = self.node(g.ggml_scale, self.node(g.ggml_tanh, kq), softcap)
+            scale = 1.0
+        p = self.node(g.ggml_soft_max_ext, kq, self.contiguous(mask).t, scale, 0.0)
+        out = self.node(g.ggml_mul_mat, values.t, p)  # values ne [cells, hd, kv_heads], strided: out ne [hd, T, heads]
+        out = self.node(g.ggml_cont, self.node(g.ggml_permute, out, 0, 2, 1, 3))  # ne [hd, heads, T]
+        flat = self.view(self.wrap(out, (rows, nh, hd)), (rows, nh * hd), c_strides((rows, nh * hd), 4))
+        return flat if rows == t else flat[:t]
+
+    def flash_attention(
+        self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float, softcap: float | None = None
+    ) -> GArray:
+        """Flash attention of a step's rows: q [T, heads, hd] against keys/values [kv_heads, cells, hd] (F16 cache
+        views), `mask` F16 [T, cells] (0 visible, -inf not: ggml skips -inf cells outright). -> [T, heads*hd]
+
+        Every row's result is computed by one kernel, ggml's row-at-a-time online softmax, whatever the step: so
+        a row's numbers are the same however its prompt was chunked, whatever runs beside it, and after a replay
+        that prefills generated tokens. ggml's CPU flash attention takes two other kernels, which compute in
+        another order (by up to 1.4 in SmolLM2's logits): a tiled one for 64 query rows and more (so rows go in
+        balanced blocks of at most ATTENTION_ROWS), and one that splits the cells across threads for a single row
+        over SPLIT_KV_CELLS cells and more (so a lone row is attended beside a copy of itself)."""
+        t, nh, hd = q.shape
+        nkv, cells, khd = keys.shape
+        expect(khd == hd and values.shape == keys.shape and nh % nkv == 0, f"attention: {q.shape}, {keys.shape}")
+        expect(mask is None or mask.shape == (t, cells), f"attention: mask {None if mask is None else mask.shape}")
+        if t > ATTENTION_ROWS and mask is not None:
+            n = -(-t // ATTENTION_ROWS)  # blocks of t//n or t//n + 1 rows: none below 16 (a lone row: see above)
+            bounds = [i * (t // n) + min(i, t % n) for i in range(n + 1)]
+            return self.concat(
+                [
+                    self.flash_attention(q[a:b], keys, values, mask[a:b], scale, softcap)
+                    for a, b in zip(bounds, bounds[1:])
+                ],
+                axis=0,
+            )
+        if t == 1 and cells >= SPLIT_KV_CELLS:
+            twice = self.flash_attention(
+                self.concat([q, q], axis=0),
+                keys,
+                values,
+                None if mask is None else self.concat([mask, mask], axis=0),
+                scale,
+                softcap,
+            )
+            return twice[:1]
+        qp = self.node(g.ggml_permute, q.t, 0, 2, 1, 3)  # ne [hd, T, heads], what flash attention reads
+        out = self.node(
+            g.ggml_flash_attn_ext, qp, keys.t, values.t, None if mask is None else mask.t, scale, 0.0, softcap or 0.0
+        )  # ne [hd, heads, T], contiguous
+        return self.view(self.wrap(out, (t, nh, hd)), (t, nh * hd), c_strides((t, nh * hd), 4))
