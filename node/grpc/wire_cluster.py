@@ -65,20 +65,28 @@ def encode_node_info(n: NodeInfo) -> pb.NodeInfo:
 
 
 def decode_node_info(m: pb.NodeInfo) -> NodeInfo:
+    """The node a health check describes; a WireError names the node (its id, once: the checks below don't)."""
     node_id = _text(m.node_id, "node_id")
+    try:
+        return _node_info(m, node_id)
+    except WireError as e:
+        raise WireError(f"node {node_id!r}: {e}") from e
+
+
+def _node_info(m: pb.NodeInfo, node_id: str) -> NodeInfo:
     address = _text(m.address, "node address")
     try:
         parse_address(address)
     except ValueError as e:
-        raise WireError(f"node {node_id!r}: {e}") from e
+        raise WireError(str(e)) from e
     if not m.HasField("capabilities"):
-        raise WireError(f"node {node_id!r} sent no capabilities")
+        raise WireError("no capabilities sent")
     c = m.capabilities
     if c.n_layers < 0:
-        raise WireError(f"node {node_id!r} reports {c.n_layers} layers")
+        raise WireError(f"reports {c.n_layers} layers")
     model_id = _text(c.model_id, "model_id", MAX_MODEL_ID, required=False)
     if not (math.isfinite(c.speed) and 0 <= c.speed <= MAX_SPEED):  # placement divides by it
-        raise WireError(f"node {node_id!r} reports a speed of {c.speed}: need 0 (unmeasured) to {MAX_SPEED:g}")
+        raise WireError(f"reports a speed of {c.speed}: need 0 (unmeasured) to {MAX_SPEED:g}")
     device = _text(c.device, "device", MAX_NAME, required=False)
     caps = Capabilities(
         c.memory_bytes, _text(c.engine, "engine"), model_id, c.n_layers, c.speed, device, c.host_memory_bytes
@@ -87,11 +95,11 @@ def decode_node_info(m: pb.NodeInfo) -> NodeInfo:
     if m.HasField("pinned"):
         p = decode_shard(m.pinned)  # validates the range
         if (p.model_id, p.n_layers) != (caps.model_id, caps.n_layers):
-            raise WireError(f"node {node_id!r} pins layers of another model than the one it serves")
+            raise WireError("pins layers of another model than the one it serves")
         pinned = (p.start_layer, p.end_layer)
     loaded = tuple(decode_shard(s) for s in _count(m.loaded, "loaded shards", MAX_LOADED))
     if m.active_requests < 0:
-        raise WireError(f"node {node_id!r} reports {m.active_requests} active requests")
+        raise WireError(f"reports {m.active_requests} active requests")
     status = {_text(k, "status key"): int(v) for k, v in _count(m.status, "status counters", MAX_STATUS).items()}
     availability = decode_availability(m.availability, caps.n_layers) if m.HasField("availability") else Availability()
     return NodeInfo(node_id, address, caps, pinned, loaded, m.active_requests, status, m.draining, availability)

@@ -192,11 +192,13 @@ def _node_msg() -> pb.NodeInfo:
         lambda m: m.status.__setitem__("", 1),
     ],
 )
-def test_invalid_node_info_is_rejected(mutate):
+def test_invalid_node_info_is_rejected_naming_the_node_once(mutate):
     m = _node_msg()
     mutate(m)
-    with pytest.raises(WireError):
+    with pytest.raises(WireError) as e:
         decode_node_info(m)
+    if m.node_id:
+        assert str(e.value).startswith(f"node {m.node_id!r}: ") and str(e.value).count(m.node_id) == 1
 
 
 @pytest.mark.parametrize(
