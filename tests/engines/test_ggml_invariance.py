@@ -4,8 +4,10 @@ replay (prompt + generated tokens prefilled at once) and a batch give the text a
 (ggml's CPU flash attention changes kernel for blocks of 64 query rows and more; the engine attends in blocks of
 at most ATTENTION_ROWS: shards/engines/ggml/backend.py. Its matmul sums a lone row of a float weight in another
 order than a batch's rows; the engine pads such steps, or hands every row to the 1-row kernel:
-shards/engines/ggml/gemm_rows.py.) Checked on the packaged SmolLM2 as the node runs it by default (requantized to F16,
-`--float-matmul pad`), on its file's own Q4_1, and on F32 and F16 weights in both invariant modes."""
+shards/engines/ggml/gemm_rows.py. Interleaved CPU_REPACK kernels may sum a lone row otherwise than four rows; such
+types stay in plain memory: shards/engines/ggml/repack_probe.py.) Checked on the packaged SmolLM2 as the node runs it
+by default (requantized to F16, `--float-matmul pad`), on its file's own Q4_1, requantized to Q4_K, and on F32 and F16
+weights in both invariant modes."""
 
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ RAW = np.random.default_rng(3).integers(100, 5000, 150)
 WEIGHTS = {  # name -> (model path, --quantize, --float-matmul); None: the node's default
     "default": (smollm2_path, lambda: default_quantize(model_id(smollm2_path()), "ggml", None), None),  # F16, pad
     "q4_1": (smollm2_path, lambda: "none", None),  # the file's own blocks
+    "q4_k": (smollm2_path, lambda: "q4_k", None),  # K-quant blocks: CPU_REPACK only where its kernels keep rows
     "f32": (lambda: DEMO_DIR, lambda: None, None),  # a float checkpoint kept in float32
     "f32-rowwise": (lambda: DEMO_DIR, lambda: None, "rowwise"),
     "f16-rowwise": (lambda: DEMO_DIR, lambda: "f16", "rowwise"),

@@ -5,8 +5,9 @@ on load with `quantize`), so its memory is that of its tensors in the file, not 
 quantized CPU kernels on up to `threads` threads: fewer while other processes keep cores busy
 (shards/engines/ggml/threads.py), since ggml's threads wait for each other after every op.
 
-Matmul weights of the types ggml's CPU_REPACK buffer has kernels for on this CPU (per llama.cpp's own probe: Q4_0,
-Q4_K here) are placed there; everything else, and always the embedding table, in plain CPU memory.
+Matmul weights of the types ggml's CPU_REPACK buffer has kernels for on this CPU (per llama.cpp's own probe), and whose
+kernels give a row the same numbers alone and among others (shards/engines/ggml/repack_probe.py), are placed there;
+everything else, and always the embedding table, in plain CPU memory.
 
 A step runs as every engine's does (`Engine.run`); this engine's runner, `GraphRunner`, gives each step shape
 (rows, the spans of KV cells its groups of rows attend, output: shards/engines/ggml/graph.py) one compute graph, built

@@ -38,9 +38,9 @@ class GgmlMoE(MoEBackend):
             ggml_type, data = F32, np.ascontiguousarray(w, dtype=np.float32).reshape(-1, shape[-1])
         if len(shape) != 3:
             raise ValueError(f"{name}: stacked experts must be 3-D [experts, out, in], got shape {shape}")
-        # in CPU_REPACK where this CPU has a mul_mat_id kernel for the type, as llama.cpp places them: its kernels
-        # and rounding, so the logits are llama.cpp's bit for bit (bench/bench_agreement.py), and no tiled or plain
-        # kernel's other summation order
+        # in CPU_REPACK where this CPU has a mul_mat_id kernel for the type, as llama.cpp places them (its kernels
+        # and rounding: bench/bench_agreement.py), unless those kernels sum a lone row otherwise than a batch's
+        # (shards/engines/ggml/repack_probe.py): an expert's rows vary with the routing of every step
         return self._upload(ggml_type, shape, [data], name, matmul=True)
 
     def experts(self, gate, up, down) -> GExperts:

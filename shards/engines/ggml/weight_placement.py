@@ -1,7 +1,8 @@
 """Weight placement of the ggml backend: where each weight of the shard lives, in which layout, for the backend's life.
 
 Every weight tensor is a node of one weights context (`wctx`), with its bytes copied into the `WeightArena`: matmul
-weights into CPU_REPACK buffers where ggml's probe accepts their type and shape (and `repack` is on), everything else
+weights into CPU_REPACK buffers where ggml's probe accepts their type and shape and its kernels keep a row's numbers
+whatever else its step holds (shards/engines/ggml/repack_probe.py; and `repack` is on), everything else
 (tables that get_rows reads, vectors, stacked experts) into plain huge-page chunks. Weights keep their GGUF block
 types; nothing is dequantized but the F32 vectors. Graphs built later only point at these tensors, so placement
 decides memory and kernels, never what a graph computes.
@@ -25,6 +26,7 @@ from shards.engines.ggml.lib import (
     type_name,
     validate_rows,
 )
+from shards.engines.ggml.repack_probe import repack_keeps_rows
 from shards.formats.quant import QuantizedTensor
 
 
@@ -68,7 +70,7 @@ class GgmlWeights:
             validate_rows(ggml_type, p, what)
         ne = tuple(reversed(shape))
         t = self.wctx.new(ggml_type, ne)
-        if matmul and self.repack and repack_supported(ggml_type, ne):
+        if matmul and self.repack and repack_supported(ggml_type, ne) and repack_keeps_rows(ggml_type):
             # ggml re-lays a repacked tensor out as it is set, which it only does whole
             self.arena.place_repacked(t, pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
             self.repacked[type_name(ggml_type)] = self.repacked.get(type_name(ggml_type), 0) + 1
