@@ -1,7 +1,8 @@
 """The ggml engine on a GPU backend's device against the same engine on the CPU, in the terms llama.cpp's
 `llama-perplexity --kl-divergence` reports for its own backends: mean KL divergence of the device's next-token
 distribution from the CPU's, and the share of positions where both pick the same top token, over chunks of a text
-scored on their second halves (as llama-perplexity scores them).
+scored on their second halves, each chunk starting with BOS where the model's tokenizer adds one (as
+llama-perplexity does both).
 
     GGML_VK_VISIBLE_DEVICES=0 python -m bench.device_agreement --text README.md --device vulkan --quantize f16
 
@@ -63,19 +64,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     path = Path(args.model) if args.model else resolve_model(DEFAULT_MODEL)[0]
-    ids = np.array(Tokenizer.load(path).encode(args.text.read_text(), add_special_tokens=False))
+    tok = Tokenizer.load(path)
+    ids = np.array(tok.encode(args.text.read_text()))  # with BOS where the model has one, as llama.cpp tokenizes
     if len(ids) < args.ctx * args.chunks:
         raise SystemExit(f"{args.text}: {len(ids)} tokens, fewer than --ctx x --chunks = {args.ctx * args.chunks}")
-    chunks = [ids[i * args.ctx : (i + 1) * args.ctx] for i in range(args.chunks)]
+    chunks = [ids[i * args.ctx : (i + 1) * args.ctx].copy() for i in range(args.chunks)]
+    marked, plain = tok.encode("a"), tok.encode("a", add_special_tokens=False)
+    if len(marked) > len(plain):  # the model's tokenizer starts a text with BOS: each chunk's first token is one
+        for c in chunks:
+            c[0] = marked[0]
     load_backends()
     cpu = log_softmax(chunk_logits(path, None, args.quantize, chunks, args.threads))
     dev = log_softmax(chunk_logits(path, args.device, args.quantize, chunks, args.threads))
+    targets = np.concatenate([c[len(c) // 2 + 1 :] for c in chunks])  # the token each scored position predicts
+    ppl = [float(np.exp(-lp[np.arange(len(targets)), targets].mean())) for lp in (cpu, dev)]
     kld = (np.exp(cpu) * (cpu - dev)).sum(axis=-1)
     same = np.mean(cpu.argmax(-1) == dev.argmax(-1))
     rms = np.sqrt(np.mean((np.exp(dev) - np.exp(cpu)) ** 2, axis=-1).mean())
     print(f"{path.name}, --quantize {args.quantize}, {len(cpu)} positions ({args.chunks} chunks of {args.ctx})")
     print(f"{args.device} vs CPU: mean KLD {kld.mean():.6f} (max {kld.max():.6f}), same top token {100 * same:.2f}%")
     print(f"(RMS of the probability differences over the vocabulary {rms:.2e})")
+    print(f"perplexity: CPU {ppl[0]:.4f}, {args.device} {ppl[1]:.4f} (llama-perplexity's figure for the same chunks)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from shards.engines.base import StepInput  # noqa: E402
 from shards.formats.loader import load_config  # noqa: E402
-from tests.gpu.test_device_engine import FLOAT_RMS, agreement, engine  # noqa: E402
+from tests.gpu.test_device_engine import FLOAT_RMS, agreement, engine, flips_only_at_near_ties  # noqa: E402
 from tests.support.models import FIXTURES  # noqa: E402
 
 MODEL = FIXTURES / "llama"
@@ -26,17 +26,6 @@ MODEL = FIXTURES / "llama"
 
 def tokens(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, load_config(MODEL).vocab_size, n)
-
-
-def flips_only_at_near_ties(want: np.ndarray, got: np.ndarray) -> bool:
-    """Every position whose top-1 token differs had its two best tokens within the rounding of each other: their
-    gap in `want` is at most twice the largest difference of that position's logits."""
-    for w, g in zip(want, got):
-        if np.argmax(w) != np.argmax(g):
-            first, second = np.sort(w)[-2:][::-1]
-            if first - second > 2 * np.abs(w - g).max():
-                return False
-    return True
 
 
 def one_at_a_time(e, rid: str, ids: np.ndarray) -> np.ndarray:

@@ -51,10 +51,11 @@ class OnDevice:
         self.backend = g.ggml_backend_dev_init(dev, None)
         if not self.backend:
             raise RuntimeError(f"ggml could not start device {device.name} ({device.description})")
-        self.buft = g.ggml_backend_dev_buffer_type(dev)
+        self.dev, self.buft = dev, g.ggml_backend_dev_buffer_type(dev)
         self.max_alloc = int(g.ggml_backend_buft_get_max_size(self.buft))
         self.reported = False
         self.fallbacks: Counter[str] = Counter()  # ops the scheduler put on the CPU, in the first graph that had any
+        self.host_weights = 0  # bytes of weights too large for the device's kernels, kept in host memory
 
     def hold_weights(self, ops: GgmlBackend) -> GgmlBackend:
         """`ops` placing every weight it loads from now on in the device's buffers (never CPU_REPACK)."""
@@ -122,6 +123,18 @@ class DeviceArena:
         size = int(g.ggml_nbytes(tensor))
         if sum(p.nbytes for p in pieces) != size or not all(p.flags.c_contiguous for p in pieces):
             raise ValueError(f"weight data has {sum(p.nbytes for p in pieces)} bytes, ggml expects {size}")
+        if not g.ggml_backend_dev_supports_op(self.on.dev, tensor):
+            # larger than one kernel may address (Vulkan's storage buffer range: 128 MiB on lavapipe, e.g. a
+            # 262k-token embedding table): in a device buffer the scheduler would abort the process; in host memory
+            # the ops that read it run on the CPU, as llama.cpp places such a weight
+            self.host.place(tensor, pieces)
+            self.on.host_weights += size
+            log.warning(
+                "ggml: a weight of %.0f MiB is larger than %s's kernels address: kept in host memory, its ops on the CPU",
+                size / 2**20,
+                self.on.device.name,
+            )
+            return
         need = max(size, int(g.ggml_backend_buft_get_alloc_size(self.on.buft, tensor)))
         if need > self.on.max_alloc:
             raise MemoryError(f"a weight of {need} bytes exceeds {self.on.device.name}'s largest allocation")
