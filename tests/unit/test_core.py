@@ -21,9 +21,8 @@ from shards.decoding.sampling import SampleResult
 from shards.model.shard import Shard
 from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
 
-ONE_BATCH = SchedulerLimits(
-    micro_batches=1
-)  # these tests batch a ring's rows together (micro-batches: test_microbatches)
+# these tests batch a ring's rows together (micro-batches: test_microbatches)
+ONE_BATCH = SchedulerLimits(micro_batches=1)
 
 
 def core(node_id, scheduling=ONE_BATCH, **limits):
