@@ -54,14 +54,29 @@ def model_files(which: list[str]) -> dict[str, Path]:
                 out["qwen3moe-q8_0"] = FIXTURES / "moe" / "qwen3moe.q8_0.gguf"
         elif name == "moe-q4_k":
             out["random-qwen3moe-q4_k"] = random_qwen3moe(**SMALL_MOE)
+        elif name.endswith(".gguf") and Path(name).is_file():  # any file both sides load, e.g. a real model
+            out[Path(name).stem] = Path(name)
         else:
-            raise SystemExit(f"unknown model {name!r}: smollm2, gemma2, gemma3, qwen3moe, mixtral, qwen2moe, moe-q4_k")
+            raise SystemExit(
+                f"unknown model {name!r}: smollm2, gemma2, gemma3, qwen3moe, mixtral, qwen2moe, moe-q4_k, or a .gguf file"
+            )
     return out
+
+
+KNOWN = {
+    "gemma2-f16",
+    "gemma3-f16",
+    "qwen3moe-f32",
+    "qwen3moe-q8_0",
+    "mixtral-f32",
+    "qwen2moe-f32",
+    "random-qwen3moe-q4_k",
+}
 
 
 def prompts(name: str, path: Path, count: int, length: int) -> list[list[int]]:
     """Real text for a real model (bench_ggml.TEXTS, one text a prompt), random ids for the random fixtures."""
-    if name.startswith("smollm2"):
+    if name.startswith("smollm2") or name not in KNOWN:
         from bench.bench_ggml import TEXTS
         from shards.formats.tokenizer import Tokenizer
 
@@ -113,6 +128,7 @@ def llama_logits(args, path: Path, ids: list[int], work: Path, chunk: int = 32) 
         str(chunk),
     ]
     cmd += ["--tokens", str(work / "ids.json"), "--out", str(work / "ref.npz")]
+    cmd += ["--no-extra-bufts"] if args.llama_plain else []
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600, env={**os.environ, **env})
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
@@ -208,6 +224,11 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--n", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--attention", choices=["flash", "gemm"], help="the ggml attention module's ATTENTION")
+    ap.add_argument(
+        "--llama-plain",
+        action="store_true",
+        help="llama.cpp's weights out of its repacked buffers (as exo's plain ones)",
+    )
     ap.add_argument("--self-check", action="store_true", help="also llama.cpp decoding alone vs in batches of 32")
     args = ap.parse_args(argv)
     if args.attention:
