@@ -223,7 +223,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--n", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--attention", choices=["flash", "gemm"], help="the ggml attention module's ATTENTION")
+    ap.add_argument("--attention", choices=["flash", "gemm", "auto"], help="the ggml attention module's ATTENTION")
     ap.add_argument(
         "--llama-plain",
         action="store_true",

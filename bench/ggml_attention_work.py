@@ -1,5 +1,5 @@
 """The ggml engine's attention work per step, counted from its graphs rather than timed (so the same on a busy
-machine): for each attention (backend.ATTENTION "flash" and "gemm", each with its pool's layout of values), one
+machine): for each attention (attention.ATTENTION "flash" and "gemm", each with its pool's layout of values), one
 decode row over a request of 1,024 positions and the first and last 256-row chunks of a 2,048-token prompt, on the
 packaged SmolLM2's first layer (every layer does the same work). Per step and layer: the span of cells attended,
 the (row, cell) pairs visible, the F16 matmuls' FLOPs (gemm attention's two), flash attention's (rows x heads x
@@ -19,7 +19,7 @@ import json
 import numpy as np
 
 from shards.engines.base import StepInput
-from shards.engines.ggml import backend
+from shards.engines.ggml import attention as ggml_attention
 from shards.engines.ggml.cells import CellRange
 from shards.engines.ggml.engine import GgmlEngine
 from shards.engines.ggml.lib import F16, g
@@ -31,7 +31,7 @@ STEPS = {"decode@1k": (1023, 1, 1024), "prefill 0-255": (0, 256, 2048), "prefill
 
 
 def work(attention: str, held: int, rows: int, reserved: int) -> dict:
-    backend.ATTENTION = attention  # before the engine: its pool's layout of values follows it
+    ggml_attention.ATTENTION = attention  # before the engine: its pool's layouts of values follow it
     path = resolve_model("smollm2")[0]
     cfg = dataclasses.replace(load_config(path), n_layers=1)
     e = GgmlEngine(path, Shard("m", 0, 1, 1), cfg, threads=1, quantize="none", adapt_threads=False)

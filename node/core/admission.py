@@ -29,6 +29,7 @@ class CoreLimits:
     max_requests_per_entry: int = 192  # of those, at most this many from one entry node (no peer takes them all)
     kv_budget: int | None = None  # bytes of KV cache this node may hold for all its requests (None: no limit)
     kv_value_bytes: int = 4  # bytes of one cached key or value element (float32)
+    kv_values_twice: int = 0  # a request's first positions, up to this many, whose values the engine keeps twice
     idle_timeout: float = 60.0  # a request whose next input doesn't come for this long is forgotten
     # of kv_budget, the most the requests of one other entry node may reserve (this node's own are not limited): a
     # key holder can't take all of a peer's memory and leave the other entries' requests a 503
@@ -148,6 +149,8 @@ class Admission:
         self.kv_reserved -= req.kv_bytes
 
     def kv_bytes(self, shard: Shard, positions: int) -> int:
-        """KV cache memory `positions` positions take on `shard`: a key and a value per layer and kv head."""
-        cfg = self.config
-        return positions * shard.layer_count * 2 * cfg.n_kv_heads * cfg.head_dim * self.limits.kv_value_bytes
+        """KV cache memory `positions` positions take on `shard`: a key and a value per layer and kv head, and the
+        values again for the first `kv_values_twice` positions."""
+        cfg, limits = self.config, self.limits
+        elements = 2 * positions + min(positions, limits.kv_values_twice)
+        return elements * shard.layer_count * cfg.n_kv_heads * cfg.head_dim * limits.kv_value_bytes

@@ -180,6 +180,7 @@ def node_from_args(args: argparse.Namespace, *, node_id: str, engine: EngineSett
         core=CoreLimits(
             kv_budget=kv_budget,
             kv_value_bytes=kind.kv_value_bytes,
+            kv_values_twice=kind.kv_values_twice,
             idle_timeout=args.request_idle_timeout,
             kv_entry_share=args.kv_entry_share,
         ),

@@ -49,6 +49,9 @@ class Engine(ABC):
     prefill_buckets: tuple[int, ...] | None = None
     # Bytes of one cached key or value element: what the node's KV cache budget charges per position.
     kv_value_bytes: int = 4
+    # A request's first positions up to this many whose values the engine keeps twice (the ggml engine: one layout
+    # per attention kernel, shards/engines/ggml/cells.py): the budget charges their values again.
+    kv_values_twice: int = 0
     # Whether `sample` takes a stacked batch. An engine without a batched sampler sets this False and the
     # last node's sampling batcher falls back to `sample_one` per request for its rows.
     batched_sampling: bool = True

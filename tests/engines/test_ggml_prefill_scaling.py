@@ -14,6 +14,7 @@ pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from node.core.scheduler import SchedulerLimits
 from shards.engines.base import StepInput
+from shards.engines.ggml.attention import GEMM_FROM
 from shards.engines.ggml.graph import WINDOW_STEP
 from tests.engines.test_ggml_cells import smollm2
 
@@ -61,8 +62,13 @@ def test_a_rows_attention_scans_its_own_cells_and_a_margin_that_does_not_grow_wi
     assert per_token[1] / per_token[0] <= mean_end[1] / mean_end[0] * 1.5, per_token
 
 
-def test_a_chunks_graph_copies_no_more_for_a_long_prompt_than_for_a_short_one(short_and_long):
+def test_a_chunks_graph_copies_are_of_its_own_rows_however_many_cells_it_attends(short_and_long):
     """Copies move data beside the math; one that grows with the cells attended (the span's values transposed every
-    step, before the pool kept them transposed) made a long prompt's chunks cost more per token outside attention."""
+    step, before the pool kept them transposed) made a long prompt's chunks cost more per token outside attention.
+    A chunk attending by matmuls (from the pool's gemm_from on) copies its own rows' output once, F32: the same for
+    its chunk wherever it lies."""
     (_, _, short), (_, _, long) = short_and_long
-    assert max(long) <= max(short), (short, long)  # chunks of CHUNK rows each
+    cfg = smollm2(layers=LAYERS).config
+    own_rows = CHUNK * cfg.n_heads * cfg.head_dim * 4 * LAYERS
+    assert max(long) <= max(short) + own_rows, (short, long)  # chunks of CHUNK rows each
+    assert len(set(long[GEMM_FROM // CHUNK :])) == 1, long  # the same for every chunk past it

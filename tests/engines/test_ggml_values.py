@@ -1,7 +1,8 @@
-"""The ggml engine keeps every layer's values in the layout its attention reads (shards/engines/ggml/cells.py): for
+"""The ggml engine keeps every layer's values in the layouts its attentions read (shards/engines/ggml/cells.py): for
 the F16-matmul attention ("gemm") transposed, a line of cells per value element, llama.cpp's layout without flash
 attention, so attention multiplies a span of values where they lie (GgmlBackend.gemm_attention); for flash attention
-as the keys are. No step copies the cells it attends. Whatever moves cells moves the values with the keys (a prefix
+as the keys are; under "auto" both, flash rows below the pool's gemm_from and matmul rows from it. No step copies
+the cells it attends. Whatever moves cells moves the values with the keys (a prefix
 copied, a range outgrowing itself, the pool's growth), a step writes each row's values into its own cell and nowhere
 else, the matmul attention gives every row the numbers it gets alone, in a prefill or decoding, and it gives llama.cpp's
 flash-attention logits but for rounding."""
@@ -38,12 +39,15 @@ def keys(pool: CellPool, layer: int) -> np.ndarray:
 
 
 def fill(pool: CellPool, start: int, n: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Random keys and values into cells [start, start+n) of every layer; what was written, per layer."""
+    """Random keys and values into cells [start, start+n) of every layer (the values in each layout the pool
+    keeps); what was written, per layer."""
     rng, out = np.random.default_rng(seed), []
     for layer in range(pool.n_layers):
         k, v = (rng.standard_normal((n, pool.width)).astype(np.float16) for _ in range(2))
         keys(pool, layer)[start : start + n] = k
         pool.values(layer)[:, start : start + n] = v.T
+        if pool.value_rows and pool.transposed:
+            pool.value_rows_of(layer)[start : start + n] = v
         out.append((k, v))
     return out
 
@@ -53,20 +57,21 @@ def held(pool: CellPool, start: int, written: list[tuple[np.ndarray, np.ndarray]
     return all(
         np.array_equal(keys(pool, layer)[start : start + n], k)
         and np.array_equal(pool.values(layer)[:, start : start + n], v.T)
+        and (not pool.value_rows or np.array_equal(pool.value_rows_of(layer)[start : start + n], v))
         for layer, (k, v) in enumerate(written)
     )
 
 
-@pytest.fixture(params=["gemm", "flash"])
+@pytest.fixture(params=["gemm", "flash", "auto"])
 def attention(request, monkeypatch) -> str:
     """Each attention, set before the engine (and its pool's layout) is made."""
     monkeypatch.setattr(ggml_attention, "ATTENTION", request.param)
     return request.param
 
 
-@pytest.mark.parametrize("transposed", [True, False])
-def test_values_keep_their_cells_through_copies_moves_and_the_pools_growth(transposed):
-    pool = CellPool(2, 2, 8, 64, transposed=transposed)
+@pytest.mark.parametrize("gemm_from", [0, None, 16])  # lines only, rows only, both
+def test_values_keep_their_cells_through_copies_moves_and_the_pools_growth(gemm_from):
+    pool = CellPool(2, 2, 8, 64, gemm_from=gemm_from)
     a = pool.allocate(10)
     written = fill(pool, a, 10, seed=1)
     b = pool.allocate(12)
@@ -82,7 +87,7 @@ def test_values_keep_their_cells_through_copies_moves_and_the_pools_growth(trans
 
 
 def test_whole_pages_of_values_given_back_read_as_zeros_again_and_their_neighbours_stay():
-    pool = CellPool(1, 1, 4, 2 * PAGE, transposed=True)  # every value element's line of cells: four pages of F16
+    pool = CellPool(1, 1, 4, 2 * PAGE, gemm_from=0)  # every value element's line of cells: four pages of F16
     head = pool.allocate(100)
     big = pool.allocate(PAGE)  # two pages' worth of cells in every line, one whole page at least
     tail = pool.allocate(50)
@@ -98,7 +103,7 @@ def test_whole_pages_of_values_given_back_read_as_zeros_again_and_their_neighbou
 
 def test_a_step_writes_each_rows_values_into_its_own_cells_and_nowhere_else(attention):
     e = smollm2(layers=2)
-    assert e.pool.transposed == (attention == "gemm")
+    assert e.pool.transposed == (attention != "flash") and e.pool.value_rows == (attention != "gemm")
     e.forward([StepInput("a", tokens=np.arange(30) + 100, max_positions=300)])
     e.forward([StepInput("b", tokens=np.arange(7) + 400, max_positions=300)])
     e.forward([StepInput("a", tokens=np.array([9])), StepInput("b", tokens=np.array([11]))])  # a decode step
@@ -110,6 +115,8 @@ def test_a_step_writes_each_rows_values_into_its_own_cells_and_nowhere_else(atte
         written = (e.pool.values(layer) != 0).any(axis=0)
         assert written[mine].all() and not written[~mine][1:].any()  # cell 0: the padding rows' scratch
         assert np.array_equal(written, (keys(e.pool, layer) != 0).any(axis=1))  # the keys' rows, the same cells
+        if e.pool.value_rows:
+            assert np.array_equal(written, (e.pool.value_rows_of(layer) != 0).any(axis=1))  # and the values' rows
     e.close()
 
 
@@ -180,4 +187,46 @@ def test_with_matmul_attention_a_row_gets_the_same_numbers_in_a_prefill_in_chunk
     e.forward([StepInput("busy", tokens=tokens[:99], max_positions=1100), StepInput("x", tokens=tokens[:9])])
     beside = e.forward([StepInput("x", tokens=tokens[9:10]), StepInput("busy", tokens=tokens[99:])])[1]
     assert np.array_equal(lone, whole[-1:]) and np.array_equal(beside, whole[-1:])
+    e.close()
+
+
+def test_each_position_attends_by_the_kernel_its_position_takes_in_any_step(monkeypatch):
+    """Under "auto" a row below the pool's gemm_from attends by flash attention and one from it by matmuls, however
+    the step that computes it is made: a prompt across the boundary at once, in chunks that straddle it, token by
+    token, and beside another request; below the boundary the logits are flash attention's own, bit for bit."""
+    monkeypatch.setattr(ggml_attention, "GEMM_FROM", 40)
+    tokens = np.random.default_rng(11).integers(100, 5000, 100)
+    monkeypatch.setattr(ggml_attention, "ATTENTION", "flash")
+    e = smollm2(layers=4)
+    flash = e.forward([StepInput("r", tokens=tokens, max_positions=100)], all_logits=True)[0]
+    e.close()
+    monkeypatch.setattr(ggml_attention, "ATTENTION", "auto")
+    e = smollm2(layers=4)
+    assert e.pool.gemm_from == 40
+    whole = e.forward([StepInput("whole", tokens=tokens, max_positions=100)], all_logits=True)[0]
+    assert np.array_equal(whole[:40], flash[:40]) and not np.array_equal(whole[40:], flash[40:])
+    cuts = [0, 1, 8, 39, 41, 43, 99, 100]
+    chunked = [
+        e.forward([StepInput("chunked", tokens=tokens[a:b], max_positions=100)], all_logits=True)[0]
+        for a, b in zip(cuts, cuts[1:])
+    ]
+    assert np.array_equal(np.concatenate(chunked), whole)
+    e.forward([StepInput("steps", tokens=tokens[:35], max_positions=100)])
+    stepped = [e.forward([StepInput("steps", tokens=tokens[i : i + 1])])[0] for i in range(35, 50)]
+    assert np.array_equal(np.concatenate(stepped), whole[35:50])
+    e.forward([StepInput("x", tokens=tokens[:30], max_positions=100)])
+    e.forward([StepInput("y", tokens=tokens[:60], max_positions=100)])
+    beside = e.forward(  # one request below the boundary, one crossing it, one past it: three groups, one step
+        [
+            StepInput("x", tokens=tokens[30:31]),
+            StepInput("y", tokens=tokens[60:62]),
+            StepInput("steps", tokens=tokens[50:51]),
+        ],
+        all_logits=True,
+    )
+    assert np.array_equal(beside[0], whole[30:31]) and np.array_equal(beside[1], whole[60:62])
+    assert np.array_equal(beside[2], whole[50:51])
+    crossing = e.forward([StepInput("z", tokens=tokens[:38], max_positions=100)])  # then 4 rows across 40, beside x
+    crossing = e.forward([StepInput("z", tokens=tokens[38:42]), StepInput("x", tokens=tokens[31:32])], all_logits=True)
+    assert np.array_equal(crossing[0], whole[38:42]) and np.array_equal(crossing[1], whole[31:32])
     e.close()

@@ -59,3 +59,12 @@ def test_a_draining_node_takes_nothing_new():
     with pytest.raises(Failed, match="^node b: shutting down$") as refused:
         a.admit(spec("r1"), {}, now=0.0)
     assert refused.value.failure == Failure(FailureKind.REFUSED, "shutting down", "b")
+
+
+def test_positions_whose_values_the_engine_keeps_twice_are_charged_a_third_value():
+    """The ggml engine keeps a request's first positions' values in two layouts, one per attention kernel (its
+    cells.py): a budget that charged only a key and a value would let its requests outgrow the budget."""
+    shard, plain, twice = Shard("llama", 2, 4, 6), admission(), admission(kv_values_twice=100)
+    per_value = plain.kv_bytes(shard, 1) // 2
+    assert twice.kv_bytes(shard, 60) == plain.kv_bytes(shard, 60) + 60 * per_value  # all under the bound
+    assert twice.kv_bytes(shard, 500) == plain.kv_bytes(shard, 500) + 100 * per_value  # the first 100 only

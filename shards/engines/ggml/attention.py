@@ -1,7 +1,13 @@
 """Attention of a step's rows over the cache's cells, as ggml graph nodes: ggml's flash attention in blocks that keep
 every row on one kernel (llama.cpp's numbers, exact replay), or two F16 matmuls and a softmax over values kept
 transposed. A mixin of GgmlBackend (shards/engines/ggml/backend.py), which supplies `node`, `wrap`, `view`, `concat`
-and `contiguous`."""
+and `contiguous`.
+
+Which one a row takes is a function of its position alone (`gemm_from`): so whatever step computes a position (a
+prompt in any chunks, decoding, a replay, a prefix taken over from another request) computes it with the same kernel,
+and both kernels give a row the same numbers in any step. Flash attention below GEMM_FROM keeps llama.cpp's logits
+bit for bit where prompts mostly are; past it the matmuls, whose cost per cell is a fraction of the one-row flash
+kernel's, keep a long prompt's prefill per token near a short one's."""
 
 from __future__ import annotations
 
@@ -9,14 +15,25 @@ from shards.engines.ggml.arrays import GArray, ValueLines, c_strides, expect
 from shards.engines.ggml.gemm_rows import MIN_FLOAT_ROWS
 from shards.engines.ggml.lib import g
 
-# How rows attend: "flash" (ggml_flash_attn_ext's one-row kernel: llama.cpp's attention, its logits bit for bit) or
+# How rows attend: "flash" (ggml_flash_attn_ext's one-row kernel: llama.cpp's attention, its logits bit for bit),
 # "gemm" (two F16 matmuls and a softmax on values the pool keeps transposed: gemm_attention), a third of flash's
-# work for a prompt's rows and less for a decode row, but rounded otherwise than llama.cpp: enough to fail the
-# agreement bounds of tests/engines/test_gguf_lowbit.py and test_moe.py on quantized activations. Read when a pool
-# (its values' layout) and a graph are made.
-ATTENTION = "flash"
+# work for a prompt's rows and less for a decode row past ~1k cells, but rounded otherwise than llama.cpp: enough to
+# fail the agreement bounds of tests/engines/test_gguf_lowbit.py and test_moe.py on quantized activations; or "auto",
+# flash for positions below GEMM_FROM and gemm from there (the pool keeps both layouts of the values below it). Read
+# when a pool (its values' layouts) is made.
+ATTENTION = "auto"
+ATTENTIONS = ("flash", "gemm", "auto")
+GEMM_FROM = 1024  # under "auto", the first position attended by matmuls: about where they get cheaper than flash
 ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
 SPLIT_KV_CELLS = 512  # from this many cells on, ggml splits a single query row's cells across threads (ops.cpp)
+
+
+def gemm_from(attention: str | None = None) -> int | None:
+    """The first position whose row attends by matmuls under `attention` (ATTENTION by default); None: none does."""
+    attention = ATTENTION if attention is None else attention
+    if attention not in ATTENTIONS:
+        raise ValueError(f"ggml attention must be one of {', '.join(ATTENTIONS)}, not {attention!r}")
+    return {"flash": None, "gemm": 0, "auto": GEMM_FROM}[attention]
 
 
 class GgmlAttention:
@@ -27,15 +44,12 @@ class GgmlAttention:
     ) -> GArray:
         """A step's rows attending: q [T, heads, hd] against keys [kv_heads, cells, hd] and values as the pool keeps
         them (F16 views, shards/engines/ggml/cells.py: ValueLines, or [kv_heads, cells, hd] like the keys), `mask`
-        F16 [T, cells] (0 visible, -inf not). -> [T, heads*hd]. By matmuls (`ATTENTION` "gemm", below) or by
-        ggml's flash attention (`flash_attention`); values in the other's layout are transposed to it first, a copy
-        of the span every layer (only a pool made before ATTENTION changed pays it)."""
+        F16 [T, cells] (0 visible, -inf not). -> [T, heads*hd]. The values' layout says which: lines by matmuls
+        (`gemm_attention`), rows by ggml's flash attention (`flash_attention`); the pool hands a step's group of rows
+        the layout of the kernel their positions take (graph.py's PoolKV). Without a mask (no cache) lines are
+        transposed for flash attention, a copy of the span."""
         lines = isinstance(values, ValueLines)
-        if ATTENTION == "gemm" and mask is not None:
-            if not lines:
-                nkv, cells, hd = values.shape
-                t = self.node(g.ggml_cont, self.node(g.ggml_permute, values.t, 1, 0, 2, 3))
-                values = ValueLines(self, t, (nkv, hd, cells))
+        if lines and mask is not None:
             return self.gemm_attention(q, keys, values, mask, scale, softcap)
         if lines:
             nkv, hd, cells = values.shape

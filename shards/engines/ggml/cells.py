@@ -2,10 +2,13 @@
 unified KV cache), each request owning a contiguous range of cells.
 
 Per layer one K tensor [cells, kv_heads*head_dim] (a cell is one position of one request: its keys contiguous) and
-one V tensor, laid out for the backend's attention (attention.ATTENTION when the pool is made): for "gemm" transposed,
-[kv_heads*head_dim, cells] (one value element's cells contiguous: llama.cpp's layout without flash attention), so
-attention multiplies a span of values as they lie (GgmlBackend.gemm_attention); for "flash" as the keys are, the
-rows ggml_flash_attn_ext reads. Either way no step transposes the values. All in one anonymous mapping: zero until
+the values in the layouts the backend's attentions read (attention.gemm_from when the pool is made): transposed,
+[kv_heads*head_dim, cells] (one value element's cells contiguous: llama.cpp's layout without flash attention), for
+rows attending by matmuls, which multiply a span of values as they lie (GgmlBackend.gemm_attention); as the keys are,
+the rows ggml_flash_attn_ext reads, for rows attending by flash attention. A pool for both kernels keeps both: the
+rows below `gemm_from` write their values in both (a matmul row past it attends them too), the rows past it only
+in lines, so the rows' copy is backed by memory for a request's first `gemm_from` positions only. Either way no step
+transposes the values. All in one anonymous mapping: zero until
 written and backed by RAM only where written (transposed values a page of every element's line at a time); the whole
 pages of a range given back are returned to the kernel (MADV_DONTNEED) and read as zeros again, and any cell left
 holds a finite value (graph.py clamps what it writes).
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from types import EllipsisType
 
 import numpy as np
 
@@ -43,12 +47,24 @@ class CellPool:
     """Every layer's K and V cells, and which ranges of cells are free (sorted, disjoint, merged [start, end))."""
 
     def __init__(
-        self, n_layers: int, n_kv_heads: int, head_dim: int, cells: int, align: int = 1, transposed: bool | None = None
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        cells: int,
+        align: int = 1,
+        gemm_from: int | None | EllipsisType = ...,
     ):
+        """`gemm_from`: the first position attended by matmuls (None: none, 0: all), attention.gemm_from() unless
+        given."""
         if n_layers < 1 or n_kv_heads < 1 or head_dim < 1 or cells < 2 or align < 1:
             raise ValueError(f"a cell pool needs layers, heads, head_dim >= 1 and >= 2 cells, got {cells} cells")
+        self.gemm_from = attention.gemm_from() if gemm_from is ... else gemm_from
+        if self.gemm_from is not None and self.gemm_from < 0:
+            raise ValueError(f"gemm_from is a position >= 0 or None, not {self.gemm_from}")
         self.n_layers, self.width, self.align = n_layers, n_kv_heads * head_dim, align
-        self.transposed = attention.ATTENTION == "gemm" if transposed is None else transposed  # values' layout
+        self.transposed = self.gemm_from is not None  # values kept in lines (for matmul attention)
+        self.value_rows = self.gemm_from != 0  # values kept as rows (for flash attention)
         self.row = self.width * 2  # bytes of one cell of one tensor (F16)
         self.position_bytes = 2 * n_layers * self.row  # what one cell costs across K and V of every layer
         self.generation = 0
@@ -57,29 +73,47 @@ class CellPool:
         self._map(cells)
         self.free_ranges: list[tuple[int, int]] = [(SCRATCH_CELL + 1, cells)]
 
+    def extra_bytes(self, positions: int) -> int:
+        """Memory a request of `positions` positions takes beyond `position_bytes` each: its values kept twice."""
+        twice = positions if self.gemm_from is None else min(positions, self.gemm_from)
+        return twice * self.n_layers * self.row if self.transposed and self.value_rows else 0
+
     def _map(self, cells: int) -> None:
-        """Tensors of `cells` cells, each starting on a page (so a range's pages can be given back per tensor)."""
+        """Tensors of `cells` cells, each starting on a page (so a range's pages can be given back per tensor): per
+        layer K, then V as rows and V as lines, whichever the pool keeps."""
         stride = -(-cells * self.row // PAGE) * PAGE
-        ctx = Context(2 * self.n_layers)
+        per_layer = 1 + self.value_rows + self.transposed
+        ctx = Context(per_layer * self.n_layers)
         try:
-            mem = self._buffer(2 * self.n_layers * stride)
+            mem = self._buffer(per_layer * self.n_layers * stride)
         except BaseException:
             ctx.free()
             raise
         try:
-            tensors = []
-            for i in range(2 * self.n_layers):
-                lines = i % 2 == 1 and self.transposed
-                t = ctx.new(F16, (cells, self.width) if lines else (self.width, cells))  # ne, innermost first
-                mem.place(t, i * stride)
-                tensors.append(t)
+            k, v, lines = [], [], []
+            for _ in range(self.n_layers):
+                for kind in [k] + [v] * self.value_rows + [lines] * self.transposed:
+                    shape = (cells, self.width) if kind is lines else (self.width, cells)  # ne, innermost first
+                    t = ctx.new(F16, shape)
+                    mem.place(t, (len(k) + len(v) + len(lines)) * stride)
+                    kind.append(t)
         except BaseException:
             mem.free()
             ctx.free()
             raise
         self.cells, self.stride, self.ctx, self.mem = cells, stride, ctx, mem
-        self.k: list[Tensor] = tensors[0::2]
-        self.v: list[Tensor] = tensors[1::2]
+        self.k: list[Tensor] = k
+        self.v: list[Tensor] = v  # values as rows (empty when the pool keeps none)
+        self.v_lines: list[Tensor] = lines  # values transposed (empty when the pool keeps none)
+        self.offsets = {id(t): i * stride for i, t in enumerate(self._in_order(k, v, lines))}
+
+    @staticmethod
+    def _in_order(k: list, v: list, lines: list) -> list:
+        """The tensors in the order they lie in the mapping."""
+        out = []
+        for layer in range(len(k)):
+            out += [k[layer]] + v[layer : layer + 1] + lines[layer : layer + 1]
+        return out
 
     def _buffer(self, size: int) -> MappedBuffer:
         """The memory the tensors go in (a device pool's is the device's: shards/engines/ggml/on_device.py)."""
@@ -130,14 +164,10 @@ class CellPool:
         one span per tensor of cells, one per element's line of transposed values (where it spans a page)."""
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
-        spans = [
-            (i * self.stride + start * self.row, i * self.stride + end * self.row)
-            for i in range(0, 2 * self.n_layers, 2 if self.transposed else 1)
-        ]
+        at = [self.offsets[id(t)] for t in self.k + self.v]
+        spans = [(a + start * self.row, a + end * self.row) for a in at]
         if self.transposed and (end - start) * 2 >= PAGE:
-            rows = [
-                i * self.stride + e * self.cells * 2 for i in range(1, 2 * self.n_layers, 2) for e in range(self.width)
-            ]
+            rows = [self.offsets[id(t)] + e * self.cells * 2 for t in self.v_lines for e in range(self.width)]
             spans += [(r + start * 2, r + end * 2) for r in rows]
         for a, b in spans:
             first, last = -(-a // PAGE) * PAGE, b // PAGE * PAGE
@@ -145,19 +175,24 @@ class CellPool:
                 self.mem.map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def values(self, layer: int) -> np.ndarray:
-        """A layer's values as F16 [kv_heads*head_dim, cells], a view of the pool's memory (valid until it moves)."""
+        """A layer's values as F16 [kv_heads*head_dim, cells], a view of the pool's memory (valid until it moves):
+        the lines where the pool keeps them (every position's), else the rows transposed."""
         if self.transposed:
-            return tensor_array(self.v[layer], (self.width, self.cells))
+            return tensor_array(self.v_lines[layer], (self.width, self.cells))
         return tensor_array(self.v[layer], (self.cells, self.width)).T
+
+    def value_rows_of(self, layer: int) -> np.ndarray:
+        """A layer's values as rows, F16 [cells, kv_heads*head_dim] (a view), where the pool keeps them."""
+        return tensor_array(self.v[layer], (self.cells, self.width))
 
     def copy(self, src: int, dst: int, n: int) -> None:
         """Cells [src, src+n) to [dst, dst+n) in every tensor (ranges that do not overlap)."""
         if n > 0:
             self.copied += n
-            for t in self.k + ([] if self.transposed else self.v):
+            for t in self.k + self.v:
                 base = t.contents.data
                 ctypes.memmove(base + dst * self.row, base + src * self.row, n * self.row)
-            for layer in range(self.n_layers if self.transposed else 0):
+            for layer in range(len(self.v_lines)):
                 v = self.values(layer)
                 v[:, dst : dst + n] = v[:, src : src + n]
 
@@ -170,14 +205,13 @@ class CellPool:
 
     def grow(self, cells: int) -> None:
         """Move every tensor into a mapping of `cells` cells (the cells in use copied, at the same indices)."""
-        old_ctx, old_mem, old = self.ctx, self.mem, self.k + self.v
+        old_ctx, old_mem, old_rows, old_lines = self.ctx, self.mem, self.k + self.v, self.v_lines
         used, old_cells = self.used_end, self.cells
         self._map(cells)
         self.copied += used
-        lines = self.n_layers if self.transposed else 2 * self.n_layers  # the tensors from here on: transposed
-        for src, dst in zip(old[:lines], (self.k + self.v)[:lines]):
+        for src, dst in zip(old_rows, self.k + self.v):
             ctypes.memmove(dst.contents.data, src.contents.data, used * self.row)
-        for layer, src in enumerate(old[lines:]):
+        for layer, src in enumerate(old_lines):
             self.values(layer)[:, :used] = tensor_array(src, (self.width, old_cells))[:, :used]
         self._grown(old_ctx, old_mem, old_cells, cells)
 
@@ -215,7 +249,8 @@ class CellRange(RequestCache):
 
     @property
     def nbytes(self) -> int:
-        return self.capacity * self.pool.position_bytes if self.pool is not None else 0
+        pool = self.pool
+        return self.capacity * pool.position_bytes + pool.extra_bytes(self.capacity) if pool is not None else 0
 
     def copy_prefix(self, positions: int) -> CellRange:
         """A new range of the pool holding a copy of this one's first `positions` cells, with the same reservation

@@ -23,12 +23,14 @@ the weights and the cell pool in the device's memory (shards/engines/ggml/on_dev
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from shards.engines.base import Engine, EngineInputError, Packing, StepInput
+from shards.engines.ggml import attention
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CELL_ALIGN, SCRATCH_CELL, CellPool, CellRange
 from shards.engines.ggml.devices import select
@@ -59,6 +61,7 @@ class GgmlEngine(Engine):
     name = "ggml"
     options = ("threads", "quantize", "float_matmul", "device")  # engine options it takes (node flags --threads, ...)
     kv_value_bytes = 2  # F16 cache
+    kv_values_twice = attention.GEMM_FROM  # under "auto" (a device pool keeps one layout: charged anyway)
 
     def __init__(
         self,
@@ -171,6 +174,21 @@ class GgmlEngine(Engine):
             pass
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Rows [offset, offset + rows) of the step's request `request` are rows [first, first + rows) of group `group`."""
+
+    request: int
+    group: int
+    first: int
+    offset: int
+    rows: int
+
+    def __post_init__(self):
+        if min(self.request, self.group, self.first, self.offset) < 0 or self.rows < 1:
+            raise ValueError(f"bad segment {self}")
+
+
 class GraphRunner(Runner):
     """Steps through graphs built once per step shape (shards/engines/ggml/graph.py) over the engine's cell pool
     (shards/engines/ggml/cells.py): each request's cells sized from its reservation, the step's rows, cells and
@@ -207,8 +225,8 @@ class GraphRunner(Runner):
     def shape(self, p: Packing, caches: list[CellRange], all_logits: bool) -> Shape:
         return self.layout(p, caches, all_logits)[0]
 
-    def layout(self, p: Packing, caches: list[CellRange], all_logits: bool) -> tuple[Shape, list[int], list[int]]:
-        """The step's shape, and for each request its attention group and first row in it.
+    def layout(self, p: Packing, caches: list[CellRange], all_logits: bool) -> tuple[Shape, list[Segment]]:
+        """The step's shape, and where each request's rows went: its segments, each a run of its rows in one group.
 
         Decode rows and short prompt chunks, in the step's order, attend in groups of neighbours: a group grows
         while the span of its requests' ranges (WINDOW_STEP-aligned) stays within SPAN_CELLS, or the next range lies
@@ -219,43 +237,50 @@ class GraphRunner(Runner):
         positions held, so a decode step's shape (and graph) stays the same step after step.
 
         A chunk of OWN_GROUP_ROWS rows or more attends its own request's cells only (256-cell bounds) and gets a
-        graph built for the step (a cost beside its compute). Padding rows join the last shared group."""
-        e, cells = self.engine, self.engine.pool.cells
+        graph built for the step (a cost beside its compute). A group's rows share one attention kernel, the one
+        their positions take (the pool's gemm_from, attention.py), so a request whose rows cross it has two segments
+        in two groups. Padding rows join the last shared group."""
+        e, cells, split = self.engine, self.engine.pool.cells, self.engine.pool.gemm_from
         output = "hidden" if not e.shard.is_last else ("all" if all_logits else "last")
-        groups: list[list] = []  # [shared?, rows, lo, hi]
-        member, first = [], []
-        for c, s, n in zip(caches, p.starts, p.lengths):
+        groups: list[list] = []  # [shared?, gemm?, rows, lo, hi]
+        segments: list[Segment] = []
+        for i, (c, s, n) in enumerate(zip(caches, p.starts, p.lengths)):
             lo = c.start // WINDOW_STEP * WINDOW_STEP
-            if n >= OWN_GROUP_ROWS:
-                groups.append([False, n, lo, min(cells, -(-(c.start + s + n) // WINDOW_STEP) * WINDOW_STEP)])
-            else:
-                hi = min(cells, -(-(c.start + c.capacity) // WINDOW_STEP) * WINDOW_STEP)
-                last = groups[-1] if groups and groups[-1][0] else None
-                if last is not None and (
-                    max(last[3], hi) - min(last[2], lo) <= SPAN_CELLS or last[2] <= lo and hi <= last[3]
-                ):
-                    last[1] += n
-                    last[2], last[3] = min(last[2], lo), max(last[3], hi)
+            cut = n if split is None else min(max(split - s, 0), n)  # rows [0, cut) by flash, [cut, n) by matmuls
+            for off, m, gemm in ((0, cut, False), (cut, n - cut, True)):
+                if m == 0:
+                    continue
+                if n >= OWN_GROUP_ROWS:
+                    groups.append(
+                        [False, gemm, m, lo, min(cells, -(-(c.start + s + off + m) // WINDOW_STEP) * WINDOW_STEP)]
+                    )
                 else:
-                    groups.append([True, n, lo, hi])
-            member.append(len(groups) - 1)
-            first.append(groups[-1][1] - n)
+                    hi = min(cells, -(-(c.start + c.capacity) // WINDOW_STEP) * WINDOW_STEP)
+                    last = groups[-1] if groups and groups[-1][0] and groups[-1][1] == gemm else None
+                    if last is not None and (
+                        max(last[4], hi) - min(last[3], lo) <= SPAN_CELLS or last[3] <= lo and hi <= last[4]
+                    ):
+                        last[2] += m
+                        last[3], last[4] = min(last[3], lo), max(last[4], hi)
+                    else:
+                        groups.append([True, gemm, m, lo, hi])
+                segments.append(Segment(i, len(groups) - 1, groups[-1][2] - m, off, m))
         rows = padded_rows(p.bounds[-1])
         if rows > p.bounds[-1]:
             if groups[-1][0]:
-                groups[-1][1] += rows - p.bounds[-1]
+                groups[-1][2] += rows - p.bounds[-1]
             else:
-                groups.append([True, rows - p.bounds[-1], 0, min(cells, WINDOW_STEP)])
+                groups.append([True, split == 0, rows - p.bounds[-1], 0, min(cells, WINDOW_STEP)])
         outputs = padded_rows(len(caches)) if output == "last" else 0
-        shape = Shape(rows, tuple(Group(n, lo, hi - lo) for _, n, lo, hi in groups), output, outputs)
-        return shape, member, first
+        shape = Shape(rows, tuple(Group(n, lo, hi - lo, gemm) for _, gemm, n, lo, hi in groups), output, outputs)
+        return shape, segments
 
     def run(self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool) -> np.ndarray:
         e, rows, n = self.engine, p.bounds[-1], len(caches)
         if e.pool.generation != self.generation:  # the pool moved (it grew): every graph points at the old tensors
             self.graphs.clear()
             self.generation = e.pool.generation
-        shape, member, first = self.layout(p, caches, all_logits)
+        shape, segments = self.layout(p, caches, all_logits)
         graph = self.graphs.get(shape)
         self.last = StepWork.of(shape, p, built=graph is None)
         if graph is None:
@@ -265,7 +290,7 @@ class GraphRunner(Runner):
             if self.sliding is not None:
                 self.sliding.attach(graph, model)
             self.graphs.put(graph)
-        self.fill(graph, x, p, caches, member, first)
+        self.fill(graph, x, p, caches, segments)
         if self.sliding is not None:
             self.sliding.fill(graph, graph.masks_np)
         hidden = None
@@ -283,9 +308,7 @@ class GraphRunner(Runner):
         out = graph.run(e.backend, hidden, out_ids)
         return out[:n] if shape.output == "last" else out[:rows]
 
-    def fill(
-        self, graph: Graph, x: np.ndarray, p: Packing, caches: list[CellRange], member: list[int], first: list[int]
-    ) -> None:
+    def fill(self, graph: Graph, x: np.ndarray, p: Packing, caches: list[CellRange], segments: list[Segment]) -> None:
         """The step's rows into the graph's inputs: tokens, positions and cells (padding rows: token 0, position 0,
         the scratch cell), and each group's mask: -inf but for each row's own request's cells up to its position."""
         rows, padded = p.bounds[-1], graph.shape.rows
@@ -300,8 +323,11 @@ class GraphRunner(Runner):
         ints[at + padded + rows :] = SCRATCH_CELL
         graph.mask_np.fill(-np.inf)
         groups = graph.shape.groups
-        for c, s, n, gi, r in zip(caches, p.starts, p.lengths, member, first):
-            lo = c.start - groups[gi].lo
-            graph.masks_np[gi][r : r + n, lo : lo + s + n] = self.masks(s, n, s + n)
+        for seg in segments:
+            c, s = caches[seg.request], int(p.starts[seg.request]) + seg.offset
+            lo = c.start - groups[seg.group].lo
+            graph.masks_np[seg.group][seg.first : seg.first + seg.rows, lo : lo + s + seg.rows] = self.masks(
+                s, seg.rows, s + seg.rows
+            )
         if padded > rows:  # padding rows see their group's first cell: a row seeing none is NaN, and so its cell
             graph.masks_np[-1][rows - padded :, 0] = 0

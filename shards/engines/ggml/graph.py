@@ -12,7 +12,8 @@ token (or hidden row), position and cell (where ggml_set_rows writes its keys an
 So a step attends once per group and layer and the graph has a few nodes per layer however many requests decode
 in it.
 
-Exactness, with either of the backend's attentions (attention.ATTENTION). "flash", llama.cpp's kernel: ggml's CPU flash
+Exactness, with either of the backend's attentions (a group's rows take the one their positions take: attention.py's
+gemm_from). "flash", llama.cpp's kernel: ggml's CPU flash
 attention, which skips every -inf cell outright, one row at a time (GgmlBackend.flash_attention): the online softmax
 over exactly its own request's cells, in cell order. "gemm": two F16 matmuls and a softmax over the group's span
 (GgmlBackend.gemm_attention), the values read where the pool keeps them, transposed (cells.py), each sum in one order
@@ -64,6 +65,7 @@ class Group:
     rows: int
     lo: int
     cells: int
+    gemm: bool = False  # the rows attend by matmuls over values in lines (else by flash attention over rows)
 
 
 @dataclass(frozen=True)
@@ -107,40 +109,48 @@ class StepWork:
 
 class PoolKV(KVCache):
     """One layer of the cell pool as the graph sees it: `update_and_fetch` writes the step's keys and values at
-    the rows' cells (an input) and returns views of the group's span of cells."""
+    the rows' cells (an input) and returns views of the group's span of cells, the values in the layout of the
+    group's attention. `heads`: the layer's tensors as the step's earlier groups left them (each write returns a
+    view that depends on it; the next group writes through that view), so a group reading cells another group of the
+    step wrote (a request's rows on both sides of the pool's gemm_from) reads them after the write."""
 
-    def __init__(self, ops: GgmlBackend, pool: CellPool, layer: int, cells: GArray, group: Group):
-        self.ops, self.pool, self.layer, self.cells, self.group = ops, pool, layer, cells, group
+    def __init__(self, ops: GgmlBackend, pool: CellPool, layer: int, cells: GArray, group: Group, heads: dict):
+        self.ops, self.pool, self.layer, self.cells, self.group, self.heads = ops, pool, layer, cells, group, heads
 
     def update_and_fetch(self, k, v, start):
-        ops, pool = self.ops, self.pool
+        ops, pool, heads, gr = self.ops, self.pool, self.heads, self.group
         t = k.shape[0]
         k_rows, v_rows = ops.reshape(k, (t, pool.width)), ops.reshape(v, (t, pool.width))
         expect(self.cells.shape == (t,) and k_rows.strides[-1] == v_rows.strides[-1] == 4, f"kv rows {k.shape}")
+        expect(pool.transposed if gr.gemm else pool.value_rows, f"a pool without the values {gr} attends")
         # every cell finite (ggml's clamp takes NaN to the top too): a row's matmuls read every cell of its span,
         # its neighbours' included, where a non-finite value would make its own numbers NaN
         k_rows, v_rows = (ops.wrap(ops.node(g.ggml_clamp, x.t, -F16_MAX, F16_MAX), x.shape) for x in (k_rows, v_rows))
         # set_rows returns a view of the cells that depends on the write: reading through it orders the read after it
-        k_all = ops.wrap(
-            ops.node(g.ggml_set_rows, pool.k[self.layer], k_rows.t, self.cells.t), (pool.cells, pool.width)
-        )
-        heads, hd, gr = k.shape[1], k.shape[2], self.group
+        heads["k"] = ops.node(g.ggml_set_rows, heads["k"], k_rows.t, self.cells.t)
+        k_all = ops.wrap(heads["k"], (pool.cells, pool.width))
+        heads_n, hd = k.shape[1], k.shape[2]
         at = gr.lo * pool.row
-        keys = ops.view(k_all, (heads, gr.cells, hd), (hd * 2, pool.row, 2), at)
-        if not pool.transposed:
-            v_all = ops.wrap(
-                ops.node(g.ggml_set_rows, pool.v[self.layer], v_rows.t, self.cells.t), (pool.cells, pool.width)
-            )
-            return keys, ops.view(v_all, (heads, gr.cells, hd), (hd * 2, pool.row, 2), at)
-        # values stored transposed (cells.py): each of a row's elements is a one-element "row" of its element's line
-        # of cells, written at the row's cell (set_rows broadcasts the cells over the elements)
-        v_lines = ops.view(
-            ops.wrap(pool.v[self.layer], (pool.width, pool.cells)), (pool.width, pool.cells, 1), (pool.cells * 2, 2, 2)
-        )
-        v_elems = ops.view(v_rows, (pool.width, t, 1), (4, v_rows.strides[0], 4))
-        v_all = ops.wrap(ops.node(g.ggml_set_rows, v_lines.t, v_elems.t, self.cells.t), v_lines.shape)
-        lines = ops.view(v_all, (heads, hd, gr.cells), (hd * pool.cells * 2, pool.cells * 2, 2), gr.lo * 2)
-        return keys, ValueLines(ops, lines.t, lines.shape)  # [kv_heads, hd, cells]
+        keys = ops.view(k_all, (heads_n, gr.cells, hd), (hd * 2, pool.row, 2), at)
+        if pool.transposed:
+            # values transposed (cells.py): each of a row's elements is a one-element "row" of its element's line of
+            # cells, written at the row's cell (set_rows broadcasts the cells over the elements)
+            if "lines" not in heads:
+                heads["lines"] = ops.view(
+                    ops.wrap(pool.v_lines[self.layer], (pool.width, pool.cells)),
+                    (pool.width, pool.cells, 1),
+                    (pool.cells * 2, 2, 2),
+                ).t
+            v_elems = ops.view(v_rows, (pool.width, t, 1), (4, v_rows.strides[0], 4))
+            heads["lines"] = ops.node(g.ggml_set_rows, heads["lines"], v_elems.t, self.cells.t)
+            if gr.gemm:
+                v_all = ops.wrap(heads["lines"], (pool.width, pool.cells, 1))
+                lines = ops.view(v_all, (heads_n, hd, gr.cells), (hd * pool.cells * 2, pool.cells * 2, 2), gr.lo * 2)
+                return keys, ValueLines(ops, lines.t, lines.shape)  # [kv_heads, hd, cells]
+            heads["unread"] = heads["lines"]  # the flash rows' values in lines, for later steps' matmul rows
+        heads["v"] = ops.node(g.ggml_set_rows, heads.get("v", pool.v[self.layer]), v_rows.t, self.cells.t)
+        v_all = ops.wrap(heads["v"], (pool.cells, pool.width))
+        return keys, ops.view(v_all, (heads_n, gr.cells, hd), (hd * 2, pool.row, 2), at)
 
     @property
     def nbytes(self) -> int:
@@ -156,10 +166,10 @@ class Graph:
         rows, layers = shape.rows, len(model.layers)
         self.shape, self.first = shape, first
         blocks = sum(-(-gr.rows // ATTENTION_ROWS) + 1 for gr in shape.groups)
-        # ~40 tensors per layer (measured 38 for Qwen3 with q/k norms), 8 per (flash) attention block and 10 per
+        # ~40 tensors per layer (measured 38 for Qwen3 with q/k norms), 8 per (flash) attention block and 14 per
         # group and layer (cache writes and views, gemm attention), 8 per group, MoE ~20 + top-k
         n = len(shape.groups)
-        self.ctx = Context(64 + 8 * n + layers * (96 + 8 * blocks + 10 * n), graph=True)
+        self.ctx = Context(64 + 8 * n + layers * (96 + 8 * blocks + 14 * n), graph=True)
         ops.ctx = self.ctx
         try:
             n_ints = (3 if first else 2) * rows
@@ -184,10 +194,10 @@ class Graph:
             ]
             bounds = np.concatenate([[0], np.cumsum([gr.rows for gr in shape.groups])]).astype(int).tolist()
             self.out_ids = ops.input(I32, (shape.outputs,)) if shape.output == "last" else None
-            kv = []
+            kv, heads = [], [{"k": pool.k[layer]} for layer in range(layers)]
             for gr, b in zip(shape.groups, bounds):
                 rows_cells = ops.view(cells, (gr.rows,), (4,), 4 * b)
-                kv.append([PoolKV(ops, pool, layer, rows_cells, gr) for layer in range(layers)])
+                kv.append([PoolKV(ops, pool, layer, rows_cells, gr, heads[layer]) for layer in range(layers)])
             step = Step(bounds, (0,) * len(shape.groups), positions, ops.rotary(positions), tuple(masks))
             out: GArray = ops.contiguous(model(x, step, kv, self.out_ids))
         except BaseException:  # a failed build (context full, a shape check): its context's memory goes back now
@@ -199,6 +209,9 @@ class Graph:
         self.out, self.out_shape = out.t, out.shape
         self.gf = self.ctx.graph()
         g.ggml_build_forward_expand(self.gf, out.t)
+        for h in heads:  # writes no later group of the step read: after everything else
+            if h.get("unread") is not None:
+                g.ggml_build_forward_expand(self.gf, h["unread"])
         self.nodes = int(g.ggml_graph_n_nodes(self.gf))
         self.compute_bytes = self.allocate()
 

@@ -205,6 +205,7 @@ class DevicePool(CellPool):
 
     def __init__(self, on: OnDevice, *args, **kwargs):
         self.on = on
+        kwargs.setdefault("gemm_from", None)  # flash attention throughout: ggml's device kernels for it
         super().__init__(*args, **kwargs)
 
     def _buffer(self, size: int) -> DeviceBuffer:
@@ -235,19 +236,19 @@ class DevicePool(CellPool):
     def copy(self, src: int, dst: int, n: int) -> None:
         if n > 0:
             self.copied += n
-            for t in self.k + self.v:
+            for t in self.k + self.v + self.v_lines:
                 a = self._read(t)
                 cells = self._by_cell(a, self.cells)
                 cells[dst : dst + n] = cells[src : src + n]
                 self._write(t, a)
 
     def grow(self, cells: int) -> None:
-        old_ctx, old_mem, old = self.ctx, self.mem, self.k + self.v
+        old_ctx, old_mem, old = self.ctx, self.mem, self.k + self.v + self.v_lines
         used, old_cells = self.used_end, self.cells
         saved = [self._read(t) for t in old]
         self._map(cells)
         self.copied += used
-        for a, t in zip(saved, self.k + self.v):
+        for a, t in zip(saved, self.k + self.v + self.v_lines):
             b = self._read(t)
             self._by_cell(b, cells)[:used] = self._by_cell(a, old_cells)[:used]
             self._write(t, b)
