@@ -11,12 +11,14 @@ and a mismatch would corrupt memory, not raise.
 
 The node's default device is the fastest present: a discrete GPU, else an integrated one, else the CPU (ggml lists a
 backend's devices in its own order; the first of the best kind is taken). An engine made without a device stays on
-the CPU, whatever is built.
+the CPU, whatever is built. Choosing the default loads the built backends only where one of their devices would be
+chosen, which a child process finds out first (device_probe.py): a backend's drivers stay resident once loaded.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from shards.engines.ggml.device_probe import probe
 from shards.engines.ggml.lib import g
 
 log = logging.getLogger(__name__)
@@ -238,9 +241,13 @@ def unused_gpu(root: Path = Path("/")) -> tuple[str, str] | None:
 
 
 def select(asked: str | None, root: Path = Path("/")) -> Device:
-    """Load the built backends (unless the CPU is asked for) and choose among every device then present. When the
+    """Load the built backends (unless the CPU is asked for, or `auto` would not choose a device of theirs: asked of a
+    child process first, shards/engines/ggml/device_probe.py) and choose among every device then present. When the
     fastest present is the CPU but the machine has a GPU no built backend serves, say once how to build one."""
-    if asked is None or asked.lower() != "cpu":
+    auto = asked is None or asked.lower() == "auto"
+    if auto and _cpu_anyway():
+        pass  # the backends stay unloaded: they would list nothing auto takes
+    elif asked is None or asked.lower() != "cpu":
         load_backends()
     chosen = choose(asked, devices())
     if chosen.is_cpu and (asked is None or asked.lower() == "auto") and (gpu := unused_gpu(root)) is not None:
@@ -257,6 +264,25 @@ def select(asked: str | None, root: Path = Path("/")) -> Device:
     return chosen
 
 
+def _cpu_anyway() -> bool:
+    """Whether the built backends not loaded yet would add no device faster than the CPU (a child process says;
+    False when none is waiting to be loaded, or the child could not say)."""
+    version = binding_version()
+    waiting = tuple(
+        str(b.library) for b in built_backends() if b.ggml_python == version and str(b.library) not in _loaded
+    )
+    if not waiting:
+        return False
+    listed = probe(waiting)
+    if listed is None:
+        return False
+    try:
+        return fastest(tuple(Device(**d) for d in listed)).is_cpu
+    except (TypeError, ValueError, LookupError) as e:
+        log.warning("ggml: the child's list of devices is malformed (%s): loading the backends here", e)
+        return False
+
+
 def describe(present: tuple[Device, ...]) -> str:
     """What `exo-node --list-devices` prints: one line per device, the default marked."""
     best = fastest(present)
@@ -271,3 +297,13 @@ def describe(present: tuple[Device, ...]) -> str:
         f" (exo-node build-backend {{{','.join(BACKENDS)}}})"
     )
     return "\n".join(lines)
+
+
+def main() -> None:
+    """The child of device_probe.py: load the built backends, print the devices then listed."""
+    load_backends()
+    print(json.dumps({"devices": [dataclasses.asdict(d) for d in devices()]}))
+
+
+if __name__ == "__main__":
+    main()
