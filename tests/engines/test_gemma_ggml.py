@@ -63,3 +63,21 @@ def test_requests_batched_together_equal_their_solo_runs():
     out = engine.forward([StepInput("a", tokens=a[-1:]), StepInput("b", tokens=b[-1:])])
     assert np.abs(out[0][-1] - alone(a)).max() <= regrouped_atol("ggml")
     assert np.abs(out[1][-1] - alone(b)).max() <= regrouped_atol("ggml")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_rows_attending_by_matmuls_keep_windows_and_caps_and_chunks_stay_exact(model, monkeypatch):
+    """Past the pool's gemm_from a row attends by two F16 matmuls (shards/engines/ggml/attention.py): the window
+    masks and Gemma 2's soft-capped scores hold there too (llama.cpp's logits within the same bound), and a prompt in
+    chunks that straddle the boundary gives the logits of the whole, bit for bit."""
+    from shards.engines.ggml import attention
+
+    monkeypatch.setattr(attention, "GEMM_FROM", 10)
+    whole = logits([make("ggml", f"{model}.gguf")])
+    with np.load(GEMMA / "llamacpp.npz") as z:
+        assert np.abs(whole - z[model]).max() <= regrouped_atol("ggml")
+    engine = make("ggml", f"{model}.gguf")
+    assert engine.pool.gemm_from == 10
+    prompt = golden()["prompt"]
+    parts = [engine.forward([StepInput("r", tokens=prompt[i : i + 7])], all_logits=True)[0] for i in range(0, 24, 7)]
+    assert np.array_equal(np.concatenate(parts), whole)
