@@ -60,11 +60,14 @@ async def calibrate_node(
     to `speed` (which keeps the fastest)."""
     shard = calibration_slice(model_id, config.n_layers)
     engine = await run(factory, model_dir, shard, config)
-    for i in range(ROUNDS):
-        if i:
-            await asyncio.sleep(ROUND_GAP_S)
-        seconds = await run(time_steps, engine, config)
-        speed.measured(sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9 if seconds else None)
+    try:
+        for i in range(ROUNDS):
+            if i:
+                await asyncio.sleep(ROUND_GAP_S)
+            seconds = await run(time_steps, engine, config)
+            speed.measured(sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9 if seconds else None)
+    finally:  # now, not when a collection finds it: its weights are a slice of the model's memory
+        await run(engine.close)
     log.info("calibrated: %.3g Gparam/s (%s)", speed.speed, shard)
 
 
@@ -73,7 +76,10 @@ def calibrate(factory, model_dir: Path, shard: Shard, config: ModelConfig, costs
     steps through it and drop it. Billions of parameters per second, or None when nothing was timed."""
     began = time.perf_counter()
     engine = factory(model_dir, shard, config)
-    seconds = time_steps(engine, config)
+    try:
+        seconds = time_steps(engine, config)
+    finally:
+        engine.close()
     if seconds is None:
         return None
     speed = sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9

@@ -194,7 +194,7 @@ def test_calibration_times_a_slice_of_the_model_well_under_a_second():
     assert speed is not None and 0 < speed < 1e6
 
 
-def test_a_node_calibrates_on_its_engine_thread_and_keeps_its_fastest_round(monkeypatch):
+def test_a_node_calibrates_on_its_engine_thread_keeps_its_fastest_round_and_frees_the_engine(monkeypatch):
     import asyncio
 
     from node.runtime import calibration
@@ -206,8 +206,24 @@ def test_a_node_calibrates_on_its_engine_thread_and_keeps_its_fastest_round(monk
     async def on_a_thread(fn, *args):
         return await asyncio.to_thread(fn, *args)
 
-    asyncio.run(calibration.calibrate_node(on_a_thread, NumpyEngine, LLAMA, "llama", cfg, layer_costs(cfg), speed))
+    made = []
+
+    class Observed(NumpyEngine):
+        """The numpy engine, noting when it is closed."""
+
+        closed = False
+
+        def close(self):
+            self.closed = True
+            super().close()
+
+    def factory(*args):
+        made.append(Observed(*args))
+        return made[-1]
+
+    asyncio.run(calibration.calibrate_node(on_a_thread, factory, LLAMA, "llama", cfg, layer_costs(cfg), speed))
     assert speed.speed > 0
+    assert [e.closed for e in made] == [True]  # its weights freed as soon as it is done, not when collected
     fastest = speed.speed
     speed.measured(fastest / 2)  # a round slowed by another process starting
     assert speed.speed == fastest
