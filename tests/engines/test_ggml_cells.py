@@ -208,3 +208,25 @@ def test_64_requests_at_a_fresh_engine_cost_steps_like_its_own_and_build_a_handf
         assert worst < 10 * unit, f"run {run}: a step took {worst:.3f} s per 64 rows; a warm 64-row step {unit:.3f} s"
     assert builds[0] == builds[2] <= 16 and builds[0] < len(steps) and builds[1] < builds[0], (builds, len(steps))
     engine.close()
+
+
+def test_the_graphs_kept_hold_the_newest_ones_buffer_and_a_bounded_spare_whatever_prompts_came():
+    """Every prompt chunk builds a graph of its own span, and each graph keeps a compute buffer for its re-runs:
+    kept, they grew a node's memory with every prompt it prefilled (130 MB per 256-row chunk of a 7B-shaped shard).
+    Beside the newest graph the cache keeps at most its spare bytes, the largest graphs dropped first, so the
+    decode step's small graph stays built."""
+    e = smollm2(layers=2)
+    e.forward([StepInput("d", tokens=np.arange(5) + 100, max_positions=64)])
+    e.forward([StepInput("d", tokens=np.array([7]))])
+    decode = e.graphs.graphs[next(reversed(e.graphs.graphs))]
+    e.graphs.spare_bytes = 2 * decode.compute_bytes + 1  # room for the decode graph (and one like it), no chunk's
+    prompt = np.random.default_rng(5).integers(100, 5000, 600)
+    for i, n in enumerate((256, 200, 150, 100)):
+        e.forward([StepInput(f"p{i}", tokens=prompt[:n], max_positions=700)])
+        newest = e.graphs.graphs[next(reversed(e.graphs.graphs))]
+        assert newest.compute_bytes > e.graphs.spare_bytes  # a chunk's buffer: more than the spare
+        assert e.graphs.compute_bytes <= newest.compute_bytes + e.graphs.spare_bytes
+    builds = e.graphs.builds
+    e.forward([StepInput("d", tokens=np.array([8]))])
+    assert e.graphs.builds == builds  # the decode graph was kept
+    e.close()

@@ -46,6 +46,7 @@ WINDOW_STEP = 256  # spans of cells start and end on multiples of this (llama.cp
 OUTPUTS = ("hidden", "last", "all")
 PAD_FROM = 64  # steps of this many rows and more are padded to a multiple of 8 rows
 F16_MAX = 65504.0  # the largest finite F16: what a cell's values are clamped to
+SPARE_BYTES = 64 << 20  # compute buffers the cached graphs keep beside the newest one's (GraphCache)
 
 
 def padded_rows(n: int) -> int:
@@ -257,10 +258,15 @@ class Graph:
 
 
 class GraphCache:
-    """Built graphs by shape, least recently used dropped beyond `limit`; `builds` counts every graph built."""
+    """Built graphs by shape, least recently used dropped beyond `limit`; `builds` counts every graph built.
 
-    def __init__(self, limit: int = 16):
-        self.limit = limit
+    Each graph keeps its own compute buffer for its re-runs, and a prompt chunk's is large (~130 MB for one 256-row
+    chunk of a 7B-shaped shard) while its shape rarely comes again (its span moves with its position): beside the
+    newest graph the others keep at most `spare_bytes`, the largest dropped first, so the decode shapes' small
+    graphs stay and no node's memory grows with the prompts it has seen."""
+
+    def __init__(self, limit: int = 16, spare_bytes: int = SPARE_BYTES):
+        self.limit, self.spare_bytes = limit, spare_bytes
         self.graphs: OrderedDict[Shape, Graph] = OrderedDict()
         self.builds = 0
 
@@ -275,6 +281,11 @@ class GraphCache:
         self.graphs[graph.shape] = graph
         while len(self.graphs) > self.limit:
             self.graphs.popitem(last=False)[1].free()
+        others = [other for other in self.graphs.values() if other is not graph]
+        while sum(other.compute_bytes for other in others) > self.spare_bytes:
+            largest = max(others, key=lambda other: other.compute_bytes)
+            others.remove(largest)
+            self.graphs.pop(largest.shape).free()
 
     def clear(self) -> None:
         while self.graphs:
