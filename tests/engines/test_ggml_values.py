@@ -111,12 +111,13 @@ def test_a_step_writes_each_rows_values_into_its_own_cells_and_nowhere_else(atte
     for rid, n in (("a", 31), ("b", 8)):
         start = e.caches[rid].start
         mine[start : start + n] = True
-    for layer in range(2):
-        written = (e.pool.values(layer) != 0).any(axis=0)
+    for layer in range(2):  # the values in the layout their rows' attention reads (flash below gemm_from: rows)
+        as_rows = e.pool.value_rows
+        written = (e.pool.value_rows_of(layer) != 0).any(axis=1) if as_rows else (e.pool.values(layer) != 0).any(axis=0)
         assert written[mine].all() and not written[~mine][1:].any()  # cell 0: the padding rows' scratch
         assert np.array_equal(written, (keys(e.pool, layer) != 0).any(axis=1))  # the keys' rows, the same cells
-        if e.pool.value_rows:
-            assert np.array_equal(written, (e.pool.value_rows_of(layer) != 0).any(axis=1))  # and the values' rows
+        if as_rows and e.pool.transposed:
+            assert not e.pool.values(layer).any()  # no matmul row attended them: the lines were never needed
     e.close()
 
 
@@ -229,4 +230,10 @@ def test_each_position_attends_by_the_kernel_its_position_takes_in_any_step(monk
     crossing = e.forward([StepInput("z", tokens=tokens[:38], max_positions=100)])  # then 4 rows across 40, beside x
     crossing = e.forward([StepInput("z", tokens=tokens[38:42]), StepInput("x", tokens=tokens[31:32])], all_logits=True)
     assert np.array_equal(crossing[0], whole[38:42]) and np.array_equal(crossing[1], whole[31:32])
+    # back below the boundary (rejected proposals), then other tokens: positions 33-39 rewritten in rows only
+    e.rollback("steps", 33)
+    other = np.concatenate([tokens[:33], tokens[50:67]])
+    again = [e.forward([StepInput("steps", tokens=other[i : i + 1])])[0] for i in range(33, 50)]
+    fresh = e.forward([StepInput("fresh", tokens=other, max_positions=100)], all_logits=True)[0]
+    assert np.array_equal(np.concatenate(again), fresh[33:50])
     e.close()

@@ -6,9 +6,10 @@ the values in the layouts the backend's attentions read (attention.gemm_from whe
 [kv_heads*head_dim, cells] (one value element's cells contiguous: llama.cpp's layout without flash attention), for
 rows attending by matmuls, which multiply a span of values as they lie (GgmlBackend.gemm_attention); as the keys are,
 the rows ggml_flash_attn_ext reads, for rows attending by flash attention. A pool for both kernels keeps both: the
-rows below `gemm_from` write their values in both (a matmul row past it attends them too), the rows past it only
-in lines, so the rows' copy is backed by memory for a request's first `gemm_from` positions only. Either way no step
-transposes the values. All in one anonymous mapping: zero until
+rows below `gemm_from` write their values as rows, the rows past it in lines; a matmul row attends the positions
+below too, so the first time a request has one, its rows below are copied into lines (`lines_from_rows`, once per
+request: a range's `lines_valid` says how far its lines hold), and a step whose flash rows precede matmul rows of
+the same request writes them in both. Either way no step transposes the values. All in one anonymous mapping: zero until
 written and backed by RAM only where written (transposed values a page of every element's line at a time); the whole
 pages of a range given back are returned to the kernel (MADV_DONTNEED) and read as zeros again, and any cell left
 holds a finite value (graph.py clamps what it writes).
@@ -181,6 +182,12 @@ class CellPool:
             return tensor_array(self.v_lines[layer], (self.width, self.cells))
         return tensor_array(self.v[layer], (self.cells, self.width)).T
 
+    def lines_from_rows(self, start: int, n: int) -> None:
+        """Cells [start, start+n)'s values, as rows, copied into lines (for matmul rows attending them)."""
+        if n > 0:
+            for layer in range(self.n_layers):
+                self.values(layer)[:, start : start + n] = self.value_rows_of(layer)[start : start + n].T
+
     def value_rows_of(self, layer: int) -> np.ndarray:
         """A layer's values as rows, F16 [cells, kv_heads*head_dim] (a view), where the pool keeps them."""
         return tensor_array(self.v[layer], (self.cells, self.width))
@@ -241,6 +248,7 @@ class CellRange(RequestCache):
         self.start = pool.allocate(capacity)
         self.pool, self.capacity = pool, capacity
         self.limit = capacity  # the most cells it may grow to (its reservation, where the engine knows one)
+        self.lines_valid = 0  # its first positions below the pool's gemm_from whose values the lines hold too
 
     def grow(self, capacity: int) -> None:
         """Move to a range of `capacity` cells, keeping the positions held."""
@@ -261,6 +269,7 @@ class CellRange(RequestCache):
         copy.limit = self.limit
         self.pool.copy(self.start, copy.start, positions)  # after the allocation: a grown pool keeps the indices
         copy.commit(positions)
+        copy.lines_valid = min(self.lines_valid, positions)
         return copy
 
     def free(self) -> None:

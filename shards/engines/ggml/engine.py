@@ -242,7 +242,7 @@ class GraphRunner(Runner):
         in two groups. Padding rows join the last shared group."""
         e, cells, split = self.engine, self.engine.pool.cells, self.engine.pool.gemm_from
         output = "hidden" if not e.shard.is_last else ("all" if all_logits else "last")
-        groups: list[list] = []  # [shared?, gemm?, rows, lo, hi]
+        groups: list[list] = []  # [shared?, gemm?, rows, lo, hi, lines?]
         segments: list[Segment] = []
         for i, (c, s, n) in enumerate(zip(caches, p.starts, p.lengths)):
             lo = c.start // WINDOW_STEP * WINDOW_STEP
@@ -252,7 +252,7 @@ class GraphRunner(Runner):
                     continue
                 if n >= OWN_GROUP_ROWS:
                     groups.append(
-                        [False, gemm, m, lo, min(cells, -(-(c.start + s + off + m) // WINDOW_STEP) * WINDOW_STEP)]
+                        [False, gemm, m, lo, min(cells, -(-(c.start + s + off + m) // WINDOW_STEP) * WINDOW_STEP), 0]
                     )
                 else:
                     hi = min(cells, -(-(c.start + c.capacity) // WINDOW_STEP) * WINDOW_STEP)
@@ -263,16 +263,23 @@ class GraphRunner(Runner):
                         last[2] += m
                         last[3], last[4] = min(last[3], lo), max(last[4], hi)
                     else:
-                        groups.append([True, gemm, m, lo, hi])
+                        groups.append([True, gemm, m, lo, hi, 0])
+                if not gemm and cut < n:  # flash rows the request's matmul rows of this step attend
+                    groups[-1][5] = 1
                 segments.append(Segment(i, len(groups) - 1, groups[-1][2] - m, off, m))
         rows = padded_rows(p.bounds[-1])
         if rows > p.bounds[-1]:
             if groups[-1][0]:
                 groups[-1][2] += rows - p.bounds[-1]
             else:
-                groups.append([True, split == 0, rows - p.bounds[-1], 0, min(cells, WINDOW_STEP)])
+                groups.append([True, split == 0, rows - p.bounds[-1], 0, min(cells, WINDOW_STEP), 0])
         outputs = padded_rows(len(caches)) if output == "last" else 0
-        shape = Shape(rows, tuple(Group(n, lo, hi - lo, gemm) for _, gemm, n, lo, hi in groups), output, outputs)
+        shape = Shape(
+            rows,
+            tuple(Group(n, lo, hi - lo, gemm, bool(lines)) for _, gemm, n, lo, hi, lines in groups),
+            output,
+            outputs,
+        )
         return shape, segments
 
     def run(self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool) -> np.ndarray:
@@ -291,6 +298,7 @@ class GraphRunner(Runner):
                 self.sliding.attach(graph, model)
             self.graphs.put(graph)
         self.fill(graph, x, p, caches, segments)
+        self.lines_before(shape, p, caches, segments)
         if self.sliding is not None:
             self.sliding.fill(graph, graph.masks_np)
         hidden = None
@@ -306,7 +314,33 @@ class GraphRunner(Runner):
             g.ggml_backend_cpu_set_n_threads(e.backend, threads)
             e.step_threads = threads
         out = graph.run(e.backend, hidden, out_ids)
+        self.lines_after(shape, p, caches, segments)
         return out[:n] if shape.output == "last" else out[:rows]
+
+    def lines_before(self, shape: Shape, p: Packing, caches: list[CellRange], segments: list[Segment]) -> None:
+        """Before a step whose matmul rows attend a request's positions below the pool's gemm_from: those its flash
+        rows wrote before this step, copied into lines where they aren't yet (once per request, cells.py)."""
+        split = self.engine.pool.gemm_from
+        for seg in segments:
+            if shape.groups[seg.group].gemm and split:
+                c = caches[seg.request]
+                upto = min(split, int(p.starts[seg.request]))  # the step's own flash rows write theirs in lines
+                if c.lines_valid < upto:
+                    self.engine.pool.lines_from_rows(c.start + c.lines_valid, upto - c.lines_valid)
+                    c.lines_valid = upto
+
+    def lines_after(self, shape: Shape, p: Packing, caches: list[CellRange], segments: list[Segment]) -> None:
+        """How far each request's lines hold after the step: flash rows that wrote rows only end them at their
+        first position (a rewrite, after a rollback, too); ones that wrote both extend them."""
+        for seg in segments:
+            gr = shape.groups[seg.group]
+            if gr.gemm:
+                continue
+            c, a = caches[seg.request], int(p.starts[seg.request]) + seg.offset
+            if gr.lines and c.lines_valid >= a:
+                c.lines_valid = max(c.lines_valid, a + seg.rows)
+            else:
+                c.lines_valid = min(c.lines_valid, a)
 
     def fill(self, graph: Graph, x: np.ndarray, p: Packing, caches: list[CellRange], segments: list[Segment]) -> None:
         """The step's rows into the graph's inputs: tokens, positions and cells (padding rows: token 0, position 0,

@@ -67,6 +67,7 @@ class Group:
     lo: int
     cells: int
     gemm: bool = False  # the rows attend by matmuls over values in lines (else by flash attention over rows)
+    lines: bool = False  # flash rows that also write their values in lines: a later row of the step reads them
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class PoolKV(KVCache):
         heads_n, hd = k.shape[1], k.shape[2]
         at = gr.lo * pool.row
         keys = ops.view(k_all, (heads_n, gr.cells, hd), (hd * 2, pool.row, 2), at)
-        if pool.transposed:
+        if gr.gemm or gr.lines:
             # values transposed (cells.py): each of a row's elements is a one-element "row" of its element's line of
             # cells, written at the row's cell (set_rows broadcasts the cells over the elements)
             if "lines" not in heads:
@@ -148,7 +149,7 @@ class PoolKV(KVCache):
                 v_all = ops.wrap(heads["lines"], (pool.width, pool.cells, 1))
                 lines = ops.view(v_all, (heads_n, hd, gr.cells), (hd * pool.cells * 2, pool.cells * 2, 2), gr.lo * 2)
                 return keys, ValueLines(ops, lines.t, lines.shape)  # [kv_heads, hd, cells]
-            heads["unread"] = heads["lines"]  # the flash rows' values in lines, for later steps' matmul rows
+            heads["unread"] = heads["lines"]  # (read by a later group of the step: expanded anyway, see Graph)
         heads["v"] = ops.node(g.ggml_set_rows, heads.get("v", pool.v[self.layer]), v_rows.t, self.cells.t)
         v_all = ops.wrap(heads["v"], (pool.cells, pool.width))
         return keys, ops.view(v_all, (heads_n, gr.cells, hd), (hd * 2, pool.row, 2), at)
