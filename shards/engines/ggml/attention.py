@@ -19,7 +19,7 @@ from shards.engines.ggml.lib import g
 # "gemm" (two F16 matmuls and a softmax on values the pool keeps transposed: gemm_attention), a third of flash's
 # work for a prompt's rows and less for a decode row past ~1k cells, but rounded otherwise than llama.cpp: enough to
 # fail the agreement bounds of tests/engines/test_gguf_lowbit.py and test_moe.py on quantized activations; or "auto",
-# flash for positions below GEMM_FROM and gemm from there (the pool keeps the values below it in both layouts). Read
+# flash for positions below GEMM_FROM and gemm from there (cells.py: values below it copied into lines when needed). Read
 # when a pool (its values' layouts) is made.
 ATTENTION = "auto"
 ATTENTIONS = ("flash", "gemm", "auto")

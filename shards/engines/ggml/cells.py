@@ -76,8 +76,8 @@ class CellPool:
 
     def extra_bytes(self, positions: int) -> int:
         """Memory a request of `positions` positions takes beyond `position_bytes` each: its values kept twice."""
-        twice = positions if self.gemm_from is None else min(positions, self.gemm_from)
-        return twice * self.n_layers * self.row if self.transposed and self.value_rows else 0
+        both = self.transposed and self.value_rows
+        return min(positions, self.gemm_from) * self.n_layers * self.row if both else 0
 
     def _map(self, cells: int) -> None:
         """Tensors of `cells` cells, each starting on a page (so a range's pages can be given back per tensor): per
@@ -91,12 +91,13 @@ class CellPool:
             ctx.free()
             raise
         try:
-            k, v, lines = [], [], []
+            k, v, lines, offsets = [], [], [], {}
             for _ in range(self.n_layers):
                 for kind in [k] + [v] * self.value_rows + [lines] * self.transposed:
                     shape = (cells, self.width) if kind is lines else (self.width, cells)  # ne, innermost first
                     t = ctx.new(F16, shape)
-                    mem.place(t, (len(k) + len(v) + len(lines)) * stride)
+                    offsets[id(t)] = len(offsets) * stride
+                    mem.place(t, offsets[id(t)])
                     kind.append(t)
         except BaseException:
             mem.free()
@@ -106,15 +107,7 @@ class CellPool:
         self.k: list[Tensor] = k
         self.v: list[Tensor] = v  # values as rows (empty when the pool keeps none)
         self.v_lines: list[Tensor] = lines  # values transposed (empty when the pool keeps none)
-        self.offsets = {id(t): i * stride for i, t in enumerate(self._in_order(k, v, lines))}
-
-    @staticmethod
-    def _in_order(k: list, v: list, lines: list) -> list:
-        """The tensors in the order they lie in the mapping."""
-        out = []
-        for layer in range(len(k)):
-            out += [k[layer]] + v[layer : layer + 1] + lines[layer : layer + 1]
-        return out
+        self.offsets = offsets  # each tensor's place in the mapping, by id
 
     def _buffer(self, size: int) -> MappedBuffer:
         """The memory the tensors go in (a device pool's is the device's: shards/engines/ggml/on_device.py)."""

@@ -149,7 +149,6 @@ class PoolKV(KVCache):
                 v_all = ops.wrap(heads["lines"], (pool.width, pool.cells, 1))
                 lines = ops.view(v_all, (heads_n, hd, gr.cells), (hd * pool.cells * 2, pool.cells * 2, 2), gr.lo * 2)
                 return keys, ValueLines(ops, lines.t, lines.shape)  # [kv_heads, hd, cells]
-            heads["unread"] = heads["lines"]  # (read by a later group of the step: expanded anyway, see Graph)
         heads["v"] = ops.node(g.ggml_set_rows, heads.get("v", pool.v[self.layer]), v_rows.t, self.cells.t)
         v_all = ops.wrap(heads["v"], (pool.cells, pool.width))
         return keys, ops.view(v_all, (heads_n, gr.cells, hd), (hd * 2, pool.row, 2), at)
@@ -211,9 +210,6 @@ class Graph:
         self.out, self.out_shape = out.t, out.shape
         self.gf = self.ctx.graph()
         g.ggml_build_forward_expand(self.gf, out.t)
-        for h in heads:  # writes no later group of the step read: after everything else
-            if h.get("unread") is not None:
-                g.ggml_build_forward_expand(self.gf, h["unread"])
         self.nodes = int(g.ggml_graph_n_nodes(self.gf))
         self.compute_bytes = self.allocate()
 
