@@ -21,6 +21,7 @@ from node.core.plan import MAX_REQUEST_ID, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.grpc.generated import node_service_pb2 as pb
 from shards.decoding.grammar import Constraint
+from shards.decoding.penalties import DEFAULT_WINDOW, MAX_LOGIT_BIAS, MAX_PENALTY_WINDOW
 from shards.decoding.sampling import MAX_TOP_LOGPROBS, SampleResult, SamplingParams
 from shards.model.shard import Shard
 
@@ -141,6 +142,13 @@ def encode_sampling(p: SamplingParams) -> pb.Sampling:
         grammar=None if c is None else c.grammar,
         grammar_prefix=() if c is None else c.prefix,
         no_speculation=not p.speculate,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=None if p.repetition_penalty == 1 else p.repetition_penalty,
+        penalty_last_n=None if p.penalty_last_n == DEFAULT_WINDOW else p.penalty_last_n,
+        penalty_context=p.penalty_context,
+        logit_bias=[pb.LogitBias(token=t, bias=b) for t, b in p.logit_bias],
     )
 
 
@@ -154,9 +162,26 @@ def decode_sampling(m: pb.Sampling) -> SamplingParams:
             top_logprobs=m.top_logprobs if m.HasField("top_logprobs") else None,
             constraint=_constraint(m),
             speculate=not m.no_speculation,
+            min_p=_f32(m.min_p),
+            presence_penalty=_f32(m.presence_penalty),
+            frequency_penalty=_f32(m.frequency_penalty),
+            repetition_penalty=_f32(m.repetition_penalty) if m.HasField("repetition_penalty") else 1.0,
+            penalty_last_n=m.penalty_last_n if m.HasField("penalty_last_n") else DEFAULT_WINDOW,
+            penalty_context=_ids(m.penalty_context, "penalty context tokens", MAX_PENALTY_WINDOW),
+            logit_bias=_logit_bias(m.logit_bias),
         )
     except ValueError as e:  # GrammarError included: an oversized grammar or a bad prefix
         raise WireError(f"invalid sampling: {e}") from e
+
+
+def _ids(ids, what: str, most: int) -> tuple[int, ...]:
+    _count(ids, what, most)
+    return tuple(int(t) for t in ids)  # ids < 0 are refused by SamplingParams
+
+
+def _logit_bias(entries) -> tuple[tuple[int, float], ...]:
+    _count(entries, "logit bias entries", MAX_LOGIT_BIAS)
+    return tuple((int(e.token), _f32(e.bias)) for e in entries)  # order and range: SamplingParams checks
 
 
 def _constraint(m: pb.Sampling) -> Constraint | None:

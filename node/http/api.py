@@ -212,6 +212,14 @@ class Api:
                 param=param,
                 code="context_length_exceeded",
             )
+        vocab = self.node.config.vocab_size
+        if opts.sampling.logit_bias and opts.sampling.logit_bias[-1][0] >= vocab:
+            raise ApiError(
+                400,
+                f"logit_bias names token {opts.sampling.logit_bias[-1][0]}; this model's token ids are below {vocab}",
+                param="logit_bias",
+                code="invalid_value",
+            )
         max_tokens = min(self.settings.max_tokens_cap, room) if opts.max_tokens is None else opts.max_tokens
         if max_tokens > room:
             raise ApiError(

@@ -26,11 +26,22 @@ PATHS = ("/api/",)
 VERSION = "0.6.3"  # the Ollama release whose API this follows (clients check it for features)
 STARTED = datetime.now(UTC).isoformat()
 # options with a sampling meaning here: Ollama's name -> the OpenAI field
-SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop": "stop"}
+SAMPLING = {
+    k: k
+    for k in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "repeat_penalty",
+        "repeat_last_n",
+        "presence_penalty",
+        "frequency_penalty",
+    )
+}
 NEUTRAL = {  # options we cannot honour, allowed only at the value that changes nothing
-    "repeat_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
     "mirostat": 0,
     "typical_p": 1.0,
     "tfs_z": 1.0,

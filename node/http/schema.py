@@ -1,7 +1,9 @@
 """OpenAI request bodies: parsed and validated into typed requests, or an ApiError naming the bad field.
 
-Unknown fields are ignored, as OpenAI does. Known fields we cannot honour (n > 1, penalties, logit_bias, suffix)
-are refused with a 400 rather than silently ignored. Tools and response formats: node/http/tools.py.
+Unknown fields are ignored, as OpenAI does. Known fields we cannot honour (n > 1, suffix, best_of > 1) are refused
+with a 400 rather than silently ignored. Besides OpenAI's sampling fields (presence_penalty, frequency_penalty,
+logit_bias included), llama-server's and vLLM's extensions are read: top_k, min_p, repeat_penalty (or
+repetition_penalty) and repeat_last_n. Tools and response formats: node/http/tools.py.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from node.http.tools import Structure, ToolError, check_tool_messages, parse_structure, parse_tool_calls
+from shards.decoding.penalties import DEFAULT_WINDOW, MAX_BIAS, MAX_LOGIT_BIAS, MAX_PENALTY_WINDOW
 from shards.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 BODY_TIMEOUT_S = 30
@@ -170,11 +173,45 @@ def _unsupported(body: dict) -> None:
     n = _int(body, "n", 1, 128)
     if n not in (None, 1):
         raise bad("n", "only n=1 is supported")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _number(body, key, 0.0, -2.0, 2.0) != 0.0:
-            raise bad(key, f"'{key}' is not supported (only 0)")
-    if body.get("logit_bias"):
-        raise bad("logit_bias", "'logit_bias' is not supported")
+
+
+def _penalties(body: dict) -> dict[str, Any]:
+    """The bias and penalty fields, as SamplingParams takes them (shards/decoding/penalties.py)."""
+    if body.get("repeat_penalty") is not None and body.get("repetition_penalty") is not None:
+        raise bad("repetition_penalty", "give 'repeat_penalty' or 'repetition_penalty', not both")
+    repeat = "repetition_penalty" if body.get("repetition_penalty") is not None else "repeat_penalty"
+    window = _int(body, "repeat_last_n", 0, MAX_PENALTY_WINDOW)
+    return {
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _number(body, repeat, 1.0, 1e-6, 10.0),
+        "penalty_last_n": DEFAULT_WINDOW if window is None else window,
+        "logit_bias": _logit_bias(body.get("logit_bias")),
+        "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
+    }
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} map, as (id, bias) pairs by id; whether the ids are in the model's vocabulary
+    is checked where the vocabulary is known (node/http/api.py)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad("logit_bias", "'logit_bias' must be an object mapping token ids to numbers")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens")
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
+            raise bad("logit_bias", f"'logit_bias' keys must be token ids (decimal strings), got {key!r}")
+        try:
+            ok = not isinstance(bias, bool) and isinstance(bias, (int, float)) and -MAX_BIAS <= float(bias) <= MAX_BIAS
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise bad("logit_bias", f"logit_bias[{key!r}] must be a number between -{MAX_BIAS:g} and {MAX_BIAS:g}")
+        out[int(key)] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _options(body: dict, top_logprobs: int | None, default_max_tokens: int | None, chat: bool) -> Options:
@@ -206,6 +243,7 @@ def _options(body: dict, top_logprobs: int | None, default_max_tokens: int | Non
         seed=None if seed is None else seed % (1 << 64),  # OpenAI accepts any integer seed
         top_logprobs=top_logprobs,
         speculate=_bool(body, "speculative", True),  # an extension: false opts out of speculative decoding
+        **_penalties(body),
     )
     return Options(
         model,

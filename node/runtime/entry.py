@@ -35,6 +35,7 @@ from node.core.prefix_cache import PrefixIndex
 from node.core.requests import TokenMessage
 from node.runtime.loop_stall import LoopStalls
 from node.runtime.transport import Transport, TransportError
+from shards.decoding.penalties import with_context
 from shards.decoding.sampling import SamplingParams
 
 
@@ -204,7 +205,7 @@ class Entry:
         spec = RequestSpec(
             request_id=uuid.uuid4().hex,
             plan=plan,
-            sampling=sampling,
+            sampling=with_context(sampling, tokens),  # penalties count the prompt's tail (and a replay's history)
             max_tokens=max_tokens,
             stop_token_ids=self.stop_token_ids,
             entry_node_id=self.node_id,

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, on one row or a stacked batch of rows.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, after the logit bias and repetition penalties
+(shards/decoding/penalties.py), on one row or a stacked batch of rows.
 
 Every row is sampled independently of the others (no cross-row coupling): each request owns a `SamplerState`
 whose RNG draws exactly one uniform per sampled (non-greedy) token, and the candidate set and its order are
@@ -9,10 +10,12 @@ sampled alone, in a batch of 8, or through a fallback path.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from shards.decoding import penalties
 from shards.decoding.grammar import Constraint, Matcher
 
 MAX_TOP_LOGPROBS = 20
@@ -30,6 +33,15 @@ class SamplingParams:
     top_logprobs: int | None = None  # None: no logprobs; 0..20: chosen token's logprob plus that many alternatives
     constraint: Constraint | None = None  # a grammar every token must follow (applied by the sampling batcher)
     speculate: bool = True  # False: the client opted out of speculative decoding (node/core/speculation.py)
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (after temperature, top-k, top-p)
+    presence_penalty: float = 0.0  # penalties over the window of recent tokens: shards/decoding/penalties.py
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    penalty_last_n: int = (
+        penalties.DEFAULT_WINDOW
+    )  # the window: this many last tokens of the prompt and the sampled ones
+    penalty_context: tuple[int, ...] = ()  # the window's start: the prompt's tail (set by the entry node)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids increasing
 
     def __post_init__(self) -> None:
         if not isinstance(self.speculate, bool):
@@ -50,19 +62,34 @@ class SamplingParams:
             isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
         ):
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        penalties.check(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """Whether its recent tokens change a row's logits (its sampler then keeps a window of them)."""
+        return penalties.penalizes(self)
+
+    @property
+    def processed(self) -> bool:
+        """Whether a row's logits are changed before the pick (a bias or penalties)."""
+        return bool(self.logit_bias) or self.penalized
+
 
 @dataclass
 class SamplerState:
-    """A request's private random stream, and its grammar state when the request is constrained (made by the
-    sampling batcher at the first token, dropped with the request)."""
+    """A request's private random stream, its grammar state when the request is constrained (made by the
+    sampling batcher at the first token, dropped with the request), and its window of recent tokens when it is
+    penalized (started from its params' `penalty_context` at the first token, then each sampled token)."""
 
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
     matcher: Matcher | None = None
+    recent: deque[int] | None = None
 
     @classmethod
     def from_seed(cls, seed: int | None, skip: int = 0) -> SamplerState:
@@ -73,12 +100,21 @@ class SamplerState:
             state.rng.random(skip)  # exactly one uniform per sampled token (see the module docstring)
         return state
 
-    def snapshot(self) -> dict:
-        return self.rng.bit_generator.state
+    def window(self, params: SamplingParams) -> deque[int]:
+        """The recent tokens the penalties count (the prompt's tail until tokens are sampled)."""
+        if self.recent is None:
+            self.recent = deque(params.penalty_context, maxlen=params.penalty_last_n)
+        return self.recent
 
-    def restore(self, snapshot: dict) -> None:
-        """Rewind the stream, e.g. after a batched call that failed part-way, so a retry draws the same numbers."""
-        self.rng.bit_generator.state = snapshot
+    def snapshot(self) -> tuple:
+        recent = None if self.recent is None else (tuple(self.recent), self.recent.maxlen)
+        return self.rng.bit_generator.state, recent
+
+    def restore(self, snapshot: tuple) -> None:
+        """Rewind the stream and the window, e.g. after a batched call that failed part-way, so a retry draws the
+        same numbers from the same logits."""
+        self.rng.bit_generator.state, recent = snapshot
+        self.recent = None if recent is None else deque(recent[0], maxlen=recent[1])
 
 
 @dataclass(frozen=True)
@@ -93,7 +129,12 @@ def sample_rows(logits: np.ndarray, params: list[SamplingParams], states: list[S
     logits = np.asarray(logits, dtype=np.float32)
     if logits.ndim != 2 or logits.shape[0] != len(params) or len(params) != len(states):
         raise ValueError(f"logits {logits.shape} do not match {len(params)} params / {len(states)} states")
-    tokens = [0] * len(params)
+    raw, tokens = logits, [0] * len(params)
+    if any(p.processed for p in params):  # biased and penalized rows: their own copies
+        logits = logits.copy()
+        for i, p in enumerate(params):
+            if p.processed:
+                logits[i] = penalties.apply(raw[i], p, states[i].window(p) if p.penalized else ())
     greedy = [i for i, p in enumerate(params) if p.greedy]
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     # The O(vocab) work is vectorized over rows. Elementwise and last-axis ops are computed row by row, so
@@ -107,7 +148,11 @@ def sample_rows(logits: np.ndarray, params: list[SamplingParams], states: list[S
         probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
         for j, i in enumerate(drawn):
             tokens[i] = _draw(scaled[j], probs[j], params[i], states[i].rng)
-    return [_with_logprobs(logits[i], tokens[i], p.top_logprobs) for i, p in enumerate(params)]
+    for i, p in enumerate(params):
+        if p.penalized:
+            states[i].window(p).append(tokens[i])
+    # logprobs are the model's own distribution's (the raw row), as the OpenAI API reports them
+    return [_with_logprobs(raw[i], tokens[i], p.top_logprobs) for i, p in enumerate(params)]
 
 
 def sample_one(logits: np.ndarray, params: SamplingParams, state: SamplerState) -> SampleResult:
@@ -125,6 +170,9 @@ def _draw(scaled: np.ndarray, probs: np.ndarray, p: SamplingParams, rng: np.rand
             ids = ids[: int(np.searchsorted(mass, p.top_p * mass[-1], side="left")) + 1]
     elif p.top_p < 1.0:
         ids = _nucleus(scaled, probs, p.top_p)
+    if p.min_p > 0:  # probs are exp(scaled - max): the likeliest token's is 1
+        kept = np.flatnonzero(probs >= np.float32(p.min_p)) if ids is None else ids[probs[ids] >= np.float32(p.min_p)]
+        ids = kept
     if ids is not None:
         ids = np.sort(ids)
     cdf = np.cumsum(probs if ids is None else probs[ids], dtype=np.float64)

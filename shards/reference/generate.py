@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from shards.decoding.penalties import with_context
 from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
 from shards.engines.base import Engine, StepInput
 
@@ -29,8 +30,10 @@ def generate(
     params: SamplingParams = SamplingParams(temperature=0.0),
     eos_ids: frozenset[int] = frozenset(),
 ) -> Iterator[SampleResult]:
-    """Yield sampled tokens until eos (yielded too) or max_tokens; frees every shard's cache at the end."""
+    """Yield sampled tokens until eos (yielded too) or max_tokens; frees every shard's cache at the end. Penalties
+    count the prompt's tail, as the entry node arranges (`with_context`)."""
     request_id = uuid.uuid4().hex
+    params = with_context(params, list(prompt))
     state = SamplerState.from_seed(params.seed)
     tokens = np.asarray(prompt, dtype=np.int64)
     try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shards.decoding.penalties import with_context
 from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
 from shards.decoding.speculation import DraftLength, Proposer, verify
 from shards.engines.base import Engine
@@ -55,6 +56,7 @@ def speculative_generate(
     carries; frees every shard's cache and the proposer's state at the end (also when the caller stops early)."""
     rid = request_id or uuid.uuid4().hex
     stats = stats if stats is not None else SpeculationStats()
+    params = with_context(params, list(prompt))  # penalties count the prompt's tail, as the entry node arranges
     state = SamplerState.from_seed(params.seed)
     context = min(e.config.max_position_embeddings for e in engines)
     sample = engines[-1].sample

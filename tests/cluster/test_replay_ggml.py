@@ -2,8 +2,8 @@
 F16 on load; the file's own Q4_1 blocks are replayed exactly in tests/cluster/test_speculation_cluster.py, and are
 batch-invariant in tests/engines/test_ggml_invariance.py): the last node killed after 70 tokens, the entry
 replays prompt + 70 generated tokens as one prefill (past the 64 rows where ggml's own attention kernel changes),
-and a seeded stream's text is the undisturbed run's, character for character; seeded requests beside 7 others give
-the texts they give alone. (ggml's matmul sums a lone row of a float weight in another order than a batch's rows:
+and a seeded, penalized stream's text is the undisturbed run's, character for character; seeded requests beside 7
+others give the texts they give alone, penalized or not. (ggml's matmul sums a lone row of a float weight in another order than a batch's rows:
 the engine pads those steps, shards/engines/ggml/gemm_rows.py.) Real exo-node processes."""
 
 import time
@@ -30,6 +30,11 @@ def test_the_last_node_killed_after_70_tokens_is_replayed_on_the_default_engine_
         "max_tokens": 90,  # the replayed stream goes on for 20 tokens past the kill
         "temperature": 0.8,
         "seed": 11,
+        # penalties over the last 64 tokens: the replay's last node rebuilds that window from its own prompt
+        "frequency_penalty": 0.4,
+        "presence_penalty": 0.2,
+        "repeat_penalty": 1.1,
+        "logit_bias": {"30": -5},
     }
     with Cluster(path, 3, memory_gb=[2, 2, 2], model_id=model_id, engine=None, extra=["--threads", "1"]) as c:
         url = f"{c.nodes[0].api_url}/v1/completions"
@@ -61,6 +66,7 @@ def test_eight_seeded_requests_at_once_give_the_texts_each_gives_alone_on_the_de
             "temperature": 0.9,
             "seed": 100 + i,
         }
+        | ({"frequency_penalty": 0.5, "repeat_penalty": 1.2, "min_p": 0.05} if i % 2 else {})  # beside plain rows
         for i, word in enumerate(["miller", "knight", "fox", "stranger", "child", "merchant", "monk", "soldier"])
     ]
     with Cluster(path, 1, model_id=model_id, engine=None, extra=["--threads", "1"]) as c:

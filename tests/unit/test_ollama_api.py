@@ -31,6 +31,19 @@ def test_options_map_onto_sampling_and_streaming_is_the_default():
     assert (req.options.max_tokens, req.options.stop) == (9, ("\n",))
 
 
+def test_penalty_options_map_onto_the_samplers_penalties():
+    options = {"repeat_penalty": 1.1, "repeat_last_n": 32, "presence_penalty": 0.5, "frequency_penalty": 0.25}
+    req, _ = ollama.parse_chat({"model": "m", "messages": ASK, "options": options | {"min_p": 0.05}})
+    s = req.options.sampling
+    assert (s.repetition_penalty, s.penalty_last_n, s.presence_penalty, s.frequency_penalty, s.min_p) == (
+        1.1,
+        32,
+        0.5,
+        0.25,
+        0.05,
+    )
+
+
 @pytest.mark.parametrize("n", [-1, -2])
 def test_num_predict_minus_one_or_two_leaves_the_length_to_the_node(n):
     req, _ = ollama.parse_chat({"model": "m", "messages": ASK, "options": {"num_predict": n}, "stream": False})
@@ -119,7 +132,10 @@ HOSTILE = [
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"num_predict": 0}}),
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"num_predict": 10**9}}),
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"stop": [1]}}),
-    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"repeat_penalty": 1.3}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"repeat_penalty": 0}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"repeat_last_n": -1}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"min_p": 1.5}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"mirostat": 2}}),
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"seed": 1.5}}),
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "format": "yaml"}),
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "format": {"type": "nonsense"}}),

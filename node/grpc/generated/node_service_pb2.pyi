@@ -55,7 +55,7 @@ class PlanStep(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., shard: _Optional[_Union[ShardRange, _Mapping]] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "top_logprobs", "grammar", "grammar_prefix", "no_speculation")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "top_logprobs", "grammar", "grammar_prefix", "no_speculation", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "penalty_last_n", "penalty_context", "logit_bias")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,13 @@ class Sampling(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_PREFIX_FIELD_NUMBER: _ClassVar[int]
     NO_SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -72,7 +79,22 @@ class Sampling(_message.Message):
     grammar: str
     grammar_prefix: _containers.RepeatedScalarFieldContainer[int]
     no_speculation: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_prefix: _Optional[_Iterable[int]] = ..., no_speculation: _Optional[bool] = ...) -> None: ...
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    penalty_last_n: int
+    penalty_context: _containers.RepeatedScalarFieldContainer[int]
+    logit_bias: _containers.RepeatedCompositeFieldContainer[LogitBias]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_prefix: _Optional[_Iterable[int]] = ..., no_speculation: _Optional[bool] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., penalty_context: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ...) -> None: ...
+
+class LogitBias(_message.Message):
+    __slots__ = ("token", "bias")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    bias: float
+    def __init__(self, token: _Optional[int] = ..., bias: _Optional[float] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
     __slots__ = ("request_id", "plan", "sampling", "max_tokens", "stop_token_ids", "entry_node_id", "entry_address", "resumed_tokens", "prompt_tokens", "reuse_from", "reuse_positions")
