@@ -2,17 +2,23 @@
 a token goes through per second on one row, reported in its capabilities.
 
 Measured twice over: at start (`calibrate_node`: one-row forward steps through an engine on a slice of the
-model's layers, back to back for WINDOW_S: the sustained rate, as a CPU quota allows it; ROUNDS times, ROUND_GAP_S
-apart, the fastest kept, since other processes starting at the same time only ever slow a round), then from the live passes (`LayerSpeed.observed`: every one-row
+model's layers, back to back for WINDOW_S, their median timed; ROUNDS times, ROUND_GAP_S apart, the fastest kept,
+since other processes starting at the same time only ever slow a round), then from the live passes (`LayerSpeed.observed`: every one-row
 pass's compute time over its shard's cost, smoothed). What is reported moves only when the smoothed measure is
 REPORT_STEPS quantisation steps away from it, so measurement noise never moves a layer; an operator's --speed
 fixes it and nothing is measured.
+
+Both report what the node sustains. A CPU quota (a cgroup's, as containers and `systemd` limits set) lets a short
+pass run at full speed and throttles a busy node to its share: both measures time passes at full speed and scale
+them by the node's CPU share (`cpu_share`), else a lightly loaded throttled node reports its burst speed, gets more
+layers, and the ring waits for it under load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,7 +35,7 @@ log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 2  # the first passes build graphs and touch the weights: not timed
 MIN_STEPS = 3  # timed steps at least, however long they take
-WINDOW_S = 0.3  # steps run back to back this long: three periods of a cgroup CPU quota's default 100 ms
+WINDOW_S = 0.3  # steps run back to back this long (their median is timed)
 SLICE_LAYERS = 2  # the layers of the engine it times
 ROUNDS = 3  # calibration windows at start ...
 ROUND_GAP_S = 2.0  # ... this far apart
@@ -88,8 +94,11 @@ def calibrate(factory, model_dir: Path, shard: Shard, config: ModelConfig, costs
 
 
 def time_steps(engine: Engine, config: ModelConfig) -> float | None:
-    """Seconds per one-row decode step, on average over steps run back to back for WINDOW_S (at least MIN_STEPS,
-    after WARMUP_STEPS), each at the same position (the cache rolled back: every step costs the same)."""
+    """Seconds per one-row decode step at full speed: the median of steps run back to back for WINDOW_S (at least
+    MIN_STEPS, after WARMUP_STEPS), each at the same position (the cache rolled back: every step costs the same).
+    The median, since under a CPU quota the step that meets the end of a period's budget waits out the period (a
+    mean over the window is then a mixture of the two speeds, anywhere from one to the other); `LayerSpeed` scales
+    it to what the node sustains."""
     rid = f"calibration-{uuid.uuid4().hex}"
     rng = np.random.default_rng(0)
     hidden = rng.standard_normal((1, config.hidden_size)).astype(np.float32)
@@ -106,29 +115,85 @@ def time_steps(engine: Engine, config: ModelConfig) -> float | None:
     try:
         for i in range(WARMUP_STEPS):
             step(i)
-        began, steps = time.perf_counter(), 0
-        while steps < MIN_STEPS or time.perf_counter() - began < WINDOW_S:
-            step(1 + steps)
-            steps += 1
-        return (time.perf_counter() - began) / steps
+        began, times = time.perf_counter(), []
+        while len(times) < MIN_STEPS or time.perf_counter() - began < WINDOW_S:
+            t = time.perf_counter()
+            step(1 + len(times))
+            times.append(time.perf_counter() - t)
+        return float(np.median(times))
     finally:
         engine.release(rid)
 
 
-class LayerSpeed:
-    """What this node reports as its speed: fixed (--speed), else calibrated, then moved by live passes."""
+def cpu_quota(cgroups: Path = Path("/proc/self/cgroup"), mount: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The cores this process may use over time by its cgroups' CPU quotas (v2 `cpu.max`; v1 `cpu.cfs_quota_us`
+    over `cpu.cfs_period_us`), the tightest from its group up to the root; None without one (or unreadable)."""
+    tightest = None
+    try:
+        lines = cgroups.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        names = controllers.split(",")
+        if controllers == "":
+            top = mount  # v2: one hierarchy
+        elif "cpu" in names:
+            top = next((mount / n for n in (controllers, "cpu", "cpu,cpuacct") if (mount / n).is_dir()), None)
+        else:
+            continue
+        group = None if top is None else top / path.lstrip("/")
+        while group is not None and group.is_relative_to(top):
+            cores = _quota_of(group)
+            if cores is not None:
+                tightest = cores if tightest is None else min(tightest, cores)
+            group = group.parent if group != top else None
+    return tightest
 
-    def __init__(self, costs: Sequence[int], fixed: float | None = None):
+
+def _quota_of(group: Path) -> float | None:
+    try:
+        if (group / "cpu.max").exists():
+            quota, period = (group / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        if (group / "cpu.cfs_quota_us").exists():
+            quota = int((group / "cpu.cfs_quota_us").read_text())
+            return None if quota < 0 else quota / int((group / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def cpu_share(quota: float | None = None, cpus: int | None = None) -> float:
+    """The share of its CPUs this process sustains: its quota (`cpu_quota()` unless given) over the CPUs it may run
+    on (the engine's threads fill them, its default); 1 without a quota."""
+    quota = cpu_quota() if quota is None else quota
+    if quota is None:
+        return 1.0
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(1.0, quota / max(cpus, 1))
+
+
+class LayerSpeed:
+    """What this node reports as its speed: fixed (--speed), else calibrated, then moved by live passes (their
+    times over `share`, the CPU share the node sustains: see the module docstring)."""
+
+    def __init__(self, costs: Sequence[int], fixed: float | None = None, share: float = 1.0):
         if fixed is not None and not 0 < fixed <= MAX_SPEED:
             raise ValueError(f"--speed must be in (0, {MAX_SPEED:g}] billion parameters per second, got {fixed}")
+        if not 0 < share <= 1:
+            raise ValueError(f"a CPU share is in (0, 1], got {share}")
+        self.share = share
         self.costs, self.fixed = tuple(costs), fixed
         self.speed = fixed or 0.0  # reported; 0: not measured yet
         self._smoothed: float | None = None  # seconds per billion parameters
         self._seen = 0
 
     def measured(self, speed: float | None) -> None:
-        """A calibration's result: reported at once when it is the first or faster than the last (unless --speed
-        fixes it)."""
+        """A calibration's result (full speed: the node's CPU share scales it): reported at once when it is the
+        first or faster than the last (unless --speed fixes it)."""
+        speed = None if speed is None else speed * self.share
         if self.fixed is None and speed is not None and speed > 0 and min(speed, MAX_SPEED) > self.speed:
             self.speed = min(speed, MAX_SPEED)
             self._smoothed, self._seen = 1 / self.speed, MIN_LIVE
@@ -140,7 +205,7 @@ class LayerSpeed:
         report followed the load and moved the ring under it, three times in 16 s under 8 streams."""
         if self.fixed is not None or positions != 1 or not alone or not seconds > 0:
             return
-        per_g = seconds / (sum(self.costs[shard.start_layer : shard.end_layer]) / 1e9)
+        per_g = seconds / self.share / (sum(self.costs[shard.start_layer : shard.end_layer]) / 1e9)
         self._smoothed = per_g if self._smoothed is None else (1 - SMOOTHING) * self._smoothed + SMOOTHING * per_g
         self._seen += 1
         live = min(1 / self._smoothed, MAX_SPEED)

@@ -28,7 +28,7 @@ from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.speculation import Speculation
 from node.core.topology import Availability, Capabilities, NodeInfo, PeerLink, Topology
-from node.runtime.calibration import LayerSpeed, calibrate_node
+from node.runtime.calibration import LayerSpeed, calibrate_node, cpu_share
 from node.runtime.entry import Entry
 from node.runtime.loop_monitor import LoopMonitor
 from node.runtime.metrics import NodeMetrics, NodeStatus
@@ -90,7 +90,8 @@ class Node:
         )
         self.shards = ShardManager(model.path, model.config, engines)
         self._engines = engines
-        self.speed = LayerSpeed(layer_costs(model.config), settings.speed)  # what placement balances
+        # what placement balances: sustained, so under a CPU quota a pass's time counts at the node's share of it
+        self.speed = LayerSpeed(layer_costs(model.config), settings.speed, cpu_share())
         self.batcher = SamplingBatcher(
             settings.sample_batch_max,
             settings.sample_batch_window_ms,

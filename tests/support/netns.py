@@ -20,6 +20,23 @@ def available() -> str | None:
     return None
 
 
+def cgroup_mount() -> str:
+    """A shell command mounting this machine's CPU cgroup hierarchy at /sys/fs/cgroup, as a real host has it
+    (`ip netns exec` remounts /sys without it): cgroup v2's one hierarchy, or v1's cpu controller's. So a node in a
+    host reads the CPU quota it runs under (node/runtime/calibration.py). Where mounting is refused, nothing."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return "true"
+    v1 = [c for _, c, _ in (line.split(":", 2) for line in lines) if "cpu" in c.split(",")]
+    if v1:
+        at = f"/sys/fs/cgroup/{v1[0]}"
+        mount = f"mount -t tmpfs cgroup /sys/fs/cgroup && mkdir -p {at} && mount -t cgroup -o {v1[0]} cgroup {at}"
+    else:
+        mount = "mount -t cgroup2 cgroup2 /sys/fs/cgroup"
+    return f"({mount}) 2>/dev/null || true"
+
+
 def sh(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, text=True)
 
@@ -65,8 +82,8 @@ class PrivateLan:
         return self
 
     def exec(self, i: int, *cmd: str) -> list[str]:
-        """Argument vector running `cmd` inside host i."""
-        return ["ip", "netns", "exec", self.hosts[i], *cmd]
+        """Argument vector running `cmd` inside host i (the same process, after its cgroups are mounted)."""
+        return ["ip", "netns", "exec", self.hosts[i], "sh", "-c", f'{cgroup_mount()}; exec "$@"', "sh", *cmd]
 
     def __exit__(self, *exc) -> None:
         for ns in [*self.hosts, self.switch]:

@@ -260,6 +260,79 @@ def test_passes_timed_beside_other_requests_never_move_the_report():
     assert speed.speed < 10.0 / SPEED_STEP**REPORT_STEPS
 
 
+def test_under_a_cpu_quota_calibration_and_live_passes_count_at_the_share_the_node_sustains():
+    """A quota lets a short pass run at full speed and holds a busy node to its share: a throttled node reporting
+    its bursts got more layers than it could carry under load (0.82x of the best split)."""
+    shard = Shard("m", 0, 2, 4)
+    full, half = LayerSpeed((10**9,) * 4), LayerSpeed((10**9,) * 4, share=0.5)
+    for speed in (full, half):
+        speed.measured(10.0)  # the calibration's median step: full speed
+        for _ in range(50):
+            speed.observed(shard, 1, 2 / 10)  # lone passes, unthrottled
+    assert (full.speed, half.speed) == (10.0, 5.0)
+    for speed in (full, half):
+        for _ in range(50):
+            speed.observed(shard, 1, 2 / 5)  # the machine got slower: both follow, each at its share
+    assert 4 < full.speed < 6 and 2 < half.speed < 3
+    with pytest.raises(ValueError, match="share"):
+        LayerSpeed((1,), share=0)
+
+
+def test_calibration_times_full_speed_steps_when_some_wait_out_a_quota_period():
+    """Under a quota the step that meets the end of a period's budget waits out the period: the median skips it
+    where a mean over the window mixed the two speeds (3.3 to 7.7 Gparam/s between rounds on one host)."""
+    import time
+
+    from node.runtime.calibration import time_steps
+
+    cfg = ModelConfig.from_dir(LLAMA)
+
+    class Throttled(NumpyEngine):
+        """The numpy engine on a host whose every fourth step is held back for 50 ms."""
+
+        calls = 0
+
+        def forward(self, *args, **kwargs):
+            self.calls += 1
+            if self.calls % 4 == 0:
+                time.sleep(0.05)
+            return super().forward(*args, **kwargs)
+
+    shard = Shard("llama", 0, cfg.n_layers, cfg.n_layers)
+    plain, throttled = NumpyEngine(LLAMA, shard, cfg), Throttled(LLAMA, shard, cfg)
+    assert time_steps(throttled, cfg) < 0.01 + 3 * time_steps(plain, cfg)  # not the ~12 ms a step a mean gives
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_processes_cpu_quota_is_the_tightest_on_its_cgroups_path(tmp_path, version):
+    from node.runtime.calibration import cpu_quota, cpu_share
+
+    if version == "v2":
+        top, line = tmp_path, "0::/outer/inner\n"
+        (top / "outer/inner").mkdir(parents=True)
+        (top / "outer/cpu.max").write_text("150000 100000\n")
+        (top / "outer/inner/cpu.max").write_text("max 100000\n")
+    else:
+        top, line = tmp_path / "cpu,cpuacct", "4:memory:/x\n3:cpu,cpuacct:/outer/inner\n"
+        (top / "outer/inner").mkdir(parents=True)
+        for group, quota in (("outer", "150000"), ("outer/inner", "-1")):
+            (top / group / "cpu.cfs_quota_us").write_text(quota)
+            (top / group / "cpu.cfs_period_us").write_text("100000")
+    cgroups = tmp_path / "cgroup"
+    cgroups.write_text(line)
+    assert cpu_quota(cgroups, tmp_path) == 1.5
+    (top / "outer/inner" / ("cpu.max" if version == "v2" else "cpu.cfs_quota_us")).write_text(
+        "50000 100000" if version == "v2" else "50000"
+    )
+    assert cpu_quota(cgroups, tmp_path) == 0.5
+    cgroups.write_text("0::/\n" if version == "v2" else "3:cpu,cpuacct:/\n")
+    (top / ("cpu.max" if version == "v2" else "cpu.cfs_quota_us")).write_text("max" if version == "v2" else "-1")
+    if version == "v1":
+        (top / "cpu.cfs_period_us").write_text("100000")
+    assert cpu_quota(cgroups, tmp_path) is None
+    assert cpu_share(0.5, 1) == 0.5 and cpu_share(1.0, 2) == 0.5 and cpu_share(4.0, 2) == 1.0
+
+
 def test_an_operators_speed_is_reported_as_given_and_never_measured():
     speed = LayerSpeed((10**9,) * 4, fixed=3.0)
     speed.measured(100.0)
