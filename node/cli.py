@@ -17,6 +17,7 @@ import sys
 from contextlib import AsyncExitStack
 
 from discovery.udp import Announcement, UdpDiscovery
+from node.core.placement.layer_costs import engine_head_weight
 from node.core.topology import Availability
 from node.fetch import startup as fetching
 from node.fetch.fetcher import Fetcher
@@ -31,7 +32,7 @@ from node.runtime.settings import ServedModel
 from node.security import ClusterKey, keygen_main, load_secret
 from node.settings import DEMO_MODEL, GrpcSettings, HttpSettings, Machine, Settings, parse_args, settings_from_args
 from node.settings.model import engine_from_args
-from shards.engines.registry import engine_factory
+from shards.engines.registry import engine_factory, resolve
 from shards.formats.loader import load_config
 from shards.formats.packaged import default_quantize, list_models
 
@@ -102,8 +103,9 @@ async def run(settings: Settings) -> int:
         if model_path is None
         else message_bound((config := load_config(model_path)).hidden_size, config.max_position_embeddings)
     )
+    head = engine_head_weight(model_path, resolve(engine.name), options["quantize"])  # a wide head costs more
     settings = dataclasses.replace(
-        settings, node=dataclasses.replace(settings.node, max_tensor_bytes=bound - (1 << 20))
+        settings, node=dataclasses.replace(settings.node, max_tensor_bytes=bound - (1 << 20), head_weight=head)
     )
     async with AsyncExitStack() as stack:
         server = GrpcServer(settings.grpc.host, settings.grpc.port, bound, tls)  # binds now

@@ -91,7 +91,8 @@ class Node:
         self.shards = ShardManager(model.path, model.config, engines)
         self._engines = engines
         # what placement balances: sustained, so under a CPU quota a pass's time counts at the node's share of it
-        self.speed = LayerSpeed(layer_costs(model.config), settings.speed, cpu_share())
+        self._costs = layer_costs(model.config, settings.head_weight)
+        self.speed = LayerSpeed(self._costs, settings.speed, cpu_share())
         self.batcher = SamplingBatcher(
             settings.sample_batch_max,
             settings.sample_batch_window_ms,
@@ -205,7 +206,7 @@ class Node:
     @property
     def layer_costs(self) -> tuple[int, ...] | None:
         """Each layer's compute (parameters a token goes through), which placement balances against speeds."""
-        return layer_costs(self.config)
+        return self._costs
 
     @property
     def layer_footprints(self) -> tuple[int, ...] | None:

@@ -43,6 +43,7 @@ class NodeSettings:
     speculation: SpeculationLimits = SpeculationLimits()  # how many
     draft_model: Path | None = None  # --draft-model, for speculate="draft"
     speed: float | None = None  # --speed: layer throughput to report (Gparam/s); None: measured (calibration.py)
+    head_weight: float = 1.0  # what a head parameter costs in layer parameters, as the engine holds them (layer_costs)
     prefix_cache: str = "shared"  # --prefix-cache: shared, per-key (by the client's API key) or off
 
     def __post_init__(self) -> None:

@@ -2,22 +2,28 @@
 in it (`layer_costs`, what the split balances against each node's measured speed) and the bytes a node needs to
 hold it (`layer_footprints`, what caps each node's share at its memory).
 
-Costs are parameter counts: within one file the weight types are close to uniform, so compute and bytes are both
-proportional to them. A token goes through every weight of a dense layer but only its `n_used` experts of a
+Costs are parameter counts: within one file the layers' weight types are close to uniform, so compute and bytes are
+both proportional to them. A token goes through every weight of a dense layer but only its `n_used` experts of a
 sparse one; the first node holds the token embedding (a row lookup: no compute, but its bytes) and the last the
-output head (a matmul over the vocabulary: both).
+output head (a matmul over the vocabulary: both). The head is the exception to uniform types: GGUF files often keep
+it (or the embedding it is tied to) at Q6_K, Q8_0 or F16 beside Q4 layers, and a decode step reads every weight
+once, so its time goes with bytes: `head_weight` is what one of its parameters costs in the layers' parameters.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from shards.formats.config import ModelConfig
 
 
-def layer_costs(cfg: ModelConfig) -> tuple[int, ...]:
+def layer_costs(cfg: ModelConfig, head_weight: float = 1.0) -> tuple[int, ...]:
     """Parameters a token goes through in each layer (the active experts of a sparse layer), the output head
-    counted with the last: what a node's measured speed (billions of parameters per second) is a rate of."""
+    counted with the last at `head_weight` layer parameters each: what a node's measured speed (billions of
+    parameters per second, measured on middle layers) is a rate of."""
+    if not 0 < head_weight < 100:
+        raise ValueError(f"a head weight is a positive ratio of bytes per parameter, got {head_weight}")
     h, m = cfg.hidden_size, cfg.moe
     active = (
         0
@@ -25,8 +31,28 @@ def layer_costs(cfg: ModelConfig) -> tuple[int, ...]:
         else h * m.n_experts + 3 * m.n_used * h * m.expert_size + (3 * h * m.shared_size + h if m.shared_size else 0)
     )
     costs = _layers(cfg, active)
-    costs[-1] += cfg.vocab_size * h + h
+    costs[-1] += round(cfg.vocab_size * h * head_weight) + h
     return tuple(costs)
+
+
+def head_weight(path: str | Path, cfg: ModelConfig) -> float:
+    """The output head's bytes per parameter over the layers' matrices' in a GGUF file (its `output.weight`, else
+    the tied `token_embd.weight`), rounded to 1/16: 1.7 for SmolLM2's Q4_1 file, whose head is Q8_0. 1.0 for any
+    other model (a checkpoint's engine computes every weight alike)."""
+    from shards.formats.gguf_file import open_gguf
+    from shards.formats.loader import open_model
+
+    src = open_model(path)
+    if src.gguf is None:
+        return 1.0
+    tensors = open_gguf(src.gguf).tensors
+    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    blocks = [t for name, t in tensors.items() if name.startswith("blk.") and len(t.shape) >= 2]
+    params = sum(math.prod(t.shape) for t in blocks)
+    if head is None or not params:
+        return 1.0
+    ratio = head.nbytes / math.prod(head.shape) / (sum(t.nbytes for t in blocks) / params)
+    return max(round(ratio * 16), 1) / 16
 
 
 def _layers(cfg: ModelConfig, sparse: int) -> list[int]:
@@ -83,3 +109,14 @@ def file_bytes_per_param(path: str | Path, cfg: ModelConfig) -> float | None:
         files = sorted(src.root.glob("*.safetensors"))
     total = sum(p.stat().st_size for p in files if p.is_file())
     return total / sum(layer_params(cfg)) if total else None
+
+
+def engine_head_weight(path: str | Path | None, engine: str, quantize: str | None) -> float:
+    """`head_weight` as `engine` holds the model: the file's types only on the ggml engine without --quantize (which
+    requantizes every matrix, the head too, to one type; the other engines compute every weight alike); 1.0 for a
+    model not on disk yet."""
+    if path is None or engine != "ggml" or quantize is not None:
+        return 1.0
+    from shards.formats.loader import load_config
+
+    return head_weight(path, load_config(path))

@@ -1,0 +1,53 @@
+"""A head stored wider than the layers costs more per parameter (node/core/placement/layer_costs.py `head_weight`):
+decode reads every weight once a token, so a Q8_0 head beside Q4_1 layers (SmolLM2's file) takes 1.7x the time a
+parameter that the layers take, and the last stage must hold fewer layers for the ring to be balanced."""
+
+import pytest
+
+from node.core.placement.layer_costs import engine_head_weight, head_weight, layer_costs
+from node.core.placement.partition import NodeCapacity, partition
+from shards.formats.loader import load_config
+from shards.formats.packaged import DEFAULT_MODEL, resolve_model
+from tests.support.models import FIXTURES
+
+GB = 1 << 30
+
+
+def test_a_q8_0_head_beside_q4_1_layers_weighs_1_7_layer_parameters_and_uniform_files_1():
+    path, _ = resolve_model(DEFAULT_MODEL)
+    assert head_weight(path, load_config(path)) == 27 / 16  # Q8_0's 34 bytes a block of 32 over Q4_1's 20, to 1/16
+    assert head_weight(FIXTURES / "gguf" / "llama31.gguf", load_config(FIXTURES / "gguf" / "llama31.gguf")) == 1.0
+    assert head_weight(FIXTURES / "llama", load_config(FIXTURES / "llama")) == 1.0  # a checkpoint: computed alike
+
+
+def test_the_weight_counts_the_head_only():
+    cfg = load_config(resolve_model(DEFAULT_MODEL)[0])
+    plain, weighted = layer_costs(cfg), layer_costs(cfg, 27 / 16)
+    assert plain[:-1] == weighted[:-1]
+    assert (
+        weighted[-1] - plain[-1] == round(cfg.vocab_size * cfg.hidden_size * 27 / 16) - cfg.vocab_size * cfg.hidden_size
+    )
+    with pytest.raises(ValueError, match="head weight"):
+        layer_costs(cfg, 0)
+
+
+def test_the_last_node_of_a_ring_with_a_wide_head_holds_fewer_layers():
+    """SmolLM2's Q4_1 file on a fast host and a host at half a core (the placement benchmark's 14.1 and 8.0
+    Gparam/s): counting the head by parameters put 24 layers on the fast host, by bytes 28, the best static split
+    measured (112.7 tok/s at 8 streams against 95.2 for 24)."""
+    cfg = load_config(resolve_model(DEFAULT_MODEL)[0])
+    nodes = [NodeCapacity("host0", 10 * GB, speed=14.1), NodeCapacity("host1", 10 * GB, speed=8.0)]
+
+    def first_stage(costs):
+        return {i: s.end_layer - s.start_layer for i, s in partition(nodes, "m", cfg.n_layers, costs, None)}["host0"]
+
+    assert first_stage(layer_costs(cfg)) == 24
+    assert first_stage(layer_costs(cfg, 27 / 16)) == 28
+
+
+def test_only_an_engine_keeping_the_files_types_weighs_the_head():
+    path, _ = resolve_model(DEFAULT_MODEL)
+    assert engine_head_weight(path, "ggml", None) == 27 / 16
+    assert engine_head_weight(path, "ggml", "f16") == 1.0  # the packaged default: every matrix requantized to F16
+    assert engine_head_weight(path, "numpy", None) == 1.0  # dequantized to float32 alike
+    assert engine_head_weight(None, "ggml", None) == 1.0  # still fetching: no file to read
