@@ -37,9 +37,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # penalties over the window of recent tokens: shards/decoding/penalties.py
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    penalty_last_n: int = (
-        penalties.DEFAULT_WINDOW
-    )  # the window: this many last tokens of the prompt and the sampled ones
+    penalty_last_n: int = penalties.DEFAULT_WINDOW  # the window: the last tokens of the prompt and the sampled
     penalty_context: tuple[int, ...] = ()  # the window's start: the prompt's tail (set by the entry node)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids increasing
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import uuid
+from pathlib import Path
 
 
 def available() -> str | None:
@@ -25,7 +26,7 @@ def cgroup_mount() -> str:
     (`ip netns exec` remounts /sys without it): cgroup v2's one hierarchy, or v1's cpu controller's. So a node in a
     host reads the CPU quota it runs under (node/runtime/calibration.py). Where mounting is refused, nothing."""
     try:
-        lines = open("/proc/self/cgroup").read().splitlines()
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return "true"
     v1 = [c for _, c, _ in (line.split(":", 2) for line in lines) if "cpu" in c.split(",")]
