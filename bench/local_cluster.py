@@ -74,6 +74,7 @@ class Cluster:
         model_id: str | None = None,
         entry_late_by: float = 0,
         engine: str | None = "numpy",
+        calibrate: bool = False,
     ):
         self.model_dir, self.n, self.api_key, self.static_peers = model_dir, n, api_key, static_peers
         self.model_id = model_id or Path(model_dir).name  # the API's model id (a packaged model's differs)
@@ -86,6 +87,7 @@ class Cluster:
         # Nodes run the numpy engine unless a test says otherwise (engine=None: the node's default, `auto`): the
         # cluster tests compare against float32 references token for token.
         self.engine = engine
+        self.calibrate = calibrate  # nodes measure their own speed (else --speed 1: see _start)
 
     def __enter__(self) -> Cluster:
         try:
@@ -136,7 +138,9 @@ class Cluster:
             args += self.per_node[i]
         if self.engine and "--engine" not in args + self.extra:
             args += ["--engine", self.engine]
-        if "--speed" not in args + self.extra:  # nodes sharing one machine's cores are equal: what they'd measure
+        if (
+            not self.calibrate and "--speed" not in args + self.extra
+        ):  # nodes sharing one machine's cores are equal: what they'd measure
             args += ["--speed", "1"]  # is each other's load, and placement would follow that noise
         proc = subprocess.Popen(
             args + self.extra,

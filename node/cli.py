@@ -39,6 +39,8 @@ from shards.formats.packaged import default_quantize, list_models
 __all__ = ["DEMO_MODEL", "main", "parse_args", "run"]
 log = logging.getLogger("exo-node")
 
+CALIBRATION_WAIT_S = 30.0  # a node joins unmeasured (counted as its peers) past this: never held back for good
+
 
 async def serve_api(stack: AsyncExitStack, http: HttpSettings, node: Node) -> str:
     # aiohttp and the HTTP layer load here: a node without an API (--no-api) never imports them.
@@ -160,6 +162,8 @@ async def run(settings: Settings) -> int:
         )
         stack.push_async_callback(node.stop)
         node.start()
+        if copy is None:  # its weights are here: measure them before any peer can count this node in a plan
+            await node.first_speed(CALIBRATION_WAIT_S)
         await server.start(node, source)
         board.hand_on(node.update_peers)
         stack.callback(board.let_go)  # on the way out, the node (stopped first) hears no more

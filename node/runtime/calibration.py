@@ -1,12 +1,15 @@
 """This node's layer throughput, which placement balances (node/core/placement/balance.py): billions of parameters
 a token goes through per second on one row, reported in its capabilities.
 
-Measured twice over: at start (`calibrate_node`: one-row forward steps through an engine on a slice of the
-model's layers, back to back for WINDOW_S, their median timed; ROUNDS times, ROUND_GAP_S apart, the fastest kept,
-since other processes starting at the same time only ever slow a round), then from the live passes (`LayerSpeed.observed`: every one-row
-pass's compute time over its shard's cost, smoothed). What is reported moves only when the smoothed measure is
-REPORT_STEPS quantisation steps away from it, so measurement noise never moves a layer; an operator's --speed
-fixes it and nothing is measured.
+Measured twice over:
+- at start (`calibrate_node`): one-row forward steps through an engine on a slice of the model's layers, back to
+  back for WINDOW_S, their median timed; ROUNDS times, ROUND_GAP_S apart, the fastest kept, since other processes
+  starting at the same time only ever slow a round. The first round runs before the node joins its peers, so the
+  first plan that counts it has its speed, and the round runs with no shard loading beside it;
+- then from the live passes (`LayerSpeed.observed`): the median of recent one-row passes' compute times over their
+  shard's cost.
+What is reported moves only when a measure is REPORT_STEPS quantisation steps away from it, so measurement noise
+never moves a layer; an operator's --speed fixes it and nothing is measured.
 
 Both report what the node sustains. A CPU quota (a cgroup's, as containers and `systemd` limits set) lets a short
 pass run at full speed and throttles a busy node to its share: both measures time passes at full speed and scale
@@ -21,6 +24,7 @@ import logging
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -39,8 +43,8 @@ WINDOW_S = 0.3  # steps run back to back this long (their median is timed)
 SLICE_LAYERS = 2  # the layers of the engine it times
 ROUNDS = 3  # calibration windows at start ...
 ROUND_GAP_S = 2.0  # ... this far apart
-SMOOTHING = 0.1  # weight of a live pass in the smoothed measure
-MIN_LIVE = 8  # live passes seen before they may move the report
+LIVE_WINDOW = 16  # live passes whose median is the live measure ...
+MIN_LIVE = 8  # ... once it holds this many
 REPORT_STEPS = 2  # the report moves when the measure is this many quantisation steps away from it
 
 
@@ -61,9 +65,10 @@ async def calibrate_node(
     config: ModelConfig,
     costs: Sequence[int],
     speed: LayerSpeed,
+    first_round: Callable[[], None] = lambda: None,
 ) -> None:
     """ROUNDS calibrations of one engine on `calibration_slice`, through `run` (the engine thread), each reported
-    to `speed` (which keeps the fastest)."""
+    to `speed` (which keeps the fastest); `first_round` is called once the first is."""
     shard = calibration_slice(model_id, config.n_layers)
     engine = await run(factory, model_dir, shard, config)
     try:
@@ -72,6 +77,8 @@ async def calibrate_node(
                 await asyncio.sleep(ROUND_GAP_S)
             seconds = await run(time_steps, engine, config)
             speed.measured(sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9 if seconds else None)
+            if not i:
+                first_round()
     finally:  # now, not when a collection finds it: its weights are a slice of the model's memory
         await run(engine.close)
     log.info("calibrated: %.3g Gparam/s (%s)", speed.speed, shard)
@@ -187,29 +194,42 @@ class LayerSpeed:
         self.share = share
         self.costs, self.fixed = tuple(costs), fixed
         self.speed = fixed or 0.0  # reported; 0: not measured yet
-        self._smoothed: float | None = None  # seconds per billion parameters
-        self._seen = 0
+        self._shard: Shard | None = None  # the shard the live window times ...
+        self._passes = 0  # ... its one-row passes seen (the first WARMUP_STEPS are not timed) ...
+        self._window: deque[float] = deque(maxlen=LIVE_WINDOW)  # ... and the last ones' Gparam/s, sustained
 
     def measured(self, speed: float | None) -> None:
         """A calibration's result (full speed: the node's CPU share scales it): reported at once when it is the
-        first or faster than the last (unless --speed fixes it)."""
-        speed = None if speed is None else speed * self.share
-        if self.fixed is None and speed is not None and speed > 0 and min(speed, MAX_SPEED) > self.speed:
-            self.speed = min(speed, MAX_SPEED)
-            self._smoothed, self._seen = 1 / self.speed, MIN_LIVE
+        first, or REPORT_STEPS quantisation steps faster than the report (a round slowed by something else
+        running: a later round a step faster would only move a layer back and forth), unless --speed fixes it."""
+        speed = None if speed is None else min(speed * self.share, MAX_SPEED)
+        if self.fixed is not None or speed is None or not speed > 0:
+            return
+        if self.speed == 0 or speed_level(speed) - speed_level(self.speed) >= REPORT_STEPS:
+            self._report(speed, "calibrated")
 
     def observed(self, shard: Shard, positions: int, seconds: float, alone: bool = True) -> None:
-        """A pass's compute time: one-row passes of a node's only request move the smoothed measure, and the report
-        once it is REPORT_STEPS quantisation steps away. With other requests in flight their HTTP, sampling and
-        transport work share the core, so a pass's wall time grows though the layers are no slower: timed then, the
-        report followed the load and moved the ring under it, three times in 16 s under 8 streams."""
+        """A pass's compute time: one-row passes of a node's only request, after a shard's first WARMUP_STEPS
+        (which touch its weights and build its graphs: one such pass weighed in a mean halved a host's report at
+        once), are kept in a window of the last LIVE_WINDOW; once MIN_LIVE are, their median moves the report when
+        it is REPORT_STEPS quantisation steps away. With other requests in flight their HTTP, sampling and
+        transport work share the core, so a pass's wall time grows though the layers are no slower: timed then,
+        the report followed the load and moved the ring under it, three times in 16 s under 8 streams."""
         if self.fixed is not None or positions != 1 or not alone or not seconds > 0:
             return
-        per_g = seconds / self.share / (sum(self.costs[shard.start_layer : shard.end_layer]) / 1e9)
-        self._smoothed = per_g if self._smoothed is None else (1 - SMOOTHING) * self._smoothed + SMOOTHING * per_g
-        self._seen += 1
-        live = min(1 / self._smoothed, MAX_SPEED)
-        if self._seen >= MIN_LIVE and (
+        if shard != self._shard:
+            self._shard, self._passes = shard, 0
+            self._window.clear()
+        self._passes += 1
+        if self._passes <= WARMUP_STEPS:
+            return
+        self._window.append(sum(self.costs[shard.start_layer : shard.end_layer]) / 1e9 * self.share / seconds)
+        live = min(float(np.median(self._window)), MAX_SPEED)
+        if len(self._window) >= MIN_LIVE and (
             self.speed == 0 or abs(speed_level(live) - speed_level(self.speed)) >= REPORT_STEPS
         ):
-            self.speed = live
+            self._report(live, "from live passes")
+
+    def _report(self, speed: float, why: str) -> None:
+        log.info("speed %.3g Gparam/s, %s (was %.3g)", speed, why, self.speed)
+        self.speed = speed

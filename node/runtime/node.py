@@ -140,6 +140,7 @@ class Node:
             *stat_sources,
         ]
         self._tasks: set[asyncio.Task] = set()
+        self._first_speed = asyncio.Event()  # set at the calibration's first round, or when there will be none
 
     # -- what the API and the tools read ----------------------------------------------------------------------
     @property
@@ -240,17 +241,36 @@ class Node:
     async def _calibrate(self) -> None:
         """Time a slice of the model's layers once this node holds them all (node/runtime/calibration.py); a node
         that holds only some measures as it serves, and a --speed is never measured."""
-        if self.speed.fixed is not None:
-            return
-        while not self.availability().complete:
-            await asyncio.sleep(1.0)
         try:
+            if self.speed.fixed is not None:
+                return
+            while not self.availability().complete:
+                await asyncio.sleep(1.0)
             m = self.model
             await calibrate_node(
-                self.shards.run, self._engines, m.path, m.model_id, m.config, self.layer_costs, self.speed
+                self.shards.run,
+                self._engines,
+                m.path,
+                m.model_id,
+                m.config,
+                self.layer_costs,
+                self.speed,
+                self._first_speed.set,
             )
         except Exception as e:  # placement counts this node as the others until its passes measure it
             logging.getLogger(__name__).warning("no speed calibration: %s", e)
+        finally:
+            self._first_speed.set()
+
+    async def first_speed(self, timeout: float) -> None:
+        """Wait (up to `timeout` seconds) for the calibration's first round, which a node holding the whole model
+        runs before it joins its peers: the first plan that counts it then has its speed, and the round times
+        layers with no shard loading beside it (a round measured while loading gave a host 5 Gparam/s where
+        it sustains 8, and the ring moved twice in its first seconds as the later rounds came in)."""
+        try:
+            await asyncio.wait_for(self._first_speed.wait(), timeout)
+        except TimeoutError:
+            logging.getLogger(__name__).warning("no speed measured in %gs: joining unmeasured", timeout)
 
     async def _warm_grammar(self) -> None:
         """Build llguidance's view of the vocabulary now, off the loop: built at the first constrained request,

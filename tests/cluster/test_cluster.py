@@ -8,7 +8,7 @@ from shards.formats.config import ModelConfig
 from shards.formats.tokenizer import Tokenizer
 from shards.model.shard import Shard
 from shards.reference.generate import generate
-from tests.support.cluster import Cluster, assert_matches_reference, reference
+from tests.support.cluster import Cluster, assert_matches_reference, free_port, reference
 from tests.support.models import FIXTURES
 
 MODEL = FIXTURES / "llama"
@@ -47,6 +47,32 @@ def test_automatic_partitioning_weights_layers_by_speed():
         # node0 at twice the speed takes the most layers (node2's one carries the head); memory only caps
         assert loaded_shards(c) == {"node0": ["llama[0:3/6]"], "node1": ["llama[3:5/6]"], "node2": ["llama[5:6/6]"]}
         assert set(c.wait_idle().values()) == {0}
+
+
+def test_a_node_joins_its_peers_with_its_speed_already_measured():
+    """A node that holds its weights times them before it joins: the first plan counting it has its speed, so the
+    ring doesn't move under the first requests when the measure comes in (it moved twice in a host's first 7 s)."""
+    ports = [free_port(), free_port()]
+    with Cluster(MODEL, 1, static_peers=False, ports=ports[:1], per_node=[["--peers", f"127.0.0.1:{ports[1]}"]]) as c:
+        late = Cluster(MODEL, 1, static_peers=False, ports=ports[1:], calibrate=True)
+        late.per_node = [["--node-id", "late", "--peers", f"127.0.0.1:{ports[0]}"]]
+        seen = []
+        with ThreadPoolExecutor(1) as pool:
+            started = pool.submit(late.__enter__)
+            while not started.done():  # every view node0 has of it while it starts
+                nodes = {n["node_id"]: n for n in c.topology()["nodes"]}
+                if "late" in nodes:
+                    seen.append(nodes["late"]["capabilities"]["speed"])
+                time.sleep(0.02)
+            started.result()
+        try:
+            deadline = time.monotonic() + 30
+            while not seen and time.monotonic() < deadline:
+                nodes = {n["node_id"]: n for n in c.topology()["nodes"]}
+                seen += [nodes["late"]["capabilities"]["speed"]] if "late" in nodes else []
+            assert seen and min(seen) > 0, seen
+        finally:
+            late.__exit__(None, None, None)
 
 
 def test_concurrent_requests_each_equal_their_single_node_result():

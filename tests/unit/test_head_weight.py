@@ -48,6 +48,7 @@ def test_the_last_node_of_a_ring_with_a_wide_head_holds_fewer_layers():
 def test_only_an_engine_keeping_the_files_types_weighs_the_head():
     path, _ = resolve_model(DEFAULT_MODEL)
     assert engine_head_weight(path, "ggml", None) == 27 / 16
+    assert engine_head_weight(path, "ggml", "none") == 27 / 16  # --quantize none: the file's types, as without it
     assert engine_head_weight(path, "ggml", "f16") == 1.0  # the packaged default: every matrix requantized to F16
     assert engine_head_weight(path, "numpy", None) == 1.0  # dequantized to float32 alike
     assert engine_head_weight(None, "ggml", None) == 1.0  # still fetching: no file to read

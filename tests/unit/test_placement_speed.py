@@ -229,6 +229,17 @@ def test_a_node_calibrates_on_its_engine_thread_keeps_its_fastest_round_and_free
     assert speed.speed == fastest
 
 
+def test_a_later_calibration_round_moves_the_report_only_when_it_is_steps_faster():
+    """The first round runs on an idle node before it joins; a later one a few percent faster would only move a
+    layer under the first requests, while one slowed by another process starting is caught by a round steps faster."""
+    speed = LayerSpeed((10**9,) * 4)
+    speed.measured(10.0)
+    speed.measured(10.0 * SPEED_STEP)  # a step faster: noise
+    assert speed.speed == 10.0
+    speed.measured(10.0 * SPEED_STEP ** (REPORT_STEPS + 0.2))  # the first round was held back
+    assert speed.speed > 10.0 * SPEED_STEP**REPORT_STEPS
+
+
 def test_live_passes_move_the_report_only_when_they_are_steps_away():
     costs = (10**9,) * 4
     speed = LayerSpeed(costs)
@@ -245,6 +256,19 @@ def test_live_passes_move_the_report_only_when_they_are_steps_away():
     reported = speed.speed
     speed.observed(shard, 8, 1e-6)  # a batched pass is not a one-row rate
     assert speed.speed == reported
+
+
+def test_a_shards_first_passes_and_stray_slow_ones_never_move_the_report():
+    """A new shard's first passes touch its weights and build its graphs; one such pass in a mean halved a host's
+    report and gave all its layers to the other host. The median of a window of passes ignores them."""
+    speed = LayerSpeed((10**9,) * 4)
+    speed.measured(10.0)
+    for shard in (Shard("m", 0, 2, 4), Shard("m", 0, 3, 4)):  # a shard, then the one the next plan gives
+        for slower in (15, 5):  # building graphs, paging weights in
+            speed.observed(shard, 1, slower * shard.layer_count / 10)
+        for i in range(40):
+            speed.observed(shard, 1, shard.layer_count / (10 if i % 4 else 1))  # every fourth pass preempted
+    assert speed.speed == 10.0
 
 
 def test_passes_timed_beside_other_requests_never_move_the_report():

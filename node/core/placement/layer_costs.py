@@ -112,10 +112,10 @@ def file_bytes_per_param(path: str | Path, cfg: ModelConfig) -> float | None:
 
 
 def engine_head_weight(path: str | Path | None, engine: str, quantize: str | None) -> float:
-    """`head_weight` as `engine` holds the model: the file's types only on the ggml engine without --quantize (which
-    requantizes every matrix, the head too, to one type; the other engines compute every weight alike); 1.0 for a
-    model not on disk yet."""
-    if path is None or engine != "ggml" or quantize is not None:
+    """`head_weight` as `engine` holds the model: the file's types only on the ggml engine without --quantize or with
+    `--quantize none` (any other requantizes every matrix, the head too, to one type; the other engines compute
+    every weight alike); 1.0 for a model not on disk yet."""
+    if path is None or engine != "ggml" or quantize not in (None, "none"):  # "none": --quantize none, as given
         return 1.0
     from shards.formats.loader import load_config
 
