@@ -274,7 +274,10 @@ class Node:
 
     async def _warm_grammar(self) -> None:
         """Build llguidance's view of the vocabulary now, off the loop: built at the first constrained request,
-        its second or two would stall the engine thread (where the sampler runs) for every stream."""
+        its second or two would stall the engine thread (where the sampler runs) for every stream. After the
+        calibration's first round (when there is one to take now), which it would slow."""
+        if self.availability().complete:
+            await self._first_speed.wait()
         try:
             await asyncio.to_thread(grammar_tokenizer, self.model.tokenizer)
         except Exception as e:  # constrained requests will fail with the reason; the node serves the others
