@@ -138,10 +138,10 @@ class Cluster:
             args += self.per_node[i]
         if self.engine and "--engine" not in args + self.extra:
             args += ["--engine", self.engine]
-        if (
-            not self.calibrate and "--speed" not in args + self.extra
-        ):  # nodes sharing one machine's cores are equal: what they'd measure
-            args += ["--speed", "1"]  # is each other's load, and placement would follow that noise
+        # nodes sharing one machine's cores are equal: what they'd measure is each other's load, and placement
+        # would follow that noise
+        if not self.calibrate and "--speed" not in args + self.extra:
+            args += ["--speed", "1"]
         proc = subprocess.Popen(
             args + self.extra,
             cwd=ROOT,

@@ -210,8 +210,8 @@ class LayerSpeed:
 
     def observed(self, shard: Shard, positions: int, seconds: float, alone: bool = True) -> None:
         """A pass's compute time: one-row passes of a node's only request, after a shard's first WARMUP_STEPS
-        (which touch its weights and build its graphs: one such pass weighed in a mean halved a host's report at
-        once), are kept in a window of the last LIVE_WINDOW; once MIN_LIVE are, their median moves the report when
+        (which touch its weights and build its graphs: in a mean, one such pass could move the report alone),
+        are kept in a window of the last LIVE_WINDOW; once MIN_LIVE are, their median moves the report when
         it is REPORT_STEPS quantisation steps away. With other requests in flight their HTTP, sampling and
         transport work share the core, so a pass's wall time grows though the layers are no slower: timed then,
         the report followed the load and moved the ring under it, three times in 16 s under 8 streams."""

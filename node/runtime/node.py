@@ -264,9 +264,9 @@ class Node:
 
     async def first_speed(self, timeout: float) -> None:
         """Wait (up to `timeout` seconds) for the calibration's first round, which a node holding the whole model
-        runs before it joins its peers: the first plan that counts it then has its speed, and the round times
-        layers with no shard loading beside it (a round measured while loading gave a host 5 Gparam/s where
-        it sustains 8, and the ring moved twice in its first seconds as the later rounds came in)."""
+        runs before it joins its peers: the first plan that counts it then has its speed (no layer moves under the
+        first requests when the measure comes in), and the round times layers with no shard loading beside it
+        (which slowed a round enough to move the ring: docs/multihost-placement.md)."""
         try:
             await asyncio.wait_for(self._first_speed.wait(), timeout)
         except TimeoutError:
