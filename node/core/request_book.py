@@ -228,7 +228,10 @@ class RequestBook:
         groups = self.queue.take(lambda rid: req.shard if (req := self.requests.get(rid)) else None, cap)
         if self.queue.held_back and cap is not None:
             self.counters["micro_batch_passes"] += 1  # a pass that left decode rows to the next micro-batch
-        return [self._plan(group) for group in groups]
+        # work left for a later pass (prompts past what the decode rows can bear): no row runs on by itself, or the
+        # engine thread would keep the decode rows going to their end while those prompts wait for the next pass
+        left = len(self.queue) > 0
+        return [self._plan(group, follow=not left) for group in groups]
 
     def still_held(self, plan: StepPlan) -> StepPlan:
         """`plan` without the rows whose request ended since it was taken (while its engine loaded, say): a pass
@@ -236,7 +239,7 @@ class RequestBook:
         rows = tuple(r for r in plan.rows if r.request_id in self.requests)
         return plan if len(rows) == len(plan.rows) else dataclasses.replace(plan, rows=rows)
 
-    def _plan(self, group: Group) -> StepPlan:
+    def _plan(self, group: Group, follow: bool = True) -> StepPlan:
         """The scheduler's group, with what each row's request says about running it, frozen now."""
         rows = []
         for item in group.items:
@@ -255,7 +258,9 @@ class RequestBook:
                     item.proposals,
                     item.propose,
                     sample,
-                    self._follow(req) if sample is not None and not (item.proposals or item.propose) else None,
+                    self._follow(req)
+                    if follow and sample is not None and not (item.proposals or item.propose)
+                    else None,
                 )
             )
         return StepPlan(group.shard, group.bucket, tuple(rows), self._retain_limit())

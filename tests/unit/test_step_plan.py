@@ -232,6 +232,19 @@ def test_a_one_node_rings_sampled_rows_may_be_followed_with_their_stop_tokens_an
     assert row.sample is not None and row.follow is None
 
 
+def test_no_row_is_followed_while_the_pass_leaves_work_queued_for_a_later_one():
+    """A prompt the pass had no room for waits for the next pass: were the rows followed, the engine thread would
+    run them to their end first (8 streams' first tokens came 1.2 s after they were sent instead of 0.2 s)."""
+    a = NodeCore("a", "llama", CFG, CoreLimits(), SchedulerLimits(step_tokens=3))
+    a.accept_prompt(spec("r1", nodes=ONE, entry="a", max_tokens=5), tokens(1, 2))
+    a.accept_prompt(spec("r2", nodes=ONE, entry="a", max_tokens=5), tokens(1, 2, 3))
+    (plan,) = a.take_batch()
+    assert [(r.request_id, len(r.data)) for r in plan.rows] == [("r1", 2), ("r2", 1)] and a.queue
+    assert all(r.follow is None for r in plan.rows)
+    ((row,),) = [p.rows for p in a.take_batch()]  # the rest of r2's prompt, and nothing left behind
+    assert not a.queue and row.request_id == "r2" and row.follow == Follow(frozenset({STOP}), 5)
+
+
 def test_rows_a_proposer_drafts_for_or_a_grammar_constrains_are_not_followed():
     from node.core.speculation import Speculation
     from shards.decoding.speculation import PromptLookup
