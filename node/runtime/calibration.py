@@ -84,6 +84,32 @@ async def calibrate_node(
     log.info("calibrated: %.3g Gparam/s (%s)", speed.speed, shard)
 
 
+async def calibrate_at_start(
+    complete: Callable[[], bool],
+    run: Callable[..., Awaitable],
+    factory,
+    model_dir: Path,
+    model_id: str,
+    config: ModelConfig,
+    costs: Sequence[int],
+    speed: LayerSpeed,
+    first: asyncio.Event,
+) -> None:
+    """`calibrate_node` once the node holds every layer (`complete`; one holding only some measures as it serves),
+    unless --speed fixes the speed. `first` is set at its first round, or as soon as there will be none: a failure
+    leaves the node to be counted as the others until its live passes measure it."""
+    try:
+        if speed.fixed is not None:
+            return
+        while not complete():
+            await asyncio.sleep(1.0)
+        await calibrate_node(run, factory, model_dir, model_id, config, costs, speed, first.set)
+    except Exception as e:
+        log.warning("no speed calibration: %s", e)
+    finally:
+        first.set()
+
+
 def calibrate(factory, model_dir: Path, shard: Shard, config: ModelConfig, costs: Sequence[int]) -> float | None:
     """On the engine thread: build an engine for `shard` (`factory`, as the node builds its own), time one-row
     steps through it and drop it. Billions of parameters per second, or None when nothing was timed."""

@@ -28,7 +28,7 @@ from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.speculation import Speculation
 from node.core.topology import Availability, Capabilities, NodeInfo, PeerLink, Topology
-from node.runtime.calibration import LayerSpeed, calibrate_node, cpu_share
+from node.runtime.calibration import LayerSpeed, calibrate_at_start, cpu_share
 from node.runtime.entry import Entry
 from node.runtime.loop_monitor import LoopMonitor
 from node.runtime.metrics import NodeMetrics, NodeStatus
@@ -239,34 +239,22 @@ class Node:
         self._spawn(self._calibrate())
 
     async def _calibrate(self) -> None:
-        """Time a slice of the model's layers once this node holds them all (node/runtime/calibration.py); a node
-        that holds only some measures as it serves, and a --speed is never measured."""
-        try:
-            if self.speed.fixed is not None:
-                return
-            while not self.availability().complete:
-                await asyncio.sleep(1.0)
-            m = self.model
-            await calibrate_node(
-                self.shards.run,
-                self._engines,
-                m.path,
-                m.model_id,
-                m.config,
-                self.layer_costs,
-                self.speed,
-                self._first_speed.set,
-            )
-        except Exception as e:  # placement counts this node as the others until its passes measure it
-            logging.getLogger(__name__).warning("no speed calibration: %s", e)
-        finally:
-            self._first_speed.set()
+        m = self.model
+        await calibrate_at_start(
+            lambda: self.availability().complete,
+            self.shards.run,
+            self._engines,
+            m.path,
+            m.model_id,
+            m.config,
+            self.layer_costs,
+            self.speed,
+            self._first_speed,
+        )
 
     async def first_speed(self, timeout: float) -> None:
-        """Wait (up to `timeout` seconds) for the calibration's first round, which a node holding the whole model
-        runs before it joins its peers: the first plan that counts it then has its speed (no layer moves under the
-        first requests when the measure comes in), and the round times layers with no shard loading beside it
-        (which slowed a round enough to move the ring: docs/multihost-placement.md)."""
+        """Wait (up to `timeout` s) for the calibration's first round, which a node holding the whole model runs
+        before it joins its peers: the first plan counting it has its speed, and no shard loads beside the round."""
         try:
             await asyncio.wait_for(self._first_speed.wait(), timeout)
         except TimeoutError:
