@@ -65,49 +65,36 @@ async def calibrate_node(
     config: ModelConfig,
     costs: Sequence[int],
     speed: LayerSpeed,
-    first_round: Callable[[], None] = lambda: None,
+    complete: Callable[[], bool] = lambda: True,
+    first: asyncio.Event | None = None,
 ) -> None:
-    """ROUNDS calibrations of one engine on `calibration_slice`, through `run` (the engine thread), each reported
-    to `speed` (which keeps the fastest); `first_round` is called once the first is."""
-    shard = calibration_slice(model_id, config.n_layers)
-    engine = await run(factory, model_dir, shard, config)
-    try:
-        for i in range(ROUNDS):
-            if i:
-                await asyncio.sleep(ROUND_GAP_S)
-            seconds = await run(time_steps, engine, config)
-            speed.measured(sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9 if seconds else None)
-            if not i:
-                first_round()
-    finally:  # now, not when a collection finds it: its weights are a slice of the model's memory
-        await run(engine.close)
-    log.info("calibrated: %.3g Gparam/s (%s)", speed.speed, shard)
-
-
-async def calibrate_at_start(
-    complete: Callable[[], bool],
-    run: Callable[..., Awaitable],
-    factory,
-    model_dir: Path,
-    model_id: str,
-    config: ModelConfig,
-    costs: Sequence[int],
-    speed: LayerSpeed,
-    first: asyncio.Event,
-) -> None:
-    """`calibrate_node` once the node holds every layer (`complete`; one holding only some measures as it serves),
-    unless --speed fixes the speed. `first` is set at its first round, or as soon as there will be none: a failure
-    leaves the node to be counted as the others until its live passes measure it."""
+    """Once the node holds every layer (`complete`; one holding only some measures as it serves), unless --speed
+    fixes the speed: ROUNDS calibrations of one engine on `calibration_slice`, through `run` (the engine thread),
+    each reported to `speed` (which keeps the fastest). `first` is set at the first round, or as soon as there will
+    be none: a failure leaves the node to be counted as the others until its live passes measure it."""
     try:
         if speed.fixed is not None:
             return
         while not complete():
             await asyncio.sleep(1.0)
-        await calibrate_node(run, factory, model_dir, model_id, config, costs, speed, first.set)
+        shard = calibration_slice(model_id, config.n_layers)
+        engine = await run(factory, model_dir, shard, config)
+        try:
+            for i in range(ROUNDS):
+                if i:
+                    await asyncio.sleep(ROUND_GAP_S)
+                seconds = await run(time_steps, engine, config)
+                speed.measured(sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9 if seconds else None)
+                if first is not None:
+                    first.set()
+        finally:  # now, not when a collection finds it: its weights are a slice of the model's memory
+            await run(engine.close)
+        log.info("calibrated: %.3g Gparam/s (%s)", speed.speed, shard)
     except Exception as e:
         log.warning("no speed calibration: %s", e)
     finally:
-        first.set()
+        if first is not None:
+            first.set()
 
 
 def calibrate(factory, model_dir: Path, shard: Shard, config: ModelConfig, costs: Sequence[int]) -> float | None:

@@ -28,7 +28,7 @@ from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.speculation import Speculation
 from node.core.topology import Availability, Capabilities, NodeInfo, PeerLink, Topology
-from node.runtime.calibration import LayerSpeed, calibrate_at_start, cpu_share
+from node.runtime.calibration import LayerSpeed, calibrate_node, cpu_share
 from node.runtime.entry import Entry
 from node.runtime.loop_monitor import LoopMonitor
 from node.runtime.metrics import NodeMetrics, NodeStatus
@@ -240,8 +240,7 @@ class Node:
 
     async def _calibrate(self) -> None:
         m = self.model
-        await calibrate_at_start(
-            lambda: self.availability().complete,
+        await calibrate_node(
             self.shards.run,
             self._engines,
             m.path,
@@ -249,6 +248,7 @@ class Node:
             m.config,
             self.layer_costs,
             self.speed,
+            lambda: self.availability().complete,
             self._first_speed,
         )
 
