@@ -21,8 +21,9 @@ median of rounds): one-stream decode tok/s, 8-stream aggregate tok/s, time to fi
 (a host's egress: for two hosts, host i to the other) bytes and packets per generated token at one stream, from
 `ip -s link` counters before and after (the same measure for both systems, including TCP's acknowledgements and
 exo's health checks); and exo's time outside compute per hop from its status counters (node/runtime/overhead.py):
-the sender's hand-off, the transport call less the link's round trip, and the receiver's hand-off. llama.cpp
-exposes no such timing, so its column is empty. Writes docs/multihost.md and docs/multihost.png (+ .json).
+the sender's pass end -> message written and the receiver's message in its handler -> pass (the link and gRPC's own
+layers between them are not in it: bench_overhead's `--only floor`). llama.cpp exposes no such timing, so its column
+is empty. Writes docs/multihost.md and docs/multihost.png (+ .json).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def run_turn(lan, system: str, model_id: str, streams: int, tokens: int, round_:
     before = tx(lan)
     got = serve(lan, url, model_id, streams, tokens, round_)
     after = tx(lan)
-    outside = outside_ms(status, exo_status(lan), link.delay_ms) if status is not None else None
+    outside = outside_ms(status, exo_status(lan)) if status is not None else None
     return {**got, "hops": per_token(before, after, got["chunks"]), "outside": outside}
 
 

@@ -2,15 +2,18 @@
 step at 8 streams on one node, and per hop on a two-node ring.
 
     uv run python -m bench.bench_overhead [--tokens 64] [--streams 8] [--threads 1] [--engine auto]
-        [--node-args "--quantize none"] [--only one,eight,ring]
+        [--node-args "--quantize none"] [--pin] [--only one,eight,ring,floor]
 
 Each case starts its nodes (the packaged SmolLM2, the default engine unless --engine), sends one warm-up request,
 reads the counters, runs its streams (greedy chat, --tokens each, speculation off so one pass is one token) and
 prints the counters' differences: the mean time between two passes on the engine thread, less the waits for work
 (`outside_ms_per_pass`), beside the engine's own mean pass (`forward_ms_per_pass`); on the ring, each node's
 sending side (pass end -> transport call), the call itself (serialise, gRPC, the peer's taking it, its answer) and
-the receiving side (arrival -> the pass that runs it). The load average is printed with the figures: the machine
-may be shared, and then the figures mean little.
+the receiving side (arrival -> the pass that runs it), each split into its stages (`*_ms`, node/runtime/overhead.py).
+`floor` is what none of the node's counters sees: gRPC's one-way time for a decode step's message between two bare
+processes (bench/grpc_floor.py). `--pin` puts each node (and each floor process) on a core of its own, as two
+one-core machines. The load average is printed with the figures: the machine may be shared, and then the figures
+mean little.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import time
 
 import aiohttp
 
-from bench.local_cluster import Cluster
+from bench import grpc_floor
+from bench.bench_microbatch import pin
+from bench.local_cluster import Cluster, free_port
 from shards.formats.packaged import DEFAULT_MODEL, resolve_model
 
 KEYS = (
@@ -39,6 +44,16 @@ KEYS = (
     "hop_send_us_total",
     "hop_sends",
     "followed_rows",
+    "loop_wake_us_total",
+    "loop_wakes",
+    "hop_write_us_total",
+    "hop_writes",
+    "hop_accept_us_total",
+    "hop_accepts",
+    "hop_queue_us_total",
+    "hop_queued",
+    "engine_wake_us_total",
+    "engine_wakes",
     "cpu_outside_us_total",
     "cpu_engine_us_total",
     "cpu_passes",
@@ -88,6 +103,12 @@ async def measure(urls: list[str], model: str, streams: int, tokens: int) -> dic
                 "hop_out_ms": ms("hop_out_us_total", "hop_out"),
                 "hop_send_ms": ms("hop_send_us_total", "hop_sends"),
                 "hop_in_ms": ms("hop_in_us_total", "hop_in"),
+                # the hop's stages (node/runtime/overhead.py), in the order a token lives them
+                "loop_wake_ms": ms("loop_wake_us_total", "loop_wakes"),
+                "hop_write_ms": ms("hop_write_us_total", "hop_writes"),
+                "hop_accept_ms": ms("hop_accept_us_total", "hop_accepts"),
+                "hop_queue_ms": ms("hop_queue_us_total", "hop_queued"),
+                "engine_wake_ms": ms("engine_wake_us_total", "engine_wakes"),
                 # CPU time (meaningful on a loaded machine too): the process less its engine thread, per pass
                 "cpu_outside_ms_per_pass": ms("cpu_outside_us_total", "cpu_passes"),
                 "cpu_engine_ms_per_pass": ms("cpu_engine_us_total", "cpu_passes"),
@@ -103,7 +124,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--engine", default=None)
     p.add_argument("--node-args", default="", help='more node flags, e.g. "--quantize none"')
-    p.add_argument("--only", default="one,eight,ring", help="which cases: one, eight, ring")
+    p.add_argument("--pin", action="store_true", help="every node's threads on a core of their own (taskset)")
+    p.add_argument("--only", default="one,eight,ring", help="which cases: one, eight, ring, floor")
     args = p.parse_args()
     path, model_id = resolve_model(DEFAULT_MODEL)
     extra = ["--threads", str(args.threads), "--speculate", "off", *shlex.split(args.node_args)]
@@ -113,8 +135,15 @@ def main() -> None:
         "ring": (2, None, 1),
     }
     for name in args.only.split(","):
+        if name == "floor":  # gRPC's own one-way time for the ring's message, between two bare processes
+            result = grpc_floor.measure(free_port(), pinned=args.pin)
+            print(json.dumps({"case": name, **result, "load": os.getloadavg()}), flush=True)
+            continue
         n, shards, streams = cases[name]
         with Cluster(path, n, shards=shards, model_id=model_id, engine=args.engine, extra=extra) as c:
+            if args.pin:  # each node a one-core machine, as bench_rpc's are
+                for core, node in enumerate(c.nodes):
+                    pin(node.proc.pid, core % os.cpu_count())
             urls = [node.api_url for node in c.nodes]
             result = asyncio.run(measure(urls, model_id, streams, args.tokens))
         print(json.dumps({"case": name, **result, "load": os.getloadavg()}), flush=True)

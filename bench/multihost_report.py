@@ -11,7 +11,16 @@ from bench.multihost_lan import NETEM, Link
 
 STREAMS = (1, 8)
 GOALS = {1: 1.0, 8: 1.5}  # exo / llama.cpp RPC: one-stream decode, 8-stream aggregate
-HOP_KEYS = ("hop_out_us_total", "hop_out", "hop_send_us_total", "hop_sends", "hop_in_us_total", "hop_in")
+HOP_KEYS = (
+    "hop_out_us_total",
+    "hop_out",
+    "hop_write_us_total",
+    "hop_writes",
+    "hop_accept_us_total",
+    "hop_accepts",
+    "hop_in_us_total",
+    "hop_in",
+)
 
 
 def per_token(before: list[tuple[int, int]], after: list[tuple[int, int]], tokens: int) -> list[tuple[float, float]]:
@@ -21,15 +30,18 @@ def per_token(before: list[tuple[int, int]], after: list[tuple[int, int]], token
     return [((a[0] - b[0]) / tokens, (a[1] - b[1]) / tokens) for b, a in zip(before, after)]
 
 
-def outside_ms(before: list[dict], after: list[dict], delay_ms: float) -> list[float]:
-    """Per hop i -> i+1 (mean ms): node i's pass end -> transport call, the call less the link's round trip, and
-    node i+1's arrival -> its pass; from the nodes' status counters (`before`/`after`, one dict per host)."""
+def outside_ms(before: list[dict], after: list[dict]) -> list[float]:
+    """Per hop i -> i+1 (mean ms), the token's path through the nodes' own work: node i's pass end -> its message
+    written (the hand-off, the core, encoding), then node i+1's message in its handler -> the pass that runs it
+    (decoding, the core, the hand-off); from the nodes' status counters (`before`/`after`, one dict per host). The
+    link and gRPC's own layers between the write and the handler are not in it (bench_overhead's `--only floor`
+    measures that floor). Not the call's answer: nothing on the token's path waits for it."""
     d = [{k: a.get(k, 0) - b.get(k, 0) for k in HOP_KEYS} for b, a in zip(before, after)]
     mean = lambda c, total, n: c[total] / max(1, c[n]) / 1000  # noqa: E731
     return [
         mean(c, "hop_out_us_total", "hop_out")
-        + mean(c, "hop_send_us_total", "hop_sends")
-        - 2 * delay_ms
+        + mean(c, "hop_write_us_total", "hop_writes")
+        + mean(d[(i + 1) % len(d)], "hop_accept_us_total", "hop_accepts")
         + mean(d[(i + 1) % len(d)], "hop_in_us_total", "hop_in")
         for i, c in enumerate(d)
     ]
@@ -103,8 +115,9 @@ def report(
         f"{hosts} hosts, each a network namespace; "
         + ("each pinned to a core of its own." if hosts <= 2 else f"the {hosts} hosts share the machine's 2 cores.")
         + f" {links[0].upper()}{links[1:]}. Load average at the end: {load:.1f}."
-        " Per hop: at one stream, from the hosts' veth counters; outside compute: exo's status counters"
-        " (llama.cpp RPC has none).",
+        " Per hop: at one stream, from the hosts' veth counters; outside compute: exo's status counters, the"
+        " sender's pass end to its message written and the receiver's handler to its pass (gRPC's own layers"
+        " between them are not counted; llama.cpp RPC has no counters).",
         "",
         "The other multi-host modes: [placement by measured speed](multihost-placement.md) (one host slowed: the"
         " planner's split against every static split) and [a model no node can hold](multihost-large.md).",

@@ -131,7 +131,12 @@ class GrpcTransport:
 
     @_translated
     async def send(
-        self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]
+        self,
+        address: str,
+        activations: tuple[Activation, ...],
+        messages: tuple[TokenMessage, ...],
+        *,
+        on_written: Callable[[], None] | None = None,
     ) -> list[Refusal]:
         stub = self.stub(address)  # first: it may replace a channel whose certificate was renewed
         on, stream = self.streams.get(address, (None, None))
@@ -141,7 +146,7 @@ class GrpcTransport:
             stream = PeerStream(lambda: stub.SendStream(wait_for_ready=True), self.rpc_timeout)
             self.streams[address] = (stub, stream)
         try:
-            response = await stream.send(wire.encode_send(activations, messages))
+            response = await stream.send(wire.encode_send(activations, messages), on_written)
         except StreamBroken as e:
             raise TransportError(*failure_of(e.code, e.details, address)) from None
         return [wire.decode_refusal(r) for r in response.rejected]

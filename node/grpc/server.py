@@ -4,6 +4,7 @@ the node, and map bad input to INVALID_ARGUMENT."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
@@ -33,7 +34,9 @@ class Handler(Protocol):
 
     # `caller`: the calling member's node id from its TLS certificate, or None without a cluster key
     def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray, caller: str | None) -> None: ...
-    def accept_activations(self, activations: list[Activation], caller: str | None) -> list[Refusal]: ...
+    def accept_activations(
+        self, activations: list[Activation], caller: str | None, *, received: float | None = None
+    ) -> list[Refusal]: ...
     def accept_tokens(self, message: TokenMessage, caller: str | None) -> None: ...
     def end_request(self, request_id: str, reason: str, caller: str | None) -> None: ...
     def peer_leaving(self, node_id: str, caller: str | None) -> None: ...
@@ -60,11 +63,12 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         """The data path: each message (activations, token messages) is answered with the activations refused."""
         caller = peer_node_id(context)
         async for request in requests:
+            received = time.perf_counter()
             try:
                 activations, messages = wire.decode_send(request, self.node.max_tensor_bytes)
             except wire.WireError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            refused = self.node.accept_activations(activations, caller) if activations else []
+            refused = self.node.accept_activations(activations, caller, received=received) if activations else []
             for message in messages:
                 self.node.accept_tokens(message, caller)
             yield pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused])

@@ -43,7 +43,8 @@ class PeerStream:
         self.reader: asyncio.Task | None = None
         self.lock = asyncio.Lock()  # one writer at a time keeps the waiters in the order of the messages
 
-    async def send(self, message: Any) -> Any:
+    async def send(self, message: Any, on_written: Callable[[], None] | None = None) -> Any:
+        """The message's answer; `on_written` is called once it is written (the stream took it)."""
         async with self.lock:
             if self.call is None or time.monotonic() - self.opened > self.max_age and not self.waiting:
                 self._open()
@@ -51,6 +52,8 @@ class PeerStream:
             self.waiting.append(answer)
             try:
                 await asyncio.wait_for(self.call.write(message), self.timeout)
+                if on_written is not None:
+                    on_written()
             except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
                 self._close(
                     StreamBroken(

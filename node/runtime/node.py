@@ -20,10 +20,9 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mappi
 
 import numpy as np
 
-from node.core.failures import Failed, Failure, FailureKind
 from node.core.node_core import NodeCore
 from node.core.placement.layer_costs import layer_costs
-from node.core.plan import PlanError, PlanStep, RequestSpec
+from node.core.plan import PlanStep, RequestSpec
 from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.speculation import Speculation
@@ -39,7 +38,7 @@ from node.runtime.proposers import proposer_for
 from node.runtime.sampling_batcher import SamplingBatcher
 from node.runtime.settings import NodeSettings, ServedModel
 from node.runtime.shard_manager import EngineFactory, ShardManager
-from node.runtime.transport import Transport, TransportError
+from node.runtime.transport import Loopback, Transport
 from shards.decoding.grammar import grammar_tokenizer
 from shards.decoding.sampling import SamplingParams
 from shards.formats.config import ModelConfig
@@ -99,7 +98,7 @@ class Node:
             executor=self.shards.executor,
             grammar=lambda: grammar_tokenizer(model.tokenizer),
         )
-        self.transport = _Loopback(self, transport)
+        self.transport = Loopback(self, transport)
         self.metrics = NodeMetrics(
             status=self.status, kv_cache_bytes=self.shards.cache_bytes, name_of=self.view.name_of
         )
@@ -325,12 +324,18 @@ class Node:
         self.pipeline.wake()
 
     def accept_activations(
-        self, activations: list[Activation], caller: str | None = None, *, local: bool = False
+        self,
+        activations: list[Activation],
+        caller: str | None = None,
+        *,
+        local: bool = False,
+        received: float | None = None,
     ) -> list[Refusal]:
-        """`local`: this node's own (a one-node ring's next token), not a hop from a peer."""
+        """`local`: this node's own (a one-node ring's next token), not a hop from a peer; `received`: when the
+        service had the message (perf_counter), for the hop's counters."""
         rejected = self.core.accept_activations(activations, caller)
         if not local:
-            self.pipeline.overhead.arrived()
+            self.pipeline.overhead.arrived(received=received)
         self.pipeline.wake()
         return rejected
 
@@ -339,49 +344,6 @@ class Node:
 
     def end_request(self, request_id: str, reason: str, caller: str | None = None) -> None:
         self.pipeline.do(self.core.end_request(request_id, reason, caller))
-
-
-class _Loopback:
-    """The transport, except that calls addressed to this very node are handed to it directly: a one-node ring (or
-    an entry that is also the last node) needs no network round trip."""
-
-    def __init__(self, node: Node, transport: Transport):
-        self.node, self.inner = node, transport
-
-    async def send_prompt(self, address: str, spec: RequestSpec, tokens: np.ndarray) -> None:
-        if address != self.node.address:
-            return await self.inner.send_prompt(address, spec, tokens)
-        try:
-            self.node.accept_prompt(spec, tokens)
-        except PlanError as e:
-            raise TransportError(Failure(FailureKind.REFUSED, str(e))) from None
-        except Failed as e:
-            raise TransportError(e.failure) from None
-
-    @property
-    def address(self) -> str:
-        return self.node.address
-
-    async def send(
-        self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]
-    ) -> list[Refusal]:
-        if address != self.node.address:
-            return await self.inner.send(address, activations, messages)
-        return self.accept(activations, messages)
-
-    def accept(self, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> list[Refusal]:
-        """What this node sends itself, taken at once, in order (the pipeline's `Local`: no task, no call)."""
-        for message in messages:
-            self.node.accept_tokens(message)
-        return self.node.accept_activations(list(activations), local=True) if activations else []
-
-    async def end_request(self, address: str, request_id: str, reason: str) -> None:
-        if address != self.node.address:
-            return await self.inner.end_request(address, request_id, reason)
-        self.node.end_request(request_id, reason)
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)  # health_check, forget, close
 
 
 def status_of(node: Node) -> NodeStatus:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from node.runtime.calibration import LayerSpeed
 from node.runtime.engine_step import Executed, Following
 from node.runtime.metrics import NodeMetrics
 from node.runtime.outbox import Outbox
-from node.runtime.overhead import Overhead
+from node.runtime.overhead import Overhead, thread_clock
 from node.runtime.sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
 from node.runtime.shard_manager import ShardManager
 from node.runtime.transport import Transport, TransportError
@@ -92,6 +93,7 @@ class Pipeline:
     # -- the worker -------------------------------------------------------------------------------------------
     async def work(self) -> None:
         core = self.core
+        self.overhead.engine_clock = thread_clock(await self.shards.run(threading.get_ident))
         while True:
             if not core.queue or core.should_wait:
                 self._wake.clear()
@@ -133,6 +135,7 @@ class Pipeline:
         started = time.perf_counter()
         try:
             sampler = None if self.batcher.closed else self.batcher
+            self.overhead.submitted()
             done = await self.shards.execute(engine, plan, sampler, self.following)
         except Exception as e:
             log.exception("forward failed")
@@ -155,10 +158,12 @@ class Pipeline:
         """Count a pass and give what it made to the core. forward_us: the engine computing; step_us: the pass as
         the pipeline saw it (waiting for the engine thread included); the time between passes is overhead."""
         core, plan = self.core, done.plan
+        self.overhead.applied(done.ended)
         self.counters["prefix_evictions"] = self.shards.retained_evictions()
         self.counters["forward_us_total"] += int(done.outputs.computed * 1e6)
         self.counters["step_us_total"] += int(seconds * 1e6)
         self.overhead.ran(done.began, done.ended)
+        self.overhead.read_cpu()
         if self.speed is not None:
             self.speed.observed(plan.shard, plan.positions, done.outputs.computed, alone=core.active <= 1)
         self.metrics.step_done(seconds, len(plan.rows), plan.positions)
@@ -222,11 +227,14 @@ class Pipeline:
     async def _send(self, address: str, batch: tuple[Activation | TokenMessage, ...]) -> None:
         activations = tuple(m for m in batch if isinstance(m, Activation))
         messages = tuple(m for m in batch if isinstance(m, TokenMessage))
+        written: list[float] = []
         try:
             called = time.perf_counter()
-            refused = await self.transport.send(address, activations, messages)
+            refused = await self.transport.send(
+                address, activations, messages, on_written=lambda: written.append(time.perf_counter())
+            )
             if activations:
-                self.overhead.sent(called, time.perf_counter())
+                self.overhead.sent(called, time.perf_counter(), written[0] if written else None)
         except Exception as e:  # a transport error, or a message that can't be sent: its requests fail, never vanish
             if not isinstance(e, TransportError):
                 log.exception("sending to %s failed", address)

@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from node.core.failures import Failed, Failure, FailureKind
-from node.core.plan import RequestSpec
+from node.core.plan import PlanError, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.topology import NodeInfo
 from node.fetch.manifest import Manifest
@@ -40,10 +40,16 @@ class Transport(Protocol):
     async def send_prompt(self, address: str, spec: RequestSpec, tokens: np.ndarray) -> None: ...
 
     async def send(
-        self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]
+        self,
+        address: str,
+        activations: tuple[Activation, ...],
+        messages: tuple[TokenMessage, ...],
+        *,
+        on_written: Callable[[], None] | None = None,
     ) -> list[Refusal]:
         """Activations (for requests the peer runs) and token messages (for requests it is the entry node of), in
-        one call; returns the activations the peer refused, and why."""
+        one call; returns the activations the peer refused, and why. `on_written` is called once the message is on
+        its way, before the answer (the hop's counters: node/runtime/overhead.py)."""
 
     async def end_request(self, address: str, request_id: str, reason: str) -> None: ...
 
@@ -72,3 +78,62 @@ class Transport(Protocol):
         proposed; a later call to the address connects afresh."""
 
     async def close(self) -> None: ...
+
+
+class LocalNode(Protocol):
+    """What `Loopback` hands this node's own calls to (node/runtime/node.py's Node)."""
+
+    address: str
+
+    def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray) -> None: ...
+    def accept_activations(self, activations: list[Activation], *, local: bool = False) -> list[Refusal]: ...
+    def accept_tokens(self, message: TokenMessage) -> None: ...
+    def end_request(self, request_id: str, reason: str) -> None: ...
+
+
+class Loopback:
+    """The transport, except that calls addressed to this very node are handed to it directly: a one-node ring (or
+    an entry that is also the last node) needs no network round trip."""
+
+    def __init__(self, node: LocalNode, transport: Transport):
+        self.node, self.inner = node, transport
+
+    async def send_prompt(self, address: str, spec: RequestSpec, tokens: np.ndarray) -> None:
+        if address != self.node.address:
+            return await self.inner.send_prompt(address, spec, tokens)
+        try:
+            self.node.accept_prompt(spec, tokens)
+        except PlanError as e:
+            raise TransportError(Failure(FailureKind.REFUSED, str(e))) from None
+        except Failed as e:
+            raise TransportError(e.failure) from None
+
+    @property
+    def address(self) -> str:
+        return self.node.address
+
+    async def send(
+        self,
+        address: str,
+        activations: tuple[Activation, ...],
+        messages: tuple[TokenMessage, ...],
+        *,
+        on_written: Callable[[], None] | None = None,
+    ) -> list[Refusal]:
+        if address != self.node.address:
+            return await self.inner.send(address, activations, messages, on_written=on_written)
+        return self.accept(activations, messages)
+
+    def accept(self, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> list[Refusal]:
+        """What this node sends itself, taken at once, in order (the pipeline's `Local`: no task, no call)."""
+        for message in messages:
+            self.node.accept_tokens(message)
+        return self.node.accept_activations(list(activations), local=True) if activations else []
+
+    async def end_request(self, address: str, request_id: str, reason: str) -> None:
+        if address != self.node.address:
+            return await self.inner.end_request(address, request_id, reason)
+        self.node.end_request(request_id, reason)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # health_check, forget, close

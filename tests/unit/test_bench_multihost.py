@@ -9,7 +9,7 @@ import pytest
 
 from bench.delay_relay import Delay, serve
 from bench.multihost_lan import EXO_GRPC, RPC_PORT, Link, netem_commands, relays, tx_counters
-from bench.multihost_report import Figures, outside_ms, per_token, report, table
+from bench.multihost_report import HOP_KEYS, Figures, outside_ms, per_token, report, table
 
 
 def test_a_link_puts_its_delay_on_the_hosts_egress_only_and_its_rate_on_both_directions():
@@ -68,22 +68,24 @@ def test_traffic_per_token_is_each_hops_difference_over_the_tokens():
         per_token([(0, 0)], [(1, 1)], 0)
 
 
-def test_outside_compute_per_hop_is_the_senders_hand_off_and_call_less_the_round_trip_and_the_receivers_hand_off():
-    zero = dict.fromkeys(
-        ("hop_out_us_total", "hop_out", "hop_send_us_total", "hop_sends", "hop_in_us_total", "hop_in"), 0
-    )
+def test_outside_compute_per_hop_is_the_senders_pass_end_to_write_and_the_receivers_handler_to_pass():
+    zero = dict.fromkeys(HOP_KEYS, 0)
     a0 = zero | {
         "hop_out_us_total": 200,
         "hop_out": 2,
-        "hop_send_us_total": 5000,
-        "hop_sends": 2,
+        "hop_write_us_total": 600,
+        "hop_writes": 2,
+        "hop_accept_us_total": 100,
+        "hop_accepts": 1,
         "hop_in_us_total": 600,
         "hop_in": 2,
+        "hop_send_us_total": 9000,  # the call's answer: not on the token's path
+        "hop_sends": 2,
     }
-    a1 = zero | {"hop_out_us_total": 400, "hop_out": 2, "hop_send_us_total": 4400, "hop_sends": 2, "hop_in_us_total": 300, "hop_in": 2}  # fmt: skip
-    hop01, hop10 = outside_ms([zero, zero], [a0, a1], delay_ms=1.0)
-    assert hop01 == pytest.approx(0.1 + 2.5 - 2.0 + 0.15)  # node 0 sends, node 1 receives
-    assert hop10 == pytest.approx(0.2 + 2.2 - 2.0 + 0.3)
+    a1 = zero | {"hop_out_us_total": 400, "hop_out": 2, "hop_write_us_total": 200, "hop_writes": 2, "hop_accept_us_total": 300, "hop_accepts": 2, "hop_in_us_total": 300, "hop_in": 2}  # fmt: skip
+    hop01, hop10 = outside_ms([zero, zero], [a0, a1])
+    assert hop01 == pytest.approx(0.1 + 0.3 + 0.15 + 0.15)  # node 0 sends, node 1 receives
+    assert hop10 == pytest.approx(0.2 + 0.1 + 0.1 + 0.3)
 
 
 def figures(one, eight, outside=(0.4, 0.5)):
