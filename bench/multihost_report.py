@@ -94,7 +94,7 @@ def table(link: Link, hosts: int, exo: Figures, rpc: Figures) -> str:
         ("time to first token, ms", f"{exo.ttft_ms:.0f}", f"{rpc.ttft_ms:.0f}", f"{exo.ttft_ms / rpc.ttft_ms:.2f}x"),
         (f"bytes per token, {hops}", nums(exo.bytes_per_token, ".0f"), nums(rpc.bytes_per_token, ".0f"), ""),
         (f"packets per token, {hops}", nums(exo.packets_per_token, ".1f"), nums(rpc.packets_per_token, ".1f"), ""),
-        (f"outside compute per token, ms, {hops}", nums(exo.outside_ms, ".2f"), nums(rpc.outside_ms, ".2f"), ""),
+        (f"node work per token per hop, ms, {hops}", nums(exo.outside_ms, ".2f"), nums(rpc.outside_ms, ".2f"), ""),
     ]  # fmt: skip
     lines = [
         f"### {link.label}, {hosts} hosts{shared}",

@@ -51,7 +51,8 @@ class PeerStream:
             answer = asyncio.get_running_loop().create_future()
             self.waiting.append(answer)
             try:
-                await asyncio.wait_for(self.call.write(message), self.timeout)
+                async with asyncio.timeout(self.timeout):  # the write runs in this task: no task of its own
+                    await self.call.write(message)
                 if on_written is not None:
                     on_written()
             except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:

@@ -101,7 +101,7 @@ def test_the_table_gives_both_systems_exos_ratios_and_whether_each_goal_is_met()
     assert rows["one stream, decode tok/s"] == ["30.0", "25.0", "1.20x (goal ≥ 1.0x: met) |"]
     assert rows["8 streams, aggregate tok/s"] == ["90.0", "70.0", "1.29x (goal ≥ 1.5x: missed) |"]
     assert rows["bytes per token, h0→h1 / h1→h0"][:2] == ["2400 / 2300", "2400 / 2300"]
-    assert rows["outside compute per token, ms, h0→h1 / h1→h0"][:2] == ["0.40 / 0.50", "—"]
+    assert rows["node work per token per hop, ms, h0→h1 / h1→h0"][:2] == ["0.40 / 0.50", "—"]
 
 
 def test_three_hosts_say_beside_their_figures_that_they_share_the_cores():
