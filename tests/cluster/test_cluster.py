@@ -41,6 +41,20 @@ def test_three_pinned_nodes_equal_one_process(live_cluster):
     assert set(c.wait_idle().values()) == {0}
 
 
+def test_every_node_of_a_ring_counts_the_stages_of_its_hops(live_cluster):
+    """The counters bench_overhead and the links benchmark read (node/runtime/overhead.py) are live on every node:
+    each sends, receives and runs passes, so each counts every stage (the CPU clocks once went dead unnoticed)."""
+    c = live_cluster
+    before = statuses(c)
+    assert_matches_reference(c, PROMPTS[3])
+    gained = grown(before, statuses(c))
+    stages = ("loop_wakes", "hop_writes", "hop_sends", "hop_accepts", "hop_queued", "engine_wakes", "cpu_passes")
+    assert {node: [s for s in stages if counts.get(s, 0) < 1] for node, counts in gained.items()} == {
+        node: [] for node in gained
+    }
+    assert set(c.wait_idle().values()) == {0}
+
+
 def test_automatic_partitioning_weights_layers_by_speed():
     with Cluster(MODEL, 3, memory_gb=[4, 2, 2], per_node=[["--speed", "2"], ["--speed", "1"], ["--speed", "1"]]) as c:
         assert_matches_reference(c, PROMPTS[2])
