@@ -21,9 +21,9 @@ median of rounds): one-stream decode tok/s, 8-stream aggregate tok/s, time to fi
 (a host's egress: for two hosts, host i to the other) bytes and packets per generated token at one stream, from
 `ip -s link` counters before and after (the same measure for both systems, including TCP's acknowledgements and
 exo's health checks); and exo's time outside compute per hop from its status counters (node/runtime/overhead.py):
-the sender's pass end -> message written and the receiver's message in its handler -> pass (the link and gRPC's own
-layers between them are not in it: bench_overhead's `--only floor`). llama.cpp exposes no such timing, so its column
-is empty. Writes docs/multihost.md and docs/multihost.png (+ .json).
+the sender's pass end -> message handed to gRPC and the receiver's message in its handler -> pass (the link and
+gRPC's own layers between them are not in it: bench_overhead's `--only floor`). llama.cpp exposes no such timing, so
+its column is empty. Writes docs/multihost.md and docs/multihost.png (+ .json).
 """
 
 from __future__ import annotations

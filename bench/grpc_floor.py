@@ -50,8 +50,9 @@ async def _one_way(port: int, hidden: int, messages: int, pause: float) -> list[
         times = []
         for _ in range(messages):
             await asyncio.sleep(pause)
+            message = wire.encode_send((row,), ())  # encoding is the node's side of the hop (`hop_write`)
             started = time.perf_counter()
-            await call.write(wire.encode_send((row,), ()))
+            await call.write(message)
             answer = await call.read()
             times.append(float(answer.rejected[0].request_id) - started)
         call.cancel()

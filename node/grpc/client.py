@@ -136,7 +136,7 @@ class GrpcTransport:
         activations: tuple[Activation, ...],
         messages: tuple[TokenMessage, ...],
         *,
-        on_written: Callable[[], None] | None = None,
+        on_write: Callable[[], None] | None = None,
     ) -> list[Refusal]:
         stub = self.stub(address)  # first: it may replace a channel whose certificate was renewed
         on, stream = self.streams.get(address, (None, None))
@@ -146,7 +146,7 @@ class GrpcTransport:
             stream = PeerStream(lambda: stub.SendStream(wait_for_ready=True), self.rpc_timeout)
             self.streams[address] = (stub, stream)
         try:
-            response = await stream.send(wire.encode_send(activations, messages), on_written)
+            response = await stream.send(wire.encode_send(activations, messages), on_write)
         except StreamBroken as e:
             raise TransportError(*failure_of(e.code, e.details, address)) from None
         return [wire.decode_refusal(r) for r in response.rejected]

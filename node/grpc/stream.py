@@ -43,18 +43,19 @@ class PeerStream:
         self.reader: asyncio.Task | None = None
         self.lock = asyncio.Lock()  # one writer at a time keeps the waiters in the order of the messages
 
-    async def send(self, message: Any, on_written: Callable[[], None] | None = None) -> Any:
-        """The message's answer; `on_written` is called once it is written (the stream took it)."""
+    async def send(self, message: Any, on_write: Callable[[], None] | None = None) -> Any:
+        """The message's answer; `on_write` is called as the message is handed to gRPC's write (the hop's counters:
+        what comes after is gRPC's own, node/runtime/overhead.py)."""
         async with self.lock:
             if self.call is None or time.monotonic() - self.opened > self.max_age and not self.waiting:
                 self._open()
             answer = asyncio.get_running_loop().create_future()
             self.waiting.append(answer)
             try:
+                if on_write is not None:
+                    on_write()
                 async with asyncio.timeout(self.timeout):  # the write runs in this task: no task of its own
                     await self.call.write(message)
-                if on_written is not None:
-                    on_written()
             except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
                 self._close(
                     StreamBroken(

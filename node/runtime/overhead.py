@@ -8,13 +8,14 @@ per call: nothing measurable), so a benchmark can read them from /v1/topology (b
 - A hop, in the order a token lives it; each `*_us_total` has its count beside it:
   - `loop_wake` (`loop_wakes`): a pass ended on the engine thread -> the event loop applies it;
   - `hop_out`: a pass ended -> its activations' transport call (the loop's wake, the core's routing, the outbox);
-  - `hop_write` (`hop_writes`): the call -> its message written to the peer's stream (encoding, gRPC);
+  - `hop_write` (`hop_writes`): the call -> its message encoded and handed to gRPC's write;
   - `hop_send` (`hop_sends`): the call -> the peer's answer (the write, the link both ways, the peer's taking it);
   - on the peer, `hop_accept` (`hop_accepts`): the message in its handler -> accepted by its core (decoding);
-  - `hop_in`: accepted -> the start of the pass that ran it, which is `hop_queue` (`hop_queued`: accepted -> the pass handed to
-    the engine thread: waking the worker, scheduling) and `engine_wake` (`engine_wakes`: handed -> started).
-  What none of them covers is the link itself and gRPC's own layers (bench_overhead's `--only floor` measures
-  that floor between two bare processes).
+  - `hop_in`: accepted -> the start of the pass that ran it, which is `hop_queue` (`hop_queued`: accepted -> the
+    pass handed to the engine thread: waking the worker, scheduling) and `engine_wake` (`engine_wakes`: handed ->
+    started).
+  What none of them covers is gRPC's own layers and the link between the write and the peer's handler
+  (bench_overhead's `--only floor` measures that floor between two bare processes).
 - `cpu_outside_us_total` / `cpu_engine_us_total` / `cpu_passes`: CPU time (the kernel's clocks, which count only
   time on a CPU, so they keep their meaning on a loaded machine where wall-clock gaps do not) between two passes'
   ends: the whole process's less the engine thread's, and the engine thread's. On a node with one core nothing
@@ -76,15 +77,15 @@ class Overhead:
         self._arrivals = [t for t in self._arrivals if t > began]
         self.last_end, self._idle = ended, 0.0
 
-    def sent(self, called: float, answered: float, written: float | None = None) -> None:
-        """A call carrying activations was made at `called`, its message written at `written` (if known) and
-        answered at `answered`."""
+    def sent(self, called: float, answered: float, handed: float | None = None) -> None:
+        """A call carrying activations was made at `called`, its message handed to gRPC's write at `handed` (if
+        known) and answered at `answered`."""
         c = self.counters
         if self.last_end is not None and called >= self.last_end:
             c["hop_out_us_total"] += round((called - self.last_end) * 1e6)
             c["hop_out"] += 1
-        if written is not None and called <= written:
-            self._add("hop_write", "hop_writes", written - called)
+        if handed is not None and called <= handed:
+            self._add("hop_write", "hop_writes", handed - called)
         self._add("hop_send", "hop_sends", answered - called)
 
     def _add(self, total: str, count: str, seconds: float) -> None:

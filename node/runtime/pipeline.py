@@ -227,14 +227,14 @@ class Pipeline:
     async def _send(self, address: str, batch: tuple[Activation | TokenMessage, ...]) -> None:
         activations = tuple(m for m in batch if isinstance(m, Activation))
         messages = tuple(m for m in batch if isinstance(m, TokenMessage))
-        written: list[float] = []
+        handed: list[float] = []
         try:
             called = time.perf_counter()
             refused = await self.transport.send(
-                address, activations, messages, on_written=lambda: written.append(time.perf_counter())
+                address, activations, messages, on_write=lambda: handed.append(time.perf_counter())
             )
             if activations:
-                self.overhead.sent(called, time.perf_counter(), written[0] if written else None)
+                self.overhead.sent(called, time.perf_counter(), handed[0] if handed else None)
         except Exception as e:  # a transport error, or a message that can't be sent: its requests fail, never vanish
             if not isinstance(e, TransportError):
                 log.exception("sending to %s failed", address)

@@ -45,11 +45,11 @@ class Transport(Protocol):
         activations: tuple[Activation, ...],
         messages: tuple[TokenMessage, ...],
         *,
-        on_written: Callable[[], None] | None = None,
+        on_write: Callable[[], None] | None = None,
     ) -> list[Refusal]:
         """Activations (for requests the peer runs) and token messages (for requests it is the entry node of), in
-        one call; returns the activations the peer refused, and why. `on_written` is called once the message is on
-        its way, before the answer (the hop's counters: node/runtime/overhead.py)."""
+        one call; returns the activations the peer refused, and why. `on_write` is called as the encoded message is
+        handed to the link's write (the hop's counters: node/runtime/overhead.py)."""
 
     async def end_request(self, address: str, request_id: str, reason: str) -> None: ...
 
@@ -118,10 +118,10 @@ class Loopback:
         activations: tuple[Activation, ...],
         messages: tuple[TokenMessage, ...],
         *,
-        on_written: Callable[[], None] | None = None,
+        on_write: Callable[[], None] | None = None,
     ) -> list[Refusal]:
         if address != self.node.address:
-            return await self.inner.send(address, activations, messages, on_written=on_written)
+            return await self.inner.send(address, activations, messages, on_write=on_write)
         return self.accept(activations, messages)
 
     def accept(self, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> list[Refusal]:
