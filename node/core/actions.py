@@ -38,10 +38,12 @@ KEPT_AFTER = ("finished", "cancelled")  # ends after which a request's caches ar
 class Release:
     """Free the request's KV caches (in every engine of this node); `keep`: a request that finished keeps them for
     a later request starting with the same tokens (prefix reuse: shards/engines/retained.py), within the memory
-    reservations leave free."""
+    reservations leave free; `branch`: (another retained request, n): the two share their first n positions, held
+    once."""
 
     request_id: str
     keep: bool = False
+    branch: tuple[str, int] | None = None  # keep only the positions past the first n of this retained request's
 
 
 @dataclass(frozen=True)

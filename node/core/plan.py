@@ -13,7 +13,7 @@ from shards.decoding.sampling import SamplingParams
 from shards.model.shard import Shard
 
 MAX_REQUEST_ID = 128
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]+$")
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]+$")
 
 
 class PlanError(ValueError):
@@ -46,7 +46,7 @@ class RequestSpec:
     reuse_positions: int = 0
 
     def __post_init__(self) -> None:
-        if not (0 < len(self.request_id) <= MAX_REQUEST_ID and _REQUEST_ID.match(self.request_id)):
+        if not (0 < len(self.request_id) <= MAX_REQUEST_ID and REQUEST_ID.match(self.request_id)):
             raise PlanError(f"request id must be 1-{MAX_REQUEST_ID} characters of [A-Za-z0-9._:-]")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise PlanError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
@@ -59,7 +59,7 @@ class RequestSpec:
             raise PlanError("reuse_positions must be an integer and reuse_from a request id")
         if bool(self.reuse_from) != (self.reuse_positions > 0):
             raise PlanError("reuse_from and reuse_positions go together (a request id and a count >= 1), or neither")
-        if self.reuse_from and not (len(self.reuse_from) <= MAX_REQUEST_ID and _REQUEST_ID.match(self.reuse_from)):
+        if self.reuse_from and not (len(self.reuse_from) <= MAX_REQUEST_ID and REQUEST_ID.match(self.reuse_from)):
             raise PlanError(f"reuse_from must be a request id: 1-{MAX_REQUEST_ID} characters of [A-Za-z0-9._:-]")
         if self.reuse_positions < 0 or (self.reuse_from and self.reuse_positions >= self.prompt_tokens):
             raise PlanError(

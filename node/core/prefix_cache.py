@@ -5,7 +5,7 @@ Chat clients resend the whole conversation every turn, agents resend the same to
 share a system prompt; the KV of those positions is the same whatever request computed it (the block is causal: a
 position's keys and values depend on the tokens up to it and nothing else). So when a request ends, its cache can
 be kept under its id (the engine's `RetainedCaches`, shards/engines/retained.py) and its tokens recorded here; a
-later request whose tokens start with k of them takes that cache over, truncated to k positions, and prefills
+later request whose tokens start with k of them starts from those k positions of its cache, and prefills
 only tokens[k:].
 
 Invariants:
@@ -13,20 +13,24 @@ Invariants:
   cache took), so a prefix match is a match of cached positions.
 - A hit never covers a whole prompt: at least one token is left to compute, since the next token's logits come from
   the last position's forward pass.
-- The index is bounded (`capacity` positions over all entries, and `max_entries`), least recently used first out;
-  `add` and `evict` say which ids left, so the caller frees exactly those caches.
-- A hit on a whole entry takes it out: the request takes that cache over and extends it (a conversation's next
-  turn), and is added again under its own id with its longer tokens when it finishes. A hit on part of an entry
-  leaves it in, most recently used: every node copies that part into the request's own cache
-  (shards/engines/retained.py, the same rule), so a side request sharing only a preamble never consumes a
-  conversation's cache, and a shared preamble serves every client.
+- Entries form a tree: an entry shares its first whole blocks with the entry it branches from, and the nodes hold
+  only its positions past them (shards/engines/retained.py, told by the entry through EndRequest). So a chat
+  template's preamble, or a conversation's earlier turns, is held once for every request that shares it.
+- The index is bounded (`capacity` positions held over all entries, and `max_entries`); leaves leave least
+  recently used first (an entry outlives its branches); `add` and `evict` say which ids left, so the caller frees
+  exactly those caches.
+- A hit on a whole leaf takes it out: the request takes that cache over and extends it (a conversation's next
+  turn), and is added again under its own id with its longer tokens when it finishes. Any other hit leaves the
+  entry in, most recently used: every node copies the chain's positions into the request's own cache (the same
+  rule), so a side request sharing only a preamble never consumes a conversation's cache, and a shared preamble
+  serves every client.
 
 Pure: no engine, no clock, no I/O; the runtime keeps the index and the engine's retained caches in step.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,8 +58,12 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
+BLOCK = 16  # a branch shares whole blocks of its parent's positions (vLLM's block size): a few positions past the
+# last shared block are held twice, and in return a branch never starts inside a block another branch starts in
+
+
 class PrefixIndex:
-    """Finished requests' token sequences whose caches are retained (see the module docstring)."""
+    """Finished requests' token sequences whose caches are retained, as a tree (see the module docstring)."""
 
     def __init__(self, capacity: int, max_entries: int = 64, min_tokens: int = 1):
         if capacity < 0 or max_entries < 1 or min_tokens < 1:
@@ -63,7 +71,9 @@ class PrefixIndex:
         self.capacity, self.max_entries, self.min_tokens = capacity, max_entries, min_tokens
         self.entries: OrderedDict[str, np.ndarray] = OrderedDict()  # least recently used first
         self.scopes: dict[str, str] = {}  # entry id -> the scope it was added in (a plan: nodes and layers)
-        self.positions = 0
+        self.parents: dict[str, tuple[str, int]] = {}  # a branch -> (its parent, the positions it shares with it)
+        self.children: Counter[str] = Counter()
+        self.positions = 0  # what the nodes hold: each entry's positions past its parent's
         self.hits = self.hit_tokens = self.misses = self.evictions = self.partial_hits = 0
 
     def __contains__(self, entry_id: str) -> bool:
@@ -74,22 +84,37 @@ class PrefixIndex:
 
     def add(self, entry_id: str, tokens: Sequence[int] | np.ndarray, scope: str = "") -> list[str]:
         """Record that `entry_id`'s cache, holding exactly `tokens`, is retained (by the nodes and layers `scope`
-        names: only a lookup in the same scope finds it). Returns the ids evicted to make room (least recently used
-        first), `entry_id` itself when it could never fit: the caller frees those."""
+        names: only a lookup in the same scope finds it), as a branch of the entry it shares the most whole blocks
+        with (`branch_of` says which: the nodes are told to hold only the rest). Returns the ids evicted to make room
+        (least recently used leaves first), `entry_id` itself when it could never fit: the caller frees those."""
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.ndim != 1:
             raise ValueError("an entry's tokens are one sequence")
         if entry_id in self.entries:
             raise ValueError(f"entry {entry_id!r} is already indexed")
-        if len(tokens) < self.min_tokens or len(tokens) > self.capacity:
+        parent, shared, depth = "", 0, 0  # the most shared blocks; of those, in the fewest pieces (an ancestor)
+        for other, held in self.entries.items():
+            n = min(common_prefix(held, tokens), len(tokens) - 1) // BLOCK * BLOCK
+            base = self.parents.get(other, ("", 0))[1]
+            if self.scopes[other] == scope and (n > shared or (n == shared and n and base < depth)):
+                parent, shared, depth = other, n, base
+        if len(tokens) < self.min_tokens or len(tokens) - shared > self.capacity:
             return [entry_id]
         self.entries[entry_id] = tokens
         self.scopes[entry_id] = scope
-        self.positions += len(tokens)
+        self.positions += len(tokens) - shared
+        if parent:
+            self.parents[entry_id] = (parent, shared)
+            self.children[parent] += 1
+            self._touch(entry_id)
         evicted = []
         while self.positions > self.capacity or len(self.entries) > self.max_entries:
             evicted.append(self._pop_oldest())
         return evicted
+
+    def branch_of(self, entry_id: str) -> tuple[str, int] | None:
+        """(the entry it is a branch of, the positions they share), or None for a root."""
+        return self.parents.get(entry_id)
 
     def longest(self, tokens: Sequence[int] | np.ndarray, scope: str = "") -> PrefixHit | None:
         """The entry sharing the longest prefix with a new prompt (at most len(tokens) - 1 positions, at least
@@ -107,35 +132,53 @@ class PrefixIndex:
         return best
 
     def take(self, hit: PrefixHit) -> None:
-        """A new request starts from the hit: it takes a whole entry over (the entry leaves the index) or copies part
-        of one (the entry stays, most recently used). The hit is counted."""
+        """A new request starts from the hit: it takes a whole leaf over (the entry leaves the index) or copies
+        (the entry stays, with its ancestors, most recently used). The hit is counted."""
         tokens = self.entries[hit.entry_id]
         if hit.tokens > len(tokens):
             raise ValueError(f"entry {hit.entry_id!r} holds {len(tokens)} positions, not {hit.tokens}")
-        if hit.tokens == len(tokens):
+        if hit.tokens == len(tokens) and not self.children[hit.entry_id]:
             self.remove(hit.entry_id)
         else:
-            self.entries.move_to_end(hit.entry_id)
+            self._touch(hit.entry_id)
             self.partial_hits += 1
         self.hits += 1
         self.hit_tokens += hit.tokens
 
     def remove(self, entry_id: str) -> bool:
-        """Forget an entry whose cache is gone (the engine evicted it for room); True if it was indexed."""
-        tokens = self.entries.pop(entry_id, None)
-        if tokens is None:
+        """Forget an entry whose cache is gone (a node evicted it), and its branches (they need it); True if it
+        was indexed."""
+        if entry_id not in self.entries:
             return False
-        del self.scopes[entry_id]
-        self.positions -= len(tokens)
+        for child in [c for c, (p, _) in self.parents.items() if p == entry_id]:
+            self.remove(child)
+        self._forget(entry_id)
         return True
 
     def evict(self) -> str | None:
-        """Make room: the least recently used entry leaves; its id, or None when the index is empty."""
+        """Make room: the least recently used leaf leaves; its id, or None when the index is empty."""
         return self._pop_oldest() if self.entries else None
 
     def _pop_oldest(self) -> str:
-        entry_id, tokens = self.entries.popitem(last=False)
-        del self.scopes[entry_id]
-        self.positions -= len(tokens)
+        entry_id = next(e for e in self.entries if not self.children[e])
+        self._forget(entry_id)
         self.evictions += 1
         return entry_id
+
+    def _forget(self, entry_id: str) -> None:
+        tokens = self.entries.pop(entry_id)
+        del self.scopes[entry_id]
+        parent, shared = self.parents.pop(entry_id, ("", 0))
+        self.positions -= len(tokens) - shared
+        if parent:
+            self.children[parent] -= 1
+            if not self.children[parent]:
+                del self.children[parent]
+
+    def _touch(self, entry_id: str) -> None:
+        chain = []
+        while entry_id:
+            chain.append(entry_id)
+            entry_id = self.parents.get(entry_id, ("", 0))[0]
+        for e in reversed(chain):
+            self.entries.move_to_end(e)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -25,6 +25,7 @@ from shards.formats.config import ModelConfig
 from shards.model.shard import Shard
 
 RETAIN_WITHOUT_BUDGET = 1 << 30  # retained caches' bytes on a node without --kv-memory-gb
+KEPT_ENTRIES = 4096  # finished requests whose retained caches their entry may still branch (far more than are kept)
 
 
 class RequestBook:
@@ -58,6 +59,7 @@ class RequestBook:
         # Requests of a one-node ring whose next token is being sampled right now: their next step is due within a
         # millisecond or two, so the driver holds the queue back for them (briefly) rather than split the batch.
         self.local_inflight: set[str] = set()
+        self.kept_by: OrderedDict[str, str] = OrderedDict()  # a retained request -> its entry node (`branch`)
         self.counters: Counter[str] = Counter()
 
     @property
@@ -136,10 +138,14 @@ class RequestBook:
                 rejected.append(Refusal(a.request_id, e.failure))
         return rejected
 
-    def end_request(self, request_id: str, reason: str, caller: str | None = None) -> list[Action]:
+    def end_request(
+        self, request_id: str, reason: str, caller: str | None = None, branch: tuple[str, int] | None = None
+    ) -> list[Action]:
         """The request is over (finished, cancelled or failed): forget it and free its caches. From a peer (`caller`
         authenticated), only the request's entry or a node of its plan may end it, and only a member may end a
-        request we don't hold (so strangers can't fill the bounded tombstones)."""
+        request we don't hold (so strangers can't fill the bounded tombstones). `branch`: from the entry, its
+        retained cache shares that many positions with another request's (node/core/prefix_cache.py); it may come
+        after the request ended here (the last node ends it as it samples the last token)."""
         if caller is not None:
             req = self.requests.get(request_id)
             allowed = (
@@ -160,7 +166,23 @@ class RequestBook:
             # peers refuse past 256 keys)
             self.counters[f"ended_{reason if reason in END_REASONS else 'unknown'}"] += 1
             self.admission.release(req)
-        return [Release(request_id, keep=req is not None and reason in KEPT_AFTER)]
+        keep = req is not None and reason in KEPT_AFTER
+        if keep:
+            self.kept_by[request_id] = req.spec.entry_node_id
+            while len(self.kept_by) > KEPT_ENTRIES:
+                self.kept_by.popitem(last=False)
+        return [Release(request_id, keep=keep, branch=self._branch(request_id, branch, caller))]
+
+    def _branch(self, request_id: str, branch: tuple[str, int] | None, caller: str | None) -> tuple[str, int] | None:
+        """A branch is for the entry of both requests to say: no other peer may graft one request's cache onto
+        another's (wrong keys and values would answer wrong, silently)."""
+        if branch is None:
+            return None
+        entry = self.kept_by.get(request_id)
+        if entry is None or self.kept_by.get(branch[0]) != entry or caller not in (None, entry):
+            self.counters["branch_refused"] += 1
+            return None
+        return branch
 
     def _admit(self, spec: RequestSpec) -> RequestState:
         req = self.requests[spec.request_id] = self.admission.admit(spec, self.requests, self.clock())

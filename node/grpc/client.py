@@ -152,8 +152,12 @@ class GrpcTransport:
         return [wire.decode_refusal(r) for r in response.rejected]
 
     @_translated
-    async def end_request(self, address: str, request_id: str, reason: str) -> None:
+    async def end_request(
+        self, address: str, request_id: str, reason: str, branch: tuple[str, int] | None = None
+    ) -> None:
         request = pb.EndRequestRequest(request_id=request_id, reason=reason)
+        if branch is not None:
+            request.branch_of, request.branch_at = branch
         await self.stub(address).EndRequest(request, timeout=self.rpc_timeout, wait_for_ready=True)
 
     @_translated

@@ -38,7 +38,9 @@ class Handler(Protocol):
         self, activations: list[Activation], caller: str | None, *, received: float | None = None
     ) -> list[Refusal]: ...
     def accept_tokens(self, message: TokenMessage, caller: str | None) -> None: ...
-    def end_request(self, request_id: str, reason: str, caller: str | None) -> None: ...
+    def end_request(
+        self, request_id: str, reason: str, caller: str | None, branch: tuple[str, int] | None = None
+    ) -> None: ...
     def peer_leaving(self, node_id: str, caller: str | None) -> None: ...
     def info(self) -> NodeInfo: ...
 
@@ -74,7 +76,13 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
             yield pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused])
 
     async def EndRequest(self, request: pb.EndRequestRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
-        self.node.end_request(request.request_id[:MAX_REQUEST_ID], request.reason[:32], peer_node_id(context))
+        try:
+            branch = wire.decode_branch(request)
+        except wire.WireError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.node.end_request(
+            request.request_id[:MAX_REQUEST_ID], request.reason[:32], peer_node_id(context), branch=branch
+        )
         return pb.Ack()
 
     async def HealthCheck(

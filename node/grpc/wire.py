@@ -17,7 +17,7 @@ from typing import TypeVar
 import numpy as np
 
 from node.core.failures import MAX_DETAIL, Failure, FailureKind
-from node.core.plan import MAX_REQUEST_ID, PlanStep, RequestSpec
+from node.core.plan import MAX_REQUEST_ID, REQUEST_ID, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.grpc.generated import node_service_pb2 as pb
 from shards.decoding.grammar import Constraint
@@ -367,3 +367,14 @@ def decode_send(m: pb.SendRequest, max_bytes: int) -> tuple[list[Activation], li
     _count(m.entries, "activations", MAX_MESSAGES)
     _count(m.results, "token messages", MAX_MESSAGES)
     return [decode_activation(e, max_bytes) for e in m.entries], [decode_tokens(r) for r in m.results]
+
+
+def decode_branch(m: pb.EndRequestRequest) -> tuple[str, int] | None:
+    """An EndRequest's branch (node/core/prefix_cache.py): a request id and a count of positions >= 1, or neither."""
+    if not m.branch_of and not m.branch_at:
+        return None
+    if not m.branch_of or m.branch_at < 1:
+        raise WireError("branch_of and branch_at go together (a request id and a count >= 1), or neither")
+    if len(m.branch_of) > MAX_REQUEST_ID or not REQUEST_ID.match(m.branch_of):
+        raise WireError(f"branch_of must be a request id: 1-{MAX_REQUEST_ID} characters of [A-Za-z0-9._:-]")
+    return m.branch_of, int(m.branch_at)

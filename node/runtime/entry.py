@@ -141,6 +141,8 @@ class Entry:
                 if failure.kind in (FailureKind.BUSY, FailureKind.PREFIX_GONE) and attempt.spec.reuse_from:
                     # the prefix is gone (or a node is busy: prefilling it all may fit where resuming didn't)
                     reason = "busy"
+                    if failure.kind is FailureKind.PREFIX_GONE and self.prefixes is not None:
+                        self.prefixes.remove(attempt.spec.reuse_from)  # and its branches: no later request tries it
                     self.counters["prefix_fallbacks"] += 1
                     reuse = False
                 elif failure.kind in (FailureKind.BUSY, FailureKind.PREFIX_GONE):
@@ -178,11 +180,15 @@ class Entry:
                     raise _Final(failure) from None
             finally:
                 self.attempts.pop(attempt.spec.request_id, None)
+                branch = None
                 if reason in KEPT_AFTER and self.prefixes is not None and history:
                     # every node of the plan has computed prompt + history but the last token (sampled, not fed)
-                    # and keeps it (node/core/node_core.py end_request); a node that can't says so when asked
-                    self.prefixes.add(attempt.spec.request_id, (prompt + history)[:-1], self._scope(attempt.spec.plan))
-                self.spawn(self._end_everywhere(attempt.spec, reason))
+                    # and keeps it (node/core/node_core.py end_request), as a branch of the retained request it
+                    # shares the most with; a node that can't says so when asked
+                    rid = attempt.spec.request_id
+                    self.prefixes.add(rid, (prompt + history)[:-1], self._scope(attempt.spec.plan))
+                    branch = self.prefixes.branch_of(rid)
+                self.spawn(self._end_everywhere(attempt.spec, reason, branch))
 
     def _scope(self, plan: tuple[PlanStep, ...]) -> str:
         return _scope(plan, CLIENT_KEY.get() if self.per_key else None)
@@ -310,10 +316,10 @@ class Entry:
         results = await asyncio.gather(*(down(s) for s in steps))
         return {s.node_id for s, is_down in zip(steps, results) if is_down}
 
-    async def _end_everywhere(self, spec: RequestSpec, reason: str) -> None:
+    async def _end_everywhere(self, spec: RequestSpec, reason: str, branch: tuple[str, int] | None = None) -> None:
         async def end(step: PlanStep) -> None:
             try:
-                await self.transport.end_request(step.address, spec.request_id, reason)
+                await self.transport.end_request(step.address, spec.request_id, reason, branch)
             except TransportError as e:
                 self.log.request(spec.request_id).info("EndRequest to %s failed: %s", step.node_id, e)
 

@@ -248,6 +248,11 @@ class _NodeCollector(Collector):
             "(freed first when reservations need the room)",
             now.prefix.get("retained_bytes", 0),
         )
+        yield _gauge(
+            "exo_kv_retained_branches",
+            "Of those caches, the ones held only past the blocks they share with another (a prefix held once)",
+            now.prefix.get("retained_branches", 0),
+        )
         yield _counter("exo_sampling_rows", "Rows (tokens) sampled on this node", stats["sample_items"])
         yield _counter(
             "exo_sampling_calls", "Sampler calls (one per batch, or per row on a fallback)", stats["sample_calls"]

@@ -136,6 +136,7 @@ class Node:
             self.core.counters,
             self.batcher.stats,
             self.metrics.status,
+            _Retained(self.shards),
             *stat_sources,
         ]
         self._tasks: set[asyncio.Task] = set()
@@ -342,8 +343,24 @@ class Node:
     def accept_tokens(self, message: TokenMessage, caller: str | None = None) -> None:
         self.entry.accept_tokens(message, caller)
 
-    def end_request(self, request_id: str, reason: str, caller: str | None = None) -> None:
-        self.pipeline.do(self.core.end_request(request_id, reason, caller))
+    def end_request(
+        self, request_id: str, reason: str, caller: str | None = None, branch: tuple[str, int] | None = None
+    ) -> None:
+        self.pipeline.do(self.core.end_request(request_id, reason, caller, branch))
+
+
+class _Retained:
+    """A status source read live: the retained caches' memory and branches change on the engine thread, after the
+    pass that ended their requests (an End from the entry makes a branch)."""
+
+    def __init__(self, shards: ShardManager):
+        self.shards = shards
+
+    def items(self) -> list[tuple[str, int]]:
+        return [
+            ("retained_bytes", self.shards.retained_bytes()),
+            ("retained_branches", self.shards.retained_branches()),
+        ]
 
 
 def status_of(node: Node) -> NodeStatus:
@@ -363,5 +380,6 @@ def status_of(node: Node) -> NodeStatus:
             "prefix_gone": node.core.counters["prefix_gone"],
             "prefix_evictions": node.shards.retained_evictions(),
             "retained_bytes": node.shards.retained_bytes(),
+            "retained_branches": node.shards.retained_branches(),
         },
     )

@@ -178,7 +178,7 @@ class Pipeline:
         samples: dict[str, asyncio.Future] = {}
         for action in actions:
             if isinstance(action, Release):
-                self.shards.release(action.request_id, keep=action.keep)
+                self.shards.release(action.request_id, keep=action.keep, branch=action.branch)
                 self.following.interrupt()  # however it ended, no more passes for it on the engine thread
             elif isinstance(action, Send):
                 if self._here(action.address):

@@ -74,15 +74,22 @@ class ShardManager:
         await following.start(self.executor, engine, plan, sampler)
         return None
 
-    def release(self, request_id: str, keep: bool = False) -> None:
+    def release(self, request_id: str, keep: bool = False, branch: tuple[str, int] | None = None) -> None:
         """Queue the release of a request's caches in every engine (after any forward already queued); `keep`: a
-        finished request's caches are retained for prefix reuse (`Engine.retain`)."""
+        finished request's caches are retained for prefix reuse (`Engine.retain`); `branch`: then held as a branch
+        of another retained request's (RetainedCaches.branch)."""
         for engine in list(self.engines.values()):
             self.executor.submit(engine.retain if keep else engine.release, request_id)
+            if branch is not None:
+                self.executor.submit(engine.retained.branch, request_id, *branch)
 
     def retained_evictions(self) -> int:
         """Retained caches freed for room so far, over every engine."""
         return sum(e.retained.evictions for e in list(self.engines.values()))
+
+    def retained_branches(self) -> int:
+        """Retained caches held as branches of another (RetainedCaches.branch), over every engine."""
+        return sum(len(e.retained.parents) for e in list(self.engines.values()))
 
     def retained_bytes(self) -> int:
         """Memory held by finished requests' retained caches (a snapshot: the engine thread changes them)."""

@@ -51,7 +51,11 @@ class Transport(Protocol):
         one call; returns the activations the peer refused, and why. `on_write` is called as the encoded message is
         handed to the link's write (the hop's counters: node/runtime/overhead.py)."""
 
-    async def end_request(self, address: str, request_id: str, reason: str) -> None: ...
+    async def end_request(
+        self, address: str, request_id: str, reason: str, branch: tuple[str, int] | None = None
+    ) -> None:
+        """The request is over; `branch`: its retained cache shares that many positions with that retained one
+        (shards/engines/retained.py `branch`)."""
 
     async def health_check(self, address: str, timeout: float) -> NodeInfo: ...
 
@@ -88,7 +92,7 @@ class LocalNode(Protocol):
     def accept_prompt(self, spec: RequestSpec, tokens: np.ndarray) -> None: ...
     def accept_activations(self, activations: list[Activation], *, local: bool = False) -> list[Refusal]: ...
     def accept_tokens(self, message: TokenMessage) -> None: ...
-    def end_request(self, request_id: str, reason: str) -> None: ...
+    def end_request(self, request_id: str, reason: str, branch: tuple[str, int] | None = None) -> None: ...
 
 
 class Loopback:
@@ -130,10 +134,12 @@ class Loopback:
             self.node.accept_tokens(message)
         return self.node.accept_activations(list(activations), local=True) if activations else []
 
-    async def end_request(self, address: str, request_id: str, reason: str) -> None:
+    async def end_request(
+        self, address: str, request_id: str, reason: str, branch: tuple[str, int] | None = None
+    ) -> None:
         if address != self.node.address:
-            return await self.inner.end_request(address, request_id, reason)
-        self.node.end_request(request_id, reason)
+            return await self.inner.end_request(address, request_id, reason, branch)
+        self.node.end_request(request_id, reason, branch=branch)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)  # health_check, forget, close

@@ -41,9 +41,15 @@ class KVCache(ABC):
     def nbytes(self) -> int:
         """Bytes of memory the cache holds (its capacity, not just its length)."""
 
-    def copy_prefix(self, positions: int) -> KVCache:
-        """A new layer cache holding a copy of this one's first `positions` positions (this one unchanged)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot copy a prefix")
+    def copy_span(self, start: int, n: int) -> KVCache:
+        """A new layer cache holding a copy of this one's positions [start, start+n) as its first n (this one
+        unchanged)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy positions")
+
+    def write_span(self, src: KVCache, n: int, at: int) -> None:
+        """Write `src`'s first n positions as this cache's positions [at, at+n) (growing it; the positions below `at`
+        kept). `src` is a cache of the same storage."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy positions")
 
 
 class SlabCache(KVCache):
@@ -57,14 +63,18 @@ class SlabCache(KVCache):
         self.zeros = zeros
         self.k, self.v = zeros((n_kv, capacity, head_dim)), zeros((n_kv, capacity, head_dim))
 
-    def update_and_fetch(self, k: Array, v: Array, start: int) -> tuple[Array, Array]:
-        end = start + k.shape[0]
+    def reserve(self, end: int, keep: int) -> None:
+        """Room for `end` positions (at least doubled when grown), the first `keep` kept."""
         if end > self.k.shape[1]:
             n_kv, capacity, head_dim = self.k.shape
             for name in ("k", "v"):
                 grown = self.zeros((n_kv, max(end, 2 * capacity), head_dim))
-                grown[:, :start] = getattr(self, name)[:, :start]
+                grown[:, :keep] = getattr(self, name)[:, :keep]
                 setattr(self, name, grown)
+
+    def update_and_fetch(self, k: Array, v: Array, start: int) -> tuple[Array, Array]:
+        end = start + k.shape[0]
+        self.reserve(end, start)
         self.k[:, start:end] = k.transpose(1, 0, 2)
         self.v[:, start:end] = v.transpose(1, 0, 2)
         return self.k[:, :end], self.v[:, :end]
@@ -73,12 +83,16 @@ class SlabCache(KVCache):
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def copy_prefix(self, positions: int) -> SlabCache:
+    def copy_span(self, start: int, n: int) -> SlabCache:
         n_kv, _, head_dim = self.k.shape
-        copy = SlabCache(self.zeros, n_kv, head_dim, positions)
-        copy.k[:, :positions] = self.k[:, :positions]
-        copy.v[:, :positions] = self.v[:, :positions]
+        copy = SlabCache(self.zeros, n_kv, head_dim, n)
+        copy.write_span(self, n, 0, start)
         return copy
+
+    def write_span(self, src: SlabCache, n: int, at: int, src_start: int = 0) -> None:
+        self.reserve(at + n, at)
+        self.k[:, at : at + n] = src.k[:, src_start : src_start + n]
+        self.v[:, at : at + n] = src.v[:, src_start : src_start + n]
 
 
 class RequestCache:
@@ -102,15 +116,30 @@ class RequestCache:
             raise ValueError(f"a step commits at least one position, not {positions}")
         self._length += positions
 
-    def copy_prefix(self, positions: int) -> RequestCache:
+    def copy_prefix(self, positions: int, room: int = 0) -> RequestCache:
         """A new cache holding a copy of this one's first `positions` positions, this one unchanged: a request that
         shares only part of a retained prefix starts from the copy, and the prefix stays retained for the next
-        (shards/engines/retained.py). Raises NotImplementedError where the storage can't copy."""
-        if not 1 <= positions <= self._length:
-            raise ValueError(f"cannot copy {positions} positions of a cache of {self._length}")
-        copy = RequestCache([layer.copy_prefix(positions) for layer in self.layers])
-        copy._length = positions
+        (shards/engines/retained.py). `room`: positions the copy will hold soon (a hint to storage that sizes
+        ranges). Raises NotImplementedError where the storage can't copy."""
+        return self.copy_span(0, positions, room)
+
+    def copy_span(self, start: int, end: int, room: int = 0) -> RequestCache:
+        """A new cache holding a copy of this one's positions [start, end) as its first end - start: a retained
+        branch keeps only what its parent does not hold (shards/engines/retained.py)."""
+        if not 0 <= start < end <= self._length:
+            raise ValueError(f"cannot copy positions [{start}, {end}) of a cache of {self._length}")
+        copy = RequestCache([layer.copy_span(start, end - start) for layer in self.layers])
+        copy._length = end - start
         return copy
+
+    def append_from(self, src: RequestCache, n: int) -> None:
+        """Write `src`'s first n positions after this cache's own (a retained chain assembled, root first, into one
+        request's cache) and count them."""
+        if not 1 <= n <= src.length:
+            raise ValueError(f"cannot append {n} positions of a cache of {src.length}")
+        for layer, other in zip(self.layers, src.layers, strict=True):
+            layer.write_span(other, n, self._length)
+        self._length += n
 
     def truncate(self, positions: int) -> None:
         """Keep only the first `positions` positions (a later request reuses this prefix: see

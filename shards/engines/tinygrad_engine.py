@@ -55,13 +55,17 @@ class TinygradCache(KVCache):
             grown[:, :length].assign(self.kv[:, :length]).realize()
         self.kv = grown
 
-    def copy_prefix(self, positions: int) -> TinygradCache:
+    def copy_span(self, start: int, n: int) -> TinygradCache:
         copy = TinygradCache.empty(*self.kv.shape[2:])
         copy.whole = self.whole
-        copy.reserve(positions, 0)
-        span = (None, (0, positions), None, None)
-        copy.kv.shrink(span).assign(self.kv.shrink(span)).realize()
+        copy.write_span(self, n, 0, start)
         return copy
+
+    def write_span(self, src: TinygradCache, n: int, at: int, src_start: int = 0) -> None:
+        self.reserve(at + n, at)
+        self.kv.shrink((None, (at, at + n), None, None)).assign(
+            src.kv.shrink((None, (src_start, src_start + n), None, None))
+        ).realize()
 
     def update_and_fetch(self, k: Tensor, v: Tensor, start) -> tuple[Tensor, Tensor]:
         # `start` is an int, or a bound Variable while a decode step is being captured.

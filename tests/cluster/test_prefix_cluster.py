@@ -15,6 +15,7 @@ from shards.reference.generate import generate
 from tests.support.cluster import Cluster
 from tests.support.metrics import scrape, value
 from tests.support.models import FIXTURES
+from tests.support.polling import wait_until
 
 MODEL = FIXTURES / "llama"
 TURNS = ["Hello there, how are you?", "Tell me more about it.", "Why?"]
@@ -83,6 +84,44 @@ def test_a_conversation_keeps_its_cache_while_other_clients_come_between_its_tur
     conversation_a, one_off, conversation_b = hit_tokens
     # each conversation's turn 2 reuses its whole first turn (prompt and answer), not just the shared preamble
     assert conversation_a > one_off + 10 and conversation_b > one_off + 10
+    assert counters(ring).get("prefix_fallbacks", 0) == 0
+
+
+def node_prefix(c: Cluster, key: str) -> list[int]:
+    return [info["status"].get(key, 0) for info in c.self_info().values()]
+
+
+def test_clients_sharing_a_system_prompt_hold_it_once_on_every_node(ring):
+    """Three clients with one long system prompt, one after another: the second and third are held on every node of
+    the plan only past the blocks they share with the first (branches), so they add less memory than the first
+    did; each answer is the one-process reference's, and a branch's next turn resumes from all of its history."""
+    system = {"role": "system", "content": "You are a careful assistant for a small hardware shop. " * 3}
+    questions = ["Do you sell cables?", "When do you open tomorrow?", "Can I return a used fan?"]
+    branches, held = node_prefix(ring, "retained_branches"), node_prefix(ring, "retained_bytes")
+    added, conversations = [], []
+    for i, question in enumerate(questions):
+        messages = [system, {"role": "user", "content": question}]
+        status, body = ring.chat(messages, max_tokens=10, temperature=0)
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == reference(messages, 10)
+        conversations.append(messages + [{"role": "assistant", "content": body["choices"][0]["message"]["content"]}])
+        wait_until(
+            lambda: all(n - b >= i for n, b in zip(node_prefix(ring, "retained_branches"), branches)),
+            10,
+            "every node to hold the request as a branch",
+        )
+        now = node_prefix(ring, "retained_bytes")
+        added.append([n - h for n, h in zip(now, held)])
+        held = now
+    first, second, third = added
+    assert all(b + c < a for a, b, c in zip(first, second, third)), added
+
+    messages = conversations[1] + [{"role": "user", "content": "And on Sunday?"}]
+    before = counters(ring).get("prefix_hit_tokens", 0)
+    status, body = ring.chat(messages, max_tokens=10, temperature=0)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == reference(messages, 10)
+    assert counters(ring)["prefix_hit_tokens"] - before > 60  # the system prompt, the question and the answer
     assert counters(ring).get("prefix_fallbacks", 0) == 0
 
 

@@ -14,7 +14,7 @@ pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from shards.engines.base import StepInput
 from shards.engines.ggml.attention import SPLIT_KV_CELLS
-from shards.engines.ggml.cells import CellPool
+from shards.engines.ggml.cells import GIVE_BACK_CELLS, CellPool
 from shards.engines.ggml.engine import SPAN_CELLS, GgmlEngine
 from shards.engines.ggml.graph import WINDOW_STEP, padded_rows
 from shards.formats.loader import load_config
@@ -68,14 +68,31 @@ def test_a_full_pool_doubles_and_keeps_every_range_where_it_was():
     pool.free()
 
 
-def test_cells_given_back_read_as_zeros_again():
-    pool = CellPool(1, 4, 64, 4096)  # 512 bytes a cell: 8 cells a 4 KiB page
-    head = pool.allocate(7)
-    a = pool.allocate(64)  # cells 8..71: whole pages
-    cells(pool, 0, head, 7)[:] = 2.5
-    cells(pool, 0, a, 64)[:] = 1.5
-    pool.release(a, 64)
-    assert not cells(pool, 0, a, 64).any() and (cells(pool, 0, head, 7) == 2.5).all()
+def test_cells_go_back_to_the_kernel_a_page_of_every_line_at_a_time():
+    """Freed cells read as zeros again once given back: a large range as it ends, small ones when the pool's free
+    tail holds a page of every line of them. A small range freed in between stays, for the next one to take without
+    faulting its pages in again."""
+    pool = CellPool(1, 4, 64, 4 * GIVE_BACK_CELLS, gemm_from=0)  # keys as rows, values in lines
+    quarter = GIVE_BACK_CELLS // 4
+    head = pool.allocate(GIVE_BACK_CELLS - 1)  # cells 1.. up to the first page of every line's end
+    small = [pool.allocate(quarter) for _ in range(4)]
+    big = pool.allocate(GIVE_BACK_CELLS)
+    tail = pool.allocate(64)
+    for start, n in [(head, GIVE_BACK_CELLS - 1), *((s, quarter) for s in small), (big, GIVE_BACK_CELLS), (tail, 64)]:
+        cells(pool, 0, start, n)[:] = 1.5
+        pool.values(0)[:, start : start + n] = 1.5
+    pool.release(big, GIVE_BACK_CELLS)  # a hole, but a large one
+    assert not cells(pool, 0, big, GIVE_BACK_CELLS).any() and not pool.values(0)[:, big : big + GIVE_BACK_CELLS].any()
+    pool.release(tail, 64)
+    for s in small[:0:-1]:
+        pool.release(s, quarter)  # the free tail grows by small ranges, still held
+        assert (cells(pool, 0, s, quarter) == 1.5).all() and (pool.values(0)[:, s : s + quarter] == 1.5).all()
+    pool.release(small[0], quarter)  # now a page of every line is free and held: it goes
+    assert not cells(pool, 0, small[0], 4 * quarter).any()
+    assert not pool.values(0)[:, small[0] : small[0] + 4 * quarter].any()
+    assert (cells(pool, 0, head, GIVE_BACK_CELLS - 1) == 1.5).all() and (
+        pool.values(0)[:, head : small[0]] == 1.5
+    ).all()
     pool.free()
 
 

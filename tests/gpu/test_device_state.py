@@ -53,6 +53,30 @@ def test_a_request_resumed_from_a_retained_prefix_on_the_device_gets_a_full_pref
     assert rms < FLOAT_RMS and flips_only_at_near_ties(np.concatenate(full), np.concatenate(resumed))
 
 
+def test_a_request_resumed_from_a_branch_on_the_device_gets_a_full_prefills_logits(gpu, capsys):
+    """Two finished requests share their first 32 tokens; the second is held as a branch (its own 16 positions on
+    the device, after the first's 32). A request resuming from its 48 positions gets them copied, root first, into
+    its own range, and computes 12 more (then decodes 8) as a request that computes all 60."""
+    ids, own = tokens(9, 68), tokens(10, 16)
+    e = engine(MODEL, quantize="none", device=gpu.name)
+    e.retained.limit = 1 << 30
+    e.forward([StepInput("root", tokens=ids[:40], max_positions=80)])
+    e.forward([StepInput("branch", tokens=np.concatenate([ids[:32], own]), max_positions=80)])
+    assert e.retain("root") == [] and e.retain("branch") == []
+    assert e.retained.branch("branch", "root", 32) and e.retained.caches["branch"].length == 16
+    prompt = np.concatenate([ids[:32], own, ids[48:68]])
+    assert e.resume("next", "branch", 48) and e.cache_length("next") == 48
+    resumed = [e.forward([StepInput("next", tokens=prompt[48:60], max_positions=80)], all_logits=True)[0]]
+    full = [e.forward([StepInput("full", tokens=prompt[:60], max_positions=80)], all_logits=True)[0][48:]]
+    resumed.append(one_at_a_time(e, "next", prompt[60:68]))
+    full.append(one_at_a_time(e, "full", prompt[60:68]))
+    e.close()
+    rms, top1 = agreement(np.concatenate(full), np.concatenate(resumed))
+    with capsys.disabled():
+        print(f"\n{gpu.name}: resumed branch vs full prefill, 20 positions: relative RMS {rms:.2e}, top-1 {top1:.3f}")
+    assert rms < FLOAT_RMS and flips_only_at_near_ties(np.concatenate(full), np.concatenate(resumed))
+
+
 def test_a_replay_on_the_device_prefilling_prompt_and_generated_tokens_gets_the_original_steps_logits(gpu, capsys):
     """What a ring does after losing a node mid-stream: the new ring prefills prompt + the 80 tokens generated so far
     in one step (past the 64 rows where kernels change) where the original decoded them one by one."""

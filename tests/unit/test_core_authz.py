@@ -83,6 +83,23 @@ def test_only_the_entry_or_a_plan_member_may_end_a_request_and_strangers_none():
     assert b.counters["end_refused"] == 2
 
 
+def test_only_the_entry_of_both_requests_may_make_one_retained_cache_a_branch_of_another():
+    """A branch hands one request's keys and values to every later request that resumes from the other: a peer
+    other than their entry could make answers silently wrong, so the node ignores (and counts) its claim."""
+    b = guarded("b")
+    b.accept_activations([Activation(r, hidden(), spec(r)) for r in ("r1", "r2", "r3")])
+    b.accept_activations([Activation("alien", hidden(), spec("alien", entry="a"))])
+    assert b.end_request("r1", "finished", caller="entry") == [Release("r1", keep=True)]
+    assert b.end_request("alien", "finished", caller="a") == [Release("alien", keep=True)]
+    # a node of the plan ends it first (the last node, as it samples the last token); the entry's branch follows
+    assert b.end_request("r2", "finished", caller="c") == [Release("r2", keep=True)]
+    assert b.end_request("r2", "finished", caller="a", branch=("r1", 16)) == [Release("r2")]
+    assert b.end_request("r2", "finished", caller="entry", branch=("alien", 16)) == [Release("r2")]
+    assert b.end_request("r2", "finished", caller="entry", branch=("r1", 16)) == [Release("r2", branch=("r1", 16))]
+    assert b.end_request("r3", "failed", caller="entry", branch=("r1", 16)) == [Release("r3")]  # nothing kept
+    assert b.counters["branch_refused"] == 3
+
+
 def test_one_entry_node_cannot_take_every_request_slot():
     b = guarded("b", max_requests=10, max_requests_per_entry=3)
     refused = b.accept_activations([Activation(f"r{i}", hidden(), spec(f"r{i}")) for i in range(4)])

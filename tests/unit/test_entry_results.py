@@ -27,7 +27,7 @@ class Ring:
     async def send_prompt(self, address, spec, tokens):
         self.prompts.append(spec)
 
-    async def end_request(self, address, request_id, reason):
+    async def end_request(self, address, request_id, reason, branch=None):
         self.ended.append((address, reason))
 
     async def health_check(self, address, timeout):

@@ -49,8 +49,9 @@ class RawClient:
         finally:
             call.cancel()
 
-    async def end_request(self, request_id, reason):
-        return await self.stub.EndRequest(pb.EndRequestRequest(request_id=request_id, reason=reason), timeout=10)
+    async def end_request(self, request_id, reason, **branch):
+        request = pb.EndRequestRequest(request_id=request_id, reason=reason, **branch)
+        return await self.stub.EndRequest(request, timeout=10)
 
     async def health_check(self):
         return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=10)
@@ -199,6 +200,28 @@ def test_prompt_sent_to_the_wrong_node_is_invalid_argument():
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await client.send_prompt(req)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "first node is other" in e.value.details()
+        finally:
+            await shutdown(node, server, client)
+
+    run(go())
+
+
+@pytest.mark.parametrize(
+    "branch,why",
+    [
+        ({"branch_of": "r0"}, "go together"),
+        ({"branch_at": 16}, "go together"),
+        ({"branch_of": "r 0", "branch_at": 16}, "must be a request id"),
+        ({"branch_of": "r" * 200, "branch_at": 16}, "must be a request id"),
+    ],
+)
+def test_an_end_with_a_malformed_branch_is_refused_as_invalid(branch, why):
+    async def go():
+        node, server, client = await serving()
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.end_request("r1", "finished", **branch)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
         finally:
             await shutdown(node, server, client)
 

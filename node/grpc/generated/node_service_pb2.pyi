@@ -211,12 +211,16 @@ class SendResultRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
 
 class EndRequestRequest(_message.Message):
-    __slots__ = ("request_id", "reason")
+    __slots__ = ("request_id", "reason", "branch_of", "branch_at")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_OF_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_AT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    branch_of: str
+    branch_at: int
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., branch_of: _Optional[str] = ..., branch_at: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()

@@ -10,9 +10,10 @@ rows below `gemm_from` write their values as rows, the rows past it in lines; a 
 below too, so the first time a request has one, its rows below are copied into lines (`lines_from_rows`, once per
 request: a range's `lines_valid` says how far its lines hold), and a step whose flash rows precede matmul rows of
 the same request writes them in both. Either way no step transposes the values. All in one anonymous mapping: zero until
-written and backed by RAM only where written (transposed values a page of every element's line at a time); the whole
-pages of a range given back are returned to the kernel (MADV_DONTNEED) and read as zeros again, and any cell left
-holds a finite value (graph.py clamps what it writes).
+written and backed by RAM only where written (transposed values a page of every element's line at a time); freed
+cells go back to the kernel (MADV_DONTNEED, read as zeros again) a page of every line at a time at least (a large
+range as it ends, small ones once the pool's free tail holds that much), and any cell left holds a finite value
+(graph.py clamps what it writes).
 A request's range holds what it has now (at least 256 cells), taken first fit from the low end (the engine's
 starting on CELL_ALIGN cells) so the cells in use stay packed and the spans a step attends stay small, and moves to a
 range twice as large when it outgrows it, up to its reservation (StepInput.max_positions). When no free range is
@@ -42,6 +43,7 @@ SCRATCH_CELL = 0  # where padding rows write; in no request's range
 CELL_ALIGN = 64  # the engine's ranges start on multiples of this: a row's sums fall in the same SIMD blocks wherever
 # its range lies (GgmlBackend.gemm_attention)
 PAGE = mmap.PAGESIZE
+GIVE_BACK_CELLS = PAGE // 2  # freed cells go back to the kernel this many at a time at least: a page of every line
 
 
 class CellPool:
@@ -73,6 +75,7 @@ class CellPool:
         self.ctx, self.mem = None, None
         self._map(cells)
         self.free_ranges: list[tuple[int, int]] = [(SCRATCH_CELL + 1, cells)]
+        self.clean_from = SCRATCH_CELL + 1  # every cell from here on is free and given back (or never touched)
 
     def extra_bytes(self, positions: int) -> int:
         """Memory a request of `positions` positions takes beyond `position_bytes` each: its values kept twice."""
@@ -129,12 +132,13 @@ class CellPool:
                 at = -(-start // self.align) * self.align
                 if end - at >= n:
                     self.free_ranges[i : i + 1] = [r for r in ((start, at), (at + n, end)) if r[1] > r[0]]
+                    self.clean_from = max(self.clean_from, at + n)
                     return at
             self.grow(max(2 * self.cells, -(-self.used_end // self.align) * self.align + n))
 
     def release(self, start: int, n: int) -> None:
-        """Give cells [start, start+n) back, merged with free neighbours; the whole pages of the merged free range
-        go back to the kernel."""
+        """Give cells [start, start+n) back, merged with free neighbours; memory goes back to the kernel in steps
+        of at least GIVE_BACK_CELLS (`_discard`)."""
         end = start + n
         if self.mem is None:  # the pool itself is gone (its engine closed): nothing is left to give back
             return
@@ -145,26 +149,36 @@ class CellPool:
             at += 1
         if (at and ranges[at - 1][1] > start) or (at < len(ranges) and ranges[at][0] < end):
             raise ValueError(f"cells [{start}, {end}) are already free")
+        lo, hi = start, end
         if at < len(ranges) and ranges[at][0] == end:
             end = ranges.pop(at)[1]
         if at and ranges[at - 1][1] == start:
             at -= 1
             start = ranges.pop(at)[0]
         ranges.insert(at, (start, end))
-        self._discard(start, end)
+        if end == self.cells:  # the free tail: what it holds still, once that is a step's worth
+            if self.clean_from - start >= GIVE_BACK_CELLS:
+                self._discard(start, self.clean_from, start, end)
+                self.clean_from = start
+        elif n >= GIVE_BACK_CELLS:  # a hole: what a large range held (small holes are taken again soon)
+            self._discard(lo, hi, start, end)
 
-    def _discard(self, start: int, end: int) -> None:
-        """Return the whole pages of cells [start, end) of every tensor to the kernel (they read as zeros after):
-        one span per tensor of cells, one per element's line of transposed values (where it spans a page)."""
+    def _discard(self, lo: int, hi: int, start: int, end: int) -> None:
+        """Return the pages of every tensor that hold a cell of [lo, hi) and only cells of the free range [start,
+        end) to the kernel (they read as zeros after): one span per tensor of cells, one per element's line of
+        transposed values.
+
+        Why in steps of GIVE_BACK_CELLS: a line's page holds 2,048 cells, so a range of a few hundred cells touches
+        a page of every line of every layer (thousands), and giving them back each time a request ended, to fault
+        them in again for the next one (ranges are taken from the low end), cost more than the step it followed."""
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
-        at = [self.offsets[id(t)] for t in self.k + self.v]
-        spans = [(a + start * self.row, a + end * self.row) for a in at]
-        if self.transposed and (end - start) * 2 >= PAGE:
-            rows = [self.offsets[id(t)] + e * self.cells * 2 for t in self.v_lines for e in range(self.width)]
-            spans += [(r + start * 2, r + end * 2) for r in rows]
-        for a, b in spans:
-            first, last = -(-a // PAGE) * PAGE, b // PAGE * PAGE
+        spans = [(self.offsets[id(t)], self.row) for t in self.k + self.v]
+        if self.transposed:
+            spans += [(self.offsets[id(t)] + e * self.cells * 2, 2) for t in self.v_lines for e in range(self.width)]
+        for base, size in spans:
+            first = max(-(-(base + start * size) // PAGE), (base + lo * size) // PAGE) * PAGE
+            last = min((base + end * size) // PAGE, -(-(base + hi * size) // PAGE)) * PAGE
             if last > first:
                 self.mem.map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
@@ -214,6 +228,7 @@ class CellPool:
         for layer, src in enumerate(old_lines):
             self.values(layer)[:, :used] = tensor_array(src, (self.width, old_cells))[:, :used]
         self._grown(old_ctx, old_mem, old_cells, cells)
+        self.clean_from = used  # the new mapping is untouched past the cells copied
 
     def _grown(self, old_ctx, old_mem, old_cells: int, cells: int) -> None:
         """After a move into `cells` cells: the old mapping freed, the new cells [old_cells, cells) free."""
@@ -253,17 +268,35 @@ class CellRange(RequestCache):
         pool = self.pool
         return self.capacity * pool.position_bytes + pool.extra_bytes(self.capacity) if pool is not None else 0
 
-    def copy_prefix(self, positions: int) -> CellRange:
-        """A new range of the pool holding a copy of this one's first `positions` cells, with the same reservation
-        (and room for the engine's smallest range, engine.py MIN_CAPACITY, so its first step needn't move it)."""
-        if not 1 <= positions <= self.length:
-            raise ValueError(f"cannot copy {positions} positions of a cache of {self.length}")
-        copy = CellRange(self.pool, max(positions, min(256, self.limit)))
-        copy.limit = self.limit
-        self.pool.copy(self.start, copy.start, positions)  # after the allocation: a grown pool keeps the indices
-        copy.commit(positions)
-        copy.lines_valid = min(self.lines_valid, positions)
+    def copy_span(self, start: int, end: int, room: int = 0) -> CellRange:
+        """A new range of the pool holding a copy of this one's cells [start, end) as its first, with the same
+        reservation. A prefix (start 0) gets the capacity a request that grew to `room` positions has (the
+        engine's smallest range, engine.py MIN_CAPACITY, doubled), so its next steps needn't move it and attend the
+        spans others do; a retained branch only what it holds."""
+        if not 0 <= start < end <= self.length:
+            raise ValueError(f"cannot copy positions [{start}, {end}) of a cache of {self.length}")
+        n, want = end - start, max(end - start, room)
+        doubled = max(min(256, self.limit), min(1 << (want - 1).bit_length(), self.limit))
+        copy = CellRange(self.pool, max(want, doubled) if start == 0 else n)
+        copy.limit = max(self.limit, copy.capacity)
+        self.pool.copy(self.start + start, copy.start, n)  # after the allocation: a grown pool keeps the indices
+        copy.commit(n)
+        copy.lines_valid = min(max(self.lines_valid - start, 0), n)
         return copy
+
+    def append_from(self, src: CellRange, n: int) -> None:
+        """`src`'s first n cells after this range's positions (moved to a larger range if they don't fit). The lines
+        hold values as far as both ranges' did without a gap."""
+        if not 1 <= n <= src.length:
+            raise ValueError(f"cannot append {n} positions of a cache of {src.length}")
+        end = self.length + n
+        if end > self.capacity:
+            self.grow(end)
+        self.pool.copy(src.start, self.start + self.length, n)
+        if self.lines_valid >= self.length:
+            self.lines_valid = self.length + min(src.lines_valid, n)
+        self.commit(n)
+        self.limit = max(self.limit, self.capacity)
 
     def free(self) -> None:
         if self.pool is not None:

@@ -211,7 +211,7 @@ class DevicePool(CellPool):
     def _buffer(self, size: int) -> DeviceBuffer:
         return DeviceBuffer(self.on, size)
 
-    def _discard(self, start: int, end: int) -> None:
+    def _discard(self, lo: int, hi: int, start: int, end: int) -> None:
         pass  # device memory is not given back per page
 
     def values(self, layer: int) -> np.ndarray:
@@ -234,9 +234,15 @@ class DevicePool(CellPool):
         return np.moveaxis(a, a.shape.index(cells), 0)
 
     def copy(self, src: int, dst: int, n: int) -> None:
+        """Cells of keys and values as rows (each cell's bytes contiguous) move as one span through the host; any
+        tensor of another layout whole."""
         if n > 0:
             self.copied += n
-            for t in self.k + self.v + self.v_lines:
+            span = np.empty(n * self.row, dtype=np.uint8)
+            for t in self.k + self.v:
+                g.ggml_backend_tensor_get(t, span.ctypes.data, src * self.row, span.nbytes)
+                g.ggml_backend_tensor_set(t, span.ctypes.data, dst * self.row, span.nbytes)
+            for t in self.v_lines:
                 a = self._read(t)
                 cells = self._by_cell(a, self.cells)
                 cells[dst : dst + n] = cells[src : src + n]
