@@ -1,7 +1,8 @@
 """Retained caches as a tree: a request's cache that shares its first blocks with a retained one is held only past
 them, as a branch; a request resuming from a branch gets the chain's positions copied, root first, into one cache of
 its own, and answers exactly as a request that computes every position. Leaves go first when room runs out, so a
-preamble outlives the conversations that share it. On numpy and ggml, one shard and a chain of three."""
+preamble outlives the conversations that share it. On numpy and ggml, one shard and a chain of three (MLX: a chain of
+branches)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_conversations_sharing_a_preamble_hold_it_once_and_each_resumes_exactly(
     assert all("a" in e.retained for e in engines)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", [*ENGINES, "mlx"])
 def test_a_branch_of_a_branch_resumes_through_its_whole_chain(engine):
     rng = np.random.default_rng(5)
     engines, index = chain(engine, 1), PrefixIndex(capacity=10_000)

@@ -1,7 +1,7 @@
 """The retained store's tree on real storage, position by position: whatever finished requests are kept, branched,
 taken, evicted and dropped, a cache taken from an entry holds exactly the keys and values of that entry's first
 positions (each position's numbers name the token it was computed for), every cache is freed once, and the store
-stays within its limit. On numpy slabs, and on the ggml cell pool with its value lines."""
+stays within its limit. On numpy slabs; the ggml cell pool (with its value lines) and tinygrad assemble a chain too."""
 
 from __future__ import annotations
 
@@ -41,6 +41,27 @@ def test_a_chain_taken_holds_its_positions_in_order():
     assert slab_tokens(store.take("root", 3)) == root[:3]
     assert slab_tokens(store.take("branch", 7)) == branch and "branch" not in store  # a whole leaf: taken
     assert slab_tokens(store.take("root", 6)) == root and not store.caches
+
+
+def test_tinygrad_caches_assemble_a_chain_too():
+    from tinygrad import Tensor
+
+    from shards.engines.tinygrad_engine import TinygradCache
+
+    def cache(tokens: list[int]) -> RequestCache:
+        layer = TinygradCache.empty(1, 2)
+        kv = Tensor(np.repeat(np.asarray(tokens, np.float32), 2).reshape(len(tokens), 1, 2))
+        layer.update_and_fetch(kv, -kv, 0)
+        c = RequestCache([layer])
+        c.commit(len(tokens))
+        return c
+
+    store = RetainedCaches(limit=1 << 30)
+    store.keep("root", cache([1, 2, 3, 4, 5]))
+    store.keep("branch", cache([1, 2, 3, 4, 8, 8]))
+    assert store.branch("branch", "root", 4)
+    got = store.take("branch", 6).layers[0].kv.numpy()[:, :6, 0, 0]
+    assert got.tolist() == [[1, 2, 3, 4, 8, 8], [-1, -2, -3, -4, -8, -8]]
 
 
 ops = st.lists(
