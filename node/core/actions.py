@@ -43,7 +43,7 @@ class Release:
 
     request_id: str
     keep: bool = False
-    branch: tuple[str, int] | None = None  # keep only the positions past the first n of this retained request's
+    branch: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
