@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shards.engines import lru_tree as tree
+
 
 @dataclass(frozen=True)
 class PrefixHit:
@@ -104,9 +106,8 @@ class PrefixIndex:
         self.scopes[entry_id] = scope
         self.positions += len(tokens) - shared
         if parent:
-            self.parents[entry_id] = (parent, shared)
-            self.children[parent] += 1
-            self._touch(entry_id)
+            tree.link(self.parents, self.children, entry_id, parent, shared)
+            tree.touch(self.entries, self.parents, entry_id)
         evicted = []
         while self.positions > self.capacity or len(self.entries) > self.max_entries:
             evicted.append(self._pop_oldest())
@@ -140,7 +141,7 @@ class PrefixIndex:
         if hit.tokens == len(tokens) and not self.children[hit.entry_id]:
             self.remove(hit.entry_id)
         else:
-            self._touch(hit.entry_id)
+            tree.touch(self.entries, self.parents, hit.entry_id)
             self.partial_hits += 1
         self.hits += 1
         self.hit_tokens += hit.tokens
@@ -150,7 +151,7 @@ class PrefixIndex:
         was indexed."""
         if entry_id not in self.entries:
             return False
-        for child in [c for c, (p, _) in self.parents.items() if p == entry_id]:
+        for child in tree.branches(self.parents, entry_id):
             self.remove(child)
         self._forget(entry_id)
         return True
@@ -160,7 +161,7 @@ class PrefixIndex:
         return self._pop_oldest() if self.entries else None
 
     def _pop_oldest(self) -> str:
-        entry_id = next(e for e in self.entries if not self.children[e])
+        entry_id = tree.oldest_leaf(self.entries, self.children)
         self._forget(entry_id)
         self.evictions += 1
         return entry_id
@@ -168,17 +169,4 @@ class PrefixIndex:
     def _forget(self, entry_id: str) -> None:
         tokens = self.entries.pop(entry_id)
         del self.scopes[entry_id]
-        parent, shared = self.parents.pop(entry_id, ("", 0))
-        self.positions -= len(tokens) - shared
-        if parent:
-            self.children[parent] -= 1
-            if not self.children[parent]:
-                del self.children[parent]
-
-    def _touch(self, entry_id: str) -> None:
-        chain = []
-        while entry_id:
-            chain.append(entry_id)
-            entry_id = self.parents.get(entry_id, ("", 0))[0]
-        for e in reversed(chain):
-            self.entries.move_to_end(e)
+        self.positions -= len(tokens) - tree.unlink(self.parents, self.children, entry_id)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
+from shards.engines import lru_tree as tree
 from shards.engines.backend import RequestCache
 
 
@@ -87,10 +88,9 @@ class RetainedCaches:
             return False
         cache.free()
         self.caches[entry_id] = own
-        self.parents[entry_id] = (parent, at)
-        self.children[parent] += 1
+        tree.link(self.parents, self.children, entry_id, parent, at)
         self.branches += 1
-        self._touch(entry_id)
+        tree.touch(self.caches, self.parents, entry_id)
         return True
 
     def take(self, entry_id: str, positions: int) -> RequestCache | None:
@@ -120,7 +120,7 @@ class RetainedCaches:
         if whole_leaf:
             self._pop(entry_id).free()
         else:
-            self._touch(entry_id)
+            tree.touch(self.caches, self.parents, entry_id)
         return cache
 
     def shrink(self, limit: int) -> list[str]:
@@ -128,7 +128,7 @@ class RetainedCaches:
         refuses a request for room); the ids freed."""
         freed, total = [], self.nbytes
         while self.caches and total > limit:
-            entry_id = next(e for e in self.caches if not self.children[e])
+            entry_id = tree.oldest_leaf(self.caches, self.children)
             cache = self._pop(entry_id)
             total -= cache.nbytes
             cache.free()
@@ -140,7 +140,7 @@ class RetainedCaches:
         """Free one retained cache and its branches (its index entry went away); True if it was held."""
         if entry_id not in self.caches:
             return False
-        for child in [c for c, (p, _) in self.parents.items() if p == entry_id]:
+        for child in tree.branches(self.parents, entry_id):
             self.drop(child)
         self._pop(entry_id).free()
         return True
@@ -163,24 +163,10 @@ class RetainedCaches:
             at = parent
         return pieces[::-1]
 
-    def _touch(self, entry_id: str) -> None:
-        """The entry and its ancestors, most recently used (a parent outlives its branches anyway)."""
-        chain = []
-        while entry_id:
-            chain.append(entry_id)
-            entry_id = self.parents.get(entry_id, ("", 0))[0]
-        for e in reversed(chain):
-            self.caches.move_to_end(e)
-
     def _pop(self, entry_id: str) -> RequestCache:
         """Take a leaf out of the tree (the caller frees or owns its cache)."""
-        cache = self.caches.pop(entry_id)
-        parent = self.parents.pop(entry_id, None)
-        if parent is not None:
-            self.children[parent[0]] -= 1
-            if not self.children[parent[0]]:
-                del self.children[parent[0]]
-        return cache
+        tree.unlink(self.parents, self.children, entry_id)
+        return self.caches.pop(entry_id)
 
 
 def resume_all(engines, request_id: str, entry_id: str, positions: int) -> bool:
