@@ -46,7 +46,7 @@ class RetainedCaches:
         self.children: Counter[str] = Counter()
         self.evictions = 0
         self.copies = 0  # hits served by copying (part of a cache, or a chain of branches)
-        self.branches = 0  # caches held as branches of another
+        self.branches = 0  # caches made branches of another so far
 
     @property
     def nbytes(self) -> int:
@@ -105,12 +105,15 @@ class RetainedCaches:
         whole_leaf = positions == self.length(entry_id) and not self.children[entry_id]
         if whole_leaf and entry_id not in self.parents:
             return self._pop(entry_id)
+        cache = None
         try:
             first, n = pieces[0]
             cache = self.caches[first].copy_prefix(n, room=positions)
             for piece, n in pieces[1:]:
                 cache.append_from(self.caches[piece], n)
         except NotImplementedError:
+            if cache is not None:
+                cache.free()
             if len(pieces) > 1 or self.children[entry_id]:
                 return None
             cache = self._pop(entry_id)
