@@ -4,6 +4,8 @@ that had to evict the prefix says so and the entry prefills everything, with the
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from bench.local_cluster import http
@@ -123,6 +125,31 @@ def test_clients_sharing_a_system_prompt_hold_it_once_on_every_node(ring):
     assert body["choices"][0]["message"]["content"] == reference(messages, 10)
     assert counters(ring)["prefix_hit_tokens"] - before > 60  # the system prompt, the question and the answer
     assert counters(ring).get("prefix_fallbacks", 0) == 0
+
+
+def test_concurrent_clients_sharing_a_system_prompt_each_get_the_one_process_answer(ring):
+    """Six clients at once, three turns each, one system prompt: prefixes are retained, branched and resumed while
+    other requests run on every node, and every answer is still the reference's."""
+    system = {"role": "system", "content": "You answer for a bicycle repair shop, briefly and politely. " * 3}
+    before, branches = counters(ring), node_prefix(ring, "retained_branches")
+
+    def client(i: int) -> list[tuple[list[dict], str]]:
+        messages, said = [system, {"role": "user", "content": f"Question {i}: can you fix wheel {i * 13}?"}], []
+        for _ in range(3):
+            status, body = ring.chat(messages, max_tokens=8, temperature=0)
+            assert status == 200, body
+            said.append((list(messages), body["choices"][0]["message"]["content"]))
+            messages = messages + [{"role": "assistant", "content": said[-1][1]}, {"role": "user", "content": "Why?"}]
+        return said
+
+    with ThreadPoolExecutor(6) as pool:
+        conversations = list(pool.map(client, range(6)))
+    for messages, answer in (turn for said in conversations for turn in said):
+        assert answer == reference(messages, 8)
+    after = counters(ring)
+    assert after["prefix_hits"] - before.get("prefix_hits", 0) >= 12  # every later turn, at least
+    assert after.get("prefix_fallbacks", 0) == before.get("prefix_fallbacks", 0)
+    assert all(n > b for n, b in zip(node_prefix(ring, "retained_branches"), branches))
 
 
 def test_a_node_that_evicted_the_prefix_makes_the_entry_prefill_everything():
