@@ -237,3 +237,37 @@ def test_each_position_attends_by_the_kernel_its_position_takes_in_any_step(monk
     fresh = e.forward([StepInput("fresh", tokens=other, max_positions=100)], all_logits=True)[0]
     assert np.array_equal(np.concatenate(again), fresh[33:50])
     e.close()
+
+
+def resident_line_pages(pool: CellPool) -> int:
+    """Pages of the pool's transposed values backed by memory now (mincore)."""
+    libc, total = ctypes.CDLL(None, use_errno=True), 0
+    for t in pool.v_lines:
+        first = t.contents.data // PAGE * PAGE
+        n = -(-(t.contents.data + pool.cells * pool.width * 2 - first) // PAGE)
+        vec = (ctypes.c_ubyte * n)()
+        assert libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(n * PAGE), vec) == 0
+        total += sum(b & 1 for b in vec)
+    return total
+
+
+@pytest.mark.parametrize("gemm_from", [1024, 16])  # the prompt's rows all flash; its last 24 by matmuls
+def test_a_prefix_is_copied_with_the_values_lines_only_where_they_were_written(monkeypatch, gemm_from):
+    """A request taking over another's first positions gets their keys and value rows, and their lines where they
+    hold values (a matmul row wrote or attended them). Lines no matmul row ever needed were never written, and
+    copying them anyway wrote a page of every value element's line in every layer, tens of MB for a 7B-shaped shard,
+    for a few cells. Either way the copy computes what a fresh prompt does."""
+    monkeypatch.setattr(ggml_attention, "GEMM_FROM", gemm_from)
+    e = smollm2(layers=2)  # under "auto": values as rows and in lines
+    assert e.pool.value_rows and e.pool.transposed and e.pool.gemm_from == gemm_from
+    e.retained.limit = 1 << 30
+    prompt = np.arange(40) % 50 + 100
+    (alone,) = e.forward([StepInput("a", tokens=prompt, max_positions=64)])
+    e.retain("a")
+    pages = resident_line_pages(e.pool)
+    assert e.resume("b", "a", 32)  # a part of its cache: copied, "a" stays retained
+    if gemm_from > len(prompt):  # lines never written: none copied
+        assert resident_line_pages(e.pool) == pages
+    (resumed,) = e.forward([StepInput("b", tokens=prompt[32:], max_positions=64)])
+    np.testing.assert_array_equal(resumed[-1], alone[-1])
+    e.close()

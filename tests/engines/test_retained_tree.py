@@ -113,7 +113,16 @@ def cell_cache(pool: CellPool, tokens: list[int]) -> CellRange:
         pool.values(0)[:, c.start + p] = -t
     c.commit(len(tokens))
     c.lines_valid = len(tokens)
+    c.wrote_lines(len(tokens))
     return c
+
+
+def scribble_free_cells(pool: CellPool) -> None:
+    """Every free cell's keys and values overwritten, so a copy that missed a cell can't pass on what was there."""
+    for start, end in pool.free_ranges:
+        key_rows(pool)[start:end] = 999
+        pool.value_rows_of(0)[start:end] = 999
+        pool.values(0)[:, start:end] = 999
 
 
 def test_the_cell_pool_assembles_a_chain_with_keys_value_rows_and_lines():
@@ -123,6 +132,7 @@ def test_the_cell_pool_assembles_a_chain_with_keys_value_rows_and_lines():
     store.keep("root", cell_cache(pool, root))
     store.keep("branch", cell_cache(pool, branch))
     assert store.branch("branch", "root", 32) and store.caches["branch"].capacity == 9
+    scribble_free_cells(pool)
     got = store.take("branch", 41)
     assert got.length == 41 and got.capacity >= 41 and got.lines_valid == 41
     cells = slice(got.start, got.start + 41)

@@ -199,21 +199,25 @@ class CellPool:
         """A layer's values as rows, F16 [cells, kv_heads*head_dim] (a view), where the pool keeps them."""
         return tensor_array(self.v[layer], (self.cells, self.width))
 
-    def copy(self, src: int, dst: int, n: int) -> None:
-        """Cells [src, src+n) to [dst, dst+n) in every tensor (ranges that do not overlap)."""
+    def copy(self, src: int, dst: int, n: int, lines: int | None = None) -> None:
+        """Cells [src, src+n) to [dst, dst+n) in every tensor (ranges that do not overlap); of the transposed values
+        only the first `lines` cells (all by default): a line's page holds 2,048 cells, so copying the lines of a
+        few cells writes a page of every line of every layer, tens of MB for a 7B shard, however few they are."""
+        lines = n if lines is None else max(0, min(lines, n))
         if n > 0:
             self.copied += n
             for t in self.k + self.v:
                 base = t.contents.data
                 ctypes.memmove(base + dst * self.row, base + src * self.row, n * self.row)
-            for layer in range(len(self.v_lines)):
+            for layer in range(len(self.v_lines) if lines else 0):
                 v = self.values(layer)
-                v[:, dst : dst + n] = v[:, src : src + n]
+                v[:, dst : dst + lines] = v[:, src : src + lines]
 
-    def move(self, start: int, n: int, keep: int, new_n: int) -> int:
-        """A range of n cells (its first `keep` in use) moved to a new range of new_n cells; its first cell."""
+    def move(self, start: int, n: int, keep: int, new_n: int, lines: int | None = None) -> int:
+        """A range of n cells (its first `keep` in use, the lines of its first `lines`) moved to a new range of new_n
+        cells; its first cell."""
         new = self.allocate(new_n)  # may grow the pool: the old range's cells move with it, same indices
-        self.copy(start, new, keep)
+        self.copy(start, new, keep, lines)
         self.release(start, n)
         return new
 
@@ -257,10 +261,16 @@ class CellRange(RequestCache):
         self.pool, self.capacity = pool, capacity
         self.limit = capacity  # the most cells it may grow to (its reservation, where the engine knows one)
         self.lines_valid = 0  # its first positions below the pool's gemm_from whose values the lines hold too
+        self.lines_end = 0  # one past the last of its cells whose lines were written (copies skip the lines past it)
+
+    def wrote_lines(self, end: int) -> None:
+        """Its lines were written up to cell `end` (by a step, or copied from its rows)."""
+        self.lines_end = max(self.lines_end, end)
 
     def grow(self, capacity: int) -> None:
         """Move to a range of `capacity` cells, keeping the positions held."""
-        self.start = self.pool.move(self.start, self.capacity, self.length, capacity)
+        self.lines_end = min(self.lines_end, self.length)
+        self.start = self.pool.move(self.start, self.capacity, self.length, capacity, self.lines_end)
         self.capacity = capacity
 
     @property
@@ -279,9 +289,11 @@ class CellRange(RequestCache):
         doubled = max(min(256, self.limit), min(1 << (want - 1).bit_length(), self.limit))
         copy = CellRange(self.pool, max(want, doubled) if start == 0 else n)
         copy.limit = max(self.limit, copy.capacity)
-        self.pool.copy(self.start + start, copy.start, n)  # after the allocation: a grown pool keeps the indices
+        lines = min(max(self.lines_end - start, 0), n)
+        self.pool.copy(self.start + start, copy.start, n, lines)  # after the allocation: a grown pool keeps the indices
         copy.commit(n)
         copy.lines_valid = min(max(self.lines_valid - start, 0), n)
+        copy.lines_end = lines
         return copy
 
     def append_from(self, src: CellRange, n: int) -> None:
@@ -292,7 +304,10 @@ class CellRange(RequestCache):
         end = self.length + n
         if end > self.capacity:
             self.grow(end)
-        self.pool.copy(src.start, self.start + self.length, n)
+        lines = min(src.lines_end, n)
+        self.pool.copy(src.start, self.start + self.length, n, lines)
+        if lines:
+            self.wrote_lines(self.length + lines)
         if self.lines_valid >= self.length:
             self.lines_valid = self.length + min(src.lines_valid, n)
         self.commit(n)

@@ -328,15 +328,18 @@ class GraphRunner(Runner):
                 if c.lines_valid < upto:
                     self.engine.pool.lines_from_rows(c.start + c.lines_valid, upto - c.lines_valid)
                     c.lines_valid = upto
+                    c.wrote_lines(upto)
 
     def lines_after(self, shape: Shape, p: Packing, caches: list[CellRange], segments: list[Segment]) -> None:
         """How far each request's lines hold after the step: flash rows that wrote rows only end them at their
         first position (a rewrite, after a rollback, too); ones that wrote both extend them."""
         for seg in segments:
             gr = shape.groups[seg.group]
+            c, a = caches[seg.request], int(p.starts[seg.request]) + seg.offset
+            if gr.gemm or gr.lines:
+                c.wrote_lines(a + seg.rows)
             if gr.gemm:
                 continue
-            c, a = caches[seg.request], int(p.starts[seg.request]) + seg.offset
             if gr.lines and c.lines_valid >= a:
                 c.lines_valid = max(c.lines_valid, a + seg.rows)
             else:

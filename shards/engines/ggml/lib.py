@@ -21,6 +21,7 @@ import logging
 import mmap
 import os
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -212,9 +213,15 @@ class WeightArena:
         self.at = self.end = 0  # free range of the newest chunk (addresses)
         self.nbytes = 0
 
-    def place(self, tensor: Tensor, pieces: list[np.ndarray]) -> None:
+    def place(
+        self,
+        tensor: Tensor,
+        pieces: list[np.ndarray],
+        before: Callable[[np.ndarray], None] | None = None,
+        after: Callable[[np.ndarray], None] | None = None,
+    ) -> None:
         """Copy `pieces` (C-contiguous, together exactly ggml_nbytes(tensor) bytes, in order) into the arena as
-        `tensor`'s storage."""
+        `tensor`'s storage, calling `before` and `after` around each piece's copy (a check, dropping its pages)."""
         size = int(g.ggml_nbytes(tensor))
         if sum(p.nbytes for p in pieces) != size or not all(p.flags.c_contiguous for p in pieces):
             raise ValueError(f"weight data has {sum(p.nbytes for p in pieces)} bytes, ggml expects {size}")
@@ -225,10 +232,7 @@ class WeightArena:
             self.end = chunk.base + chunk.size
         if g.ggml_backend_tensor_alloc(self.chunks[-1].buf, tensor, self.at) != 0:
             raise GgmlError("ggml_backend_tensor_alloc failed")
-        offset = 0
-        for p in pieces:
-            g.ggml_backend_tensor_set(tensor, p.ctypes.data, offset, p.nbytes)
-            offset += p.nbytes
+        set_pieces(tensor, pieces, before, after)
         self.at += -(-size // 64) * 64
         self.nbytes += size
 
@@ -254,6 +258,23 @@ class WeightArena:
         for buf in self.repacked:
             g.ggml_backend_buffer_free(buf)
         self.chunks, self.repacked = [], []
+
+
+def set_pieces(
+    tensor: Tensor,
+    pieces: list[np.ndarray],
+    before: Callable[[np.ndarray], None] | None = None,
+    after: Callable[[np.ndarray], None] | None = None,
+) -> None:
+    """A placed tensor's bytes from `pieces`, in order, with `before` and `after` called around each piece's copy."""
+    offset = 0
+    for p in pieces:
+        if before is not None:
+            before(p)
+        g.ggml_backend_tensor_set(tensor, p.ctypes.data, offset, p.nbytes)
+        offset += p.nbytes
+        if after is not None:
+            after(p)
 
 
 class MappedBuffer:

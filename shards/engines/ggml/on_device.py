@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.devices import Device, _handle
 from shards.engines.ggml.graph import Graph
-from shards.engines.ggml.lib import GgmlError, Tensor, WeightArena, g
+from shards.engines.ggml.lib import GgmlError, Tensor, WeightArena, g, set_pieces
 
 log = logging.getLogger(__name__)
 VIEW_OPS = frozenset({"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})  # no compute: not counted as fallbacks
@@ -119,7 +120,14 @@ class DeviceArena:
         self.nbytes = host.nbytes
         self.align = int(g.ggml_backend_buft_get_alignment(on.buft))
 
-    def place(self, tensor: Tensor, pieces: list[np.ndarray]) -> None:
+    def place(
+        self,
+        tensor: Tensor,
+        pieces: list[np.ndarray],
+        before: Callable[[np.ndarray], None] | None = None,
+        after: Callable[[np.ndarray], None] | None = None,
+    ) -> None:
+        """WeightArena.place on the device (or in host memory where no kernel may address the weight)."""
         size = int(g.ggml_nbytes(tensor))
         if sum(p.nbytes for p in pieces) != size or not all(p.flags.c_contiguous for p in pieces):
             raise ValueError(f"weight data has {sum(p.nbytes for p in pieces)} bytes, ggml expects {size}")
@@ -127,7 +135,7 @@ class DeviceArena:
             # larger than one kernel may address (Vulkan's storage buffer range: 128 MiB on lavapipe, e.g. a
             # 262k-token embedding table): in a device buffer the scheduler would abort the process; in host memory
             # the ops that read it run on the CPU, as llama.cpp places such a weight
-            self.host.place(tensor, pieces)
+            self.host.place(tensor, pieces, before, after)
             self.on.host_weights += size
             log.warning(
                 "ggml: a weight of %.0f MiB is larger than %s's kernels address: kept in host memory, its ops on the CPU",
@@ -147,10 +155,7 @@ class DeviceArena:
             self.end = self.at + chunk
         if g.ggml_backend_tensor_alloc(self.buffers[-1], tensor, self.at) != 0:
             raise GgmlError("ggml_backend_tensor_alloc failed")
-        offset = 0
-        for p in pieces:
-            g.ggml_backend_tensor_set(tensor, p.ctypes.data, offset, p.nbytes)
-            offset += p.nbytes
+        set_pieces(tensor, pieces, before, after)
         self.at += -(-need // self.align) * self.align
         self.nbytes += size
 
@@ -233,19 +238,20 @@ class DevicePool(CellPool):
         """A view of `a` with its cells first."""
         return np.moveaxis(a, a.shape.index(cells), 0)
 
-    def copy(self, src: int, dst: int, n: int) -> None:
-        """Cells of keys and values as rows (each cell's bytes contiguous) move as one span through the host; any
-        tensor of another layout whole."""
+    def copy(self, src: int, dst: int, n: int, lines: int | None = None) -> None:
+        """Cells of keys and values as rows (each cell's bytes contiguous) move as one span through the host; the
+        transposed values (their first `lines` cells, CellPool.copy) whole, and not at all when there are none."""
+        lines = n if lines is None else max(0, min(lines, n))
         if n > 0:
             self.copied += n
             span = np.empty(n * self.row, dtype=np.uint8)
             for t in self.k + self.v:
                 g.ggml_backend_tensor_get(t, span.ctypes.data, src * self.row, span.nbytes)
                 g.ggml_backend_tensor_set(t, span.ctypes.data, dst * self.row, span.nbytes)
-            for t in self.v_lines:
+            for t in self.v_lines if lines else ():
                 a = self._read(t)
                 cells = self._by_cell(a, self.cells)
-                cells[dst : dst + n] = cells[src : src + n]
+                cells[dst : dst + lines] = cells[src : src + lines]
                 self._write(t, a)
 
     def grow(self, cells: int) -> None:

@@ -29,6 +29,10 @@ from shards.engines.ggml.lib import (
 from shards.engines.ggml.repack_probe import repack_keeps_rows
 from shards.formats.quant import QuantizedTensor
 
+# A weight that isn't repacked is checked and copied in slices of this many bytes, each slice's file pages dropped
+# once copied: a tensor's pages (a 7B head's are ~100 MB) are never all resident beside its copy.
+SLICE_BYTES = 8 << 20
+
 
 @dataclass
 class GWeight:
@@ -43,6 +47,14 @@ class GWeight:
     @property
     def tensor(self) -> Tensor:
         return self.parts[0][0]
+
+
+def _slices(a: np.ndarray) -> list[np.ndarray]:
+    """`a` as views of whole rows (its first axis) of at most SLICE_BYTES each, or whole where it is smaller."""
+    if a.ndim < 2 or a.nbytes <= SLICE_BYTES:
+        return [a]
+    rows = max(1, SLICE_BYTES * len(a) // a.nbytes)
+    return [a[i : i + rows] for i in range(0, len(a), rows)]
 
 
 class GgmlWeights:
@@ -66,18 +78,19 @@ class GgmlWeights:
         if ggml_type not in WEIGHT_TYPES:
             raise ValueError(f"{what}: weight type {type_name(ggml_type)} is not supported by the ggml engine")
         pieces = [np.ascontiguousarray(p) for p in pieces]
-        for p in pieces:
-            validate_rows(ggml_type, p, what)
         ne = tuple(reversed(shape))
         t = self.wctx.new(ggml_type, ne)
         if matmul and self.repack and repack_supported(ggml_type, ne) and repack_keeps_rows(ggml_type):
+            for p in pieces:
+                validate_rows(ggml_type, p, what)
             # ggml re-lays a repacked tensor out as it is set, which it only does whole
             self.arena.place_repacked(t, pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
             self.repacked[type_name(ggml_type)] = self.repacked.get(type_name(ggml_type), 0) + 1
-        else:
-            self.arena.place(t, pieces)
-        for p in pieces:
-            release_file_pages(p)
+            for p in pieces:
+                release_file_pages(p)
+        else:  # a slice at a time, its file pages dropped as it is copied: loading peaks at one slice, not a tensor
+            slices = [s for p in pieces for s in _slices(p)]
+            self.arena.place(t, slices, lambda s: validate_rows(ggml_type, s, what), release_file_pages)
         return t
 
     def _matrix(self, w: np.ndarray | QuantizedTensor) -> tuple[int, tuple[int, ...], np.ndarray, str]:

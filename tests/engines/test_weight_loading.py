@@ -1,0 +1,51 @@
+"""How the ggml engine copies a shard's weights out of the model file (shards/engines/ggml/weight_placement.py): a
+weight that isn't repacked is checked and copied a slice at a time, each slice's file pages dropped from the process
+once copied, so loading never holds a whole tensor's pages beside its copy. A 7B model's head is ~100 MB, a 70B's
+~1 GB: on a node sized to its share that was the difference between loading and being killed."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ggml", reason="the ggml extra is not installed")
+
+from shards.engines.ggml import weight_placement
+from shards.engines.ggml.lib import g
+from shards.engines.ggml.weight_placement import SLICE_BYTES, GgmlWeights
+
+KB = 1024
+
+
+def mapped_kb(path) -> int:
+    """This process's resident memory mapped from `path` (kB, /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0] and not line.startswith(("Rss", "Size")):
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_a_weight_is_copied_a_slice_at_a_time_and_its_file_pages_dropped_as_it_goes(tmp_path, monkeypatch):
+    path = tmp_path / "weight.f32"
+    rows, width = 3 * SLICE_BYTES // (4 * KB) + 5, KB  # three slices and a bit
+    want = np.random.default_rng(0).standard_normal((rows, width)).astype(np.float32)
+    want.tofile(path)
+    stored = np.memmap(path, dtype=np.float32, mode="r", shape=(rows, width))
+    seen = []
+    release = weight_placement.release_file_pages
+
+    def measured(a):
+        seen.append(mapped_kb(path))  # what is mapped as a slice's copy ends, before its pages go
+        release(a)
+
+    monkeypatch.setattr(weight_placement, "release_file_pages", measured)
+    weights = GgmlWeights(4, repack=False)
+    w = weights.weight(stored)
+    assert len(seen) == 4 and max(seen) <= SLICE_BYTES // KB + 8  # one slice, and a page either side
+    assert mapped_kb(path) <= 4 * 4  # a page at each slice's boundary at most
+    got = np.empty_like(want)
+    g.ggml_backend_tensor_get(w.tensor, got.ctypes.data, 0, got.nbytes)
+    np.testing.assert_array_equal(got, want)
+    weights.free()
