@@ -87,7 +87,7 @@ class Node:
                 deferred=settings.speculate == "draft",  # a draft model computes: off the event loop
             ),
         )
-        self.shards = ShardManager(model.path, model.config, engines)
+        self.shards = ShardManager(model.path, model.config, engines, self._prepare)
         self._engines = engines
         # what placement balances: sustained, so under a CPU quota a pass's time counts at the node's share of it
         self._costs = layer_costs(model.config, settings.head_weight)
@@ -235,7 +235,6 @@ class Node:
         self._spawn(self.pipeline.work())
         self._spawn(self._expire_loop())
         self._spawn(LoopMonitor(self.metrics.loop_lag.observe).run())
-        self._spawn(self._warm_grammar())
         self._spawn(self._calibrate())
 
     async def _calibrate(self) -> None:
@@ -260,16 +259,16 @@ class Node:
         except TimeoutError:
             logging.getLogger(__name__).warning("no speed measured in %gs: joining unmeasured", timeout)
 
-    async def _warm_grammar(self) -> None:
-        """Build llguidance's view of the vocabulary now, off the loop: built at the first constrained request,
-        its second or two would stall the engine thread (where the sampler runs) for every stream. After the
-        calibration's first round (when there is one to take now), which it would slow."""
-        if self.availability().complete:
-            await self._first_speed.wait()
-        try:
-            await asyncio.to_thread(grammar_tokenizer, self.model.tokenizer)
-        except Exception as e:  # constrained requests will fail with the reason; the node serves the others
-            logging.getLogger(__name__).warning("no grammar-constrained sampling on this node: %s", e)
+    def _prepare(self, shard: Shard) -> None:
+        """On the engine thread, as a shard loads: a shard that samples gets llguidance's view of the vocabulary now,
+        not at the first constrained request (for a large vocabulary its second or two would stall every stream).
+        Other shards never sample: the view (~19 MB for a 32k vocabulary) is built only if this node's API is asked
+        for a constrained request (node/http/api.py)."""
+        if shard.is_last:
+            try:
+                grammar_tokenizer(self.model.tokenizer)
+            except Exception as e:  # constrained requests will fail with the reason; the node serves the others
+                logging.getLogger(__name__).warning("no grammar-constrained sampling on this node: %s", e)
 
     async def load_pinned(self) -> None:
         """A pinned node knows its shard: load it now rather than at the first request (when it holds it)."""

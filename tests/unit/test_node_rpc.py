@@ -1,6 +1,7 @@
 """A node's gRPC surface, in process: hostile or stray input is refused cleanly, big tensors pass the 4 MiB cap."""
 
 import asyncio
+import threading
 
 import grpc
 import numpy as np
@@ -12,6 +13,7 @@ from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, channel_o
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
 from node.grpc.server import GrpcServer
+from node.runtime import node as node_module
 from node.runtime.node import Node
 from node.runtime.settings import NodeSettings, ServedModel
 from node.runtime.shard_manager import ShardManager
@@ -294,3 +296,27 @@ def test_a_pinned_shard_past_the_models_layers_is_refused_before_anything_starts
             engines=engine_factory("numpy"),
             transport=GrpcTransport(),
         )
+
+
+def test_a_node_builds_the_grammar_view_only_as_a_shard_that_samples_loads(monkeypatch):
+    """llguidance's view of the vocabulary (19 MB for a 32k vocabulary) is built on the engine thread as a shard that
+    samples loads, before its first pass, so the first constrained request stalls no stream; a node that only
+    forwards never builds it (its API builds it if a constrained request comes: node/http/api.py)."""
+    built = []
+    monkeypatch.setattr(node_module, "grammar_tokenizer", lambda tok: built.append(threading.current_thread().name))
+    node = Node(
+        NodeSettings(node_id="n0", memory_bytes=1 << 30),
+        ServedModel("llama", MODEL, ModelConfig.from_dir(MODEL), Tokenizer(MODEL)),
+        address="127.0.0.1:1",
+        engines=engine_factory("numpy"),
+        transport=GrpcTransport(),
+    )
+
+    async def go():
+        await node.shards.get(Shard("llama", 0, 3, 6))
+        assert built == []
+        await node.shards.get(Shard("llama", 3, 6, 6))
+        assert len(built) == 1 and built[0].startswith("engine")
+        node.shards.close()
+
+    run(go())

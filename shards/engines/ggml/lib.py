@@ -202,7 +202,7 @@ class WeightArena:
     decode speed that llama.cpp, reading its mmap, doesn't pay (docs/benchmarks-log.md, figures once in code). So
     each chunk is advised MADV_HUGEPAGE (Linux; elsewhere plain pages) and starts on a 2 MiB boundary. Pages
     are only backed as weights are copied in, so resident memory stays the weights' bytes (plus at most one
-    partly filled huge page per chunk)."""
+    partly filled huge page per chunk until the chunk is sealed: `seal` gives back its pages past the last weight)."""
 
     CHUNK = 64 << 20
     HUGE = 2 << 20
@@ -226,6 +226,7 @@ class WeightArena:
         if sum(p.nbytes for p in pieces) != size or not all(p.flags.c_contiguous for p in pieces):
             raise ValueError(f"weight data has {sum(p.nbytes for p in pieces)} bytes, ggml expects {size}")
         if self.at + size > self.end:
+            self.seal()
             chunk = MappedBuffer(max(self.CHUNK, size) + self.HUGE, huge=True)
             self.chunks.append(chunk)
             self.at = -(-chunk.base // self.HUGE) * self.HUGE
@@ -235,6 +236,15 @@ class WeightArena:
         set_pieces(tensor, pieces, before, after)
         self.at += -(-size // 64) * 64
         self.nbytes += size
+
+    def seal(self) -> None:
+        """The newest chunk's pages past its last weight go back to the kernel (a huge page is split): weights placed
+        later fault theirs in again."""
+        if self.chunks:
+            chunk = self.chunks[-1]
+            first = -(-(self.at - chunk.base) // mmap.PAGESIZE) * mmap.PAGESIZE
+            if first < chunk.size and hasattr(mmap, "MADV_DONTNEED"):
+                chunk.map.madvise(mmap.MADV_DONTNEED, first, chunk.size - first)
 
     def place_repacked(self, tensor: Tensor, data: np.ndarray) -> None:
         """Copy a matmul weight that `repack_supported` accepted into its own CPU_REPACK buffer (ggml re-lays the

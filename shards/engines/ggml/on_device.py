@@ -159,6 +159,9 @@ class DeviceArena:
         self.at += -(-need // self.align) * self.align
         self.nbytes += size
 
+    def seal(self) -> None:
+        self.host.seal()
+
     def place_repacked(self, tensor: Tensor, data: np.ndarray) -> None:
         raise GgmlError("CPU_REPACK is for CPU weights: a device engine places every weight with `place`")
 

@@ -127,8 +127,10 @@ class GgmlWeights:
         return weight
 
     def loaded(self) -> None:
-        """The model is built: forget the ids used to share the tied embedding (they may be reused from now on)."""
+        """The model is built: forget the ids used to share the tied embedding (they may be reused from now on), and
+        seal the arena's last chunk."""
         self.shared.clear()
+        self.arena.seal()
 
     def array(self, a: np.ndarray | QuantizedTensor) -> GWeight:
         """Norm weights and biases, as F32 (they are F32 in GGUF files, and tiny)."""
