@@ -87,7 +87,7 @@ class Node:
                 deferred=settings.speculate == "draft",  # a draft model computes: off the event loop
             ),
         )
-        self.shards = ShardManager(model.path, model.config, engines, self._prepare)
+        self.shards = ShardManager(model.path, model.config, engines)
         self._engines = engines
         # what placement balances: sustained, so under a CPU quota a pass's time counts at the node's share of it
         self._costs = layer_costs(model.config, settings.head_weight)
@@ -258,17 +258,6 @@ class Node:
             await asyncio.wait_for(self._first_speed.wait(), timeout)
         except TimeoutError:
             logging.getLogger(__name__).warning("no speed measured in %gs: joining unmeasured", timeout)
-
-    def _prepare(self, shard: Shard) -> None:
-        """On the engine thread, as a shard loads: a shard that samples gets llguidance's view of the vocabulary now,
-        not at the first constrained request (for a large vocabulary its second or two would stall every stream).
-        Other shards never sample: the view (~19 MB for a 32k vocabulary) is built only if this node's API is asked
-        for a constrained request (node/http/api.py)."""
-        if shard.is_last:
-            try:
-                grammar_tokenizer(self.model.tokenizer)
-            except Exception as e:  # constrained requests will fail with the reason; the node serves the others
-                logging.getLogger(__name__).warning("no grammar-constrained sampling on this node: %s", e)
 
     async def load_pinned(self) -> None:
         """A pinned node knows its shard: load it now rather than at the first request (when it holds it)."""

@@ -135,6 +135,8 @@ class Pipeline:
         started = time.perf_counter()
         try:
             sampler = None if self.batcher.closed else self.batcher
+            if sampler is not None and any(r.sample and r.sample.params.constraint for r in plan.sampled_rows):
+                sampler.expect_grammar()
             self.overhead.submitted()
             done = await self.shards.execute(engine, plan, sampler, self.following)
         except Exception as e:

@@ -27,16 +27,8 @@ class ShardManager:
     are not thread-safe, and a release queued after a forward can never be overtaken by it.
     """
 
-    def __init__(
-        self,
-        model_dir: Path,
-        config: ModelConfig,
-        factory: EngineFactory,
-        prepare: Callable[[Shard], None] | None = None,
-    ):
-        """`prepare`: called on the engine thread after a shard's engine loads, before the first pass (what a shard
-        needs beside its engine: the grammar view on a shard that samples)."""
-        self.model_dir, self.config, self.factory, self.prepare = model_dir, config, factory, prepare
+    def __init__(self, model_dir: Path, config: ModelConfig, factory: EngineFactory):
+        self.model_dir, self.config, self.factory = model_dir, config, factory
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engines: dict[Shard, Engine] = {}
         self._loading: dict[Shard, asyncio.Future] = {}
@@ -63,14 +55,8 @@ class ShardManager:
             log.info("unloading %s", old)
             del self.engines[old]
         log.info("loading %s", shard)
-        engine = await self.run(self._make, shard)
+        engine = await self.run(self.factory, self.model_dir, shard, self.config)
         self.engines[shard] = engine
-        return engine
-
-    def _make(self, shard: Shard) -> Engine:
-        engine = self.factory(self.model_dir, shard, self.config)
-        if self.prepare is not None:
-            self.prepare(shard)
         return engine
 
     async def execute(

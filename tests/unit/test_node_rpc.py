@@ -17,6 +17,7 @@ from node.runtime import node as node_module
 from node.runtime.node import Node
 from node.runtime.settings import NodeSettings, ServedModel
 from node.runtime.shard_manager import ShardManager
+from shards.decoding.grammar import Constraint, grammar_tokenizer, json_schema_grammar
 from shards.decoding.sampling import SamplingParams
 from shards.engines.numpy_engine import NumpyEngine
 from shards.engines.registry import engine_factory
@@ -298,25 +299,30 @@ def test_a_pinned_shard_past_the_models_layers_is_refused_before_anything_starts
         )
 
 
-def test_a_node_builds_the_grammar_view_only_as_a_shard_that_samples_loads(monkeypatch):
-    """llguidance's view of the vocabulary (19 MB for a 32k vocabulary) is built on the engine thread as a shard that
-    samples loads, before its first pass, so the first constrained request stalls no stream; a node that only
-    forwards never builds it (its API builds it if a constrained request comes: node/http/api.py)."""
+def test_a_node_builds_the_grammar_view_only_beside_a_pass_that_samples_a_constrained_row(monkeypatch):
+    """llguidance's view of the vocabulary (19 MB for a 32k vocabulary; every node built it at start) is built on
+    the grammar thread when a pass about to run samples a constrained row, once, beside that pass: a node serving
+    free requests never holds it, and a constrained request's sampling waits at most for what is left of it."""
     built = []
-    monkeypatch.setattr(node_module, "grammar_tokenizer", lambda tok: built.append(threading.current_thread().name))
-    node = Node(
-        NodeSettings(node_id="n0", memory_bytes=1 << 30),
-        ServedModel("llama", MODEL, ModelConfig.from_dir(MODEL), Tokenizer(MODEL)),
-        address="127.0.0.1:1",
-        engines=engine_factory("numpy"),
-        transport=GrpcTransport(),
-    )
+
+    def view(tokenizer):
+        built.append(threading.current_thread().name)
+        return grammar_tokenizer(tokenizer)
+
+    monkeypatch.setattr(node_module, "grammar_tokenizer", view)
 
     async def go():
-        await node.shards.get(Shard("llama", 0, 3, 6))
-        assert built == []
-        await node.shards.get(Shard("llama", 3, 6, 6))
-        assert len(built) == 1 and built[0].startswith("engine")
-        node.shards.close()
+        node, server, client = await serving()
+        try:
+            free = [m async for m in node.generate([5, 6, 7], SamplingParams(temperature=0), 3)]
+            assert free[-1].finished and built == []
+            digits = Constraint(json_schema_grammar({"type": "integer"}))
+            params = SamplingParams(temperature=0, constraint=digits)
+            for _ in range(2):
+                out = [m async for m in node.generate([5, 6, 7], params, 3)]
+                assert out[-1].finished and not out[-1].error
+            assert built and built[0].startswith("grammar")
+        finally:
+            await shutdown(node, server, client)
 
     run(go())
