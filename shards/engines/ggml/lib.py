@@ -71,6 +71,7 @@ g.ggml_log_set(_forward_log, None)  # the module keeps the callback object alive
 
 # GGUF's type ids are ggml's (GGMLQuantizationType.Q4_K == GGML_TYPE_Q4_K == 12): one enum for both.
 F32, F16, I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), g.GGML_TYPE_I32
+PieceHook = Callable[[np.ndarray], None] | None  # called with each piece of a weight around its copy
 WEIGHT_TYPES = frozenset(int(t) for t in SUPPORTED_TYPES)  # the types the engine's tests run through ggml
 QUANTIZE_TYPES = {
     "q8_0": GGMLQuantizationType.Q8_0,
@@ -214,11 +215,7 @@ class WeightArena:
         self.nbytes = 0
 
     def place(
-        self,
-        tensor: Tensor,
-        pieces: list[np.ndarray],
-        before: Callable[[np.ndarray], None] | None = None,
-        after: Callable[[np.ndarray], None] | None = None,
+        self, tensor: Tensor, pieces: list[np.ndarray], before: PieceHook = None, after: PieceHook = None
     ) -> None:
         """Copy `pieces` (C-contiguous, together exactly ggml_nbytes(tensor) bytes, in order) into the arena as
         `tensor`'s storage, calling `before` and `after` around each piece's copy (a check, dropping its pages)."""
@@ -270,12 +267,7 @@ class WeightArena:
         self.chunks, self.repacked = [], []
 
 
-def set_pieces(
-    tensor: Tensor,
-    pieces: list[np.ndarray],
-    before: Callable[[np.ndarray], None] | None = None,
-    after: Callable[[np.ndarray], None] | None = None,
-) -> None:
+def set_pieces(tensor: Tensor, pieces: list[np.ndarray], before: PieceHook = None, after: PieceHook = None) -> None:
     """A placed tensor's bytes from `pieces`, in order, with `before` and `after` called around each piece's copy."""
     offset = 0
     for p in pieces:

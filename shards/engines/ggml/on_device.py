@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import Counter
-from collections.abc import Callable
 
 import numpy as np
 
@@ -27,7 +26,7 @@ from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.devices import Device, _handle
 from shards.engines.ggml.graph import Graph
-from shards.engines.ggml.lib import GgmlError, Tensor, WeightArena, g, set_pieces
+from shards.engines.ggml.lib import GgmlError, PieceHook, Tensor, WeightArena, g, set_pieces
 
 log = logging.getLogger(__name__)
 VIEW_OPS = frozenset({"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})  # no compute: not counted as fallbacks
@@ -121,11 +120,7 @@ class DeviceArena:
         self.align = int(g.ggml_backend_buft_get_alignment(on.buft))
 
     def place(
-        self,
-        tensor: Tensor,
-        pieces: list[np.ndarray],
-        before: Callable[[np.ndarray], None] | None = None,
-        after: Callable[[np.ndarray], None] | None = None,
+        self, tensor: Tensor, pieces: list[np.ndarray], before: PieceHook = None, after: PieceHook = None
     ) -> None:
         """WeightArena.place on the device (or in host memory where no kernel may address the weight)."""
         size = int(g.ggml_nbytes(tensor))
