@@ -235,12 +235,14 @@ class WeightArena:
         self.nbytes += size
 
     def seal(self) -> None:
-        """The newest chunk's pages past its last weight go back to the kernel (a huge page is split): weights placed
-        later fault theirs in again."""
-        if self.chunks:
+        """The newest chunk's pages past its last weight go back to the kernel (a huge page is split), and stay out of
+        huge pages (else khugepaged may collapse the split page whole again): weights placed later fault theirs in."""
+        if self.chunks and hasattr(mmap, "MADV_DONTNEED"):
             chunk = self.chunks[-1]
             first = -(-(self.at - chunk.base) // mmap.PAGESIZE) * mmap.PAGESIZE
-            if first < chunk.size and hasattr(mmap, "MADV_DONTNEED"):
+            if first < chunk.size:
+                if hasattr(mmap, "MADV_NOHUGEPAGE"):
+                    chunk.map.madvise(mmap.MADV_NOHUGEPAGE, first, chunk.size - first)
                 chunk.map.madvise(mmap.MADV_DONTNEED, first, chunk.size - first)
 
     def place_repacked(self, tensor: Tensor, data: np.ndarray) -> None:
