@@ -49,6 +49,7 @@ def fill(pool: CellPool, start: int, n: int, seed: int) -> list[tuple[np.ndarray
         if pool.value_rows and pool.transposed:
             pool.value_rows_of(layer)[start : start + n] = v
         out.append((k, v))
+    pool.wrote_lines(start + n)  # as a step that writes values in lines says so
     return out
 
 
@@ -271,3 +272,21 @@ def test_a_prefix_is_copied_with_the_values_lines_only_where_they_were_written(m
     (resumed,) = e.forward([StepInput("b", tokens=prompt[32:], max_positions=64)])
     np.testing.assert_array_equal(resumed[-1], alone[-1])
     e.close()
+
+
+def test_the_pools_growth_copies_the_values_lines_only_as_far_as_any_were_written():
+    """Ranges of flash rows write keys and value rows only; when the pool doubles, copying every used cell's lines
+    anyway wrote a page of every value element's line in every layer (46 MB for SmolLM2's 30 layers). Lines that were
+    written move with their cells, as before."""
+    pool = CellPool(2, 2, 8, 4 * PAGE, gemm_from=16)  # values as rows and in lines
+    a = pool.allocate(PAGE)
+    for layer in range(2):
+        keys(pool, layer)[a : a + PAGE] = 1.0
+        pool.value_rows_of(layer)[a : a + PAGE] = 2.0
+    pool.allocate(4 * PAGE)  # no room: the pool doubles
+    assert pool.generation == 1 and resident_line_pages(pool) == 0
+    assert (keys(pool, 1)[a : a + PAGE] == 1.0).all() and (pool.value_rows_of(1)[a : a + PAGE] == 2.0).all()
+    written = fill(pool, a, 100, seed=3)  # lines too, now
+    pool.allocate(8 * PAGE)
+    assert pool.generation == 2 and held(pool, a, written) and resident_line_pages(pool) > 0
+    pool.free()

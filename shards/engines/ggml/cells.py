@@ -76,6 +76,7 @@ class CellPool:
         self._map(cells)
         self.free_ranges: list[tuple[int, int]] = [(SCRATCH_CELL + 1, cells)]
         self.clean_from = SCRATCH_CELL + 1  # every cell from here on is free and given back (or never touched)
+        self.lines_end = 0  # one past the last cell whose lines may hold a value: the pool's growth copies no further
 
     def extra_bytes(self, positions: int) -> int:
         """Memory a request of `positions` positions takes beyond `position_bytes` each: its values kept twice."""
@@ -160,6 +161,7 @@ class CellPool:
             if self.clean_from - start >= GIVE_BACK_CELLS:
                 self._discard(start, self.clean_from, start, end)
                 self.clean_from = start
+                self.lines_end = min(self.lines_end, start)
         elif n >= GIVE_BACK_CELLS:  # a hole: what a large range held (small holes are taken again soon)
             self._discard(lo, hi, start, end)
 
@@ -189,11 +191,16 @@ class CellPool:
             return tensor_array(self.v_lines[layer], (self.width, self.cells))
         return tensor_array(self.v[layer], (self.cells, self.width)).T
 
+    def wrote_lines(self, end: int) -> None:
+        """The lines of cells below `end` may hold values now (a step wrote them, or a caller through `values`)."""
+        self.lines_end = max(self.lines_end, end)
+
     def lines_from_rows(self, start: int, n: int) -> None:
         """Cells [start, start+n)'s values, as rows, copied into lines (for matmul rows attending them)."""
         if n > 0:
             for layer in range(self.n_layers):
                 self.values(layer)[:, start : start + n] = self.value_rows_of(layer)[start : start + n].T
+            self.wrote_lines(start + n)
 
     def value_rows_of(self, layer: int) -> np.ndarray:
         """A layer's values as rows, F16 [cells, kv_heads*head_dim] (a view), where the pool keeps them."""
@@ -212,6 +219,8 @@ class CellPool:
             for layer in range(len(self.v_lines) if lines else 0):
                 v = self.values(layer)
                 v[:, dst : dst + lines] = v[:, src : src + lines]
+            if lines:
+                self.wrote_lines(dst + lines)
 
     def move(self, start: int, n: int, keep: int, new_n: int, lines: int | None = None) -> int:
         """A range of n cells (its first `keep` in use, the lines of its first `lines`) moved to a new range of new_n
@@ -222,15 +231,17 @@ class CellPool:
         return new
 
     def grow(self, cells: int) -> None:
-        """Move every tensor into a mapping of `cells` cells (the cells in use copied, at the same indices)."""
+        """Move every tensor into a mapping of `cells` cells (the cells in use copied, at the same indices; their
+        lines only as far as any were written: a page of every line of every layer otherwise)."""
         old_ctx, old_mem, old_rows, old_lines = self.ctx, self.mem, self.k + self.v, self.v_lines
         used, old_cells = self.used_end, self.cells
+        lines = min(used, self.lines_end)
         self._map(cells)
         self.copied += used
         for src, dst in zip(old_rows, self.k + self.v):
             ctypes.memmove(dst.contents.data, src.contents.data, used * self.row)
-        for layer, src in enumerate(old_lines):
-            self.values(layer)[:, :used] = tensor_array(src, (self.width, old_cells))[:, :used]
+        for layer, src in enumerate(old_lines if lines else ()):
+            self.values(layer)[:, :lines] = tensor_array(src, (self.width, old_cells))[:, :lines]
         self._grown(old_ctx, old_mem, old_cells, cells)
         self.clean_from = used  # the new mapping is untouched past the cells copied
 
@@ -266,6 +277,7 @@ class CellRange(RequestCache):
     def wrote_lines(self, end: int) -> None:
         """Its lines were written up to cell `end` (by a step, or copied from its rows)."""
         self.lines_end = max(self.lines_end, end)
+        self.pool.wrote_lines(self.start + end)
 
     def grow(self, capacity: int) -> None:
         """Move to a range of `capacity` cells, keeping the positions held."""
