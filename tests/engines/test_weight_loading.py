@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from shards.engines.ggml import weight_placement
-from shards.engines.ggml.lib import WeightArena, g
+from shards.engines.ggml.host_memory import WeightArena
+from shards.engines.ggml.lib import g
 from shards.engines.ggml.weight_placement import SLICE_BYTES, GgmlWeights
 
 KB = 1024

@@ -37,7 +37,8 @@ import numpy as np
 
 from shards.engines.backend import RequestCache
 from shards.engines.ggml import attention
-from shards.engines.ggml.lib import F16, Context, MappedBuffer, Tensor
+from shards.engines.ggml.host_memory import MappedBuffer
+from shards.engines.ggml.lib import F16, Context, Tensor
 
 SCRATCH_CELL = 0  # where padding rows write; in no request's range
 CELL_ALIGN = 64  # the engine's ranges start on multiples of this: a row's sums fall in the same SIMD blocks wherever

@@ -26,7 +26,8 @@ from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.devices import Device, _handle
 from shards.engines.ggml.graph import Graph
-from shards.engines.ggml.lib import GgmlError, PieceHook, Tensor, WeightArena, g, set_pieces
+from shards.engines.ggml.host_memory import PieceHook, WeightArena, set_pieces
+from shards.engines.ggml.lib import GgmlError, Tensor, g
 
 log = logging.getLogger(__name__)
 VIEW_OPS = frozenset({"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})  # no compute: not counted as fallbacks

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from shards.engines.ggml.host_memory import WeightArena
 from shards.engines.ggml.lib import (
     F32,
     Context,
     GgmlError,
-    WeightArena,
     cpu_buffer_type,
     g,
     quantize,

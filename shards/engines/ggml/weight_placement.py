@@ -14,14 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shards.engines.ggml.host_memory import WeightArena, release_file_pages
 from shards.engines.ggml.lib import (
     F32,
     WEIGHT_TYPES,
     Context,
     Tensor,
-    WeightArena,
     g,
-    release_file_pages,
     repack_supported,
     type_name,
     validate_rows,
