@@ -87,11 +87,12 @@ class GGUFFile:
             raise GGUFError(f"{path}: not a readable GGUF file ({self._why(e)})") from None
         self.data: np.ndarray = reader.data  # the whole file, memory-mapped read-only
         # Keep plain values, not the reader: its per-element numpy parts of a 49k-token vocabulary hold ~60 MB, for
-        # the life of the node. A value that cannot be decoded is kept as its error, raised if someone asks for it.
+        # the life of the node; long arrays packed (`_Packed`). A value that cannot be decoded is kept as its error,
+        # raised if someone asks for it.
         self.meta: dict[str, tuple[tuple[GGUFValueType, ...], Any]] = {}
         for key, field in reader.fields.items():
             try:
-                value = field.contents()
+                value = _Packed.of(field) or field.contents()
             except Exception as e:  # e.g. a string that is not UTF-8
                 value = _Unreadable(f"{type(e).__name__}: {e}")
             self.meta[key] = (tuple(field.types), value)
@@ -186,6 +187,11 @@ class GGUFFile:
             or (not is_array and types[0] not in kinds)
         ):
             raise GGUFError(f"{self.path}: metadata {key!r} must be {what}, got {'/'.join(t.name for t in types)}")
+        if isinstance(value, _Packed):
+            try:
+                return value.unpack()
+            except UnicodeDecodeError as e:
+                value = _Unreadable(f"{type(e).__name__}: {e}")
         if isinstance(value, _Unreadable):
             raise GGUFError(f"{self.path}: metadata {key!r} is unreadable ({value.why})")
         return value
@@ -211,6 +217,38 @@ class GGUFFile:
 @dataclass(frozen=True)
 class _Unreadable:
     why: str
+
+
+@dataclass(frozen=True, eq=False)
+class _Packed:
+    """A long array's items in one numpy buffer; strings as their UTF-8 bytes end to end, with where each ends.
+
+    As Python objects a vocabulary's tokens and scores are megabytes every node holds for good (6 MB resident for a
+    32k-token vocabulary), though only the tokenizer's build reads them; packed, a tenth. Unpacked at each read into
+    the list the reader's `contents()` gives."""
+
+    LONG = 256  # arrays of this many items and more are packed
+
+    items: np.ndarray  # the numbers, or the strings' bytes
+    ends: np.ndarray | None = None  # strings: where each ends in `items`
+
+    @classmethod
+    def of(cls, field) -> _Packed | None:
+        """`field` packed, or None for anything but a long array of numbers or strings."""
+        types = field.types
+        if len(types) != 2 or types[0] != GGUFValueType.ARRAY or len(field.data) < cls.LONG:
+            return None
+        parts = [field.parts[i] for i in field.data]
+        if types[1] == GGUFValueType.STRING:
+            ends = np.cumsum(np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts)))
+            return cls(np.concatenate(parts).view(np.uint8), ends)
+        return None if types[1] == GGUFValueType.ARRAY else cls(np.concatenate(parts))
+
+    def unpack(self) -> list:
+        if self.ends is None:
+            return self.items.tolist()
+        raw, starts = self.items.tobytes(), [0, *self.ends[:-1].tolist()]
+        return [raw[a:b].decode("utf-8") for a, b in zip(starts, self.ends.tolist())]
 
 
 INTS = {

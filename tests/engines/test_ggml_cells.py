@@ -16,7 +16,7 @@ from shards.engines.base import StepInput
 from shards.engines.ggml.attention import SPLIT_KV_CELLS
 from shards.engines.ggml.cells import GIVE_BACK_CELLS, CellPool
 from shards.engines.ggml.engine import SPAN_CELLS, GgmlEngine
-from shards.engines.ggml.graph import WINDOW_STEP, padded_rows
+from shards.engines.ggml.graph import SPARE_SHARE, WINDOW_STEP, padded_rows
 from shards.formats.loader import load_config
 from shards.model.shard import Shard
 from tests.support.gguf_util import smollm2_path
@@ -230,13 +230,13 @@ def test_64_requests_at_a_fresh_engine_cost_steps_like_its_own_and_build_a_handf
 def test_the_graphs_kept_hold_the_newest_ones_buffer_and_a_bounded_spare_whatever_prompts_came():
     """Every prompt chunk builds a graph of its own span, and each graph keeps a compute buffer for its re-runs:
     kept, they grew a node's memory with every prompt it prefilled (130 MB per 256-row chunk of a 7B-shaped shard).
-    Beside the newest graph the cache keeps at most its spare bytes, the largest graphs dropped first, so the
-    decode step's small graph stays built."""
+    Beside the newest graph the cache keeps at most its spare bytes, none over a share of them, the largest graphs
+    dropped first, so the decode step's small graph stays built."""
     e = smollm2(layers=2)
     e.forward([StepInput("d", tokens=np.arange(5) + 100, max_positions=64)])
     e.forward([StepInput("d", tokens=np.array([7]))])
     decode = e.graphs.graphs[next(reversed(e.graphs.graphs))]
-    e.graphs.spare_bytes = 2 * decode.compute_bytes + 1  # room for the decode graph (and one like it), no chunk's
+    e.graphs.spare_bytes = SPARE_SHARE * decode.compute_bytes  # room for the decode graph and its like, no chunk's
     prompt = np.random.default_rng(5).integers(100, 5000, 600)
     for i, n in enumerate((256, 200, 150, 100)):
         e.forward([StepInput(f"p{i}", tokens=prompt[:n], max_positions=700)])
@@ -246,4 +246,23 @@ def test_the_graphs_kept_hold_the_newest_ones_buffer_and_a_bounded_spare_whateve
     builds = e.graphs.builds
     e.forward([StepInput("d", tokens=np.array([8]))])
     assert e.graphs.builds == builds  # the decode graph was kept
+    e.close()
+
+
+def test_a_chunks_graph_is_not_kept_beside_the_decode_graph_even_when_the_spare_has_room():
+    """A prompt chunk's graph holds more than a spare's share: once a step of another shape runs (built then, or
+    kept from before) it goes, so a node idle after a prompt holds the decode graphs' buffers, not a chunk's."""
+    e = smollm2(layers=2)
+    e.forward([StepInput("d", tokens=np.arange(5) + 100, max_positions=64)])
+    e.forward([StepInput("d", tokens=np.array([7]))])  # the decode graph, built
+    decode = e.graphs.graphs[next(reversed(e.graphs.graphs))]
+    for turn in range(2):
+        e.forward([StepInput(f"p{turn}", tokens=np.arange(120) + 200, max_positions=256)])
+        chunk = e.graphs.graphs[next(reversed(e.graphs.graphs))]
+        e.graphs.spare_bytes = SPARE_SHARE * (chunk.compute_bytes - 1)  # room for it, but not within one share
+        assert decode.compute_bytes + chunk.compute_bytes <= e.graphs.spare_bytes
+        builds = e.graphs.builds
+        e.forward([StepInput("d", tokens=np.array([8 + turn]))])
+        assert e.graphs.builds == builds  # the decode graph came from the cache, and the chunk's went
+        assert chunk.shape not in e.graphs.graphs and e.graphs.compute_bytes <= e.graphs.spare_bytes
     e.close()

@@ -5,6 +5,8 @@ once copied, so loading never holds a whole tensor's pages beside its copy. A 7B
 
 import ctypes
 import mmap
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from shards.engines.ggml import weight_placement
 from shards.engines.ggml.host_memory import WeightArena
 from shards.engines.ggml.lib import g
 from shards.engines.ggml.weight_placement import SLICE_BYTES, GgmlWeights
+from tests.support.cluster import ROOT
 
 KB = 1024
 
@@ -78,3 +81,39 @@ def test_the_weights_resident_memory_is_their_bytes_whatever_huge_pages_their_ch
     assert len(chunks) == 5
     assert sum(resident_bytes(c) for c in chunks) <= weights.arena.nbytes + 2 * len(chunks) * mmap.PAGESIZE
     weights.free()
+
+
+FREED_AFTER_A_LARGER_FREE = """
+import ctypes, sys
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "fixed":
+    from shards.engines.ggml.host_memory import unmap_large_blocks
+    unmap_large_blocks()
+def rss_kb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
+def touched(n):
+    p = libc.malloc(n)
+    libc.memset(ctypes.c_void_p(p), 1, ctypes.c_size_t(n))
+    return p
+libc.free(touched(16 << 20))  # glibc's threshold rises to this block's size: blocks under it now come from the heap
+before = rss_kb()
+libc.free(touched(8 << 20))  # a graph's compute buffer, say, dropped from the cache
+print(rss_kb() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_a_large_block_freed_leaves_the_process_even_after_a_larger_one_was_freed():
+    """glibc raises its mmap threshold to the size of each mapped block freed, and blocks under it then come from a
+    heap that keeps them: a graph's buffer dropped from the cache stayed resident. The ggml engine fixes the
+    threshold, so a freed buffer of megabytes goes back at once (each run in a process of its own: the setting is
+    the process's)."""
+    kept = {}
+    for mode in ("fixed", "glibc's default"):
+        code = [sys.executable, "-c", FREED_AFTER_A_LARGER_FREE, mode]
+        out = subprocess.run(code, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        kept[mode] = int(out.stdout)
+    assert kept["fixed"] < 1024 and kept["glibc's default"] > 4 * 1024, kept  # kB still resident of the 8 MB freed

@@ -195,3 +195,21 @@ def test_a_missing_layer_tensor_is_refused_as_a_layout_not_a_lookup(tmp_path):
         r"lacks: its layout is a variant of 'llama' exo-node does not run",
     ):
         load_config(bad)
+
+
+def test_a_vocabulary_token_that_is_not_utf8_is_refused_naming_the_key(tmp_path):
+    """The tokens are held packed and decoded when read: a token that is not UTF-8 is an error naming the key then,
+    as it was when every string was decoded at parse."""
+    import gguf
+
+    tokens = gguf.GGUFReader(fixture("qwen2")).fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) >= 256  # long enough to be packed
+    data = bytearray(fixture("qwen2").read_bytes())
+    token = next(t.encode() for t in tokens if len(t) >= 4 and t.isascii() and t.isalpha())
+    at = data.index(struct.pack("<Q", len(token)) + token) + 8
+    data[at] = 0xFF  # never a byte of UTF-8
+    bad = tmp_path / "u.gguf"
+    bad.write_bytes(bytes(data))
+    load_config(bad)  # the model itself is fine
+    with pytest.raises(GGUFError, match=rf"{bad}: metadata 'tokenizer.ggml.tokens' is unreadable \(UnicodeDecodeError"):
+        Tokenizer.load(bad)

@@ -77,3 +77,26 @@ def test_pre_tokenizer_splits_follow_llama_cpp_per_tokenizer_ggml_pre():
     assert pieces("gpt-2", "in 2024!") == ["in", " 2024", "!"]
     assert PRE_TOKENIZERS["llama-bpe"].ignore_merges and not PRE_TOKENIZERS["smollm"].ignore_merges
     assert Tokenizer.load(smollm2_path()).encode("2024", add_special_tokens=False) == [34, 32, 34, 36]
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_metadata_reads_as_the_gguf_reader_gives_it_long_arrays_packed_or_not(name):
+    """Long arrays (a vocabulary's tokens, scores, types, merges) are held packed, not as Python objects; every key
+    still reads as gguf's own reader gives it, item for item and type for type."""
+    import gguf
+
+    from shards.formats.gguf_file import _Packed, open_gguf
+
+    path = fixture(name) if name != "smollm2" else smollm2_path()
+    f, reader = open_gguf(path), gguf.GGUFReader(path)
+    assert any(isinstance(value, _Packed) for _, value in f.meta.values())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # the header's own fields: not metadata
+            continue
+        kinds = set(field.types)  # whatever the key holds, asked for as what it is
+        got, want = f.get(key, kinds, "it"), field.contents()
+        assert got == want and [type(x) for x in _items(got)] == [type(x) for x in _items(want)], key
+
+
+def _items(value):
+    return value if isinstance(value, list) else [value]

@@ -36,6 +36,7 @@ from shards.engines.ggml.cells import CELL_ALIGN, SCRATCH_CELL, CellPool, CellRa
 from shards.engines.ggml.devices import select
 from shards.engines.ggml.gemm_rows import DEFAULT as FLOAT_MATMUL
 from shards.engines.ggml.graph import WINDOW_STEP, Graph, GraphCache, Group, Shape, StepWork, padded_rows
+from shards.engines.ggml.host_memory import unmap_large_blocks
 from shards.engines.ggml.lib import default_threads, g
 from shards.engines.ggml.on_device import DeviceGraph, DevicePool, OnDevice
 from shards.engines.ggml.sliding import SlidingWindows
@@ -76,6 +77,7 @@ class GgmlEngine(Engine):
         device: str | None = None,
     ):
         self.check_options(model_dir, threads, quantize, float_matmul)
+        unmap_large_blocks()  # before the load's slices and the graphs' buffers: what is freed leaves the process
         # None: the CPU, as ever; a name or "auto" (the node's default): shards/engines/ggml/devices.py
         self.on = None if device is None or (chosen := select(device)).is_cpu else OnDevice(chosen)
         self.threads = default_threads() if threads is None else threads

@@ -46,7 +46,8 @@ WINDOW_STEP = 256  # spans of cells start and end on multiples of this (llama.cp
 OUTPUTS = ("hidden", "last", "all")
 PAD_FROM = 64  # steps of this many rows and more are padded to a multiple of 8 rows
 F16_MAX = 65504.0  # the largest finite F16: what a cell's values are clamped to
-SPARE_BYTES = 64 << 20  # compute buffers the cached graphs keep beside the newest one's (GraphCache)
+SPARE_BYTES = 32 << 20  # compute buffers the cached graphs keep beside the newest one's (GraphCache)
+SPARE_SHARE = 8  # a graph kept beside the newest holds at most 1/SPARE_SHARE of them: decode steps', not a chunk's
 
 
 def padded_rows(n: int) -> int:
@@ -258,9 +259,10 @@ class GraphCache:
     """Built graphs by shape, least recently used dropped beyond `limit`; `builds` counts every graph built.
 
     Each graph keeps its own compute buffer for its re-runs, and a prompt chunk's is large (~130 MB for one 256-row
-    chunk of a 7B-shaped shard) while its shape rarely comes again (its span moves with its position): beside the
-    newest graph the others keep at most `spare_bytes`, the largest dropped first, so the decode shapes' small
-    graphs stay and no node's memory grows with the prompts it has seen."""
+    chunk of a 7B-shaped shard) while its shape rarely comes again (its span moves with its position). Beside the
+    newest graph the others keep at most `spare_bytes`, and none more than `spare_bytes // SPARE_SHARE` (a chunk's
+    is dropped as soon as a step of another shape runs), the largest dropped first: the decode shapes' small graphs
+    stay, and a node's memory does not grow with the prompts it has seen."""
 
     def __init__(self, limit: int = 16, spare_bytes: int = SPARE_BYTES):
         self.limit, self.spare_bytes = limit, spare_bytes
@@ -269,8 +271,9 @@ class GraphCache:
 
     def get(self, shape: Shape) -> Graph | None:
         graph = self.graphs.get(shape)
-        if graph is not None:
+        if graph is not None and next(reversed(self.graphs)) != shape:  # a step of another shape ran last
             self.graphs.move_to_end(shape)
+            self._spare(graph)
         return graph
 
     def put(self, graph: Graph) -> None:
@@ -278,7 +281,14 @@ class GraphCache:
         self.graphs[graph.shape] = graph
         while len(self.graphs) > self.limit:
             self.graphs.popitem(last=False)[1].free()
-        others = [other for other in self.graphs.values() if other is not graph]
+        self._spare(graph)
+
+    def _spare(self, newest: Graph) -> None:
+        """Beside `newest`, drop the graphs over one spare's share, then the largest while over the spare."""
+        others = [other for other in self.graphs.values() if other is not newest]
+        for large in [other for other in others if other.compute_bytes > self.spare_bytes // SPARE_SHARE]:
+            others.remove(large)
+            self.graphs.pop(large.shape).free()
         while sum(other.compute_bytes for other in others) > self.spare_bytes:
             largest = max(others, key=lambda other: other.compute_bytes)
             others.remove(largest)

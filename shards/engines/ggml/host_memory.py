@@ -13,6 +13,7 @@ import numpy as np
 
 from shards.engines.ggml.lib import GgmlError, Tensor, g, repack_buffer_type
 
+LARGE_BLOCK = 4 << 20  # malloc maps blocks this large and more: `unmap_large_blocks`
 PieceHook = Callable[[np.ndarray], None] | None  # called with each piece of a weight around its copy
 
 
@@ -160,3 +161,21 @@ def release_file_pages(a: np.ndarray) -> None:
     if end > start:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+
+
+def unmap_large_blocks() -> None:
+    """Fix glibc's mmap threshold for the process at LARGE_BLOCK (Linux with glibc; elsewhere nothing).
+
+    glibc raises the threshold to the size of each mapped block freed (up to 32 MiB on 64-bit), and blocks under it
+    come from heaps that don't shrink. A load's 8 MiB slices raised it, after which a prompt chunk's compute buffer
+    came from a heap and, dropped from the graph cache, stayed in the node's resident memory. Fixed, blocks this
+    large are mapped and go back to the system when freed; smaller ones (a step's logits, a decode graph's buffer)
+    still come from the heap, reused without page faults, step after step."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt(-3, LARGE_BLOCK)  # M_MMAP_THRESHOLD (malloc.h); musl's mallopt ignores it
+    except AttributeError:  # a libc without mallopt
+        pass
