@@ -14,6 +14,7 @@ runs, never on the event loop.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from concurrent.futures import Executor, Future
@@ -22,22 +23,34 @@ from typing import Any
 from weakref import WeakKeyDictionary
 
 import numpy as np
-from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 MAX_GRAMMAR_BYTES = 256 * 1024  # a compiled grammar (it travels in every replay's request spec)
 MAX_PREFIX_TOKENS = 1 << 20
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-# Per-step work bounds: a schema whose lexer or parser needs more fails (stop reason ParserTooComplex or
-# LexerTooComplex) rather than holding the sampling node. Errors never echo the grammar back (verbose_errors).
-LIMITS = LLParserLimits(
-    max_items_in_row=2000,
-    initial_lexer_fuel=50_000,  # a pattern's regex derivatives: (a{1000}){1000} exceeds it in one step
-    step_lexer_fuel=200_000,
-    step_max_items=50_000,
-    max_lexer_states=250_000,
-    max_grammar_size=500_000,
-    verbose_errors=False,
-)
+
+
+def ll():
+    """llguidance, loaded at the first grammar: a node that never sees one (most of a ring) never holds it."""
+    import llguidance
+
+    return llguidance
+
+
+@functools.cache
+def limits():
+    """Per-step work bounds: a schema whose lexer or parser needs more fails (stop reason ParserTooComplex or
+    LexerTooComplex) rather than holding the sampling node. Errors never echo the grammar back (verbose_errors)."""
+    return ll().LLParserLimits(
+        max_items_in_row=2000,
+        initial_lexer_fuel=50_000,  # a pattern's regex derivatives: (a{1000}){1000} exceeds it in one step
+        step_lexer_fuel=200_000,
+        step_max_items=50_000,
+        max_lexer_states=250_000,
+        max_grammar_size=500_000,
+        verbose_errors=False,
+    )
+
+
 # Compact JSON: free whitespace is unbounded in JSON, and a small model can emit newlines forever.
 _COMPACT = {"whitespace_flexible": False}
 
@@ -95,7 +108,7 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
         raise GrammarError("a JSON schema must be an object")
     try:
         schema = discriminated_one_of(closed_objects(schema))
-        return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_COMPACT)
+        return ll().LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_COMPACT)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"not a usable JSON schema: {e}") from None
 
@@ -103,7 +116,7 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
 def schema_problem(schema: dict[str, Any]) -> str | None:
     """What llguidance finds wrong with `schema` on its own (any vocabulary), or None: a tool's schema is checked
     alone before it is embedded in a call grammar, so its error names its own pointers and not the grammar's."""
-    message = LLMatcher.validate_grammar(json_schema_grammar(schema), None)
+    message = ll().LLMatcher.validate_grammar(json_schema_grammar(schema), None)
     return _clean(message) if message and not message.startswith("WARNING") else None
 
 
@@ -268,7 +281,7 @@ def tool_call_grammar(
         start = f"start: %json {reply} | calls"
     else:
         start = f"start: {free}"
-    return LLMatcher.grammar_from_lark("\n".join(["%llguidance {}", start, *rules, ""]))
+    return ll().LLMatcher.grammar_from_lark("\n".join(["%llguidance {}", start, *rules, ""]))
 
 
 # -- the model's tokens ---------------------------------------------------------------------------------------
@@ -278,15 +291,15 @@ class GrammarTokenizer:
     def __init__(self, hf_json: str, eos_token_ids: frozenset[int]):
         if not eos_token_ids:
             raise GrammarError("constrained sampling needs the model's end-of-sequence token ids")
-        self.ll = LLTokenizer(hf_json, eos_token=sorted(eos_token_ids))
+        self.ll = ll().LLTokenizer(hf_json, eos_token=sorted(eos_token_ids))
         self.vocab_size = self.ll.vocab_size
 
     def check(self, grammar: str) -> None:
         """Raise GrammarError naming the problem when `grammar` can't be used with this vocabulary."""
-        message = LLMatcher.validate_grammar(grammar, self.ll, limits=LIMITS)
+        message = ll().LLMatcher.validate_grammar(grammar, self.ll, limits=limits())
         if message and not message.startswith("WARNING"):
             raise GrammarError(_clean(message))
-        matcher = LLMatcher(self.ll, grammar, log_level=0, limits=LIMITS)
+        matcher = ll().LLMatcher(self.ll, grammar, log_level=0, limits=limits())
         if matcher.is_error():
             raise GrammarError(_clean(matcher.get_error()))
 
@@ -318,7 +331,7 @@ class Matcher:
 
     def __init__(self, tokenizer: GrammarTokenizer, constraint: Constraint, executor: Executor | None = None):
         self.tokenizer, self.executor = tokenizer, executor
-        self._m = LLMatcher(tokenizer.ll, constraint.grammar, log_level=0, limits=LIMITS)
+        self._m = ll().LLMatcher(tokenizer.ll, constraint.grammar, log_level=0, limits=limits())
         if self._m.is_error():
             raise GrammarError(_clean(self._m.get_error()))
         if constraint.prefix and not self._m.consume_tokens(list(constraint.prefix)):

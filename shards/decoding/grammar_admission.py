@@ -9,7 +9,7 @@ kinds of schema compile and fail only while sampling, after the prompt's prefill
 - a lexer blow-up: a pattern such as `^(a{1000}){1000}$` whose regex derivatives exceed the lexer's fuel the
   first time a token steps into it ("too many expressions constructed").
 
-`admit` rules both out, each within llguidance's own parser limits (`grammar.LIMITS`: lexer fuel, Earley items per
+`admit` rules both out, each within llguidance's own parser limits (`grammar.limits`: lexer fuel, Earley items per
 step), never a wall clock: the grammar's first mask and its forced tokens; every pattern of every schema as a
 grammar of its own, stepped into; and every `$ref` target shown to have a finite value (a least fixpoint over the
 schema, in Python: what llguidance would discover only by sampling into it). The same limits bound every step of
@@ -22,9 +22,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from llguidance import LLMatcher
 
-from shards.decoding.grammar import LIMITS, GrammarError, GrammarTokenizer, _clean
+from shards.decoding.grammar import GrammarError, GrammarTokenizer, _clean, limits, ll
 
 PROBE_STEPS = 16  # tokens walked into a grammar at admission (forced ones first, then the first allowed)
 MAX_SCHEMA_NODES = 100_000  # subschemas visited while proving every definition finite
@@ -41,7 +40,7 @@ def admit(tokenizer: GrammarTokenizer, grammar: str, schemas: Sequence[Any] = ()
         finite_definitions(schema)
         for where, pattern in patterns(schema):
             try:
-                regex = LLMatcher.grammar_from_regex(_unanchored(pattern))
+                regex = ll().LLMatcher.grammar_from_regex(_unanchored(pattern))
             except (ValueError, TypeError) as e:
                 raise GrammarError(f"{where}: the pattern is not a usable regex: {_clean(str(e))}") from None
             try:
@@ -56,7 +55,7 @@ def admit(tokenizer: GrammarTokenizer, grammar: str, schemas: Sequence[Any] = ()
 def probe(tokenizer: GrammarTokenizer, grammar: str, steps: int = PROBE_STEPS) -> None:
     """Walk `grammar` for up to `steps` tokens under the sampling limits (each step's mask computed, then its forced
     tokens or else its first allowed token consumed); raise GrammarError at the first step that fails."""
-    m = LLMatcher(tokenizer.ll, grammar, log_level=0, limits=LIMITS)
+    m = ll().LLMatcher(tokenizer.ll, grammar, log_level=0, limits=limits())
     for _ in range(steps):
         if m.is_error():
             break

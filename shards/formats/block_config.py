@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
 import numpy as np
 
 from shards.formats.gguf_names import GGUFError
@@ -82,7 +81,11 @@ def embed_scale(hidden: int, dtype: Any) -> float:
     published, and what transformers runs it in) rounds it to bfloat16 (sqrt(3072) = 55.43 -> 55.5); otherwise it is
     the float32 value, which is also what llama.cpp uses for every GGUF."""
     value = np.float32(math.sqrt(hidden))
-    return float(value.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else value)
+    if dtype != "bfloat16":
+        return float(value)
+    import ml_dtypes  # loaded for bfloat16 checkpoints only
+
+    return float(value.astype(ml_dtypes.bfloat16))
 
 
 # transformers' defaults for the fields a Gemma config.json may leave out (Gemma2Config, Gemma3TextConfig)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,12 +41,15 @@ class TensorInfo:
 
 
 class _Reader(GGUFReader):
-    """GGUFReader, minus two costs we don't want.
+    """GGUFReader, minus three costs we don't want.
 
     - It slices its np.memmap once per metadata string (~100k times for a 49k-token vocabulary), and memmap slices
       are slow to create; a plain ndarray view of the same mapping parses the same header several times faster.
     - It builds every tensor's array during parsing, so a truncated file fails there with an opaque reshape error;
       we keep the raw tensor table instead and validate it ourselves (GGUFFile._tensor_table).
+    - It makes a numpy array of every item of an array: 128k of them for a 32k vocabulary's tokens, scores and
+      types, ~20 MB of garbage at each start that fragments the heap for good. Long arrays come in three parts
+      instead (`_get_field_parts`).
     """
 
     @property
@@ -66,6 +70,35 @@ class _Reader(GGUFReader):
                 f"of the file ({self._plain.size} bytes)"
             )
         return super()._get(offset, dtype, count, override_order)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list]:
+        """A long array of numbers or strings (little-endian file) as its item type, its count and its items: the
+        numbers as one array; the strings as the bytes they fill, then each one's start and length in them (two
+        arrays after it: `_Packed.of` reads them). Anything else as the base reader parses it."""
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        n, item, at = int(alen[0]), int(itype[0]), orig_offs + 12
+        number = self.gguf_scalar_to_np.get(item)
+        if n < _Packed.LONG or (number is None and item != GGUFValueType.STRING):
+            return super()._get_field_parts(orig_offs, raw_type)
+        types = [GGUFValueType.ARRAY, GGUFValueType(item)]
+        if number is not None:
+            values = self._get(at, number, n)
+            return 12 + values.nbytes, [itype, alen, values], [2], types
+        starts, lengths, raw, size = [], [], memoryview(self._plain), self._plain.size
+        for _ in range(n):
+            if at + 8 > size:
+                raise ValueError(f"a string's length at byte {at} lies past the end of the file ({size} bytes)")
+            (length,) = struct.unpack_from("<Q", raw, at)
+            starts.append(at + 8)
+            lengths.append(length)
+            at += 8 + length
+        if at > size:
+            raise ValueError(f"a string ends at byte {at}, past the end of the file ({size} bytes)")
+        base = orig_offs + 12
+        strings = [self._plain[base:at], np.array(starts, np.int64) - base, np.array(lengths, np.int64)]
+        return at - orig_offs, [itype, alen, *strings], [2], types
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         self.tensor_start = start_offs
@@ -234,15 +267,26 @@ class _Packed:
 
     @classmethod
     def of(cls, field) -> _Packed | None:
-        """`field` packed, or None for anything but a long array of numbers or strings."""
+        """`field` packed, or None for anything but a long array of numbers or strings: as `_Reader` parses it (its
+        items in one part), or item by item as the base reader does (a big-endian file)."""
         types = field.types
-        if len(types) != 2 or types[0] != GGUFValueType.ARRAY or len(field.data) < cls.LONG:
+        if len(types) != 2 or types[0] != GGUFValueType.ARRAY or types[1] == GGUFValueType.ARRAY:
+            return None
+        count = int(field.parts[4][0])  # after the key's length, the key and the value's type: the item type, count
+        if len(field.data) == 1 and count >= cls.LONG:  # `_Reader._get_field_parts`
+            at = field.data[0]
+            if types[1] != GGUFValueType.STRING:
+                return cls(field.parts[at].copy())
+            region, starts, lengths = field.parts[at : at + 3]
+            prefixes = (starts[:, None] - 8 + np.arange(8)).ravel()  # each string's 8-byte length before it
+            return cls(np.delete(region, prefixes).view(np.uint8), np.cumsum(lengths))
+        if len(field.data) < cls.LONG:
             return None
         parts = [field.parts[i] for i in field.data]
         if types[1] == GGUFValueType.STRING:
             ends = np.cumsum(np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts)))
             return cls(np.concatenate(parts).view(np.uint8), ends)
-        return None if types[1] == GGUFValueType.ARRAY else cls(np.concatenate(parts))
+        return cls(np.concatenate(parts))
 
     def unpack(self) -> list:
         if self.ends is None:

@@ -11,9 +11,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can hand us BF16 tensors)
 import numpy as np
-from safetensors import safe_open
 
 from shards.formats.config import ModelConfig
 from shards.formats.moe_layout import expand
@@ -132,6 +130,15 @@ class Checkpoint:
             except Exception as e:
                 raise WeightsError(f"{path}: cannot read ({e})") from None
         return out
+
+
+def safe_open(path: Path, framework: str):
+    """safetensors' reader, imported only for a model folder (a GGUF node never loads it), with ml_dtypes, which
+    registers bfloat16 with numpy so that BF16 tensors arrive as arrays."""
+    import ml_dtypes  # noqa: F401
+    from safetensors import safe_open as open_checkpoint
+
+    return open_checkpoint(path, framework=framework)
 
 
 def _read_tensor(f, path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:

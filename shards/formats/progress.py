@@ -12,8 +12,6 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import IO, TypeVar
 
-from tqdm import tqdm
-
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 5.0
 T = TypeVar("T")
@@ -39,6 +37,8 @@ class Progress:
         self.started = self.logged = time.monotonic()
         self.bar = None
         if _is_terminal(stream):
+            from tqdm import tqdm  # loaded for a terminal only
+
             self.bar = tqdm(
                 total=total,
                 desc=desc,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
@@ -62,6 +61,8 @@ class QuantizedTensor:
         if self.ggml_type == Q.F32:
             out = self.data.view(np.float32).copy()
         elif self.ggml_type == Q.BF16:  # gguf.quants' BF16 path is slower than a plain widening
+            import ml_dtypes  # loaded for BF16 tensors only
+
             out = self.data.view(ml_dtypes.bfloat16).astype(np.float32)
         else:
             out = np.asarray(quants.dequantize(self.data, self.ggml_type), dtype=np.float32)

@@ -213,3 +213,18 @@ def test_a_vocabulary_token_that_is_not_utf8_is_refused_naming_the_key(tmp_path)
     load_config(bad)  # the model itself is fine
     with pytest.raises(GGUFError, match=rf"{bad}: metadata 'tokenizer.ggml.tokens' is unreadable \(UnicodeDecodeError"):
         Tokenizer.load(bad)
+
+
+@pytest.mark.parametrize("into", ["a length", "a string"])
+def test_a_file_cut_inside_its_vocabulary_is_refused_as_truncated(tmp_path, into):
+    """The vocabulary's strings are walked by their lengths (not read item by item): a file that ends inside
+    them, in a length or in a string's bytes, is a truncated header, not a short vocabulary or a crash."""
+    import gguf
+
+    field = gguf.GGUFReader(fixture("qwen2")).fields["tokenizer.ggml.tokens"]
+    length_at = sum(int(p.nbytes) for p in field.parts[:-2]) + field.offset  # the last token's length
+    cut = length_at + 3 if into == "a length" else length_at + 8 + int(field.parts[-1].nbytes) - 1
+    bad = tmp_path / "v.gguf"
+    bad.write_bytes(fixture("qwen2").read_bytes()[:cut])
+    with pytest.raises(GGUFError, match=rf"{bad}: not a readable GGUF file .*past the end of the file"):
+        load_config(bad)
