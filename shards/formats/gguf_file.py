@@ -47,8 +47,8 @@ class _Reader(GGUFReader):
       are slow to create; a plain ndarray view of the same mapping parses the same header several times faster.
     - It builds every tensor's array during parsing, so a truncated file fails there with an opaque reshape error;
       we keep the raw tensor table instead and validate it ourselves (GGUFFile._tensor_table).
-    - It makes a numpy array of every item of an array: 128k of them for a 32k vocabulary's tokens, scores and
-      types, ~20 MB of garbage at each start that fragments the heap for good. Long arrays come in three parts
+    - It makes a numpy array of every item of an array (128k for a 32k vocabulary's tokens, scores and types): most
+      of the parse's time, and garbage that leaves the heap fragmented for good. Long arrays come in three parts
       instead (`_get_field_parts`).
     """
 
@@ -256,9 +256,9 @@ class _Unreadable:
 class _Packed:
     """A long array's items in one numpy buffer; strings as their UTF-8 bytes end to end, with where each ends.
 
-    As Python objects a vocabulary's tokens and scores are megabytes every node holds for good (6 MB resident for a
-    32k-token vocabulary), though only the tokenizer's build reads them; packed, a tenth. Unpacked at each read into
-    the list the reader's `contents()` gives."""
+    As Python objects a vocabulary's tokens and scores are megabytes every node holds for good, though only the
+    tokenizer's build reads them; packed, a tenth of that. Unpacked at each read into the list the reader's
+    `contents()` gives."""
 
     LONG = 256  # arrays of this many items and more are packed
 
@@ -267,26 +267,19 @@ class _Packed:
 
     @classmethod
     def of(cls, field) -> _Packed | None:
-        """`field` packed, or None for anything but a long array of numbers or strings: as `_Reader` parses it (its
-        items in one part), or item by item as the base reader does (a big-endian file)."""
+        """`field` packed if `_Reader` parsed it as a long array (its items in one part), else None."""
         types = field.types
         if len(types) != 2 or types[0] != GGUFValueType.ARRAY or types[1] == GGUFValueType.ARRAY:
             return None
         count = int(field.parts[4][0])  # after the key's length, the key and the value's type: the item type, count
-        if len(field.data) == 1 and count >= cls.LONG:  # `_Reader._get_field_parts`
-            at = field.data[0]
-            if types[1] != GGUFValueType.STRING:
-                return cls(field.parts[at].copy())
-            region, starts, lengths = field.parts[at : at + 3]
-            prefixes = (starts[:, None] - 8 + np.arange(8)).ravel()  # each string's 8-byte length before it
-            return cls(np.delete(region, prefixes).view(np.uint8), np.cumsum(lengths))
-        if len(field.data) < cls.LONG:
+        if len(field.data) != 1 or count < cls.LONG:  # a short array, or item by item (a big-endian file)
             return None
-        parts = [field.parts[i] for i in field.data]
-        if types[1] == GGUFValueType.STRING:
-            ends = np.cumsum(np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts)))
-            return cls(np.concatenate(parts).view(np.uint8), ends)
-        return cls(np.concatenate(parts))
+        at = field.data[0]
+        if types[1] != GGUFValueType.STRING:
+            return cls(field.parts[at].copy())
+        region, starts, lengths = field.parts[at : at + 3]
+        prefixes = (starts[:, None] - 8 + np.arange(8)).ravel()  # each string's 8-byte length before it
+        return cls(np.delete(region, prefixes).view(np.uint8), np.cumsum(lengths))
 
     def unpack(self) -> list:
         if self.ends is None:
