@@ -233,16 +233,26 @@ class CellPool:
 
     def grow(self, cells: int) -> None:
         """Move every tensor into a mapping of `cells` cells (the cells in use copied, at the same indices; their
-        lines only as far as any were written: a page of every line of every layer otherwise)."""
+        lines only as far as any were written: a page of every line of every layer otherwise). Each old tensor's
+        pages go back as soon as it is copied, so the move holds the cells in use once and one tensor twice, not
+        every layer twice."""
         old_ctx, old_mem, old_rows, old_lines = self.ctx, self.mem, self.k + self.v, self.v_lines
+        old_offsets, old_stride = self.offsets, self.stride
         used, old_cells = self.used_end, self.cells
         lines = min(used, self.lines_end)
         self._map(cells)
         self.copied += used
+
+        def copied(src: Tensor) -> None:
+            if hasattr(mmap, "MADV_DONTNEED"):
+                old_mem.map.madvise(mmap.MADV_DONTNEED, old_offsets[id(src)], old_stride)
+
         for src, dst in zip(old_rows, self.k + self.v):
             ctypes.memmove(dst.contents.data, src.contents.data, used * self.row)
+            copied(src)
         for layer, src in enumerate(old_lines if lines else ()):
             self.values(layer)[:, :lines] = tensor_array(src, (self.width, old_cells))[:, :lines]
+            copied(src)
         self._grown(old_ctx, old_mem, old_cells, cells)
         self.clean_from = used  # the new mapping is untouched past the cells copied
 
