@@ -283,6 +283,7 @@ class RequestBook:
                     self._follow(req)
                     if follow and sample is not None and not (item.proposals or item.propose)
                     else None,
+                    spec.prompt_tokens or None,
                 )
             )
         return StepPlan(group.shard, group.bucket, tuple(rows), self._retain_limit())

@@ -65,6 +65,7 @@ class Row:
     propose: int = 0  # drafts a deferred proposer is asked for before the pass (`NodeCore.proposed`)
     sample: Sampling | None = None  # on the last shard, a complete input: sample its next token right after
     follow: Follow | None = None  # a one-node ring's row whose token may go straight into the next pass
+    prompt_positions: int | None = None  # positions its prompt fills (its cache may take them at its first chunk)
 
     def __post_init__(self) -> None:
         if self.sample is not None and self.partial:

@@ -69,9 +69,9 @@ def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None) -> Exe
                 )
                 continue
         item = (
-            StepInput(rid, tokens=row.data, max_positions=row.max_positions)
+            StepInput(rid, tokens=row.data, max_positions=row.max_positions, prompt_positions=row.prompt_positions)
             if engine.shard.is_first
-            else StepInput(rid, hidden=row.data, max_positions=row.max_positions)
+            else StepInput(rid, hidden=row.data, max_positions=row.max_positions, prompt_positions=row.prompt_positions)
         )
         try:
             if row.start is not None:

@@ -17,6 +17,8 @@ class StepInput:
     tokens: np.ndarray | None = None  # int [T]
     hidden: np.ndarray | None = None  # float32 [T, hidden_size]
     max_positions: int | None = None  # the most positions the request will reach: its KV cache is sized once
+    prompt_positions: int | None = None  # positions it holds once its prompt is in: a cache grown in steps may take
+    # that many at once, where the prompt comes in chunks (None: unknown)
 
     @property
     def length(self) -> int:

@@ -195,6 +195,30 @@ def test_a_range_holds_what_its_request_has_and_doubles_up_to_its_reservation_wi
         e.close()
 
 
+def test_a_prompt_of_known_length_takes_its_range_at_its_first_chunk_and_is_never_moved():
+    """A 1,000-token prompt in 256-row chunks moved 256 -> 512 -> 1,024 cells, copying what it held each time and
+    leaving each old range as a hole below GIVE_BACK_CELLS, which stays resident: on a 7B shard a long prompt held
+    its cells about twice. Told the prompt's length, the first chunk takes the range the doubling reaches by the
+    prompt's end (a power of two, capped by the reservation), nothing is copied, and the numbers are the same."""
+    told, untold = smollm2(layers=LAYERS), smollm2(layers=LAYERS)
+    prompt = (np.arange(1000) % 97) + 100
+    outs = {}
+    for e, hint in ((told, 1000), (untold, None)):
+        for s in range(0, 1000, 256):
+            outs[e] = e.forward([StepInput("r", tokens=prompt[s : s + 256], max_positions=1100, prompt_positions=hint)])
+        outs[e] = (outs[e], e.forward([StepInput("r", tokens=np.array([7]))])[0])
+    assert told.caches["r"].capacity == 1024 and told.pool.copied == 0
+    assert untold.caches["r"].capacity == 1024 and untold.pool.copied == 256 + 512
+    assert np.array_equal(outs[told][0][0], outs[untold][0][0]) and np.array_equal(outs[told][1], outs[untold][1])
+    capped = smollm2(layers=LAYERS)  # the reservation caps it, and a hint past it is ignored
+    capped.forward([StepInput("r", tokens=prompt[:256], max_positions=700, prompt_positions=4000)])
+    short = smollm2(layers=LAYERS)  # a short prompt takes the smallest range, as before
+    short.forward([StepInput("r", tokens=prompt[:10], max_positions=700, prompt_positions=10)])
+    assert capped.caches["r"].capacity == 700 and short.caches["r"].capacity == 256
+    for e in (told, untold, capped, short):
+        e.close()
+
+
 def test_64_requests_at_a_fresh_engine_cost_steps_like_its_own_and_build_a_handful_of_graphs():
     """Issue #28 item 5: a burst at a fresh node took 2.6-23.5 s per step, when every new set of requests meant a
     new graph (21,805 nodes for 64 requests). Now graphs are per shape: the engine's own cost of a 64-row step,

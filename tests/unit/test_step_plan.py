@@ -62,6 +62,7 @@ def test_a_prompt_chunk_with_more_to_come_is_planned_without_sampling_and_a_midd
     c.accept_activations([Activation("r1", hidden(3), sized("r1", 5), partial=True)])
     ((chunk,),) = [p.rows for p in c.take_batch()]
     assert chunk.partial and chunk.sample is None
+    assert chunk.prompt_positions == 5  # the whole prompt's: an engine may size the cache once for it
     b = core("b")
     b.accept_activations([Activation("r1", hidden(), spec())])
     (plan,) = b.take_batch()

@@ -209,12 +209,20 @@ class GraphRunner(Runner):
         it grows, up to its reservation when known. Not the whole reservation at once: a decode row scans its
         group's span of ranges (`layout`), so ranges sized by reservations (a request without max_tokens reserves
         the node's cap) made the spans, and each row's scan of masked cells, several times what the requests hold
-        (docs/benchmarks-log.md, figures once in code)."""
+        (docs/benchmarks-log.md, figures once in code).
+
+        A request whose prompt length is known (`item.prompt_positions`) takes at its first chunk the range its
+        doubling would reach by its prompt's end: each move copies the cells so far and leaves the old range behind,
+        a hole too small to go back to the kernel (cells.GIVE_BACK_CELLS), so a long prompt held its cells about
+        twice."""
         cfg = self.config
         # the reservation comes with the request's first step (or a resumed one's)
         limit = max(end, min(item.max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings))
         if cache is None:
-            cache = CellRange(self.engine.pool, min(max(end, MIN_CAPACITY), limit))
+            first = max(end, MIN_CAPACITY)
+            if item.prompt_positions:  # a power of two, as MIN_CAPACITY doubled is
+                first = max(end, 1 << (max(first, min(item.prompt_positions, limit)) - 1).bit_length())
+            cache = CellRange(self.engine.pool, min(first, limit))
             cache.limit = limit
         elif item.max_positions:
             cache.limit = limit
