@@ -95,8 +95,10 @@ class NodeCore(RequestBook):
                 continue
             req.last_active = self.clock()
             if plan.shard.is_last:
-                if row.sample is None:
-                    continue  # more of the prompt to come: nothing to sample yet
+                if row.sample is None:  # more of the prompt to come: nothing to sample yet
+                    if row.partial:  # but the entry hears it is moving (its watchdog waits for a sign of life)
+                        actions.append(Deliver(self._entry_address(req.spec), TokenMessage(rid)))
+                    continue
                 if len(req.spec.plan) == 1 and rid not in done.followed:
                     self.local_inflight.add(rid)  # its token comes back to this node's queue
                 if rid in done.samples:

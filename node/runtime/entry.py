@@ -250,6 +250,8 @@ class Entry:
                     raise _Final(Failure(FailureKind.LOST, f"no token within {self.request_timeout:g}s")) from None
                 continue
             heard = time.monotonic()
+            if isinstance(message, TokenMessage) and not (message.results or message.finished):
+                continue  # a prompt chunk went through the last node: a long prefill is alive, not lost
             if isinstance(message, Failed):
                 raise message
             if message.failure is not None:

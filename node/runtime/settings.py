@@ -32,7 +32,7 @@ class NodeSettings:
     engine: str = "numpy"
     pinned: tuple[int, int] | None = None  # --shard START:END: exactly these layers, no automatic partitioning
     max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES  # largest tensor a peer may send this node
-    request_timeout: float = 300.0  # the entry gives up after this long without a token
+    request_timeout: float = 300.0  # the entry gives up after this long without a token (or a prompt chunk through)
     max_replays: int = 2  # the entry replays a request on a new plan at most this often when it loses a node
     queue_timeout: float = 30.0  # the entry retries a request that found no room for this long, then gives up
     sample_batch_max: int = 8  # sampling batcher: rows per batch ...

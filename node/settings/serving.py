@@ -20,7 +20,12 @@ KV_SHARE_OF_MEMORY = 0.4  # the KV cache's default budget: this share of the ava
 
 def add_flags(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("requests and the KV cache")
-    g.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a token before failing")
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="seconds without a token (or, during a long prompt, a chunk of it reaching the last node) before failing",
+    )
     g.add_argument(
         "--prefix-cache",
         choices=PREFIX_CACHE_CHOICES,

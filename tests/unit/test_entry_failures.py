@@ -3,6 +3,8 @@ until the queue timeout and then gives up still busy; lost, it replays the reque
 generated so far, up to --max-replays; refused or error, it fails the request at once, as reported."""
 
 import asyncio
+import dataclasses
+import time
 from collections import Counter
 
 import pytest
@@ -101,3 +103,30 @@ def test_a_refusal_or_an_error_fails_the_request_at_once_as_reported(kind):
 
     error, prompts = asyncio.run(go())
     assert error.failure == Failure(kind, "exceeds the model's context", "b") and prompts == 1  # never tried again
+
+
+def test_a_long_prompt_that_reports_its_chunks_outlives_the_request_timeout_and_a_silent_one_does_not():
+    """`--request-timeout` is how long the entry waits without a token. A prompt that takes longer than that to
+    prefill (minutes for a 7B on small machines) was failed as a lost node while every node was computing it; each
+    chunk through the last node now tells the entry (a message without tokens) that it is alive. The clients see
+    tokens only, and a request that stays silent still fails at the timeout."""
+
+    async def go():
+        ring = Ring()
+        entry = entry_for(ring, request_timeout=0.8)
+        entry.stalls = dataclasses.replace(entry.stalls, slice_s=0.05)
+        stream, first, rid = await started(entry, ring)
+        for _ in range(8):  # 2 s of prefill: over twice the timeout
+            await asyncio.sleep(0.25)
+            entry.accept_tokens(TokenMessage(rid), caller="c")
+        assert not first.done()
+        entry.accept_tokens(TokenMessage(rid, (SampleResult(7),)), caller="c")
+        got = await first
+        began = time.monotonic()
+        with pytest.raises(Failed) as silent:
+            await anext(stream)
+        return got, silent.value, time.monotonic() - began
+
+    got, silent, waited = asyncio.run(go())
+    assert got.results == (SampleResult(7),)  # the first message its client sees is its first token
+    assert silent.kind is FailureKind.LOST and "no token within 0.8s" in str(silent) and 0.7 < waited < 3
