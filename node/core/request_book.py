@@ -290,18 +290,23 @@ class RequestBook:
 
     def _follow(self, req: RequestState) -> Follow | None:
         """Whether the engine thread may run the request's row on by itself, its token its next input: on a
-        one-node ring, when no proposals would be made for it (they are this core's: `Speculation.next_input`) and
-        no grammar constrains it."""
+        one-node ring, when no grammar constrains it, for as long as no proposals would be made for it (they are
+        this core's: `Speculation.next_input`; a proposer that computes, a draft model, is asked only here)."""
         spec, speculation = req.spec, self.speculation
         proposes = (
             speculation is not None
             and speculation.proposer is not None
+            and req.history is not None
             and speculates(spec.sampling)
             and len(self.requests) <= speculation.limits.max_requests
         )
-        if len(spec.plan) > 1 or proposes or spec.sampling.constraint is not None or req.generated >= spec.max_tokens:
+        if len(spec.plan) > 1 or spec.sampling.constraint is not None or req.generated >= spec.max_tokens:
             return None
-        return Follow(spec.stop_token_ids, spec.max_tokens - req.generated)
+        if not proposes:
+            return Follow(spec.stop_token_ids, spec.max_tokens - req.generated)
+        if speculation.deferred:
+            return None
+        return Follow(spec.stop_token_ids, spec.max_tokens - req.generated, speculation.quiet(req, self._step_room()))
 
     def followed(self, req: RequestState, token: int) -> None:
         """The engine thread ran the request on with `token` as its next input (`step_plan.next_pass`): what

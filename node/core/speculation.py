@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,6 +113,23 @@ class Speculation:
             return np.array([token], dtype=np.int64), (), k
         (drafts,) = self.draft([(req.id, req.history, k)])
         return np.array([token, *drafts], dtype=np.int64), drafts, 0
+
+    def quiet(self, req: RequestState, step_room: int) -> Callable[[int, int], bool]:
+        """For a one-node ring's row the engine thread may run on (step_plan.Follow): `quiet(token, left)`, whether
+        the request's next input after `token` (`left` tokens left before it) carries no proposals, decided as
+        `next_input` would decide it: the same draft length (a pause counts down here as there), the proposer asked
+        with the text so far and `token`. Asked on the engine thread once per token, in order, while the loop asks
+        nothing for the request; a token answered False comes back through the queue, where next_input asks again
+        (the proposer is a function of the text: it proposes the same)."""
+        text, rid = list(req.history or ()), req.id
+        length = self.lengths.setdefault(rid, DraftLength(self.limits.max_drafts))
+
+        def quiet(token: int, left: int) -> bool:
+            text.append(token)
+            k = max(0, min(length.next(), left - 2, step_room - 1))  # left - 2: room(), counted from the row's end
+            return not k or not self.draft([(rid, text, k)])[0]
+
+        return quiet
 
     def draft(self, asks: list[tuple[str, list[int], int]]) -> list[tuple[int, ...]]:
         """The proposer's drafts for (request, its text, at most k) each, checked: ids in the vocabulary, at most k

@@ -14,7 +14,7 @@ with the core: a request's state is made once at admission and only its own rows
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,17 +38,24 @@ class Sampling:
 @dataclass(frozen=True)
 class Follow:
     """A one-node ring's row the engine thread may run on by itself (`next_pass`): its sampled token is its next
-    input, unless the token is a stop token or the request has no tokens left after it."""
+    input, unless the token is a stop token, the request has no tokens left after it, or (`quiet`) its next input
+    would carry proposals.
+
+    `quiet(token, left)`: the core's answer to "does the request's next input, after `token`, carry no proposals?"
+    (node/core/speculation.py `Speculation.quiet`), asked on the engine thread once per token in order (it may keep
+    state: a draft length's pause counts down); None for a request that never gets proposals."""
 
     stops: frozenset[int]
     left: int  # tokens the request may still generate, this pass's included
+    quiet: Callable[[int, int], bool] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.left < 1:
             raise ValueError(f"a row with no tokens left ({self.left}) has no next pass to follow")
 
     def goes_on(self, token: int) -> bool:
-        return token not in self.stops and self.left > 1
+        """Whether the row runs on with `token` (once per token: `quiet` may count)."""
+        return token not in self.stops and self.left > 1 and (self.quiet is None or self.quiet(token, self.left))
 
 
 @dataclass(frozen=True)
@@ -138,13 +145,14 @@ class StepOutputs:
 def next_pass(plan: StepPlan, samples: Mapping[str, Sampled]) -> StepPlan | None:
     """The pass that follows `plan` on the engine thread with no trip through the core: its followed rows
     (`Row.follow`) whose sampled token goes on, each with that token as its one input (None: no such row). What
-    the core would have scheduled for them: a token whose next input is itself, appended to the cache."""
+    the core would have scheduled for them: a token whose next input is itself, appended to the cache. Called once
+    per pass (a row's `goes_on` may count)."""
     rows = []
     for row in plan.rows:
         got = samples.get(row.request_id)
         if row.follow is None or not isinstance(got, SampleResult) or not row.follow.goes_on(got.token):
             continue
-        follow = Follow(row.follow.stops, row.follow.left - 1)
+        follow = Follow(row.follow.stops, row.follow.left - 1, row.follow.quiet)
         data = np.array([got.token], dtype=np.int64)
         rows.append(Row(row.request_id, data, row.max_positions, sample=row.sample, follow=follow))
     if not rows:

@@ -1,7 +1,8 @@
 """One pass on the engine thread (`run_pass`), and the passes that follow it there without a trip through the
 event loop (`Following`).
 
-A one-node ring's decode row knows its next input as soon as it is sampled: its own token. Sending that token
+A one-node ring's decode row knows its next input as soon as it is sampled: its own token (unless the first node
+would propose drafts after it: `Follow.quiet`, asked here with each token). Sending that token
 through the core's queue costs a hand-off to the event loop and back per token, and the engine waits for it. So a
 plan's followed rows (`Row.follow`, which the core sets: node/core/step_plan.py) run on here, pass after pass
 (`step_plan.next_pass`), while the loop applies each pass's outputs as they come (`Following.on_pass`, through
@@ -135,22 +136,20 @@ class Following:
     ) -> None:
         """On the engine thread: the first pass (to `first`), then its followers (to `on_pass`)."""
         try:
-            done = self._followed(run_pass(engine, plan, sampler), epoch, 0)
+            done, nxt = self._followed(run_pass(engine, plan, sampler), epoch, 0)
         except BaseException as e:
             loop.call_soon_threadsafe(_settle, first, e)
             return
         loop.call_soon_threadsafe(self._first, first, done)
         for passes in range(1, self.max_passes + 1):
-            nxt = next_pass(done.plan, done.outputs.samples) if done.outputs.followed else None
             if nxt is None:
                 return
-            nxt = dataclasses.replace(nxt, rows=tuple(r for r in nxt.rows if r.request_id in done.outputs.followed))
             try:
-                done = self._followed(run_pass(engine, nxt, sampler), epoch, passes)
+                done, nxt = self._followed(run_pass(engine, nxt, sampler), epoch, passes)
             except Exception as e:  # a bug: the rows fail, the node serves the others
                 log.exception("a followed pass failed")
                 why = f"internal error in a followed pass: {e}"
-                done = Executed(nxt, StepOutputs({}, {r.request_id: why for r in nxt.rows}))
+                done, nxt = Executed(nxt, StepOutputs({}, {r.request_id: why for r in nxt.rows})), None
             try:
                 loop.call_soon_threadsafe(self.on_pass, done)
             except RuntimeError:  # the loop is closed: the node stopped
@@ -162,15 +161,18 @@ class Following:
         finally:
             _settle(first)
 
-    def _followed(self, done: Executed, epoch: int, passes: int) -> Executed:
-        """`done` with the rows whose next pass runs here at once (none once interrupted or at the limit)."""
+    def _followed(self, done: Executed, epoch: int, passes: int) -> tuple[Executed, StepPlan | None]:
+        """`done` with the rows whose next pass runs here at once (none once interrupted or at the limit), and that
+        pass (next_pass asked once per pass: a row's `goes_on` may count)."""
         if epoch != self.epoch or passes >= self.max_passes:
-            return done
+            return done, None
         nxt = next_pass(done.plan, done.outputs.samples)
         if nxt is None:
-            return done
-        followed = frozenset(r.request_id for r in nxt.rows if r.request_id in done.outputs.outputs)
-        return dataclasses.replace(done, outputs=dataclasses.replace(done.outputs, followed=followed))
+            return done, None
+        rows = tuple(r for r in nxt.rows if r.request_id in done.outputs.outputs)
+        followed = frozenset(r.request_id for r in rows)
+        done = dataclasses.replace(done, outputs=dataclasses.replace(done.outputs, followed=followed))
+        return done, (dataclasses.replace(nxt, rows=rows) if rows else None)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None = None) -> None:

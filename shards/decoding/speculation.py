@@ -19,6 +19,7 @@ See docs/speculative-decoding.md.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -69,13 +70,19 @@ class PromptLookup:
         self.max_requests, self.max_tokens = max_requests, max_tokens
         self._indexes: OrderedDict[str, _Index] = OrderedDict()
         self._tokens = 0  # indexed tokens over every request
+        self._lock = threading.Lock()  # a followed request is asked on the engine thread, the others on the loop
 
     def propose(self, request_id: str, tokens: Sequence[int], k: int) -> Proposal:
         if not (isinstance(k, int) and k >= 0):
             raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        with self._lock:
+            return self._propose(request_id, tokens, k)
+
+    def _propose(self, request_id: str, tokens: Sequence[int], k: int) -> Proposal:
         index = self._indexes.get(request_id)
         if index is None or not index.extended_by(tokens):
-            self.release(request_id)
+            if index is not None:
+                self._tokens -= len(self._indexes.pop(request_id).tokens)
             index = self._indexes[request_id] = _Index(self.min_ngram, self.max_ngram)
         self._indexes.move_to_end(request_id)
         self._tokens += index.extend(tokens)
@@ -91,9 +98,10 @@ class PromptLookup:
         return ()
 
     def release(self, request_id: str) -> None:
-        index = self._indexes.pop(request_id, None)
-        if index is not None:
-            self._tokens -= len(index.tokens)
+        with self._lock:
+            index = self._indexes.pop(request_id, None)
+            if index is not None:
+                self._tokens -= len(index.tokens)
 
     def __len__(self) -> int:
         """How many requests have an index (for tests and metrics)."""
