@@ -63,6 +63,29 @@ def test_the_governor_follows_a_neighbour_that_comes_and_goes_reading_proc_at_mo
     assert gov.threads() == 2 and gov.changes == 2
 
 
+def test_what_others_did_while_this_node_was_idle_leaves_its_threads_alone():
+    """A prefill benchmark's node, idle while another server answered on both cores, ran its next prompt on one
+    thread (at half speed): the window it measured was all the other server's work. Only the time its steps run
+    counts now: after an idle gap the window starts again; a neighbour that is still busy shows in the first window
+    of steps."""
+    cpu = Recorded()
+    gov = ThreadGovernor(2, interval=0.5, reader=cpu, clock=lambda: cpu.now)
+
+    def step(seconds: float, others: float) -> int:
+        threads = gov.threads()
+        cpu.run(seconds, others=others, ours=float(threads))
+        gov.ended()
+        return threads
+
+    assert step(1.0, others=0.0) == 2
+    cpu.run(3.3, others=2.0, ours=0.0)  # another server answers on both cores; this node waits for a request
+    assert [step(0.3, others=0.0) for _ in range(4)] == [2, 2, 2, 2]
+    cpu.run(2.0, others=1.0, ours=0.0)  # idle again, and a neighbour takes a core and keeps it
+    assert [step(0.3, others=1.0) for _ in range(3)] == [2, 2, 1]  # seen in the first window of steps
+    cpu.run(0.01, others=0.0, ours=0.0)  # a gap too short to be idle: the window goes on
+    assert step(0.3, others=1.0) == 1 and gov.changes == 1
+
+
 def test_a_fixed_governor_or_one_thread_never_reads_proc():
     cpu = Recorded()
     for gov in (

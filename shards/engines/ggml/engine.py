@@ -324,6 +324,7 @@ class GraphRunner(Runner):
             g.ggml_backend_cpu_set_n_threads(e.backend, threads)
             e.step_threads = threads
         out = graph.run(e.backend, hidden, out_ids)
+        e.governor.ended()
         self.lines_after(shape, p, caches, segments)
         return out[:n] if shape.output == "last" else out[:rows]
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 HYSTERESIS = 0.25  # cores: a change needs the others' load this far past the midpoint, so the count doesn't flap
+IDLE_GAP = 0.05  # seconds between a step's end and the next one's start past which the engine counts as idle
 
 
 def choose_threads(configured: int, current: int, others_busy: float) -> int:
@@ -88,7 +89,12 @@ def others_busy(before: CpuSample, after: CpuSample) -> float:
 class ThreadGovernor:
     """The thread count for the next step (see the module docstring); `threads()` is cheap: it re-reads /proc at
     most every `interval` seconds (`adapt=False`: always the configured count). `reader` and `clock` are seams
-    (tests pass recorded samples and their times)."""
+    (tests pass recorded samples and their times).
+
+    Only the time steps run counts (`ended` after each): after an idle gap the window starts again at the next
+    step. What others did while the engine waited for work says nothing of the step about to run, and counting it
+    took a node that had just watched another server answer down to one thread for its whole next prompt (half its
+    speed). A neighbour that stays busy shows in the first window of steps."""
 
     def __init__(
         self,
@@ -104,17 +110,26 @@ class ThreadGovernor:
         self.reader, self.clock = reader or (lambda: read_cpu_sample()), clock
         self.last = self.reader() if adapt and configured > 1 else None  # None: always `configured`
         self.changes = 0  # how often the count changed (a metric and a test handle)
+        self._ended: float | None = None  # when the last step ended (`ended`), until the next one starts
+
+    def ended(self) -> None:
+        """A step just ended (the next `threads()` may come after an idle gap)."""
+        self._ended = self.clock()
 
     def threads(self) -> int:
         if self.last is None:
             return self.current
-        if self.clock() - self.last.at < self.interval:
+        now, ended, self._ended = self.clock(), self._ended, None
+        if ended is not None and now - ended > IDLE_GAP:  # idle since: the window starts again here
+            self.last = self.reader() or self.last
+            return self.current
+        if now - self.last.at < self.interval:
             return self.current
         sample = self.reader()
         if sample is None or sample.at <= self.last.at:
             return self.current
-        chosen = choose_threads(self.configured, self.current, others_busy(self.last, sample))
-        self.last = sample
+        last, self.last = self.last, sample
+        chosen = choose_threads(self.configured, self.current, others_busy(last, sample))
         if chosen != self.current:
             self.current, self.changes = chosen, self.changes + 1
         return self.current
