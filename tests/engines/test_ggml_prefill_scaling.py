@@ -14,6 +14,7 @@ pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from node.core.scheduler import SchedulerLimits
 from shards.engines.base import StepInput
+from shards.engines.ggml import attention
 from shards.engines.ggml.attention import GEMM_FROM
 from shards.engines.ggml.graph import WINDOW_STEP
 from tests.engines.test_ggml_cells import smollm2
@@ -72,3 +73,29 @@ def test_a_chunks_graph_copies_are_of_its_own_rows_however_many_cells_it_attends
     own_rows = CHUNK * cfg.n_heads * cfg.head_dim * 4 * LAYERS
     assert max(long) <= max(short) + own_rows, (short, long)  # chunks of CHUNK rows each
     assert len(set(long[GEMM_FROM // CHUNK :])) == 1, long  # the same for every chunk past it
+
+
+def test_matmul_attention_takes_a_chunks_rows_in_blocks_with_the_same_numbers_and_a_fraction_of_the_memory(
+    monkeypatch,
+):
+    """A chunk's rows past GEMM_FROM attend by matmuls, whose F32 scores and their softmax held rows x cells x
+    heads twice at once: 128 MB on a 7B's shard for a 256-row chunk at 2,048 cells, above the node's plan. They go
+    in blocks of rows now, SCORE_BYTES of scores at a time; each row's numbers are the same (tinyBLAS sums in one
+    order whatever the rows beside it), and the graph's buffer is smaller by most of the scores' size."""
+    prompt = np.random.default_rng(5).integers(100, 5000, GEMM_FROM + 2 * CHUNK)
+    outs, buffers = [], []
+    for budget in (attention.SCORE_BYTES, 1 << 20):
+        monkeypatch.setattr(attention, "SCORE_BYTES", budget)
+        e = smollm2(layers=LAYERS)
+        for at in range(0, len(prompt), CHUNK):
+            last = at + CHUNK == len(prompt)  # every row's logits: each row's attention is compared
+            step = StepInput("r", tokens=prompt[at : at + CHUNK], max_positions=len(prompt) + 8)
+            out = e.forward([step], all_logits=last)[0]
+            if at == GEMM_FROM:  # its graph's buffer: mostly the scores (only the last row's logits)
+                buffers.append(next(reversed(e.graphs.graphs.values())).compute_bytes)
+        outs.append(out)
+        heads = e.config.n_heads
+        e.close()
+    scores = CHUNK * (GEMM_FROM + CHUNK) * heads * 4  # one chunk's scores over the cells it attends, F32
+    assert np.array_equal(outs[0], outs[1])
+    assert buffers[0] - buffers[1] > scores * 3 // 4, (buffers, scores)  # most of the scores' room goes

@@ -26,6 +26,7 @@ ATTENTIONS = ("flash", "gemm", "auto")
 GEMM_FROM = 1024  # under "auto", the first position attended by matmuls: about where they get cheaper than flash
 ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
 SPLIT_KV_CELLS = 512  # from this many cells on, ggml splits a single query row's cells across threads (ops.cpp)
+SCORE_BYTES = 16 << 20  # matmul attention computes its F32 scores (and their softmax) for this much at a time at most
 
 
 def gemm_from(attention: str | None = None) -> int | None:
@@ -78,6 +79,17 @@ class GgmlAttention:
             f"attention: {q.shape}, {keys.shape}",
         )
         expect(mask.shape == (t, cells), f"attention: mask {mask.shape}")
+        block = max(MIN_FLOAT_ROWS, SCORE_BYTES // (cells * nh * 4))
+        if t > block:  # in blocks of rows: a 7B's 256-row chunk over 2,048 cells held 128 MB of scores at once
+            n = -(-t // block)
+            bounds = [i * (t // n) + min(i, t % n) for i in range(n + 1)]
+            return self.concat(
+                [
+                    self.gemm_attention(q[a:b], keys, values, mask[a:b], scale, softcap)
+                    for a, b in zip(bounds, bounds[1:])
+                ],
+                axis=0,
+            )
         rows = max(t, MIN_FLOAT_ROWS)
         if rows > t:  # copies of the rows: every row in tinyBLAS, none alone
             q = self.concat([q] * -(-rows // t), axis=0)[:rows]
