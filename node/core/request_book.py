@@ -291,7 +291,9 @@ class RequestBook:
     def _follow(self, req: RequestState) -> Follow | None:
         """Whether the engine thread may run the request's row on by itself, its token its next input: on a
         one-node ring, when no grammar constrains it, for as long as no proposals would be made for it (they are
-        this core's: `Speculation.next_input`; a proposer that computes, a draft model, is asked only here)."""
+        this core's: `Speculation.next_input`; a proposer that computes, a draft model, is asked only here). A
+        request that gets proposals runs on only while it is the node's one request: beside others, passes that
+        come back to the core keep their rows and drafts in one step (measured: docs/benchmarks.md)."""
         spec, speculation = req.spec, self.speculation
         proposes = (
             speculation is not None
@@ -304,7 +306,7 @@ class RequestBook:
             return None
         if not proposes:
             return Follow(spec.stop_token_ids, spec.max_tokens - req.generated)
-        if speculation.deferred:
+        if speculation.deferred or len(self.requests) > 1:
             return None
         return Follow(spec.stop_token_ids, spec.max_tokens - req.generated, speculation.quiet(req, self._step_room()))
 

@@ -163,7 +163,7 @@ class Following:
 
     def _followed(self, done: Executed, epoch: int, passes: int) -> tuple[Executed, StepPlan | None]:
         """`done` with the rows whose next pass runs here at once (none once interrupted or at the limit), and that
-        pass (next_pass asked once per pass: a row's `goes_on` may count)."""
+        pass (next_pass asked once per pass: a row's `quiet` may count)."""
         if epoch != self.epoch or passes >= self.max_passes:
             return done, None
         nxt = next_pass(done.plan, done.outputs.samples)

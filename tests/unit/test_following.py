@@ -89,6 +89,8 @@ def test_a_row_runs_on_while_its_proposer_would_draft_nothing_and_a_grammars_is_
     for _ in range(3):
         length.update(1, 0)  # three misses in a row: paused for 4 of its steps
     assert [row.follow.quiet(t, 20) for t in (5, 6, 7, 8, 9)] == [True, True, True, True, False]
+    b.accept_prompt(spec("r4", nodes=ONE, entry="a", max_tokens=20), tokens(5, 6))
+    assert all(r.follow is None for p in b.take_batch() for r in p.rows)  # two requests: the core batches them
     deferred = one_node(speculation=Speculation(PromptLookup(), vocab=CFG.vocab_size, deferred=True))
     deferred.accept_prompt(spec("r3", nodes=ONE, entry="a"), tokens(1, 2))
     ((row,),) = [p.rows for p in deferred.take_batch()]
@@ -125,6 +127,25 @@ def test_the_next_pass_carries_each_followed_rows_token_unless_it_stops_or_has_n
     assert next_pass(StepPlan(whole, None, rows[1:]), samples) is None
     with pytest.raises(ValueError, match="whole model's shard only"):
         StepPlan(LAST, None, rows[:1])
+
+
+def test_once_drafts_would_come_for_one_row_the_whole_pass_goes_back_to_the_core_together():
+    """A row sent back alone while the others ran on split a batch over two passes: 2-4 streams under prompt
+    lookup lost 10-15%. The run ends for every row instead, and the core schedules them in one step."""
+    ask = Sampling(SamplingParams(temperature=0), SamplerState())
+    whole = Shard("llama", 0, 6, 6)
+    asked = []
+
+    def quiet(answer: bool):
+        return lambda token, left: asked.append((token, left)) or answer
+
+    calm = Row("calm", tokens(1), 10, sample=ask, follow=Follow(frozenset({STOP}), 5, quiet(True)))
+    drafting = Row("drafting", tokens(1), 10, sample=ask, follow=Follow(frozenset({STOP}), 4, quiet(False)))
+    samples = {"calm": SampleResult(7), "drafting": SampleResult(8)}
+    assert next_pass(StepPlan(whole, None, (calm, drafting)), samples) is None
+    assert asked == [(7, 5), (8, 4)]
+    (row,) = next_pass(StepPlan(whole, None, (calm,)), samples).rows
+    assert row.follow.left == 4 and row.follow.quiet is calm.follow.quiet  # its answer goes on with it
 
 
 def test_a_followed_row_is_delivered_and_recorded_as_its_next_input_without_coming_back_through_the_queue():
