@@ -208,3 +208,26 @@ def test_rows_whose_request_ended_before_the_pass_started_are_left_out_of_it():
     assert c.still_held(plan) is plan
     c.end_request("r1", "cancelled")  # while the pass waited for its engine to load
     assert [r.request_id for r in c.still_held(plan).rows] == ["r2"]
+
+
+def test_the_engine_gets_each_rows_reservation_and_prompt_length_with_its_input():
+    """What sizes a request's cache reaches the engine: its reservation and, for a prompt coming in chunks, the
+    positions the whole prompt fills (the ggml engine takes them at the first chunk: cells.py)."""
+    seen = []
+
+    class Recording(NumpyEngine):
+        def forward(self, batch, *args, **kw):
+            seen.extend((i.request_id, i.max_positions, i.prompt_positions) for i in batch)
+            return super().forward(batch, *args, **kw)
+
+    async def go():
+        shards = ShardManager(FIXTURES / "llama", CFG, lambda d, s, c: Recording(d, s, ModelConfig.from_dir(d)))
+        engine = await shards.get(Shard("llama", 0, 4, 6))
+        c = core("a")
+        c.accept_prompt(dataclasses.replace(spec("r1"), prompt_tokens=40), tokens(*range(1, 33)))
+        (plan,) = c.take_batch()
+        await shards.execute(engine, plan, None)
+        shards.close()
+
+    asyncio.run(go())
+    assert seen == [("r1", 40 + 3, 40)]
