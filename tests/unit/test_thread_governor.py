@@ -49,7 +49,7 @@ class Recorded:
         return CpuSample(self.busy, self.own, self.now)
 
 
-def test_the_governor_follows_a_neighbour_that_comes_and_goes_reading_proc_at_most_every_interval():
+def test_the_governor_follows_a_neighbour_that_comes_and_goes_deciding_once_its_window_spans_the_interval():
     cpu = Recorded()
     gov = ThreadGovernor(2, interval=0.5, reader=cpu, clock=lambda: cpu.now)
     cpu.run(1.0, others=0.0, ours=2.0)
@@ -57,8 +57,10 @@ def test_the_governor_follows_a_neighbour_that_comes_and_goes_reading_proc_at_mo
     cpu.run(1.0, others=1.0, ours=1.0)  # a neighbour spins on one core
     assert gov.threads() == 1
     reads = cpu.reads
+    cpu.run(0.02, others=0.0, ours=1.0)
+    assert gov.threads() == 1 and cpu.reads == reads  # within IDLE_GAP of the last read: none
     cpu.run(0.1, others=0.0, ours=1.0)
-    assert gov.threads() == 1 and cpu.reads == reads  # inside the interval: no read
+    assert gov.threads() == 1 and cpu.reads == reads + 1  # read, but 0.12 s is no window to decide on
     cpu.run(1.0, others=0.0, ours=1.0)  # the neighbour is gone
     assert gov.threads() == 2 and gov.changes == 2
 
@@ -84,6 +86,20 @@ def test_what_others_did_while_this_node_was_idle_leaves_its_threads_alone():
     assert [step(0.3, others=1.0) for _ in range(3)] == [2, 2, 1]  # seen in the first window of steps
     cpu.run(0.01, others=0.0, ours=0.0)  # a gap too short to be idle: the window goes on
     assert step(0.3, others=1.0) == 1 and gov.changes == 1
+
+
+def test_a_ring_node_that_waits_between_its_steps_still_hears_a_busy_neighbour():
+    """A node of a ring waits for its peers between steps (idle gaps) while a game keeps a core: the busy parts
+    add up across the gaps until they span the interval, and the node drops to one thread."""
+    cpu = Recorded()
+    gov = ThreadGovernor(2, interval=0.5, reader=cpu, clock=lambda: cpu.now)
+    counts = []
+    for _ in range(6):
+        counts.append(gov.threads())
+        cpu.run(0.2, others=1.0, ours=float(counts[-1]))  # a step of 0.2 s beside the neighbour
+        gov.ended()
+        cpu.run(0.3, others=1.0, ours=0.0)  # waiting for the peer
+    assert counts == [2, 2, 2, 1, 1, 1]  # the third step's end: 0.6 s of steps seen
 
 
 def test_a_fixed_governor_or_one_thread_never_reads_proc():

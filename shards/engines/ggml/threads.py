@@ -5,9 +5,9 @@ Why: ggml's CPU backend splits every op of a graph evenly over its threads and w
 after each op (OpenMP barriers in ggml-python's build, spin-then-sleep). When another process keeps one of two
 cores busy, the thread that shares that core gets a fraction of it and every op waits for it, so a node's decode
 falls below what one thread alone would do (docs/benchmarks.md, a busy neighbour). So
-before each step the engine asks a `ThreadGovernor`, which reads how busy the cores are (/proc/stat, less this
-process's own time from /proc/self/stat) at most every `interval` seconds and answers the configured count minus
-the cores other processes keep busy, at least 1. Results do not depend on the thread count (ggml gives each output
+before each step the engine asks a `ThreadGovernor`, which reads how busy the cores are while steps run (/proc/stat,
+less this process's own time from /proc/self/stat), decides over every `interval` seconds of them and answers the
+configured count minus the cores other processes keep busy, at least 1. Results do not depend on the thread count (ggml gives each output
 row to one thread; tested), so the choice is free to change between steps.
 
 Where /proc is missing (macOS) the governor always answers the configured count.
@@ -54,6 +54,9 @@ class CpuSample:
             raise ValueError("CPU times are never negative")
 
 
+EMPTY = CpuSample(0.0, 0.0, 0.0)  # no CPU time yet: where a governor's window of summed busy time starts
+
+
 def read_cpu_sample(cpus: frozenset[int] | None = None) -> CpuSample | None:
     """Busy seconds of `cpus` (default: this process's affinity) from /proc/stat and this process's user+system
     seconds from /proc/self/stat; None where /proc is not there."""
@@ -87,14 +90,15 @@ def others_busy(before: CpuSample, after: CpuSample) -> float:
 
 
 class ThreadGovernor:
-    """The thread count for the next step (see the module docstring); `threads()` is cheap: it re-reads /proc at
-    most every `interval` seconds (`adapt=False`: always the configured count). `reader` and `clock` are seams
-    (tests pass recorded samples and their times).
+    """The thread count for the next step (see the module docstring); `threads()` is cheap: it reads /proc at most
+    every IDLE_GAP seconds (`adapt=False`: always the configured count). `reader` and `clock` are seams (tests pass
+    recorded samples and their times).
 
-    Only the time steps run counts (`ended` after each): after an idle gap the window starts again at the next
-    step. What others did while the engine waited for work says nothing of the step about to run, and counting it
-    took a node that had just watched another server answer down to one thread for its whole next prompt (half its
-    speed). A neighbour that stays busy shows in the first window of steps."""
+    Only the time steps run counts: the engine says when each ends (`ended`), and when the next starts after an
+    idle gap the gap is left out. The busy windows add up until they span `interval`, then decide. What others did
+    while the engine waited for work says nothing of the step about to run: counting it took a node that had just
+    watched another server answer down to one thread for its whole next prompt (half its speed). And a ring's node
+    that waits for its peers between steps still hears a neighbour that keeps a core busy while its steps run."""
 
     def __init__(
         self,
@@ -111,25 +115,36 @@ class ThreadGovernor:
         self.last = self.reader() if adapt and configured > 1 else None  # None: always `configured`
         self.changes = 0  # how often the count changed (a metric and a test handle)
         self._ended: float | None = None  # when the last step ended (`ended`), until the next one starts
+        self._window = EMPTY  # the busy windows so far, summed (`at`: the seconds they span)
 
     def ended(self) -> None:
         """A step just ended (the next `threads()` may come after an idle gap)."""
         self._ended = self.clock()
+        if self.last is not None and self._ended - self.last.at >= IDLE_GAP:
+            self._add()
 
     def threads(self) -> int:
         if self.last is None:
             return self.current
         now, ended, self._ended = self.clock(), self._ended, None
-        if ended is not None and now - ended > IDLE_GAP:  # idle since: the window starts again here
+        if ended is not None and now - ended > IDLE_GAP:  # idle since the last step: the gap is left out
             self.last = self.reader() or self.last
-            return self.current
-        if now - self.last.at < self.interval:
-            return self.current
+        elif now - self.last.at >= IDLE_GAP:
+            self._add()
+        return self.current
+
+    def _add(self) -> None:
+        """The time since the last sample, busy, added to the window; a decision once it spans `interval`."""
         sample = self.reader()
         if sample is None or sample.at <= self.last.at:
-            return self.current
-        last, self.last = self.last, sample
-        chosen = choose_threads(self.configured, self.current, others_busy(last, sample))
+            return
+        last, self.last, w = self.last, sample, self._window
+        w = self._window = CpuSample(
+            w.cpus_busy + sample.cpus_busy - last.cpus_busy, w.own + sample.own - last.own, w.at + sample.at - last.at
+        )
+        if w.at < self.interval:
+            return
+        chosen = choose_threads(self.configured, self.current, others_busy(EMPTY, w))
+        self._window = EMPTY
         if chosen != self.current:
             self.current, self.changes = chosen, self.changes + 1
-        return self.current
