@@ -119,8 +119,8 @@ class Speculation:
         the request's next input after `token` (`left` tokens left before it) carries no proposals, decided as
         `next_input` would decide it: the same draft length (a pause counts down here as there), the proposer asked
         with the text so far and `token`. Asked on the engine thread once per token, in order, while the loop asks
-        nothing for the request; a token answered False comes back through the queue, where next_input asks again
-        (the proposer is a function of the text: it proposes the same)."""
+        nothing for the request; after a token answered False the pass comes back through the queue, where
+        next_input asks again (the proposer is a function of the text: it proposes the same)."""
         text, rid = list(req.history or ()), req.id
         length = self.lengths.setdefault(rid, DraftLength(self.limits.max_drafts))
 

@@ -151,8 +151,7 @@ def next_pass(plan: StepPlan, samples: Mapping[str, Sampled]) -> StepPlan | None
     (`Row.follow`) whose sampled token goes on, each with that token as its one input (None: no such row). What
     the core would have scheduled for them: a token whose next input is itself, appended to the cache. Called once
     per pass (a row's `quiet` may count). None as well when proposals would come for one of them: the pass's rows
-    go back to the core together, so the next step carries them all (one that went back alone left its batch split
-    in two passes, and 2-4 streams lost 10-15%)."""
+    go back to the core together, so the next step carries them all (one sent back alone split the batch in two)."""
     rows = []
     for row in plan.rows:
         got = samples.get(row.request_id)

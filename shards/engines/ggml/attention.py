@@ -80,7 +80,7 @@ class GgmlAttention:
         )
         expect(mask.shape == (t, cells), f"attention: mask {mask.shape}")
         block = max(MIN_FLOAT_ROWS, SCORE_BYTES // (cells * nh * 4))
-        if t > block:  # in blocks of rows: a 7B's 256-row chunk over 2,048 cells held 128 MB of scores at once
+        if t > block:  # in blocks of rows, not every row's scores (rows x cells x heads, F32) at once
             n = -(-t // block)
             bounds = [i * (t // n) + min(i, t % n) for i in range(n + 1)]
             return self.concat(
