@@ -16,7 +16,7 @@ from shards.engines.base import StepInput
 from shards.engines.ggml.attention import SPLIT_KV_CELLS
 from shards.engines.ggml.cells import GIVE_BACK_CELLS, CellPool
 from shards.engines.ggml.engine import SPAN_CELLS, GgmlEngine
-from shards.engines.ggml.graph import SPARE_SHARE, WINDOW_STEP, Graph, padded_rows
+from shards.engines.ggml.graph import SPARE_SHARE, WINDOW_STEP, padded_rows
 from shards.formats.loader import load_config
 from shards.model.shard import Shard
 from tests.support.gguf_util import smollm2_path
@@ -289,23 +289,4 @@ def test_a_chunks_graph_is_not_kept_beside_the_decode_graph_even_when_the_spare_
         e.forward([StepInput("d", tokens=np.array([8 + turn]))])
         assert e.graphs.builds == builds  # the decode graph came from the cache, and the chunk's went
         assert chunk.shape not in e.graphs.graphs and e.graphs.compute_bytes <= e.graphs.spare_bytes
-    e.close()
-
-
-def test_a_graph_that_defers_its_freeing_goes_only_after_the_next_step_has_run(monkeypatch):
-    """A device backend may still hold on to the run before (on_device.DeviceGraph): a graph of its kind dropped
-    from the cache waits in `retired` while the step that dropped it runs, and is freed after."""
-    monkeypatch.setattr(Graph, "defer_free", True)
-    e = smollm2(layers=2)
-    e.forward([StepInput("d", tokens=np.arange(5) + 100, max_positions=64)])
-    e.forward([StepInput("d", tokens=np.array([7]))])
-    decode = e.graphs.graphs[next(reversed(e.graphs.graphs))]
-    e.forward([StepInput("p", tokens=np.arange(120) + 200, max_positions=256)])
-    chunk = e.graphs.graphs[next(reversed(e.graphs.graphs))]
-    e.graphs.spare_bytes = SPARE_SHARE * (chunk.compute_bytes - 1)  # the chunk's is over a spare's share
-    order, run, free = [], decode.run, chunk.free
-    monkeypatch.setattr(decode, "run", lambda *a: (order.append("ran"), run(*a))[1])
-    monkeypatch.setattr(chunk, "free", lambda: (order.append("freed"), free()))
-    e.forward([StepInput("d", tokens=np.array([8]))])  # drops the chunk's graph
-    assert order == ["ran", "freed"] and not e.graphs.retired
     e.close()

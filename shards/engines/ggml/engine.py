@@ -158,7 +158,7 @@ class GgmlEngine(Engine):
     def close(self) -> None:
         """Free everything ggml holds for this engine (also done when it is garbage collected)."""
         if getattr(self, "backend", None):
-            self.runner.graphs.close()
+            self.runner.graphs.clear()
             for rid in list(self.caches):
                 self.caches.pop(rid).free()
             self.retained.clear()
@@ -324,7 +324,6 @@ class GraphRunner(Runner):
             g.ggml_backend_cpu_set_n_threads(e.backend, threads)
             e.step_threads = threads
         out = graph.run(e.backend, hidden, out_ids)
-        self.graphs.ran()
         e.governor.ended()
         self.lines_after(shape, p, caches, segments)
         return out[:n] if shape.output == "last" else out[:rows]

@@ -164,8 +164,6 @@ class Graph:
     each [rows]), hidden rows on other shards, the masks (one [rows, cells] per group, in one input) and, for
     'last', which rows give logits."""
 
-    defer_free = False  # a dropped graph may be freed at once (GraphCache)
-
     def __init__(self, ops: GgmlBackend, model: ShardModel, shape: Shape, pool: CellPool, *, first: bool, hidden: int):
         rows, layers = shape.rows, len(model.layers)
         self.shape, self.first = shape, first
@@ -270,18 +268,6 @@ class GraphCache:
         self.limit, self.spare_bytes = limit, spare_bytes
         self.graphs: OrderedDict[Shape, Graph] = OrderedDict()
         self.builds = 0
-        self.retired: list[Graph] = []  # dropped graphs whose freeing waits for the next step to run (`defer_free`)
-
-    def _drop(self, graph: Graph) -> None:
-        if graph.defer_free:
-            self.retired.append(graph)
-        else:
-            graph.free()
-
-    def ran(self) -> None:
-        """A step's graph has run: the graphs dropped before it can go."""
-        while self.retired:
-            self.retired.pop().free()
 
     def get(self, shape: Shape) -> Graph | None:
         graph = self.graphs.get(shape)
@@ -294,7 +280,7 @@ class GraphCache:
         self.builds += 1
         self.graphs[graph.shape] = graph
         while len(self.graphs) > self.limit:
-            self._drop(self.graphs.popitem(last=False)[1])
+            self.graphs.popitem(last=False)[1].free()
         self._spare(graph)
 
     def _spare(self, newest: Graph) -> None:
@@ -302,20 +288,15 @@ class GraphCache:
         others = [other for other in self.graphs.values() if other is not newest]
         for large in [other for other in others if other.compute_bytes > self.spare_bytes // SPARE_SHARE]:
             others.remove(large)
-            self._drop(self.graphs.pop(large.shape))
+            self.graphs.pop(large.shape).free()
         while sum(other.compute_bytes for other in others) > self.spare_bytes:
             largest = max(others, key=lambda other: other.compute_bytes)
             others.remove(largest)
-            self._drop(self.graphs.pop(largest.shape))
+            self.graphs.pop(largest.shape).free()
 
     def clear(self) -> None:
         while self.graphs:
-            self._drop(self.graphs.popitem()[1])
-
-    def close(self) -> None:
-        """Every graph freed, the retired ones too (the engine is closing: no step runs after)."""
-        self.clear()
-        self.ran()
+            self.graphs.popitem()[1].free()
 
     @property
     def compute_bytes(self) -> int:

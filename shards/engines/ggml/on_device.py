@@ -267,13 +267,7 @@ class DevicePool(CellPool):
 
 
 class DeviceGraph(Graph):
-    """A step graph computed by a backend scheduler over the device and the CPU (see the module's docstring).
-
-    One dropped from the cache is freed only after the next step has run (`defer_free`). Freed at once, between
-    steps, the heap came apart in a later compute now and then (glibc aborted the GPU tier on lavapipe: "malloc():
-    unsorted double linked list corrupted"), evidently the device backend still holding on to the run before."""
-
-    defer_free = True
+    """A step graph computed by a backend scheduler over the device and the CPU (see the module's docstring)."""
 
     def __init__(self, on: OnDevice, *args, **kwargs):
         self.on, self.sched, self.galloc = on, None, None
