@@ -10,6 +10,9 @@ it is missing.
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -36,7 +39,33 @@ def gpu():
     found = [d for d in devices() if d.backend == REGISTRY[BACKEND]]
     if BACKEND not in loaded or not found:
         pytest.skip(f"the {BACKEND} backend did not load or lists no device (loaded: {loaded})")
+    if "llvmpipe" in found[0].description:
+        refuse_old_lavapipe()
     return found[0]
+
+
+def mesa_version() -> tuple[int, int] | None:
+    """The Mesa release of the Vulkan driver vulkaninfo reports first, or None where vulkaninfo can't tell."""
+    if not shutil.which("vulkaninfo"):
+        return None
+    run = subprocess.run(
+        ["vulkaninfo", "--summary"], capture_output=True, text=True, timeout=60, env=os.environ | VISIBLE
+    )
+    found = re.search(r"driverInfo\s*=\s*Mesa (\d+)\.(\d+)", run.stdout)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def refuse_old_lavapipe() -> None:
+    """Lavapipe before Mesa 23 (Debian 12's 22.3.6) corrupts the process's heap when device buffers are freed while
+    it runs on: with a step graph's compute buffers dropped between steps, or an engine closed and another started,
+    glibc aborts a later step ("corrupted double-linked list") or the driver's queue thread segfaults. The same runs
+    pass on Mesa 25.0 (Debian's bookworm-backports), so the tier refuses the old driver rather than fail at random."""
+    version = mesa_version()
+    if version is not None and version < (23, 0):
+        pytest.fail(
+            f"lavapipe from Mesa {version[0]}.{version[1]} corrupts memory when device buffers are freed; install a "
+            "newer Mesa (Debian 12: apt-get install -t bookworm-backports mesa-vulkan-drivers, as .ci/run does)"
+        )
 
 
 @pytest.fixture
