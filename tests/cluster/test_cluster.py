@@ -186,7 +186,8 @@ def test_eight_concurrent_streams_batch_their_sampling_and_equal_sequential_runs
         concurrent = list(pool.map(lambda i: stream(client, i), range(8)))
     assert concurrent == sequential
     counters = grown(before, statuses(c))
-    assert counters["node0"].get("micro_batch_passes", 0) > 0  # the streams went round in micro-batches
+    # whether a pass leaves rows to the next micro-batch depends on how the streams' arrivals interleave (none did
+    # once on a slower CPU): tests/unit/test_microbatches.py specifies the micro-batches
     last = counters["node2"]  # node2 holds the last layers: it samples
     sizes = {int(k.rsplit("_", 1)[1]): v for k, v in last.items() if k.startswith("sample_batch_size_") and v}
     assert max(sizes) > 1, sizes
