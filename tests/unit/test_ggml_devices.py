@@ -52,6 +52,12 @@ def test_a_device_reports_sane_memory_and_kind():
         Device("X", "", "gpu", "X", -1, 0)
 
 
+def test_two_listings_of_a_device_are_the_same_device_whatever_memory_was_free_at_each():
+    later = Device("Vulkan0", "Intel Iris Xe", "igpu", "Vulkan", 7 * GiB, 16 * GiB)  # lavapipe reports the host's
+    assert later == IGPU and later in (CPU, IGPU) and hash(later) == hash(IGPU)
+    assert Device("Vulkan1", "Intel Iris Xe", "igpu", "Vulkan", 8 * GiB, 16 * GiB) != IGPU
+
+
 def test_list_devices_prints_each_device_with_its_memory_and_marks_the_default(tmp_path, monkeypatch):
     monkeypatch.setenv("EXO_NODE_BACKENDS", str(tmp_path))
     text = describe((CPU, GPU))

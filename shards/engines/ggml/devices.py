@@ -141,13 +141,14 @@ def load_backends(root: Path | None = None) -> list[str]:
 
 @dataclass(frozen=True)
 class Device:
-    """One ggml device as ggml reports it: `name` is what --device takes (CPU, Vulkan0, CUDA0, ...)."""
+    """One ggml device as ggml reports it: `name` is what --device takes (CPU, Vulkan0, CUDA0, ...). Two listings
+    of one device are equal whatever memory was free at each (a reading, not part of which device it is)."""
 
     name: str
     description: str
     kind: str  # cpu, gpu, igpu, accel
     backend: str  # the backend registry's name: CPU, Vulkan, CUDA, Metal, ...
-    memory_free: int
+    memory_free: int = dataclasses.field(compare=False)
     memory_total: int
 
     def __post_init__(self):
