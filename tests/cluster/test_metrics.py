@@ -112,11 +112,11 @@ def test_rpc_errors_per_peer_and_kv_cache_bytes_in_process():
     the KV-cache gauge follows a real engine's caches."""
 
     async def go():
-        node, server, client = await serving(pinned=(0, 3))
+        node, server, client = await serving(pinned=(0, 3), rpc_timeout=2.0)
         other, other_server, other_client = await serving(node_id="n1")
         try:
             node.accept_prompt(spec_for(node), np.array([1, 2, 3]))  # the plan's next node, 127.0.0.1:9, is dead
-            for _ in range(600):  # the send waits up to its 10 s deadline for a connection that never comes
+            for _ in range(200):  # the send waits up to its 2 s deadline for a connection that never comes
                 if value(
                     parse(generate_latest(node.metrics.registry).decode()),
                     "exo_peer_rpc_errors_total",

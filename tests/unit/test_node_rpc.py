@@ -63,7 +63,7 @@ class RawClient:
         await self.channel.close()
 
 
-async def serving(pinned=None, node_id="n0"):
+async def serving(pinned=None, node_id="n0", rpc_timeout=10.0):
     cfg = ModelConfig.from_dir(MODEL)
     server = GrpcServer("127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES)
     # a fixed speed: no calibration passes on the engine thread while a test measures or steps the node
@@ -73,7 +73,7 @@ async def serving(pinned=None, node_id="n0"):
         ServedModel("llama", MODEL, cfg, Tokenizer(MODEL)),
         address=f"127.0.0.1:{server.port}",
         engines=engine_factory("numpy"),
-        transport=GrpcTransport(),
+        transport=GrpcTransport(rpc_timeout=rpc_timeout),
     )
     node.start()
     await server.start(node)
