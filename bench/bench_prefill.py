@@ -7,7 +7,7 @@ and threads, at several prompt lengths, in alternated rounds of one run.
 Servers, all started at once and idle while another is measured: llama-server (`-np 1 -c 8192 -t/-tb THREADS`, when
 the binary is there), one exo node with its default settings (`exo`: the packaged SmolLM2 served as F16) and one
 with `--quantize none` (`exo-q4_1`: the file's own Q4_1 blocks, as llama-server reads them), each `--threads
-THREADS`. Every request is a fresh prompt of exactly that many token ids (random ids, seeded by round, length and
+THREADS`; `exo-gemm` (asked for by name) is the defaults with `--attention gemm`. Every request is a fresh prompt of exactly that many token ids (random ids, seeded by round, length and
 server: no server can reuse a prefix) sent to /v1/completions with max_tokens 1, so the time to the answer is the
 prefill plus one token's step (tens of ms). Each round measures every length on every server, the servers in a
 rotated order, so a machine whose speed drifts weighs on all alike; a figure is the median round. SmolLM2's context
@@ -36,7 +36,7 @@ from shards.formats.packaged import resolve_model
 
 LLAMA_SERVER = Path("/opt/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")
 CONTEXT = 8192  # SmolLM2's
-EXO = {"exo": [], "exo-q4_1": ["--quantize", "none"]}  # name -> node flags beside --threads
+EXO = {"exo": [], "exo-q4_1": ["--quantize", "none"], "exo-gemm": ["--attention", "gemm"]}  # name -> node flags
 TIMEOUT = 3600  # seconds one request may take (a long prompt on a slow prefill)
 
 
@@ -91,7 +91,9 @@ def main() -> None:
     ap.add_argument("--lengths", default="256,1024,2048,4096,8000", help="prompt lengths in tokens")
     ap.add_argument("--rounds", type=int, default=3, help="rounds; the median round's time is reported")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--servers", default="llama-server,exo,exo-q4_1", help="which of llama-server, exo, exo-q4_1")
+    ap.add_argument(
+        "--servers", default="llama-server,exo,exo-q4_1", help="which of llama-server, exo, exo-q4_1, exo-gemm"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     lengths = [int(n) for n in args.lengths.split(",") if n]

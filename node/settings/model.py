@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from node.fetch.startup import FetchSettings, default_models_dir
-from shards.engines.registry import CHOICES, ENGINES, FLOAT_MATMUL_CHOICES, QUANTIZE_CHOICES, resolve
+from shards.engines.registry import (
+    ATTENTION_CHOICES,
+    CHOICES,
+    ENGINES,
+    FLOAT_MATMUL_CHOICES,
+    QUANTIZE_CHOICES,
+    resolve,
+)
 from shards.formats.packaged import DEFAULT_MODEL
 
 
@@ -54,6 +61,13 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         "rowwise (batch-invariant; prefill and batches cost more), fast (not batch-invariant): docs/operations.md",
     )
     g.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        help="ggml engine on the CPU: how a row attends, by its position: auto (default: llama.cpp's flash kernel "
+        "below position 1,024, matmuls from there), flash, or gemm (matmuls throughout: on CPUs whose flash "
+        "kernel is slow, docs/benchmarks.md); every choice keeps replay exact",
+    )
+    g.add_argument(
         "--device",
         help="ggml engine: the device to compute on, as --list-devices names it (CPU, Vulkan0, CUDA0, ...; a "
         "backend's name, vulkan, takes its first device), or auto (default): the fastest present, a GPU's "
@@ -86,6 +100,7 @@ class EngineSettings:
     quantize: str | None = None
     float_matmul: str | None = None
     device: str | None = None  # the ggml engine's --device ("auto" unless given: the node's default)
+    attention: str | None = None  # the ggml engine's --attention
 
     def __post_init__(self) -> None:
         if self.name not in ENGINES:
@@ -98,6 +113,8 @@ class EngineSettings:
             raise ValueError(
                 f"--float-matmul must be one of {', '.join(FLOAT_MATMUL_CHOICES)}, got {self.float_matmul!r}"
             )
+        if self.attention not in (None, *ATTENTION_CHOICES):
+            raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}")
         if self.device is not None and not self.device.strip():
             raise ValueError("--device must name a device (see exo-node --list-devices) or be auto")
 
@@ -105,6 +122,7 @@ class EngineSettings:
     def options(self) -> dict[str, object]:
         """What `engine_factory` takes, --quantize as given (`default_quantize` fills in a packaged model's)."""
         given = {"threads": self.threads, "quantize": self.quantize, "float_matmul": self.float_matmul}
+        given |= {} if self.attention is None else {"attention": self.attention}
         return given if self.device is None else {**given, "device": self.device}
 
 
@@ -123,7 +141,7 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
 def engine_from_args(args: argparse.Namespace) -> EngineSettings:
     name = resolve(args.engine)
     device = args.device if args.device is not None or name != "ggml" else "auto"  # the fastest device present
-    return EngineSettings(name, args.threads, args.quantize, args.float_matmul, device)
+    return EngineSettings(name, args.threads, args.quantize, args.float_matmul, device, args.attention)
 
 
 def fetch_from_args(args: argparse.Namespace) -> FetchSettings:

@@ -27,6 +27,8 @@ CHOICES = [*ENGINES, "auto"]
 QUANTIZE_CHOICES = ("q8_0", "q4_0", "q4_k", "f16", "none")
 # --float-matmul: how the ggml engine keeps F16/F32 weights batch-invariant (shards/engines/ggml/gemm_rows.py)
 FLOAT_MATMUL_CHOICES = ("pad", "rowwise", "fast")
+# --attention: which of its kernels the ggml engine attends by, per position (shards/engines/ggml/attention.py)
+ATTENTION_CHOICES = ("auto", "flash", "gemm")
 
 
 class EngineUnavailable(ValueError):

@@ -319,3 +319,25 @@ def test_the_pools_growth_holds_the_cells_in_use_once_and_one_tensor_twice():
     assert (pool.value_rows_of(7)[a : a + 4000] == 2.0).all()
     assert rise < in_use_kb // 4, (rise, in_use_kb)  # the moved cells, less what was given back as it went
     pool.free()
+
+
+def test_the_attention_option_sets_the_kernel_by_position_as_the_module_default_does(monkeypatch):
+    """`--attention` (the engine's `attention`) picks the pool's gemm_from per engine: "gemm" computes the logits the
+    module's ATTENTION "gemm" does, bit for bit, and a bad name is refused before any weight loads."""
+    path = smollm2_path()
+    cfg = dataclasses.replace(load_config(path), n_layers=2)
+    shard, tokens = Shard("m", 0, 2, 2), np.random.default_rng(5).integers(100, 5000, 40)
+
+    def run(**option) -> tuple[int | None, np.ndarray]:
+        e = GgmlEngine(path, shard, cfg, threads=1, adapt_threads=False, **option)
+        try:
+            return e.pool.gemm_from, e.forward([StepInput("r", tokens=tokens, max_positions=40)], all_logits=True)[0]
+        finally:
+            e.close()
+
+    assert run()[0] == ggml_attention.GEMM_FROM and run(attention="flash")[0] is None
+    chosen, by_option = run(attention="gemm")
+    monkeypatch.setattr(ggml_attention, "ATTENTION", "gemm")
+    assert chosen == 0 and np.array_equal(by_option, run()[1])
+    with pytest.raises(ValueError, match="--attention must be one of"):
+        GgmlEngine(path, shard, cfg, attention="sideways")

@@ -179,6 +179,13 @@ def test_engine_flags_are_one_setting_with_auto_resolved():
     assert settings_from_args(parse_args([]), machine=MACHINE).engine.name != "auto"
 
 
+def test_attention_is_an_engine_option_only_when_given():
+    assert settings("--attention", "gemm").engine.options["attention"] == "gemm"
+    assert "attention" not in settings().engine.options  # the engine's own default: auto
+    with pytest.raises(ValueError, match="--attention must be one of auto, flash, gemm"):
+        EngineSettings("ggml", attention="sideways")
+
+
 def test_only_the_settings_package_reads_flags():
     """Everything below `cli.main` takes typed settings: no module of node/ or discovery/ but node/settings/ (and
     `exo-node keygen`'s own command line) imports argparse."""

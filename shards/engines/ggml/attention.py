@@ -14,6 +14,7 @@ from __future__ import annotations
 from shards.engines.ggml.arrays import GArray, ValueLines, c_strides, expect
 from shards.engines.ggml.gemm_rows import MIN_FLOAT_ROWS
 from shards.engines.ggml.lib import g
+from shards.engines.registry import ATTENTION_CHOICES
 
 # How rows attend: "flash" (ggml_flash_attn_ext's one-row kernel: llama.cpp's attention, its logits bit for bit),
 # "gemm" (two F16 matmuls and a softmax on values the pool keeps transposed: gemm_attention), a third of flash's
@@ -22,7 +23,7 @@ from shards.engines.ggml.lib import g
 # flash for positions below GEMM_FROM and gemm from there (cells.py: values below it copied into lines when needed). Read
 # when a pool (its values' layouts) is made.
 ATTENTION = "auto"
-ATTENTIONS = ("flash", "gemm", "auto")
+ATTENTIONS = ATTENTION_CHOICES  # also a node flag, --attention (a machine whose flash kernel is slow: gemm)
 GEMM_FROM = 1024  # under "auto", the first position attended by matmuls: about where they get cheaper than flash
 ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
 SPLIT_KV_CELLS = 512  # from this many cells on, ggml splits a single query row's cells across threads (ops.cpp)

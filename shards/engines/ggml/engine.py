@@ -43,7 +43,7 @@ from shards.engines.ggml.sliding import SlidingWindows
 from shards.engines.ggml.threads import ThreadGovernor
 from shards.engines.ggml.weights import QUANTIZE_CHOICES, load_ggml_shard_weights
 from shards.engines.masks import CausalMasks
-from shards.engines.registry import FLOAT_MATMUL_CHOICES
+from shards.engines.registry import ATTENTION_CHOICES, FLOAT_MATMUL_CHOICES
 from shards.engines.runner import Runner
 from shards.formats.config import ModelConfig
 from shards.formats.gguf_model import rope_pairs_interleaved
@@ -60,7 +60,13 @@ SPAN_CELLS = 1024  # shorter rows attend in groups of neighbouring requests whos
 
 class GgmlEngine(Engine):
     name = "ggml"
-    options = ("threads", "quantize", "float_matmul", "device")  # engine options it takes (node flags --threads, ...)
+    options = (
+        "threads",
+        "quantize",
+        "float_matmul",
+        "device",
+        "attention",
+    )  # options it takes (node flags --threads, ...)
     kv_value_bytes = 2  # F16 cache
     kv_values_twice = attention.GEMM_FROM  # under "auto" (a device pool keeps one layout: charged anyway)
 
@@ -75,14 +81,22 @@ class GgmlEngine(Engine):
         adapt_threads: bool = True,
         float_matmul: str | None = None,
         device: str | None = None,
+        attention: str | None = None,
     ):
-        self.check_options(model_dir, threads, quantize, float_matmul)
+        self.check_options(model_dir, threads, quantize, float_matmul, attention=attention)
         unmap_large_blocks()  # before the load's slices and the graphs' buffers: what is freed leaves the process
         # None: the CPU, as ever; a name or "auto" (the node's default): shards/engines/ggml/devices.py
         self.on = None if device is None or (chosen := select(device)).is_cpu else OnDevice(chosen)
         self.threads = default_threads() if threads is None else threads
         self.quantize, self.repack, self.adapt_threads = quantize, repack, adapt_threads
         self.float_matmul = float_matmul or FLOAT_MATMUL
+        self.attention = attention  # None: the attention module's ATTENTION (auto)
+        if self.on is not None and attention not in (None, "auto"):
+            self.on.free()
+            raise ValueError(
+                f"--attention {attention} applies to the CPU; on {self.on.device.name} attention is ggml's flash "
+                "kernel throughout (leave --attention out, or add --device cpu)"
+            )
         self.ops: GgmlBackend | None = None
         try:
             super().__init__(model_dir, shard, config)
@@ -122,8 +136,11 @@ class GgmlEngine(Engine):
         self.step_threads = threads  # what the backend is set to; the governor lowers it while others load the CPUs
         self.governor = ThreadGovernor(threads, adapt=self.adapt_threads)
         try:
-            pool = CellPool if self.on is None else partial(DevicePool, self.on)
-            self.pool = pool(len(self.model.layers), cfg.n_kv_heads, cfg.head_dim, INITIAL_CELLS, CELL_ALIGN)
+            shape = (len(self.model.layers), cfg.n_kv_heads, cfg.head_dim, INITIAL_CELLS, CELL_ALIGN)
+            if self.on is None:
+                self.pool = CellPool(*shape, gemm_from=attention.gemm_from(self.attention))
+            else:
+                self.pool = DevicePool(self.on, *shape)
         except BaseException:
             g.ggml_backend_free(self.backend)
             self.backend = None
@@ -141,8 +158,11 @@ class GgmlEngine(Engine):
         quantize: str | None = None,
         float_matmul: str | None = None,
         device: str | None = None,
+        attention: str | None = None,
     ) -> None:
         """Refuse bad options at start-up rather than when a shard first loads."""
+        if attention is not None and attention not in ATTENTION_CHOICES:
+            raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}")
         if device is not None:
             select(device)  # a device the build lacks: refused, naming those present and how to build more
         if float_matmul is not None and float_matmul not in FLOAT_MATMUL_CHOICES:
