@@ -60,13 +60,7 @@ SPAN_CELLS = 1024  # shorter rows attend in groups of neighbouring requests whos
 
 class GgmlEngine(Engine):
     name = "ggml"
-    options = (
-        "threads",
-        "quantize",
-        "float_matmul",
-        "device",
-        "attention",
-    )  # options it takes (node flags --threads, ...)
+    options = ("threads", "quantize", "float_matmul", "device", "attention")  # node flags --threads, ...
     kv_value_bytes = 2  # F16 cache
     kv_values_twice = attention.GEMM_FROM  # under "auto" (a device pool keeps one layout: charged anyway)
 
