@@ -170,3 +170,15 @@ def test_a_node_on_the_cpu_of_a_machine_with_an_unserved_gpu_says_once_how_to_bu
     (folder / "libggml-cuda.so").write_bytes(b"")
     Built("cuda", "0.0.45", folder / "libggml-cuda.so").write()
     assert devices.unused_gpu(tmp_path) is None  # built (whether it loads is load_backends' to say)
+
+
+def test_attention_other_than_auto_is_refused_on_a_device_naming_the_fix(monkeypatch):
+    """A device attends by ggml's flash kernel throughout: `--attention gemm` there is refused before any weight
+    loads (engine_factory checks options at start-up), and on the CPU it is taken."""
+    from shards.engines.ggml.engine import GgmlEngine
+
+    monkeypatch.setattr("shards.engines.ggml.engine.select", lambda asked: GPU if asked == "CUDA0" else CPU)
+    with pytest.raises(ValueError, match="applies to the CPU; on CUDA0 .* --device cpu"):
+        GgmlEngine.check_options("m", device="CUDA0", attention="gemm")
+    GgmlEngine.check_options("m", device="CUDA0", attention="auto")
+    GgmlEngine.check_options("m", device="cpu", attention="gemm")

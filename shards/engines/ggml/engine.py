@@ -33,7 +33,7 @@ from shards.engines.base import Engine, EngineInputError, Packing, StepInput
 from shards.engines.ggml import attention
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CELL_ALIGN, SCRATCH_CELL, CellPool, CellRange
-from shards.engines.ggml.devices import select
+from shards.engines.ggml.devices import Device, select
 from shards.engines.ggml.gemm_rows import DEFAULT as FLOAT_MATMUL
 from shards.engines.ggml.graph import WINDOW_STEP, Graph, GraphCache, Group, Shape, StepWork, padded_rows
 from shards.engines.ggml.host_memory import unmap_large_blocks
@@ -58,6 +58,15 @@ OWN_GROUP_ROWS = 64  # a prompt chunk of this many rows attends its own cells (G
 SPAN_CELLS = 1024  # shorter rows attend in groups of neighbouring requests whose ranges span at most this (layout)
 
 
+def _attention_on(device: Device | None, attention: str | None) -> None:
+    """--attention other than auto is the CPU's: a device attends by ggml's flash kernel throughout."""
+    if device is not None and not device.is_cpu and attention not in (None, "auto"):
+        raise ValueError(
+            f"--attention {attention} applies to the CPU; on {device.name} attention is ggml's flash kernel "
+            "throughout (leave --attention out, or add --device cpu)"
+        )
+
+
 class GgmlEngine(Engine):
     name = "ggml"
     options = ("threads", "quantize", "float_matmul", "device", "attention")  # node flags --threads, ...
@@ -80,17 +89,13 @@ class GgmlEngine(Engine):
         self.check_options(model_dir, threads, quantize, float_matmul, attention=attention)
         unmap_large_blocks()  # before the load's slices and the graphs' buffers: what is freed leaves the process
         # None: the CPU, as ever; a name or "auto" (the node's default): shards/engines/ggml/devices.py
-        self.on = None if device is None or (chosen := select(device)).is_cpu else OnDevice(chosen)
+        chosen = None if device is None else select(device)
+        _attention_on(chosen, attention)
+        self.on = None if chosen is None or chosen.is_cpu else OnDevice(chosen)
         self.threads = default_threads() if threads is None else threads
         self.quantize, self.repack, self.adapt_threads = quantize, repack, adapt_threads
         self.float_matmul = float_matmul or FLOAT_MATMUL
         self.attention = attention  # None: the attention module's ATTENTION (auto)
-        if self.on is not None and attention not in (None, "auto"):
-            self.on.free()
-            raise ValueError(
-                f"--attention {attention} applies to the CPU; on {self.on.device.name} attention is ggml's flash "
-                "kernel throughout (leave --attention out, or add --device cpu)"
-            )
         self.ops: GgmlBackend | None = None
         try:
             super().__init__(model_dir, shard, config)
@@ -157,8 +162,8 @@ class GgmlEngine(Engine):
         """Refuse bad options at start-up rather than when a shard first loads."""
         if attention is not None and attention not in ATTENTION_CHOICES:
             raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}")
-        if device is not None:
-            select(device)  # a device the build lacks: refused, naming those present and how to build more
+        if device is not None:  # a device the build lacks: refused, naming those present and how to build more
+            _attention_on(select(device), attention)
         if float_matmul is not None and float_matmul not in FLOAT_MATMUL_CHOICES:
             raise ValueError(f"--float-matmul must be one of {', '.join(FLOAT_MATMUL_CHOICES)}, got {float_matmul!r}")
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
