@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from shards.formats.config import token_id_list
 from shards.formats.loader import open_model
@@ -204,23 +205,23 @@ class Tokenizer:
 class StreamDecoder:
     """Turns token ids into text pieces as they arrive, never emitting half of a UTF-8 character.
 
-    Byte-level BPE may split one character across tokens; decoding such a prefix yields U+FFFD. We hold text
-    back until the tail decodes cleanly, re-decoding from a few tokens back so merges at the seam come out right.
-    """
+    Byte-level BPE may split one character across tokens; decoding such a prefix yields U+FFFD. Text is held back
+    until the tail decodes cleanly, re-decoding from a few tokens back so merges at the seam come out right: the
+    rule of `tokenizers`' own `DecodeStream`, which runs it per token in one call (this is every streamed token's
+    path). `prefix` and `read` mirror its offsets, for `flush`."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tok, self.skip = tokenizer, skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
         self.prefix = 0  # decoding starts here (a few tokens before the unemitted ones, for context)
         self.read = 0  # tokens before this index have been emitted
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        before = self.tok.decode(self.ids[self.prefix : self.read], self.skip)
-        now = self.tok.decode(self.ids[self.prefix :], self.skip)
-        if len(now) <= len(before) or now.endswith("\ufffd"):
+        piece = self._stream.step(self.tok.hf, token)
+        if piece is None:
             return ""
-        piece = now[len(before) :]
         self.prefix, self.read = self.read, len(self.ids)
         return piece
 

@@ -3,6 +3,8 @@
 import shutil
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shards.formats.tokenizer import Tokenizer, TokenizerError
 from tests.conftest import FIXTURES, golden
@@ -98,3 +100,26 @@ def test_the_chat_template_is_compiled_once_and_again_only_when_it_changes(tmp_p
     with pytest.raises(TokenizerError, match="only user turns"):  # the sandbox's globals come with every compile
         tok.chat_template = "{{ raise_exception('only user turns') }}"
         tok.render_chat([{"role": "user", "content": "x"}])
+
+
+def _stream_by_definition(tok: Tokenizer, ids: list[int], skip: bool) -> list[str]:
+    """The streaming rule spelled out: re-decode from the last emitted piece's start; emit what the new token adds
+    unless the text would end in half a character (U+FFFD) or adds nothing; flush the rest at the end."""
+    prefix = read = 0
+    pieces = []
+    for n in range(1, len(ids) + 1):
+        before, now = tok.decode(ids[prefix:read], skip), tok.decode(ids[prefix:n], skip)
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            pieces.append("")
+            continue
+        pieces.append(now[len(before) :])
+        prefix, read = read, n
+    return pieces + [tok.decode(ids[prefix:], skip)[len(tok.decode(ids[prefix:read], skip)) :]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 511), max_size=40), skip=st.booleans())
+def test_streaming_pieces_are_the_rule_s_whatever_the_ids(ids, skip):
+    tok = Tokenizer(FIXTURES / "llama")
+    stream = tok.stream(skip)
+    assert [stream.push(t) for t in ids] + [stream.flush()] == _stream_by_definition(tok, ids, skip)
