@@ -2,7 +2,7 @@
 step at 8 streams on one node, and per hop on a two-node ring.
 
     uv run python -m bench.bench_overhead [--tokens 64] [--streams 8] [--threads 1] [--engine auto]
-        [--node-args "--quantize none"] [--pin] [--only one,eight,ring,floor]
+        [--node-args "--quantize none"] [--pin] [--only one,eight,ring,floor] [--model FILE.gguf]
 
 Each case starts its nodes (the packaged SmolLM2, the default engine unless --engine), sends one warm-up request,
 reads the counters, runs its streams (greedy chat, --tokens each, speculation off so one pass is one token) and
@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import time
+from pathlib import Path
 
 import aiohttp
 
@@ -126,8 +127,9 @@ def main() -> None:
     p.add_argument("--node-args", default="", help='more node flags, e.g. "--quantize none"')
     p.add_argument("--pin", action="store_true", help="every node's threads on a core of their own (taskset)")
     p.add_argument("--only", default="one,eight,ring", help="which cases: one, eight, ring, floor")
+    p.add_argument("--model", type=Path, help="a GGUF file to serve instead of the packaged model")
     args = p.parse_args()
-    path, model_id = resolve_model(DEFAULT_MODEL)
+    path, model_id = (args.model, args.model.stem) if args.model else resolve_model(DEFAULT_MODEL)
     extra = ["--threads", str(args.threads), "--speculate", "off", *shlex.split(args.node_args)]
     cases = {
         "one": (1, None, 1),  # nodes, shards, streams
