@@ -278,7 +278,7 @@ class Api:
 
         async def send(payload: dict[str, Any] | str) -> None:
             await chat.write(
-                response, f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+                request, response, f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
             )
 
         await send(fmt.opening(echo))

@@ -338,8 +338,8 @@ class Node:
 
 
 class _Retained:
-    """A status source read live: the retained caches' memory and branches change on the engine thread, after the
-    pass that ended their requests (an End from the entry makes a branch)."""
+    """A status source read live: the retained caches' memory, branches and evictions change on the engine thread,
+    after the pass that ended their requests (an End from the entry makes a branch)."""
 
     def __init__(self, shards: ShardManager):
         self.shards = shards
@@ -348,6 +348,7 @@ class _Retained:
         return [
             ("retained_bytes", self.shards.retained_bytes()),
             ("retained_branches", self.shards.retained_branches()),
+            ("prefix_evictions", self.shards.retained_evictions()),
         ]
 
 

@@ -69,7 +69,7 @@ class Pipeline:
         self.core, self.shards, self.batcher, self.transport = core, shards, batcher, transport
         self.model_id, self.metrics, self.spawn, self.local = model_id, metrics, spawn, local
         self.speed = speed  # this node's measured layer throughput, which the passes' compute times refresh
-        self.counters: Counter[str] = Counter()  # forward_us_total, step_us_total, prefix_evictions
+        self.counters: Counter[str] = Counter()  # forward_us_total, step_us_total
         self.overhead = Overhead(self.counters)
         self.following = Following(self._on_pass)
         self._wake = asyncio.Event()
@@ -161,7 +161,6 @@ class Pipeline:
         the pipeline saw it (waiting for the engine thread included); the time between passes is overhead."""
         core, plan = self.core, done.plan
         self.overhead.applied(done.ended)
-        self.counters["prefix_evictions"] = self.shards.retained_evictions()
         self.counters["forward_us_total"] += int(done.outputs.computed * 1e6)
         self.counters["step_us_total"] += int(seconds * 1e6)
         self.overhead.ran(done.began, done.ended)
