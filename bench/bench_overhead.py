@@ -82,17 +82,29 @@ async def counters(session: aiohttp.ClientSession, url: str) -> dict[str, int]:
     return {k: int(status.get(k, 0)) for k in KEYS}
 
 
-async def measure(urls: list[str], model: str, streams: int, tokens: int) -> dict:
-    """Counters' differences on every node (`urls`, the entry first) over `streams` concurrent requests."""
+def loop_cpu_s(pid: int) -> float:
+    """CPU seconds the process's main thread (the node's event loop) has used, from /proc (0 where there is none)."""
+    try:
+        fields = open(f"/proc/{pid}/task/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def measure(urls: list[str], model: str, streams: int, tokens: int, pids: list[int]) -> dict:
+    """Counters' differences on every node (`urls`, the entry first; `pids` its processes) over `streams` concurrent
+    requests."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         await stream(session, urls[0], model, -1, 8)  # warm-up: graphs built, caches sized
         before = [await counters(session, u) for u in urls]
+        loop_before = [loop_cpu_s(p) for p in pids]
         started = time.perf_counter()
         got = await asyncio.gather(*(stream(session, urls[0], model, i, tokens) for i in range(streams)))
         wall = time.perf_counter() - started
+        loop_after = [loop_cpu_s(p) for p in pids]
         after = [await counters(session, u) for u in urls]
     nodes = []
-    for b, a in zip(before, after):
+    for b, a, l0, l1 in zip(before, after, loop_before, loop_after):
         d = {k: a[k] - b[k] for k in KEYS}
         ms = lambda total, count: round(d[total] / max(1, d[count]) / 1000, 3)  # noqa: E731
         nodes.append(
@@ -113,6 +125,8 @@ async def measure(urls: list[str], model: str, streams: int, tokens: int) -> dic
                 # CPU time (meaningful on a loaded machine too): the process less its engine thread, per pass
                 "cpu_outside_ms_per_pass": ms("cpu_outside_us_total", "cpu_passes"),
                 "cpu_engine_ms_per_pass": ms("cpu_engine_us_total", "cpu_passes"),
+                # the event loop's thread alone (HTTP, the core, hand-offs), per pass: clock ticks, so over many
+                "loop_cpu_ms_per_pass": round((l1 - l0) * 1000 / max(1, d["outside_passes"]), 3),
             }
         )
     return {"streams": streams, "tokens": sum(got), "wall_s": round(wall, 2), "nodes": nodes}
@@ -147,7 +161,7 @@ def main() -> None:
                 for core, node in enumerate(c.nodes):
                     pin(node.proc.pid, core % os.cpu_count())
             urls = [node.api_url for node in c.nodes]
-            result = asyncio.run(measure(urls, model_id, streams, args.tokens))
+            result = asyncio.run(measure(urls, model_id, streams, args.tokens, [node.proc.pid for node in c.nodes]))
         print(json.dumps({"case": name, **result, "load": os.getloadavg()}), flush=True)
 
 
