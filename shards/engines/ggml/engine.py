@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from shards.engines.base import Engine, EngineInputError, Packing, StepInput
-from shards.engines.ggml import attention
+from shards.engines.ggml import attention, f16_probe
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CELL_ALIGN, SCRATCH_CELL, CellPool, CellRange
 from shards.engines.ggml.devices import Device, select
@@ -92,6 +92,7 @@ class GgmlEngine(Engine):
         chosen = None if device is None else select(device)
         _attention_on(chosen, attention)
         self.on = None if chosen is None or chosen.is_cpu else OnDevice(chosen)
+        f16_probe.warn_once(log)  # a ggml built for AVX512-FP16 arithmetic: how to rebuild it
         self.threads = default_threads() if threads is None else threads
         self.quantize, self.repack, self.adapt_threads = quantize, repack, adapt_threads
         self.float_matmul = float_matmul or FLOAT_MATMUL
