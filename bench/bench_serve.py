@@ -2,15 +2,15 @@
 
     uv run python -m bench.bench_serve [--llama-server /tmp/ref/llama.cpp/build/bin/llama-server]
         [--streams 1,4,8,16] [--tokens 128] [--turns 6] [--answer 200] [--threads 2] [--servers exo1,exo3]
-        [--exo-args "--quantize none"] [--cold] [--out bench-serve.json]
+        [--exo-args "--quantize none"] [--sampling greedy|openai|ollama] [--cold] [--out bench-serve.json]
 
 Servers, one at a time: llama-server (`-np 8 -t THREADS`, when the binary is there), one exo node (default engine)
 and a 3-node exo ring on loopback (bench/local_cluster.py). The model is the packaged SmolLM2 GGUF, its Q4_1
 blocks on both (exo serves this file as F16 unless told otherwise, so --exo-args defaults to "--quantize none").
 
 Two measurements per server:
-- streams: N concurrent streaming chat requests (greedy, --tokens each, different prompts), started together,
-  --rounds times with new prompts each round (the median round is reported, all rounds listed);
+- streams: N concurrent streaming chat requests (greedy unless --sampling names a client's defaults, --tokens each,
+  different prompts), started together, --rounds times with new prompts each round (the median round is reported, all rounds listed);
   aggregate tok/s = all tokens (the usage each stream reports) / wall time from the first request to the last token; per-stream tok/s = each
   stream's tokens after its first / the time between its first and last token, averaged.
 - multi-turn: one conversation (a ~120-token system prompt, --turns user turns, answers of up to --answer tokens),
@@ -55,18 +55,30 @@ QUESTIONS = [
     "Give me a short example in Python.",
     "Summarise all of that.",
 ]
+# What a request asks of the sampler: every field spelled out, so llama-server's own defaults (top_k 40, min_p
+# 0.05) don't apply on one side only. openai: the OpenAI API's defaults; ollama: Ollama's (and Open WebUI's through it).
+SAMPLING = {
+    "greedy": {"temperature": 0},
+    "openai": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0},
+    "ollama": {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.0, "repeat_penalty": 1.1, "repeat_last_n": 64},
+}
 TOPICS = ["the sea", "a mountain", "a city at night", "a forest", "the desert", "a river", "snow", "the moon"]
 
 
 async def stream_chat(
-    session: aiohttp.ClientSession, url: str, model: str, messages: list[dict], max_tokens: int
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    sampling: str = "greedy",
 ) -> dict:
     """One streaming chat completion: when it was sent, each content chunk's arrival, and the text."""
     body = {
         "model": model,
         "messages": messages,
         "max_tokens": max_tokens,
-        "temperature": 0,
+        **SAMPLING[sampling],
         "stream": True,
         "stream_options": {"include_usage": True},  # a chunk may carry several tokens (speculative decoding)
     }
@@ -89,7 +101,9 @@ async def stream_chat(
     return {"sent": sent, "stamps": stamps, "text": "".join(text), "tokens": tokens or len(stamps)}
 
 
-async def concurrent(url: str, model: str, streams: int, tokens: int, round_: int = 0) -> dict:
+async def concurrent(
+    url: str, model: str, streams: int, tokens: int, round_: int = 0, sampling: str = "greedy"
+) -> dict:
     """N streams at once; each round asks for other stories (a new prompt: nothing the server cached is reused)."""
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -107,6 +121,7 @@ async def concurrent(url: str, model: str, streams: int, tokens: int, round_: in
                         }
                     ],
                     tokens,
+                    sampling,
                 )
                 for i in range(streams)
             )
@@ -165,7 +180,7 @@ def measure(name: str, url: str, model: str, args) -> dict:
     asyncio.run(concurrent(url, model, 1, 4, -1))  # warm up (a prompt no round asks)
     out = {"server": name, "streams": [], "multi_turn": None}
     for n in args.streams:
-        rounds = [asyncio.run(concurrent(url, model, n, args.tokens, r)) for r in range(args.rounds)]
+        rounds = [asyncio.run(concurrent(url, model, n, args.tokens, r, args.sampling)) for r in range(args.rounds)]
         row = sorted(rounds, key=lambda r: r["aggregate"])[len(rounds) // 2]  # the median round
         row["rounds"] = [round(r["aggregate"], 1) for r in rounds]
         out["streams"].append(row)
@@ -246,11 +261,17 @@ def main() -> None:
         help="exo node flags (default: the file's own Q4_1 blocks, as llama-server reads them)",
     )
     ap.add_argument("--servers", default="llama-server,exo1,exo3", help="which of llama-server, exo1, exo3 to run")
+    ap.add_argument(
+        "--sampling", choices=sorted(SAMPLING), default="greedy", help="the streams' sampling parameters (SAMPLING)"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",") if s]
     model, model_id = resolve_model("smollm2")
-    print(f"model {model.name}; load {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"model {model.name}; sampling {args.sampling} {SAMPLING[args.sampling]}; load {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     servers = args.servers.split(",")
     results = [r for r in (run_llama_server(args.llama_server, model, args),) if r] if "llama-server" in servers else []
     results += [run_exo(n, model, model_id, args) for n in (1, 3) if f"exo{n}" in servers]
