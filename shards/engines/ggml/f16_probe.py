@@ -19,7 +19,7 @@ import logging
 
 import numpy as np
 
-from shards.engines.ggml.lib import F16, F32, Context, GgmlError, cpu_buffer_type, g
+from shards.engines.ggml.lib import F16, F32, Context, compute_once, g
 
 PROBE_N = 8192
 PROBE_WEIGHT = float(np.float16(0.1))  # 1638 / 2**14
@@ -65,32 +65,12 @@ def warn_once(log: logging.Logger) -> None:
 
 def _probe() -> float:
     weight = np.full((1, PROBE_N), PROBE_WEIGHT, np.float16)
-    ones = np.ones((1, PROBE_N), np.float32)
-    ctx, galloc, backend = Context(4, graph=True), None, None
+    ctx = Context(4, graph=True)
     try:
         w, x = ctx.new(F16, (PROBE_N, 1)), ctx.new(F32, (PROBE_N, 1))
-        for t in (w, x):
-            g.ggml_set_input(t)
         ctx.room(1)
         y = g.ggml_mul_mat(ctx.ctx, w, x)  # one row: ggml's vec_dot, which llamafile's tinyBLAS leaves to it
-        gf = ctx.graph()
-        g.ggml_set_output(y)
-        g.ggml_build_forward_expand(gf, y)
-        galloc = g.ggml_gallocr_new(cpu_buffer_type())
-        if not galloc or not g.ggml_gallocr_alloc_graph(galloc, gf):
-            raise MemoryError("ggml could not allocate the F16 probe's graph")
-        g.ggml_backend_tensor_set(w, weight.ctypes.data, 0, weight.nbytes)
-        g.ggml_backend_tensor_set(x, ones.ctypes.data, 0, ones.nbytes)
-        backend = g.ggml_backend_cpu_init()
-        g.ggml_backend_cpu_set_n_threads(backend, 1)
-        if g.ggml_backend_graph_compute(backend, gf) != 0:
-            raise GgmlError("the F16 probe's graph failed to compute")
-        out = np.empty(1, np.float32)
-        g.ggml_backend_tensor_get(y, out.ctypes.data, 0, out.nbytes)
+        (out,) = compute_once(ctx, [(y, (1,))], [(w, weight), (x, np.ones((1, PROBE_N), np.float32))], "the F16 probe")
         return float(out[0])
     finally:
-        if backend:
-            g.ggml_backend_free(backend)
-        if galloc:
-            g.ggml_gallocr_free(galloc)
         ctx.free()

@@ -144,6 +144,38 @@ def cpu_buffer_type() -> int:
     return g.ggml_backend_cpu_buffer_type()
 
 
+def compute_once(
+    ctx: Context, outputs: list[tuple[Tensor, tuple[int, ...]]], inputs: list[tuple[Tensor, np.ndarray]], what: str
+) -> list[np.ndarray]:
+    """A probe's one-off graph: `outputs` (F32 tensors of `ctx`, each read back as an array of its shape) computed on
+    two CPU threads in plain host memory, after `inputs` are copied in. `ctx` needs room for the graph."""
+    for t, _ in inputs:
+        g.ggml_set_input(t)
+    gf = ctx.graph()
+    for y, _ in outputs:
+        g.ggml_set_output(y)
+        g.ggml_build_forward_expand(gf, y)
+    galloc, backend = g.ggml_gallocr_new(cpu_buffer_type()), None
+    try:
+        if not galloc or not g.ggml_gallocr_alloc_graph(galloc, gf):
+            raise MemoryError(f"ggml could not allocate {what}'s graph")
+        for t, a in inputs:
+            g.ggml_backend_tensor_set(t, a.ctypes.data, 0, a.nbytes)
+        backend = g.ggml_backend_cpu_init()
+        g.ggml_backend_cpu_set_n_threads(backend, 2)
+        if g.ggml_backend_graph_compute(backend, gf) != 0:
+            raise GgmlError(f"{what}'s graph failed to compute")
+        out = [np.empty(shape, np.float32) for _, shape in outputs]
+        for (y, _), a in zip(outputs, out):
+            g.ggml_backend_tensor_get(y, a.ctypes.data, 0, a.nbytes)
+        return out
+    finally:
+        if backend:
+            g.ggml_backend_free(backend)
+        if galloc:
+            g.ggml_gallocr_free(galloc)
+
+
 def _extra_buffer_types() -> list[int]:
     """The CPU device's "extra" buffer types (CPU_REPACK, AMX where compiled in)."""
     dev = g.ggml_backend_dev_by_type(g.GGML_BACKEND_DEVICE_TYPE_CPU)
