@@ -25,7 +25,7 @@ PROBE_N = 8192
 PROBE_WEIGHT = float(np.float16(0.1))  # 1638 / 2**14
 EXACT = PROBE_N * PROBE_WEIGHT  # 819.0: the F32 sum, exactly
 REBUILD = (
-    "rebuild ggml-python with the macro undefined, as exo-node's uv lock does: CMAKE_ARGS='-DGGML_LLAMAFILE=ON "
+    "rebuild ggml-python with the macro undefined, as exo-node's pyproject.toml has uv do: CMAKE_ARGS='-DGGML_LLAMAFILE=ON "
     "-DCMAKE_C_FLAGS=-U__AVX512FP16__ -DCMAKE_CXX_FLAGS=-U__AVX512FP16__' pip install --force-reinstall --no-deps "
     "--no-binary ggml-python ggml-python==0.0.45"
 )
