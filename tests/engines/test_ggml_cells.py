@@ -17,6 +17,7 @@ from shards.engines.ggml.attention import SPLIT_KV_CELLS
 from shards.engines.ggml.cells import GIVE_BACK_CELLS, CellPool
 from shards.engines.ggml.engine import SPAN_CELLS, GgmlEngine
 from shards.engines.ggml.graph import SPARE_SHARE, WINDOW_STEP, padded_rows
+from shards.engines.ggml.lib import g
 from shards.formats.loader import load_config
 from shards.model.shard import Shard
 from tests.support.gguf_util import smollm2_path
@@ -116,6 +117,28 @@ def test_a_lone_row_over_many_cells_equals_the_same_row_prefilled_or_beside_othe
     e.forward([StepInput("busy", tokens=tokens[:-1], max_positions=41), StepInput("x", tokens=tokens[:9])])
     beside = e.forward([StepInput("x", tokens=tokens[9:10]), StepInput("busy", tokens=tokens[-1:])])[1][0]
     assert np.array_equal(lone, whole) and np.array_equal(beside, whole)
+    e.close()
+
+
+def test_a_lone_row_over_many_cells_is_attended_once_not_beside_a_copy_of_itself():
+    """The row's heads go in the op's fourth dimension (attention.py: lone_row_attention), which keeps ggml on the
+    row-at-a-time kernel without the copy the row was once attended beside: a decode step's attention costs one
+    row's, each layer's flash op reading one query row per head."""
+    e = smollm2(threads=2, layers=LAYERS)
+    tokens = np.random.default_rng(5).integers(100, 5000, 41)
+    e.forward([StepInput("holder", tokens=tokens[:1], max_positions=230)])
+    e.forward([StepInput("lone", tokens=tokens[:-1], max_positions=200)])
+    lone_step = [StepInput("lone", tokens=tokens[-1:])]
+    shape = e.runner.shape(e.pack(lone_step), [e.caches["lone"]], False)
+    e.forward(lone_step)
+    graph = e.runner.graphs.get(shape)
+    flash = [
+        n.contents
+        for i in range(graph.nodes)
+        if (n := g.ggml_graph_node(graph.gf, i)).contents.op == g.GGML_OP_FLASH_ATTN_EXT
+    ]
+    query_rows = [int(np.prod(list(n.src[0].contents.ne))) // e.config.head_dim for n in flash]
+    assert shape.groups[0].cells >= SPLIT_KV_CELLS and query_rows == [e.config.n_heads] * LAYERS
     e.close()
 
 
