@@ -20,6 +20,7 @@ from shards.engines.base import StepInput
 from shards.engines.ggml import attention as ggml_attention
 from shards.engines.ggml.cells import PAGE, CellPool
 from shards.engines.ggml.engine import GgmlEngine
+from shards.engines.ggml.lib import F16, g
 from shards.formats.loader import load_config
 from shards.model.shard import Shard
 from tests.engines.test_ggml_cells import smollm2
@@ -190,6 +191,23 @@ def test_with_matmul_attention_a_row_gets_the_same_numbers_in_a_prefill_in_chunk
     e.forward([StepInput("busy", tokens=tokens[:99], max_positions=1100), StepInput("x", tokens=tokens[:9])])
     beside = e.forward([StepInput("x", tokens=tokens[9:10]), StepInput("busy", tokens=tokens[99:])])[1]
     assert np.array_equal(lone, whole[-1:]) and np.array_equal(beside, whole[-1:])
+    e.close()
+
+
+def test_with_matmul_attention_a_lone_row_is_computed_once_not_beside_a_copy_of_itself(monkeypatch):
+    """A matmul over one row would take vec_dot, which sums otherwise than a batch's tinyBLAS: a lone decode row's
+    heads that share a kv head are its matmuls' rows (attention.py), so each layer's two attention matmuls (F16 keys
+    and values) take one row per head, not the row and a copy (the numbers: the test above, token by token)."""
+    monkeypatch.setattr(ggml_attention, "ATTENTION", "gemm")
+    e = smollm2(layers=4)
+    e.forward([StepInput("lone", tokens=np.arange(100, 140), max_positions=100)])
+    step = [StepInput("lone", tokens=np.array([7]))]
+    shape = e.runner.shape(e.pack(step), [e.caches["lone"]], False)
+    e.forward(step)
+    graph = e.runner.graphs.get(shape)
+    nodes = [g.ggml_graph_node(graph.gf, i).contents for i in range(graph.nodes)]
+    attend = [n for n in nodes if n.op == g.GGML_OP_MUL_MAT and n.src[0].contents.type == F16]
+    assert [n.src[1].contents.ne[1] * n.src[1].contents.ne[2] for n in attend] == [e.config.n_heads] * 8
     e.close()
 
 

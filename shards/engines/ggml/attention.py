@@ -64,8 +64,9 @@ class GgmlAttention:
     ) -> GArray:
         """softmax(q k^T * scale + mask) v as two F16 matmuls and a softmax, every row the same arithmetic whatever
         the step: tinyBLAS sums each score over hd and each output over the span's cells in one order per element,
-        whatever its tile, thread or the rows beside it (so a lone row goes beside a copy of itself: one row would
-        take vec_dot, gemm_rows.py); the softmax sums a row in blocks of SIMD width from the span's start. Masked
+        whatever its tile, thread or the rows beside it (one row would take vec_dot, gemm_rows.py: so a lone row's
+        heads that share a kv head are its matmuls' rows, or with too few of them the row goes beside a copy of
+        itself); the softmax sums a row in blocks of SIMD width from the span's start. Masked
         cells count exact zeros in both sums, so a row's numbers depend only on its own cells and where they fall
         in those blocks: ranges start on CELL_ALIGN cells (cells.py) and spans on WINDOW_STEP, so that is fixed by
         the position. Why not flash attention: its one-row kernel, the only one that is the same for a lone row
@@ -91,21 +92,32 @@ class GgmlAttention:
                 ],
                 axis=0,
             )
+        r = nh // nkv
+        if t == 1 and r >= MIN_FLOAT_ROWS:  # a lone row: the heads sharing a kv head are the matmuls' rows
+            q3 = self.view(q, (nkv, r, hd), (r * q.strides[1], q.strides[1], q.strides[2]))  # ne [hd, r, kv_heads]
+            out = self.scores_times_values(q3.t, keys, values, self.concat([mask] * r, axis=0), scale, softcap)
+            return self.view(self.wrap(out, (nkv, r, hd)), (1, nh * hd), (nh * hd * 4, 4))  # heads in order
         rows = max(t, MIN_FLOAT_ROWS)
         if rows > t:  # copies of the rows: every row in tinyBLAS, none alone
             q = self.concat([q] * -(-rows // t), axis=0)[:rows]
             mask = self.concat([mask] * -(-rows // t), axis=0)[:rows]
-        qp = self.node(g.ggml_permute, q.t, 0, 2, 1, 3)  # ne [hd, T, heads]
-        kq = self.node(g.ggml_mul_mat, keys.t, qp)  # ne [cells, T, heads]; kv head h // (heads / kv_heads)
+        qp = self.node(g.ggml_permute, q.t, 0, 2, 1, 3)  # ne [hd, T, heads]; kv head h // (heads / kv_heads)
+        out = self.scores_times_values(qp, keys, values, mask, scale, softcap)  # ne [hd, T, heads]
+        out = self.node(g.ggml_cont, self.node(g.ggml_permute, out, 0, 2, 1, 3))  # ne [hd, heads, T]
+        flat = self.view(self.wrap(out, (rows, nh, hd)), (rows, nh * hd), c_strides((rows, nh * hd), 4))
+        return flat if rows == t else flat[:t]
+
+    def scores_times_values(self, qm, keys: GArray, values: GArray, mask: GArray, scale: float, softcap: float | None):
+        """softmax(qm k^T * scale + mask) v for `qm` ne [hd, rows, heads] (a head's rows: its matmul's), heads a
+        multiple of kv_heads, `mask` [rows, cells] -> ne [hd, rows, heads]. Each score and output element is summed
+        in one order whatever the rows beside it (tinyBLAS), so how the rows are laid out changes no number."""
+        kq = self.node(g.ggml_mul_mat, keys.t, qm)  # ne [cells, rows, heads]; kv head h // (heads / kv_heads)
         if softcap:
             kq = self.node(g.ggml_scale, kq, scale / softcap)
             kq = self.node(g.ggml_scale, self.node(g.ggml_tanh, kq), softcap)
             scale = 1.0
         p = self.node(g.ggml_soft_max_ext, kq, self.contiguous(mask).t, scale, 0.0)
-        out = self.node(g.ggml_mul_mat, values.t, p)  # values ne [cells, hd, kv_heads], strided: out ne [hd, T, heads]
-        out = self.node(g.ggml_cont, self.node(g.ggml_permute, out, 0, 2, 1, 3))  # ne [hd, heads, T]
-        flat = self.view(self.wrap(out, (rows, nh, hd)), (rows, nh * hd), c_strides((rows, nh * hd), 4))
-        return flat if rows == t else flat[:t]
+        return self.node(g.ggml_mul_mat, values.t, p)  # values ne [cells, hd, kv_heads], strided
 
     def flash_attention(
         self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float, softcap: float | None = None
