@@ -130,8 +130,8 @@ class GgmlAttention:
         that prefills generated tokens. ggml's CPU flash attention takes two other kernels, which compute in
         another order (by up to 1.4 in SmolLM2's logits): a tiled one for 64 query rows and more (so rows go in
         balanced blocks of at most ATTENTION_ROWS), and one that splits the cells across threads for a single row
-        over SPLIT_KV_CELLS cells and more (so a lone row's heads go in a fourth dimension, `lone_row_attention`, or
-        with a single kv head the row is attended beside a copy of itself)."""
+        over SPLIT_KV_CELLS cells and more (so a lone row's heads stand in for more rows, `lone_row_attention`, or
+        with a single head in all the row is attended beside a copy of itself)."""
         t, nh, hd = q.shape
         nkv, cells, khd = keys.shape
         expect(khd == hd and values.shape == keys.shape and nh % nkv == 0, f"attention: {q.shape}, {keys.shape}")
@@ -146,7 +146,7 @@ class GgmlAttention:
                 ],
                 axis=0,
             )
-        if t == 1 and cells >= SPLIT_KV_CELLS and nkv > 1:
+        if t == 1 and cells >= SPLIT_KV_CELLS and (nkv > 1 or 1 < nh <= ATTENTION_ROWS):
             return self.lone_row_attention(q, keys, values, mask, scale, softcap)
         if t == 1 and cells >= SPLIT_KV_CELLS:
             twice = self.flash_attention(
@@ -168,14 +168,30 @@ class GgmlAttention:
         self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float, softcap: float | None
     ) -> GArray:
         """One row over SPLIT_KV_CELLS cells or more, by the row-at-a-time kernel, at the cost of one row: ggml
-        takes its cell-splitting kernel only for a single row with nothing in q's fourth dimension, so the row's
+        takes its cell-splitting kernel only for a single row with nothing in q's fourth dimension. So the row's
         heads go there, one entry per kv head (q ne [hd, 1, heads/kv_heads, kv_heads], keys and values ne
-        [hd, cells, 1, kv_heads]). A query head h = i2 + (heads/kv_heads) * i3 meets kv head i3 = h // (heads /
-        kv_heads), as in the three-dimensional op, and ggml writes the output in the same head order. The kernel
-        computes each (row, head) the same way whatever the layout, so the row's numbers are those of any step."""
+        [hd, cells, 1, kv_heads]): a query head h = i2 + (heads/kv_heads) * i3 meets kv head i3 = h // (heads /
+        kv_heads), as in the three-dimensional op. With a single kv head the heads are the op's rows instead (q ne
+        [hd, heads, 1], the row's mask repeated; at most ATTENTION_ROWS of them: the tiled kernel's threshold is
+        above). Either way ggml writes the output in head order, and the kernel computes each (row, head) the same
+        way whatever the layout, so the row's numbers are those of any step."""
         _, nh, hd = q.shape
         nkv, cells, _ = keys.shape
         r, hs = nh // nkv, q.strides[1]
+        if nkv == 1:
+            q_rows = self.view(q, (1, nh, hd), (nh * hs, hs, q.strides[2]))  # ne [hd, heads, 1]
+            rows_mask = None if mask is None else self.concat([mask] * nh, axis=0)
+            out = self.node(
+                g.ggml_flash_attn_ext,
+                q_rows.t,
+                keys.t,
+                values.t,
+                None if rows_mask is None else rows_mask.t,
+                scale,
+                0.0,
+                softcap or 0.0,
+            )  # ne [hd, 1, heads], contiguous
+            return self.view(self.wrap(out, (nh, 1, hd)), (1, nh * hd), (nh * hd * 4, 4))
         q4 = self.view(q, (nkv, r, 1, hd), (r * hs, hs, q.strides[0], q.strides[2]))
         k4, v4 = (
             self.view(x, (nkv, 1, cells, hd), (x.strides[0], x.strides[0], x.strides[1], x.strides[2]))
