@@ -4,8 +4,9 @@
         [--streams 1,4,8,16] [--tokens 128] [--turns 6] [--answer 200] [--threads 2] [--servers exo1,exo3]
         [--exo-args "--quantize none"] [--sampling greedy|openai|ollama] [--cold] [--out bench-serve.json]
 
-Servers, one at a time: llama-server (`-np 8 -t THREADS`, when the binary is there), one exo node (default engine)
-and a 3-node exo ring on loopback (bench/local_cluster.py). The model is the packaged SmolLM2 GGUF, its Q4_1
+Servers, all started at once and idle while another is measured: llama-server (`-np 8 -t THREADS`, when the binary
+is there), one exo node (default engine) and a 3-node exo ring on loopback (bench/local_cluster.py). Each round of a
+stream count runs on every server in turn, in an order rotated from round to round. The model is the packaged SmolLM2 GGUF, its Q4_1
 blocks on both (exo serves this file as F16 unless told otherwise, so --exo-args defaults to "--quantize none").
 
 Two measurements per server:
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -176,35 +179,45 @@ def wait_http(url: str, timeout: float = 300) -> None:
     raise TimeoutError(f"{url} did not become healthy in {timeout:g}s")
 
 
-def measure(name: str, url: str, model: str, args) -> dict:
-    asyncio.run(concurrent(url, model, 1, 4, -1))  # warm up (a prompt no round asks)
-    out = {"server": name, "streams": [], "multi_turn": None}
+def measure(servers: dict[str, tuple[str, str]], args) -> list[dict]:
+    """Every server (name -> (url, model)) on the same rounds: each round of a stream count runs on every server in
+    turn, the order rotated from round to round, so a machine whose speed drifts weighs on all alike; the idle
+    servers wait (a second's pause before each run lets the last one's threads stop spinning)."""
+    names = list(servers)
+    for url, model in servers.values():
+        asyncio.run(concurrent(url, model, 1, 4, -1))  # warm up (a prompt no round asks)
+    out = {name: {"server": name, "streams": [], "multi_turn": None} for name in names}
     for n in args.streams:
-        rounds = [asyncio.run(concurrent(url, model, n, args.tokens, r, args.sampling)) for r in range(args.rounds)]
-        row = sorted(rounds, key=lambda r: r["aggregate"])[len(rounds) // 2]  # the median round
-        row["rounds"] = [round(r["aggregate"], 1) for r in rounds]
-        out["streams"].append(row)
-        print(
-            f"{name}: {n:2d} streams: {row['aggregate']:6.1f} tok/s aggregate, {row['per_stream']:6.1f} per "
-            f"stream, TTFT {row['ttft']:.2f}s (load {row['load']:.1f}; rounds {row['rounds']})",
-            flush=True,
-        )
-    for key, cold in (("multi_turn", False), ("multi_turn_cold", True)):
-        if cold and not args.cold:
-            continue
-        out[key] = asyncio.run(multi_turn(url, model, args.turns, args.answer, cold))
-        print(
-            f"{name}: multi-turn TTFT per turn{' (no prefix can be reused)' if cold else ''}: "
-            f"{', '.join(f'{t:.2f}' for t in out[key]['ttft'])} s (load {out[key]['load']:.1f})",
-            flush=True,
-        )
-    return out
+        rounds: dict[str, list[dict]] = {name: [] for name in names}
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                time.sleep(1)
+                rounds[name].append(asyncio.run(concurrent(*servers[name], n, args.tokens, r, args.sampling)))
+        for name in names:
+            row = sorted(rounds[name], key=lambda r: r["aggregate"])[len(rounds[name]) // 2]  # the median round
+            row["rounds"] = [round(r["aggregate"], 1) for r in rounds[name]]
+            out[name]["streams"].append(row)
+            print(
+                f"{name}: {n:2d} streams: {row['aggregate']:6.1f} tok/s aggregate, {row['per_stream']:6.1f} per "
+                f"stream, TTFT {row['ttft']:.2f}s (load {row['load']:.1f}; rounds {row['rounds']})",
+                flush=True,
+            )
+    for name in names:
+        for key, cold in (("multi_turn", False), ("multi_turn_cold", True)):
+            if cold and not args.cold:
+                continue
+            time.sleep(1)
+            out[name][key] = asyncio.run(multi_turn(*servers[name], args.turns, args.answer, cold))
+            print(
+                f"{name}: multi-turn TTFT per turn{' (no prefix can be reused)' if cold else ''}: "
+                f"{', '.join(f'{t:.2f}' for t in out[name][key]['ttft'])} s (load {out[name][key]['load']:.1f})",
+                flush=True,
+            )
+    return [out[name] for name in names]
 
 
-def run_llama_server(binary: Path, gguf: Path, args) -> dict | None:
-    if not binary.exists():
-        print(f"llama-server: {binary} is not there (build it: see docs/benchmarks.md); skipped")
-        return None
+@contextlib.contextmanager
+def llama_server(binary: Path, gguf: Path, args) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -228,13 +241,14 @@ def run_llama_server(binary: Path, gguf: Path, args) -> dict | None:
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(url)
-        return measure("llama-server", url, "smollm2", args)
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-def run_exo(nodes: int, model: Path, model_id: str, args) -> dict:
+@contextlib.contextmanager
+def exo(nodes: int, model: Path, model_id: str, args) -> Iterator[str]:
     layers = load_config(model).n_layers
     cuts = [round(i * layers / nodes) for i in range(nodes + 1)]
     shards = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:])] if nodes > 1 else None
@@ -242,7 +256,7 @@ def run_exo(nodes: int, model: Path, model_id: str, args) -> dict:
         ["--threads", str(max(1, args.threads // nodes))] if nodes > 1 else ["--threads", str(args.threads)]
     )
     with Cluster(model, nodes, shards=shards, api_nodes=1, model_id=model_id, engine=None, extra=extra) as c:
-        return measure(f"exo {nodes} node{'s' if nodes > 1 else ''}", c.nodes[0].api_url, model_id, args)
+        yield c.nodes[0].api_url
 
 
 def main() -> None:
@@ -272,9 +286,19 @@ def main() -> None:
         f"model {model.name}; sampling {args.sampling} {SAMPLING[args.sampling]}; load {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    servers = args.servers.split(",")
-    results = [r for r in (run_llama_server(args.llama_server, model, args),) if r] if "llama-server" in servers else []
-    results += [run_exo(n, model, model_id, args) for n in (1, 3) if f"exo{n}" in servers]
+    wanted = args.servers.split(",")
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, tuple[str, str]] = {}
+        if "llama-server" in wanted:
+            if args.llama_server.exists():
+                servers["llama-server"] = (stack.enter_context(llama_server(args.llama_server, model, args)), "smollm2")
+            else:
+                print(f"llama-server: {args.llama_server} is not there (build it: see docs/benchmarks.md); skipped")
+        for n in (1, 3):
+            if f"exo{n}" in wanted:
+                url = stack.enter_context(exo(n, model, model_id, args))
+                servers[f"exo {n} node{'s' if n > 1 else ''}"] = (url, model_id)
+        results = measure(servers, args)
     print("\n| server | " + " | ".join(f"{n} streams agg (per stream)" for n in args.streams) + " |")
     print("|---|" + "---|" * len(args.streams))
     for r in results:
