@@ -20,6 +20,7 @@ from shards.engines.ggml.graph import SPARE_SHARE, WINDOW_STEP, padded_rows
 from shards.engines.ggml.lib import g
 from shards.formats.loader import load_config
 from shards.model.shard import Shard
+from tests.support.ggml_graph import graph_ops
 from tests.support.gguf_util import smollm2_path
 
 LAYERS = 4  # engine tests below run SmolLM2's first layers only: quick, and the same shapes and kernels
@@ -132,11 +133,7 @@ def test_a_lone_row_over_many_cells_is_attended_once_not_beside_a_copy_of_itself
     shape = e.runner.shape(e.pack(lone_step), [e.caches["lone"]], False)
     e.forward(lone_step)
     graph = e.runner.graphs.get(shape)
-    flash = [
-        n.contents
-        for i in range(graph.nodes)
-        if (n := g.ggml_graph_node(graph.gf, i)).contents.op == g.GGML_OP_FLASH_ATTN_EXT
-    ]
+    flash = graph_ops(graph.gf, graph.nodes, g.GGML_OP_FLASH_ATTN_EXT)
     query_rows = [int(np.prod(list(n.src[0].contents.ne))) // e.config.head_dim for n in flash]
     assert shape.groups[0].cells >= SPLIT_KV_CELLS and query_rows == [e.config.n_heads] * LAYERS
     e.close()

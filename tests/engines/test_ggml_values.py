@@ -24,6 +24,7 @@ from shards.engines.ggml.lib import F16, g
 from shards.formats.loader import load_config
 from shards.model.shard import Shard
 from tests.engines.test_ggml_cells import smollm2
+from tests.support.ggml_graph import graph_ops
 from tests.support.gguf_util import smollm2_path
 from tests.support.tolerance import clear_top1_disagreements, relative_rms
 
@@ -205,8 +206,7 @@ def test_with_matmul_attention_a_lone_row_is_computed_once_not_beside_a_copy_of_
     shape = e.runner.shape(e.pack(step), [e.caches["lone"]], False)
     e.forward(step)
     graph = e.runner.graphs.get(shape)
-    nodes = [g.ggml_graph_node(graph.gf, i).contents for i in range(graph.nodes)]
-    attend = [n for n in nodes if n.op == g.GGML_OP_MUL_MAT and n.src[0].contents.type == F16]
+    attend = [n for n in graph_ops(graph.gf, graph.nodes, g.GGML_OP_MUL_MAT) if n.src[0].contents.type == F16]
     assert [n.src[1].contents.ne[1] * n.src[1].contents.ne[2] for n in attend] == [e.config.n_heads] * 8
     e.close()
 

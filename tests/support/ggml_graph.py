@@ -29,3 +29,10 @@ def computed(
         yield
     finally:
         g.ggml_gallocr_free(galloc)
+
+
+def graph_ops(gf, n_nodes: int, op: int) -> list:
+    """The nodes of a built graph (a ggml_cgraph pointer and its node count) that compute `op` (a GGML_OP_*), in
+    order, as ggml tensor structs."""
+    nodes = (g.ggml_graph_node(gf, i).contents for i in range(n_nodes))
+    return [n for n in nodes if n.op == op]

@@ -178,26 +178,16 @@ class GgmlAttention:
         _, nh, hd = q.shape
         nkv, cells, _ = keys.shape
         r, hs = nh // nkv, q.strides[1]
-        if nkv == 1:
-            q_rows = self.view(q, (1, nh, hd), (nh * hs, hs, q.strides[2]))  # ne [hd, heads, 1]
-            rows_mask = None if mask is None else self.concat([mask] * nh, axis=0)
-            out = self.node(
-                g.ggml_flash_attn_ext,
-                q_rows.t,
-                keys.t,
-                values.t,
-                None if rows_mask is None else rows_mask.t,
-                scale,
-                0.0,
-                softcap or 0.0,
-            )  # ne [hd, 1, heads], contiguous
-            return self.view(self.wrap(out, (nh, 1, hd)), (1, nh * hd), (nh * hd * 4, 4))
-        q4 = self.view(q, (nkv, r, 1, hd), (r * hs, hs, q.strides[0], q.strides[2]))
-        k4, v4 = (
-            self.view(x, (nkv, 1, cells, hd), (x.strides[0], x.strides[0], x.strides[1], x.strides[2]))
-            for x in (keys, values)
-        )
+        if nkv == 1:  # ne [hd, heads, 1]; out ne [hd, 1, heads]
+            q, out_shape = self.view(q, (1, nh, hd), (nh * hs, hs, q.strides[2])), (nh, 1, hd)
+            mask = None if mask is None else self.concat([mask] * nh, axis=0)
+        else:  # ne [hd, 1, r, kv_heads]; out ne [hd, r, 1, kv_heads]
+            q, out_shape = self.view(q, (nkv, r, 1, hd), (r * hs, hs, q.strides[0], q.strides[2])), (nkv, 1, r, hd)
+            keys, values = (
+                self.view(x, (nkv, 1, cells, hd), (x.strides[0], x.strides[0], x.strides[1], x.strides[2]))
+                for x in (keys, values)
+            )
         out = self.node(
-            g.ggml_flash_attn_ext, q4.t, k4.t, v4.t, None if mask is None else mask.t, scale, 0.0, softcap or 0.0
-        )  # ne [hd, r, 1, kv_heads], contiguous: the heads in order
-        return self.view(self.wrap(out, (nkv, 1, r, hd)), (1, nh * hd), (nh * hd * 4, 4))
+            g.ggml_flash_attn_ext, q.t, keys.t, values.t, None if mask is None else mask.t, scale, 0.0, softcap or 0.0
+        )  # contiguous: the heads in order
+        return self.view(self.wrap(out, out_shape), (1, nh * hd), (nh * hd * 4, 4))
