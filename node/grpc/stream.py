@@ -46,17 +46,20 @@ class PeerStream:
     async def send(self, message: Any, on_write: Callable[[], None] | None = None) -> Any:
         """The message's answer; `on_write` is called as the message is handed to gRPC's write (the hop's counters:
         what comes after is gRPC's own, node/runtime/overhead.py)."""
+        loop = asyncio.get_running_loop()
         async with self.lock:
             if self.call is None or time.monotonic() - self.opened > self.max_age and not self.waiting:
                 self._open()
-            answer = asyncio.get_running_loop().create_future()
+            answer = loop.create_future()
             self.waiting.append(answer)
+            # one timer for the message, its write and its answer (not a timeout around the write and a
+            # wait_for(shield(...)) around the answer: an answer then wakes this task in one callback, not three)
+            overdue = loop.call_later(self.timeout, self._overdue, answer)
             try:
                 if on_write is not None:
                     on_write()
-                async with asyncio.timeout(self.timeout):  # the write runs in this task: no task of its own
-                    await self.call.write(message)
-            except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+                await self.call.write(message)  # the write runs in this task: no task of its own
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
                 self._close(
                     StreamBroken(
                         getattr(e, "code", lambda: grpc.StatusCode.UNAVAILABLE)(),
@@ -65,14 +68,18 @@ class PeerStream:
                 )
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():
+                    overdue.cancel()
                     raise
-                # the call was cancelled under us (the stream was closed): this message is lost with it
+                # the call was cancelled under us (the stream was closed, or the message overdue): it is lost
                 self._close(StreamBroken(grpc.StatusCode.CANCELLED, "the stream was closed"))
         try:
-            return await asyncio.wait_for(asyncio.shield(answer), self.timeout)
-        except TimeoutError:
+            return await answer
+        finally:
+            overdue.cancel()
+
+    def _overdue(self, answer: asyncio.Future) -> None:
+        if not answer.done():  # fails this answer and every one behind it: the stream is suspect
             self._close(StreamBroken(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout:g}s"))
-            return await answer  # now failed with StreamBroken
 
     def _open(self) -> None:
         self._close(StreamBroken(grpc.StatusCode.UNAVAILABLE, "stream replaced"))

@@ -80,6 +80,26 @@ def test_a_message_without_an_answer_in_time_breaks_the_stream_and_the_next_gets
     asyncio.run(go())
 
 
+def test_a_sender_cancelled_while_it_waits_leaves_the_answers_behind_it_in_order():
+    async def go():
+        port = free_port()
+        peer = Peer(delay=0.2)
+        server = await serve(peer, port)
+        stream, channel = stream_to(port)
+        first = asyncio.ensure_future(stream.send(message("given up")))
+        await asyncio.sleep(0.05)  # written, its answer not yet come
+        first.cancel()
+        second = asyncio.ensure_future(stream.send(message("kept")))
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert answered(await second) == "kept" and peer.streams == 1  # the cancelled one's answer went nowhere
+        await stream.close()
+        await channel.close()
+        await server.stop(None)
+
+    asyncio.run(go())
+
+
 def test_a_peer_that_dies_fails_what_waits_at_once_and_a_restarted_one_is_reached_again():
     async def go():
         port = free_port()
