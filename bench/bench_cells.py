@@ -24,7 +24,7 @@ import time
 import ggml.ggml as g  # noqa: E402  (after the engine, which loads and patches the binding)
 import numpy as np
 
-import shards.engines.ggml.engine as ggml_engine
+import shards.engines.ggml.layout as ggml_layout
 from shards.engines.base import StepInput
 from shards.engines.ggml.engine import GgmlEngine
 from shards.formats.loader import load_config
@@ -96,7 +96,7 @@ def run(n: int, args) -> dict:
         "requests": n,
         "prefill_ms": round(1e3 * prefill, 1),
         "burst_ms": burst,  # N prompts of 36-44 tokens in one pass, each round
-        "own_group_rows": ggml_engine.OWN_GROUP_ROWS,
+        "own_group_rows": ggml_layout.OWN_GROUP_ROWS,
         "decode_graph_nodes": nodes,
         **phases,
         "threads": args.threads,
@@ -114,7 +114,7 @@ def main() -> None:
     p.add_argument("--own-group-rows", type=int, help="override the engine's OWN_GROUP_ROWS (to compare values)")
     args = p.parse_args()
     if args.own_group_rows:
-        ggml_engine.OWN_GROUP_ROWS = args.own_group_rows
+        ggml_layout.OWN_GROUP_ROWS = args.own_group_rows
     for n in (int(x) for x in args.requests.split(",")):
         print(json.dumps(run(n, args)), flush=True)
 

@@ -15,8 +15,9 @@ pytest.importorskip("ggml", reason="the ggml extra is not installed")
 from shards.engines.base import StepInput
 from shards.engines.ggml.attention import SPLIT_KV_CELLS
 from shards.engines.ggml.cells import GIVE_BACK_CELLS, CellPool
-from shards.engines.ggml.engine import SPAN_CELLS, GgmlEngine
+from shards.engines.ggml.engine import GgmlEngine
 from shards.engines.ggml.graph import SPARE_SHARE, WINDOW_STEP, padded_rows
+from shards.engines.ggml.layout import SPAN_CELLS
 from shards.engines.ggml.lib import g
 from shards.formats.loader import load_config
 from shards.model.shard import Shard
@@ -139,11 +140,13 @@ def test_a_lone_row_over_many_cells_is_attended_once_not_beside_a_copy_of_itself
     e.close()
 
 
-def test_sixteen_decode_rows_attend_in_groups_of_neighbours_with_the_numbers_each_gets_alone():
+def test_sixteen_decode_rows_attend_in_groups_of_neighbours_with_the_numbers_each_gets_alone(monkeypatch):
     """A row scans every cell of its group's span (the masked ones skipped, but each looked at): one group over 16
     requests of ~170 cells made each row scan 4,096 cells. Rows now attend in groups of neighbouring requests
     spanning at most SPAN_CELLS (+ alignment), a decode step's shape is the same step after step (no graph built),
-    and every row's logits are bit for bit those of its request decoding alone."""
+    and every row's logits are bit for bit those of its request decoding alone. (Ranges of one size at one stride
+    attend as a strided group instead, tests/engines/test_ggml_strided.py: off here.)"""
+    monkeypatch.setattr("shards.engines.ggml.layout.STRIDED", False)
     e, alone = smollm2(layers=LAYERS), smollm2(layers=LAYERS)
     rng = np.random.default_rng(16)
     prompts = [rng.integers(100, 5000, 40) for _ in range(16)]

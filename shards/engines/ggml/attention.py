@@ -50,6 +50,8 @@ class GgmlAttention:
         (`gemm_attention`), rows by ggml's flash attention (`flash_attention`); the pool hands a step's group of rows
         the layout of the kernel their positions take (graph.py's PoolKV). Without a mask (no cache) lines are
         transposed for flash attention, a copy of the span."""
+        if len(keys.shape) == 4:
+            return self.strided_attention(q, keys, values, mask, scale, softcap)
         lines = isinstance(values, ValueLines)
         if lines and mask is not None:
             return self.gemm_attention(q, keys, values, mask, scale, softcap)
@@ -163,6 +165,29 @@ class GgmlAttention:
             g.ggml_flash_attn_ext, qp, keys.t, values.t, None if mask is None else mask.t, scale, 0.0, softcap or 0.0
         )  # ne [hd, heads, T], contiguous
         return self.view(self.wrap(out, (t, nh, hd)), (t, nh * hd), c_strides((t, nh * hd), 4))
+
+    def strided_attention(
+        self, q: GArray, keys: GArray, values: GArray, mask: GArray, scale: float, softcap: float | None
+    ) -> GArray:
+        """Rows of different requests, each over its own range only: q [T, heads, hd] against keys and values
+        [T, kv_heads, cells, hd] (row i's range, graph.py's strided group) and `mask` [T, cells]. The requests go in
+        the flash op's fourth dimension (q ne [hd, 1, heads, T], the mask ne [cells, 1, 1, T]), as llama.cpp's
+        per-slot streams do: one op, no row scanning its neighbours' cells. Each (row, head) is the row-at-a-time
+        kernel over its own cells in order, masked ones skipped, so the numbers are those of any other step; T >= 2
+        keeps ggml off its cell-splitting kernel (a single row with nothing in q's fourth dimension)."""
+        t, nh, hd = q.shape
+        _, nkv, cells, khd = keys.shape
+        expect(
+            t >= 2 and khd == hd and keys.shape == values.shape == (t, nkv, cells, hd) and nh % nkv == 0,
+            f"strided attention: {q.shape}, {keys.shape}",
+        )
+        expect(mask.shape == (t, cells), f"strided attention: mask {mask.shape}")
+        q4 = self.view(q, (t, nh, 1, hd), (q.strides[0], q.strides[1], q.strides[1], q.strides[2]))
+        m4 = self.view(self.contiguous(mask), (t, 1, 1, cells), (cells * 2, cells * 2, cells * 2, 2))
+        out = self.node(
+            g.ggml_flash_attn_ext, q4.t, keys.t, values.t, m4.t, scale, 0.0, softcap or 0.0
+        )  # ne [hd, heads, 1, T], contiguous
+        return self.view(self.wrap(out, (t, 1, nh, hd)), (t, nh * hd), c_strides((t, nh * hd), 4))
 
     def lone_row_attention(
         self, q: GArray, keys: GArray, values: GArray, mask: GArray | None, scale: float, softcap: float | None

@@ -305,11 +305,12 @@ class CellRange(RequestCache):
         """A new range of the pool holding a copy of this one's cells [start, end) as its first, with the same
         reservation. A prefix (start 0) gets the capacity a request that grew to `room` positions has (the
         engine's smallest range, engine.py MIN_CAPACITY, doubled), so its next steps needn't move it and attend the
-        spans others do; a retained branch only what it holds."""
+        spans others do (256 cells at least, as a new request takes, whatever its reservation: ranges of one size lie
+        at one stride); a retained branch only what it holds."""
         if not 0 <= start < end <= self.length:
             raise ValueError(f"cannot copy positions [{start}, {end}) of a cache of {self.length}")
         n, want = end - start, max(end - start, room)
-        doubled = max(min(256, self.limit), min(1 << (want - 1).bit_length(), self.limit))
+        doubled = max(256, min(1 << (want - 1).bit_length(), max(self.limit, 256)))
         copy = CellRange(self.pool, max(want, doubled) if start == 0 else n)
         copy.limit = max(self.limit, copy.capacity)
         lines = min(max(self.lines_end - start, 0), n)

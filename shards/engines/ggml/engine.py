@@ -23,7 +23,6 @@ the weights and the cell pool in the device's memory (shards/engines/ggml/on_dev
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -35,8 +34,9 @@ from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CELL_ALIGN, SCRATCH_CELL, CellPool, CellRange
 from shards.engines.ggml.devices import Device, select
 from shards.engines.ggml.gemm_rows import DEFAULT as FLOAT_MATMUL
-from shards.engines.ggml.graph import WINDOW_STEP, Graph, GraphCache, Group, Shape, StepWork, padded_rows
+from shards.engines.ggml.graph import Graph, GraphCache, Shape, StepWork
 from shards.engines.ggml.host_memory import unmap_large_blocks
+from shards.engines.ggml.layout import Segment, layout
 from shards.engines.ggml.lib import default_threads, g
 from shards.engines.ggml.on_device import DeviceGraph, DevicePool, OnDevice
 from shards.engines.ggml.sliding import SlidingWindows
@@ -54,8 +54,6 @@ from shards.model.shard import Shard
 log = logging.getLogger(__name__)
 MIN_CAPACITY = 256  # a request without a reservation starts with this many positions and doubles
 INITIAL_CELLS = 4096  # the cell pool's first size (virtual until written); it doubles when a range does not fit
-OWN_GROUP_ROWS = 64  # a prompt chunk of this many rows attends its own cells (GraphRunner.layout)
-SPAN_CELLS = 1024  # shorter rows attend in groups of neighbouring requests whose ranges span at most this (layout)
 
 
 def _attention_on(device: Device | None, attention: str | None) -> None:
@@ -196,21 +194,6 @@ class GgmlEngine(Engine):
             pass
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Rows [offset, offset + rows) of the step's request `request` are rows [first, first + rows) of group `group`."""
-
-    request: int
-    group: int
-    first: int
-    offset: int
-    rows: int
-
-    def __post_init__(self):
-        if min(self.request, self.group, self.first, self.offset) < 0 or self.rows < 1:
-            raise ValueError(f"bad segment {self}")
-
-
 class GraphRunner(Runner):
     """Steps through graphs built once per step shape (shards/engines/ggml/graph.py) over the engine's cell pool
     (shards/engines/ggml/cells.py): each request's cells sized from its reservation, the step's rows, cells and
@@ -242,7 +225,9 @@ class GraphRunner(Runner):
             first = max(end, MIN_CAPACITY)
             if item.prompt_positions:  # a power of two, as MIN_CAPACITY doubled is
                 first = max(end, 1 << (max(first, min(item.prompt_positions, limit)) - 1).bit_length())
-            cache = CellRange(self.engine.pool, min(first, limit))
+            # a reservation below MIN_CAPACITY still gets MIN_CAPACITY cells (memory only where written): ranges of
+            # one size, taken in order, lie at one stride, and lone rows there attend side by side (layout.py)
+            cache = CellRange(self.engine.pool, min(first, max(limit, MIN_CAPACITY)))
             cache.limit = limit
         elif item.max_positions:
             cache.limit = limit
@@ -256,63 +241,25 @@ class GraphRunner(Runner):
         return self.layout(p, caches, all_logits)[0]
 
     def layout(self, p: Packing, caches: list[CellRange], all_logits: bool) -> tuple[Shape, list[Segment]]:
-        """The step's shape, and where each request's rows went: its segments, each a run of its rows in one group.
-
-        Decode rows and short prompt chunks, in the step's order, attend in groups of neighbours: a group grows
-        while the span of its requests' ranges (WINDOW_STEP-aligned) stays within SPAN_CELLS, or the next range lies
-        inside it. Why: a row's attention computes over every cell of its group's span (GgmlBackend.gemm_attention),
-        and one group over all of a 16-row step's requests made each row scan every request's cells to attend its
-        own. Ranges are taken first fit from the pool's low end as requests arrive, so
-        requests decoded in arrival order are mostly neighbours. Spans follow the ranges' capacities, not the
-        positions held, so a decode step's shape (and graph) stays the same step after step.
-
-        A chunk of OWN_GROUP_ROWS rows or more attends its own request's cells only (256-cell bounds) and gets a
-        graph built for the step (a cost beside its compute). A group's rows share one attention kernel, the one
-        their positions take (the pool's gemm_from, attention.py), so a request whose rows cross it has two segments
-        in two groups. Padding rows join the last shared group."""
-        e, cells, split = self.engine, self.engine.pool.cells, self.engine.pool.gemm_from
-        output = "hidden" if not e.shard.is_last else ("all" if all_logits else "last")
-        groups: list[list] = []  # [shared?, gemm?, rows, lo, hi, lines?]
-        segments: list[Segment] = []
-        for i, (c, s, n) in enumerate(zip(caches, p.starts, p.lengths)):
-            lo = c.start // WINDOW_STEP * WINDOW_STEP
-            cut = n if split is None else min(max(split - s, 0), n)  # rows [0, cut) by flash, [cut, n) by matmuls
-            for off, m, gemm in ((0, cut, False), (cut, n - cut, True)):
-                if m == 0:
-                    continue
-                if n >= OWN_GROUP_ROWS:
-                    groups.append(
-                        [False, gemm, m, lo, min(cells, -(-(c.start + s + off + m) // WINDOW_STEP) * WINDOW_STEP), 0]
-                    )
-                else:
-                    hi = min(cells, -(-(c.start + c.capacity) // WINDOW_STEP) * WINDOW_STEP)
-                    last = groups[-1] if groups and groups[-1][0] and groups[-1][1] == gemm else None
-                    if last is not None and (
-                        max(last[4], hi) - min(last[3], lo) <= SPAN_CELLS or last[3] <= lo and hi <= last[4]
-                    ):
-                        last[2] += m
-                        last[3], last[4] = min(last[3], lo), max(last[4], hi)
-                    else:
-                        groups.append([True, gemm, m, lo, hi, 0])
-                if not gemm and cut < n:  # flash rows the request's matmul rows of this step attend
-                    groups[-1][5] = 1
-                segments.append(Segment(i, len(groups) - 1, groups[-1][2] - m, off, m))
-        rows = padded_rows(p.bounds[-1])
-        if rows > p.bounds[-1]:
-            if groups[-1][0]:
-                groups[-1][2] += rows - p.bounds[-1]
-            else:
-                groups.append([True, split == 0, rows - p.bounds[-1], 0, min(cells, WINDOW_STEP), 0])
-        outputs = padded_rows(len(caches)) if output == "last" else 0
-        shape = Shape(
-            rows,
-            tuple(Group(n, lo, hi - lo, gemm, bool(lines)) for _, gemm, n, lo, hi, lines in groups),
-            output,
-            outputs,
-        )
-        return shape, segments
+        return layout(self, p, caches, all_logits)
 
     def run(self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool) -> np.ndarray:
+        """A step of lone rows runs in the order of its requests' ranges in the pool, its output rows handed back in
+        the step's order: neighbours in the pool are neighbours in the graph, so ranges at one stride attend as one
+        strided group (layout.py) whatever order the requests came in. A row's numbers don't depend on its place."""
+        n = len(caches)
+        if n > 2 and p.bounds[-1] == n:
+            order = sorted(range(n), key=[c.start for c in caches].__getitem__)
+            if order != list(range(n)):
+                ids, starts = tuple(p.request_ids[i] for i in order), [p.starts[i] for i in order]
+                q = Packing(ids, [1] * n, starts, p.bounds, p.positions[order])
+                out = self.ordered(x[order], q, [caches[i] for i in order], all_logits)
+                back = np.empty_like(out)
+                back[order] = out
+                return back
+        return self.ordered(x, p, caches, all_logits)
+
+    def ordered(self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool) -> np.ndarray:
         e, rows, n = self.engine, p.bounds[-1], len(caches)
         if e.pool.generation != self.generation:  # the pool moved (it grew): every graph points at the old tensors
             self.graphs.clear()
@@ -393,7 +340,8 @@ class GraphRunner(Runner):
         groups = graph.shape.groups
         for seg in segments:
             c, s = caches[seg.request], int(p.starts[seg.request]) + seg.offset
-            lo = c.start - groups[seg.group].lo
+            gr = groups[seg.group]
+            lo = c.start - gr.lo - seg.first * gr.stride  # a strided group's row: 0, its view is its own range
             graph.masks_np[seg.group][seg.first : seg.first + seg.rows, lo : lo + s + seg.rows] = self.masks(
                 s, seg.rows, s + seg.rows
             )

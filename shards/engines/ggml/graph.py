@@ -2,9 +2,11 @@
 
 A `Shape` is all that fixes a graph: how many rows (padded, see `padded_rows`), how the rows attend (`Group`s of
 consecutive rows, each over a range of cells of the engine's pool, shards/engines/ggml/cells.py) and which outputs
-come out. Decode rows (and short prompt chunks) form groups of neighbouring requests, each over the span of its
-requests' ranges (GraphRunner.layout in shards/engines/ggml/engine.py), so a row scans few cells that are not its
-own and a decode step's graph stays the same while the same requests decode; a prompt chunk of 64 rows or more
+come out. Lone rows of requests whose ranges have one size and lie at one stride (decoding requests, in the order
+of their ranges) form a strided group: one row per request, each over its own range only (shards/engines/ggml/
+layout.py). Other decode rows (and short prompt chunks) form groups of neighbouring requests, each over the span of
+its requests' ranges, so a row scans few cells that are not its own; either way a decode step's graph stays the
+same while the same requests decode. A prompt chunk of 64 rows or more
 forms a group over its own request's cells (a step with such chunks builds its graph, a few ms beside the chunk's
 compute). Which requests a step carries, where their cells are and what each row may see are inputs: every row's
 token (or hidden row), position and cell (where ggml_set_rows writes its keys and values), and per group an F16 mask
@@ -69,6 +71,7 @@ class Group:
     cells: int
     gemm: bool = False  # the rows attend by matmuls over values in lines (else by flash attention over rows)
     lines: bool = False  # flash rows that also write their values in lines: a later row of the step reads them
+    stride: int = 0  # > 0: one row per request, row i attending cells [lo + i*stride, lo + i*stride + cells) only
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,8 @@ class Shape:
             raise ValueError(f"bad graph shape {self}")
         if any(gr.rows < 1 or gr.lo < 0 or gr.cells < 1 for gr in self.groups):
             raise ValueError(f"bad attention groups {self.groups}")
+        if any(gr.stride and (gr.rows < 2 or gr.gemm or gr.lines or gr.stride < gr.cells) for gr in self.groups):
+            raise ValueError(f"a strided group is 2+ flash rows over disjoint ranges: {self.groups}")
         if (self.output == "last") != (self.outputs > 0):
             raise ValueError(f"a graph has logits rows exactly when its output is 'last': {self}")
 
@@ -134,6 +139,11 @@ class PoolKV(KVCache):
         k_all = ops.wrap(heads["k"], (pool.cells, pool.width))
         heads_n, hd = k.shape[1], k.shape[2]
         at = gr.lo * pool.row
+        if gr.stride:  # each row's own range: [rows, kv_heads, cells, hd], a request every `stride` cells
+            shape, strides = (gr.rows, heads_n, gr.cells, hd), (gr.stride * pool.row, hd * 2, pool.row, 2)
+            heads["v"] = ops.node(g.ggml_set_rows, heads.get("v", pool.v[self.layer]), v_rows.t, self.cells.t)
+            v_all = ops.wrap(heads["v"], (pool.cells, pool.width))
+            return ops.view(k_all, shape, strides, at), ops.view(v_all, shape, strides, at)
         keys = ops.view(k_all, (heads_n, gr.cells, hd), (hd * 2, pool.row, 2), at)
         if gr.gemm or gr.lines:
             # values transposed (cells.py): each of a row's elements is a one-element "row" of its element's line of
