@@ -46,20 +46,20 @@ class PeerStream:
     async def send(self, message: Any, on_write: Callable[[], None] | None = None) -> Any:
         """The message's answer; `on_write` is called as the message is handed to gRPC's write (the hop's counters:
         what comes after is gRPC's own, node/runtime/overhead.py)."""
-        loop = asyncio.get_running_loop()
         async with self.lock:
             if self.call is None or time.monotonic() - self.opened > self.max_age and not self.waiting:
                 self._open()
-            answer = loop.create_future()
+            answer = asyncio.get_running_loop().create_future()
             self.waiting.append(answer)
-            # one timer for the message, its write and its answer (not a timeout around the write and a
-            # wait_for(shield(...)) around the answer: an answer then wakes this task in one callback, not three)
-            overdue = loop.call_later(self.timeout, self._overdue, answer)
             try:
                 if on_write is not None:
                     on_write()
-                await self.call.write(message)  # the write runs in this task: no task of its own
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+                # the write runs in this task (no task of its own), under its own deadline: a write that waits for a
+                # peer that never comes (wait_for_ready) is given up by cancelling it here, which cancelling the
+                # call does not do
+                async with asyncio.timeout(self.timeout):
+                    await self.call.write(message)
+            except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
                 self._close(
                     StreamBroken(
                         getattr(e, "code", lambda: grpc.StatusCode.UNAVAILABLE)(),
@@ -68,10 +68,13 @@ class PeerStream:
                 )
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():
-                    overdue.cancel()
                     raise
-                # the call was cancelled under us (the stream was closed, or the message overdue): it is lost
+                # the call was cancelled under us (the stream was closed): this message is lost with it
                 self._close(StreamBroken(grpc.StatusCode.CANCELLED, "the stream was closed"))
+        if answer.done():  # failed already (the write did not go out), or answered while the lock was released
+            return answer.result()
+        # one timer for the answer, not wait_for(shield(...)): an answer wakes this task in one callback, not three
+        overdue = asyncio.get_running_loop().call_later(self.timeout, self._overdue, answer)
         try:
             return await answer
         finally:

@@ -100,6 +100,20 @@ def test_a_sender_cancelled_while_it_waits_leaves_the_answers_behind_it_in_order
     asyncio.run(go())
 
 
+def test_a_write_to_a_peer_that_never_comes_fails_within_the_deadline():
+    """The write waits for the peer (wait_for_ready) under the message's deadline: cancelling the call does not end
+    a write still waiting for a channel, so the write itself is given up, and the message fails, not hangs."""
+
+    async def go():
+        stream, channel = stream_to(free_port(), timeout=0.3)  # nothing listens there
+        with pytest.raises(StreamBroken):
+            await asyncio.wait_for(stream.send(message("nowhere")), 5.0)  # TimeoutError here would be the hang
+        await stream.close()
+        await channel.close()
+
+    asyncio.run(go())
+
+
 def test_a_peer_that_dies_fails_what_waits_at_once_and_a_restarted_one_is_reached_again():
     async def go():
         port = free_port()
