@@ -241,7 +241,10 @@ class GraphRunner(Runner):
         return self.layout(p, caches, all_logits)[0]
 
     def layout(self, p: Packing, caches: list[CellRange], all_logits: bool) -> tuple[Shape, list[Segment]]:
-        return layout(self, p, caches, all_logits)
+        e = self.engine
+        output = "hidden" if not e.shard.is_last else ("all" if all_logits else "last")
+        # strided groups on the CPU, and without window masks (layout.py)
+        return layout(e.pool, output, p, caches, strided=e.on is None and self.sliding is None)
 
     def run(self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool) -> np.ndarray:
         """A step of lone rows runs in the order of its requests' ranges in the pool, its output rows handed back in

@@ -6,14 +6,10 @@ step is a graph built once."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from shards.engines.base import Packing
-from shards.engines.ggml.cells import CellRange
+from shards.engines.ggml.cells import CellPool, CellRange
 from shards.engines.ggml.graph import WINDOW_STEP, Group, Shape, padded_rows
-
-if TYPE_CHECKING:
-    from shards.engines.ggml.engine import GraphRunner
 
 OWN_GROUP_ROWS = 64  # a prompt chunk of this many rows attends its own cells (layout)
 SPAN_CELLS = 1024  # shorter rows attend in groups of neighbouring requests whose ranges span at most this (layout)
@@ -35,7 +31,9 @@ class Segment:
             raise ValueError(f"bad segment {self}")
 
 
-def layout(runner: GraphRunner, p: Packing, caches: list[CellRange], all_logits: bool) -> tuple[Shape, list[Segment]]:
+def layout(
+    pool: CellPool, output: str, p: Packing, caches: list[CellRange], *, strided: bool
+) -> tuple[Shape, list[Segment]]:
     """The step's shape, and where each request's rows went: its segments, each a run of its rows in one group.
 
     Decode rows and short prompt chunks, in the step's order, attend in groups of neighbours: a group grows
@@ -49,17 +47,16 @@ def layout(runner: GraphRunner, p: Packing, caches: list[CellRange], all_logits:
     A chunk of OWN_GROUP_ROWS rows or more attends its own request's cells only (256-cell bounds) and gets a
     graph built for the step (a cost beside its compute). A group's rows share one attention kernel, the one
     their positions take (the pool's gemm_from, attention.py), so a request whose rows cross it has two segments
-    in two groups. Padding rows join the last shared group.
+    in two groups. Padding rows join the last shared group. `output`: the graph's ("hidden", "last" or "all").
 
     Lone flash rows of consecutive requests whose ranges have one capacity at one stride (`strided_runs`) form a
     strided group instead: each row attends its own range only, the requests side by side in one flash-attention
     op (attention.py's strided_attention), so no row scans its neighbours' masked cells and a layer writes and
     attends once for all of them (three span groups a layer at 8 rows before)."""
-    e, cells, split = runner.engine, runner.engine.pool.cells, runner.engine.pool.gemm_from
-    output = "hidden" if not e.shard.is_last else ("all" if all_logits else "last")
+    cells, split = pool.cells, pool.gemm_from
     groups: list[list] = []  # [shared?, gemm?, rows, lo, hi, lines?, stride]
     segments: list[Segment] = []
-    runs = strided_runs(runner, p, caches)
+    runs = strided_runs(p, caches, split) if strided and STRIDED else {}
     for i, (c, s, n) in enumerate(zip(caches, p.starts, p.lengths)):
         if i in runs:  # a request's lone flash row beside others' at the same stride: a strided group
             if runs[i] == 0:  # its first
@@ -105,13 +102,10 @@ def layout(runner: GraphRunner, p: Packing, caches: list[CellRange], all_logits:
     return shape, segments
 
 
-def strided_runs(runner: GraphRunner, p: Packing, caches: list[CellRange]) -> dict[int, int]:
+def strided_runs(p: Packing, caches: list[CellRange], split: int | None) -> dict[int, int]:
     """Request index -> its place in a run of 2+ consecutive requests that each bring one row attended by flash
-    attention, whose ranges have one capacity and lie at one stride (ranges taken in order, as decoding
-    requests' are): each such run is a strided group (graph.py). Only on the CPU and without window masks."""
-    e, split = runner.engine, runner.engine.pool.gemm_from
-    if not STRIDED or e.on is not None or runner.sliding is not None:
-        return {}
+    attention (a position below `split`, the pool's gemm_from), whose ranges have one capacity and lie at one
+    stride (ranges taken in order, as decoding requests' are): each such run is a strided group (graph.py)."""
     runs: dict[int, int] = {}
     run: list[int] = []
 
