@@ -17,6 +17,8 @@ class Capabilities:
     # (node/runtime/calibration.py; --speed); 0: not measured yet, counted as the others' (node/core/placement/)
     device: str = ""  # the GPU its layers compute on ("CUDA0 (NVIDIA H200)"; memory_bytes is then that GPU's); "": CPU
     host_memory_bytes: int = 0  # the host's memory beside a GPU's; 0: not reported
+    head_weight: float = 0.0  # what a parameter of the output head costs it in layer parameters, as it measured
+    # them (node/runtime/calibration.py); 0: not measured (placement then goes by the file: layer_costs.py)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import math
 
 from discovery.address import parse_address
 from node.core.placement.balance import MAX_SPEED
+from node.core.placement.layer_costs import MAX_HEAD_WEIGHT
 from node.core.topology import Availability, Capabilities, NodeInfo
 from node.fetch.manifest import MAX_FILES, MAX_PIECES, Manifest, ManifestError, ModelFile, Piece
 from node.grpc.generated import node_service_pb2 as pb
@@ -45,6 +46,7 @@ def encode_node_info(n: NodeInfo) -> pb.NodeInfo:
             speed=c.speed,
             device=c.device,
             host_memory_bytes=c.host_memory_bytes,
+            head_weight=c.head_weight,
         ),
         loaded=[encode_shard(s) for s in n.loaded],
         active_requests=n.active_requests,
@@ -87,9 +89,18 @@ def _node_info(m: pb.NodeInfo, node_id: str) -> NodeInfo:
     model_id = _text(c.model_id, "model_id", MAX_MODEL_ID, required=False)
     if not (math.isfinite(c.speed) and 0 <= c.speed <= MAX_SPEED):  # placement divides by it
         raise WireError(f"reports a speed of {c.speed}: need 0 (unmeasured) to {MAX_SPEED:g}")
+    if not (math.isfinite(c.head_weight) and 0 <= c.head_weight <= MAX_HEAD_WEIGHT):  # placement weighs the head
+        raise WireError(f"reports a head weight of {c.head_weight}: need 0 (unmeasured) to {MAX_HEAD_WEIGHT:g}")
     device = _text(c.device, "device", MAX_NAME, required=False)
     caps = Capabilities(
-        c.memory_bytes, _text(c.engine, "engine"), model_id, c.n_layers, c.speed, device, c.host_memory_bytes
+        c.memory_bytes,
+        _text(c.engine, "engine"),
+        model_id,
+        c.n_layers,
+        c.speed,
+        device,
+        c.host_memory_bytes,
+        c.head_weight,
     )
     pinned = None
     if m.HasField("pinned"):

@@ -5,7 +5,9 @@ Measured twice over:
 - at start (`calibrate_node`): one-row forward steps through an engine on a slice of the model's layers, back to
   back for WINDOW_S, their median timed; ROUNDS times, ROUND_GAP_S apart, the fastest kept, since other processes
   starting at the same time only ever slow a round. The first round runs before the node joins its peers, so the
-  first plan that counts it has its speed, and the round runs with no shard loading beside it;
+  first plan that counts it has its speed, and the round runs with no shard loading beside it. With it, what the
+  output head costs here (`measure_head`: the model's last layers with the head against the middle ones), which
+  placement weighs the last node's share by (node/core/placement/layer_costs.py);
 - then from the live passes (`LayerSpeed.observed`): the median of recent one-row passes' compute times over their
   shard's cost.
 What is reported moves only when a measure is REPORT_STEPS quantisation steps away from it, so measurement noise
@@ -32,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from node.core.placement.balance import MAX_SPEED, speed_level
+from node.core.placement.layer_costs import MAX_HEAD_WEIGHT, head_params, layer_costs
 from shards.engines.base import Engine, StepInput
 from shards.formats.config import ModelConfig
 from shards.model.shard import Shard
@@ -56,6 +59,51 @@ def calibration_slice(model_id: str, n_layers: int) -> Shard:
         return Shard(model_id, 0, n_layers, n_layers)
     start = (n_layers - SLICE_LAYERS) // 2
     return Shard(model_id, start, start + SLICE_LAYERS, n_layers)
+
+
+def head_slice(model_id: str, n_layers: int) -> Shard | None:
+    """The layers timed with the head: the model's last SLICE_LAYERS (None when the calibration slice is the whole
+    model: nothing to tell the head from)."""
+    if n_layers <= SLICE_LAYERS:
+        return None
+    return Shard(model_id, n_layers - SLICE_LAYERS, n_layers, n_layers)
+
+
+def head_weight_of(config: ModelConfig, mid: Shard, mid_seconds: float, last: Shard, last_seconds: float) -> float:
+    """What a head parameter costs in layer parameters, from one-row steps through the middle slice and through the
+    last layers with the head: the head's time is the difference, less the layers' own (at the middle's time per
+    parameter); to 1/16, between 1/16 and MAX_HEAD_WEIGHT."""
+    layers = list(layer_costs(config, 1.0))
+    layers[-1] -= head_params(config) + config.hidden_size
+    per_param = mid_seconds / sum(layers[mid.start_layer : mid.end_layer])
+    head_seconds = last_seconds - per_param * sum(layers[last.start_layer : last.end_layer])
+    weight = head_seconds / per_param / head_params(config)
+    return min(max(round(weight * 16), 1) / 16, MAX_HEAD_WEIGHT)
+
+
+async def measure_head(
+    run: Callable[..., Awaitable],
+    factory,
+    model_dir: Path,
+    config: ModelConfig,
+    mid: Shard,
+    mid_engine: Engine,
+    mid_seconds: float,
+) -> float | None:
+    """`head_weight_of` on this node: an engine on `head_slice` timed between two timings of the middle slice's
+    (their mean: the machine's speed as it was around it); None for a model with no more layers than a slice."""
+    last = head_slice(mid.model_id, config.n_layers)
+    if last is None:
+        return None
+    engine = await run(factory, model_dir, last, config)
+    try:
+        last_seconds = await run(time_steps, engine, config)
+    finally:
+        await run(engine.close)
+    again = await run(time_steps, mid_engine, config)
+    if not (mid_seconds and last_seconds and again):
+        return None
+    return head_weight_of(config, mid, (mid_seconds + again) / 2, last, last_seconds)
 
 
 async def calibrate_node(
@@ -86,6 +134,10 @@ async def calibrate_node(
                     await asyncio.sleep(ROUND_GAP_S)
                 seconds = await run(time_steps, engine, config)
                 speed.measured(sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9 if seconds else None)
+                if i == 0 and seconds:  # before the node joins: the first plan counting it weighs the head by it
+                    weight = await measure_head(run, factory, model_dir, config, shard, engine, seconds)
+                    if weight is not None:
+                        speed.head_measured(weight, layer_costs(config, weight))
                 if first is not None:
                     first.set()
         finally:  # now, not when a collection finds it: its weights are a slice of the model's memory
@@ -208,6 +260,7 @@ class LayerSpeed:
         self.share = share
         self.costs, self.fixed = tuple(costs), fixed
         self.speed = fixed or 0.0  # reported; 0: not measured yet
+        self.head_weight = 0.0  # reported: what a head parameter costs in layer parameters here; 0: not measured
         self._shard: Shard | None = None  # the shard the live window times ...
         self._passes = 0  # ... its one-row passes seen (the first WARMUP_STEPS are not timed) ...
         self._window: deque[float] = deque(maxlen=LIVE_WINDOW)  # ... and the last ones' Gparam/s, sustained
@@ -221,6 +274,12 @@ class LayerSpeed:
             return
         if self.speed == 0 or speed_level(speed) - speed_level(self.speed) >= REPORT_STEPS:
             self._report(speed, "calibrated")
+
+    def head_measured(self, weight: float, costs: Sequence[int]) -> None:
+        """The head's cost as calibration measured it, and the layer costs with it (a last shard's live passes are
+        timed against them)."""
+        log.info("head weight %.3g layer parameters a parameter (measured)", weight)
+        self.head_weight, self.costs = weight, tuple(costs)
 
     def observed(self, shard: Shard, positions: int, seconds: float, alone: bool = True) -> None:
         """A pass's compute time: one-row passes of a node's only request, after a shard's first WARMUP_STEPS

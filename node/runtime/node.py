@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mappi
 import numpy as np
 
 from node.core.node_core import NodeCore
-from node.core.placement.layer_costs import layer_costs
+from node.core.placement.layer_costs import layer_costs, ring_head_weight
 from node.core.plan import PlanStep, RequestSpec
 from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
@@ -90,8 +90,9 @@ class Node:
         self.shards = ShardManager(model.path, model.config, engines)
         self._engines = engines
         # what placement balances: sustained, so under a CPU quota a pass's time counts at the node's share of it
-        self._costs = layer_costs(model.config, settings.head_weight)
-        self.speed = LayerSpeed(self._costs, settings.speed, cpu_share())
+        file_costs = layer_costs(model.config, settings.head_weight)
+        self._costs = {settings.head_weight: file_costs}  # by head weight
+        self.speed = LayerSpeed(file_costs, settings.speed, cpu_share())
         self.batcher = SamplingBatcher(
             settings.sample_batch_max,
             settings.sample_batch_window_ms,
@@ -180,6 +181,7 @@ class Node:
                 self.speed.speed,
                 device=s.device,
                 host_memory_bytes=s.host_memory_bytes,
+                head_weight=self.speed.head_weight,
             ),
             pinned=s.pinned,
             loaded=self.shards.loaded,
@@ -205,9 +207,16 @@ class Node:
         return [*me, *self.view.serving(self.model_id, self.config.n_layers)]
 
     @property
-    def layer_costs(self) -> tuple[int, ...] | None:
+    def layer_costs(self) -> tuple[int, ...]:
         """Each layer's compute (parameters a token goes through), which placement balances against speeds."""
-        return self._costs
+        return self.costs_for(self.ring_members())
+
+    def costs_for(self, members: list[NodeInfo]) -> tuple[int, ...]:
+        """`layer_costs` with the head weighed as `members` measured it (the file's ratio until one has)."""
+        weight = ring_head_weight((m.capabilities.head_weight for m in members), self.settings.head_weight)
+        if weight not in self._costs:
+            self._costs[weight] = layer_costs(self.config, weight)
+        return self._costs[weight]
 
     @property
     def layer_footprints(self) -> tuple[int, ...] | None:
@@ -217,12 +226,13 @@ class Node:
     def make_plan(self, excluded: Collection[str] = ()) -> tuple[PlanStep, ...]:
         """A plan over this node and the peers serving the same model, less `excluded` nodes (and this node while
         it drains), and nodes for layers they don't hold yet (node/runtime/planning.py)."""
+        members = self.ring_members()
         return make_plan(
-            self.ring_members(),
+            members,
             excluded,
             self.model_id,
             n_layers=self.config.n_layers,
-            costs=self.layer_costs,
+            costs=self.costs_for(members),
             footprints=self.layer_footprints,
         )
 
@@ -245,7 +255,7 @@ class Node:
             m.path,
             m.model_id,
             m.config,
-            self.layer_costs,
+            self.speed.costs,
             self.speed,
             lambda: self.availability().complete,
             self._first_speed,

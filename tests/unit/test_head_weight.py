@@ -1,13 +1,23 @@
 """A head stored wider than the layers costs more per parameter (node/core/placement/layer_costs.py `head_weight`):
-decode reads every weight once a token, so a Q8_0 head beside Q4_1 layers (SmolLM2's file) takes 1.7x the time a
-parameter that the layers take, and the last stage must hold fewer layers for the ring to be balanced."""
+where decode reads every weight once a token, a Q8_0 head beside Q4_1 layers (SmolLM2's file) takes 1.7x the time a
+parameter that the layers take, and the last stage must hold fewer layers for the ring to be balanced. Where its
+kernels bound it instead, the nodes' own measure says what it costs (node/runtime/calibration.py `measure_head`),
+and a ring goes by that."""
 
 import pytest
 
-from node.core.placement.layer_costs import engine_head_weight, head_weight, layer_costs
+from node.core.placement.layer_costs import (
+    engine_head_weight,
+    head_params,
+    head_weight,
+    layer_costs,
+    ring_head_weight,
+)
 from node.core.placement.partition import NodeCapacity, partition
+from node.runtime.calibration import head_slice, head_weight_of
 from shards.formats.loader import load_config
 from shards.formats.packaged import DEFAULT_MODEL, resolve_model
+from shards.model.shard import Shard
 from tests.support.models import FIXTURES
 
 GB = 1 << 30
@@ -52,3 +62,35 @@ def test_only_an_engine_keeping_the_files_types_weighs_the_head():
     assert engine_head_weight(path, "ggml", "f16") == 1.0  # the packaged default: every matrix requantized to F16
     assert engine_head_weight(path, "numpy", None) == 1.0  # dequantized to float32 alike
     assert engine_head_weight(None, "ggml", None) == 1.0  # still fetching: no file to read
+
+
+def test_the_measured_weight_is_the_heads_time_over_its_parameters_at_the_layers_rate():
+    cfg = load_config(resolve_model(DEFAULT_MODEL)[0])
+    mid, last = Shard("m", 14, 16, 30), head_slice("m", 30)
+    assert (last.start_layer, last.end_layer) == (28, 30)
+    per_param = 1e-3 / (2 * layer_costs(cfg)[14])  # 1 ms for the two middle layers
+    head = head_params(cfg) * per_param
+    assert head_weight_of(cfg, mid, 1e-3, last, 1e-3 + 1.1 * head) == 18 / 16  # 1.1, to 1/16
+    assert head_weight_of(cfg, mid, 1e-3, last, 1e-3 + 1.7 * head) == 27 / 16  # what the file's bytes say
+    assert head_weight_of(cfg, mid, 1e-3, last, 0.9e-3) == 1 / 16  # noise: never zero or below
+    assert head_slice("m", 2) is None  # the calibration slice is the whole model: nothing to tell the head from
+
+
+def test_a_ring_weighs_the_head_by_the_median_its_nodes_measured_else_by_the_file():
+    assert ring_head_weight([0.0, 1.0, 1.125, 2.0, 2.5], 27 / 16) == 1.125  # the lower of the middle two
+    assert ring_head_weight([0.0, 1.125, 0.0], 27 / 16) == 1.125  # 0: not measured
+    assert ring_head_weight([0.0, 0.0], 27 / 16) == 27 / 16
+
+
+def test_two_equal_nodes_that_measured_a_cheaper_head_give_the_last_more_layers():
+    """SmolLM2's Q4_1 file on two equal one-core nodes of this Intel Xeon: counted by bytes, the head put 22 layers on
+    the first (131-135 tok/s at 8 streams); the nodes measured 0.75 and 0.8125 (Q8_0's dot product costs less per
+    byte than Q4_1's), which puts 18 there (148-151 tok/s; 0:17 measured 148-152, 0:19 143-144)."""
+    cfg = load_config(resolve_model(DEFAULT_MODEL)[0])
+    nodes = [NodeCapacity("a", 10 * GB, speed=10.0), NodeCapacity("b", 10 * GB, speed=10.0)]
+
+    def first_stage(weight):
+        return partition(nodes, "m", cfg.n_layers, layer_costs(cfg, weight), None)[0][1].end_layer
+
+    assert first_stage(27 / 16) == 22
+    assert first_stage(ring_head_weight([0.75, 0.8125], 27 / 16)) == 18

@@ -222,8 +222,9 @@ def test_a_node_calibrates_on_its_engine_thread_keeps_its_fastest_round_and_free
         return made[-1]
 
     asyncio.run(calibration.calibrate_node(on_a_thread, factory, LLAMA, "llama", cfg, layer_costs(cfg), speed))
-    assert speed.speed > 0
-    assert [e.closed for e in made] == [True]  # its weights freed as soon as it is done, not when collected
+    assert speed.speed > 0 and speed.head_weight > 0  # and what the head costs here, timed with the last layers
+    assert [(e.shard.end_layer == cfg.n_layers, e.closed) for e in made] == [(False, True), (True, True)]
+    # each engine's weights freed as soon as it is done, not when collected
     fastest = speed.speed
     speed.measured(fastest / 2)  # a round slowed by another process starting
     assert speed.speed == fastest
@@ -381,6 +382,16 @@ def test_a_peers_hostile_speed_is_refused(bad):
     m.capabilities.speed = bad
     with pytest.raises(WireError, match="speed"):
         decode_node_info(m)
+
+
+def test_the_measured_head_weight_travels_with_the_capabilities_and_a_hostile_one_is_refused():
+    m = encode_node_info(info(1.0))
+    m.capabilities.head_weight = 1.125
+    assert decode_node_info(m).capabilities.head_weight == 1.125
+    for bad in (-1.0, math.nan, math.inf, 1e9):
+        m.capabilities.head_weight = bad
+        with pytest.raises(WireError, match="head weight"):
+            decode_node_info(m)
 
 
 def test_footprints_and_costs_of_a_real_model_place_within_memory():

@@ -6,23 +6,29 @@ Costs are parameter counts: within one file the layers' weight types are close t
 both proportional to them. A token goes through every weight of a dense layer but only its `n_used` experts of a
 sparse one; the first node holds the token embedding (a row lookup: no compute, but its bytes) and the last the
 output head (a matmul over the vocabulary: both). The head is the exception to uniform types: GGUF files often keep
-it (or the embedding it is tied to) at Q6_K, Q8_0 or F16 beside Q4 layers, and a decode step reads every weight
-once, so its time goes with bytes: `head_weight` is what one of its parameters costs in the layers' parameters.
+it (or the embedding it is tied to) at Q6_K, Q8_0 or F16 beside Q4 layers. `head_weight` is what one of its
+parameters costs in the layers' parameters. Where a decode step is bound by memory, every weight read once, that is
+its bytes' ratio (`head_weight`, from the file); where it is bound by compute, each type's kernel sets it (a Q8_0
+dot product costs less per byte than a Q4_1 one). So nodes measure it (node/runtime/calibration.py) and a ring
+goes by what its nodes measured (`ring_head_weight`), the file's ratio until one has.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 from shards.formats.config import ModelConfig
+
+MAX_HEAD_WEIGHT = 64.0  # a bound for what a peer reports: no head costs that many layer parameters per parameter
 
 
 def layer_costs(cfg: ModelConfig, head_weight: float = 1.0) -> tuple[int, ...]:
     """Parameters a token goes through in each layer (the active experts of a sparse layer), the output head
     counted with the last at `head_weight` layer parameters each: what a node's measured speed (billions of
     parameters per second, measured on middle layers) is a rate of."""
-    if not 0 < head_weight < 100:
+    if not 0 < head_weight <= MAX_HEAD_WEIGHT:
         raise ValueError(f"a head weight is a positive ratio of bytes per parameter, got {head_weight}")
     h, m = cfg.hidden_size, cfg.moe
     active = (
@@ -33,6 +39,19 @@ def layer_costs(cfg: ModelConfig, head_weight: float = 1.0) -> tuple[int, ...]:
     costs = _layers(cfg, active)
     costs[-1] += round(cfg.vocab_size * h * head_weight) + h
     return tuple(costs)
+
+
+def head_params(cfg: ModelConfig) -> int:
+    """Parameters of the output head (a matmul over the vocabulary; tied to the embedding or not)."""
+    return cfg.vocab_size * cfg.hidden_size
+
+
+def ring_head_weight(measured: Iterable[float], fallback: float) -> float:
+    """The head weight a ring's placement goes by: the median of what its nodes measured (0: not measured), the lower
+    of the middle two, else `fallback` (the file's). Every node plans with it from the same reports, so plans agree
+    whichever node makes them."""
+    weights = sorted(w for w in measured if w > 0)
+    return weights[(len(weights) - 1) // 2] if weights else fallback
 
 
 def head_weight(path: str | Path, cfg: ModelConfig) -> float:

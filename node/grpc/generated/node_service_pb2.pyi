@@ -233,7 +233,7 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("memory_bytes", "engine", "model_id", "n_layers", "speed", "device", "host_memory_bytes")
+    __slots__ = ("memory_bytes", "engine", "model_id", "n_layers", "speed", "device", "host_memory_bytes", "head_weight")
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class Capabilities(_message.Message):
     SPEED_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEAD_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     memory_bytes: int
     engine: str
     model_id: str
@@ -248,7 +249,8 @@ class Capabilities(_message.Message):
     speed: float
     device: str
     host_memory_bytes: int
-    def __init__(self, memory_bytes: _Optional[int] = ..., engine: _Optional[str] = ..., model_id: _Optional[str] = ..., n_layers: _Optional[int] = ..., speed: _Optional[float] = ..., device: _Optional[str] = ..., host_memory_bytes: _Optional[int] = ...) -> None: ...
+    head_weight: float
+    def __init__(self, memory_bytes: _Optional[int] = ..., engine: _Optional[str] = ..., model_id: _Optional[str] = ..., n_layers: _Optional[int] = ..., speed: _Optional[float] = ..., device: _Optional[str] = ..., host_memory_bytes: _Optional[int] = ..., head_weight: _Optional[float] = ...) -> None: ...
 
 class LayerRun(_message.Message):
     __slots__ = ("start", "end")
