@@ -3,7 +3,7 @@ stays meaningful on a shared machine (wall-clock tok/s is bench/bench_rpc.py's, 
 
     uv run python -m bench.bench_hop_cpu [--tokens 256] [--rounds 2] [--perf DIR | --profile DIR]
 
-Two nodes (`--shard 0:19` / `19:30`, the packaged SmolLM2 Q4_1, `--threads 1 --quantize none --speculate off`),
+Two nodes (bench/bench_microbatch.py's SPLIT, the packaged SmolLM2 Q4_1, `--threads 1 --quantize none --speculate off`),
 each pinned to its own core as bench/bench_rpc.py pins them, serve one greedy stream at a time. Around each
 stream every thread's on-CPU time is read from the kernel (/proc/PID/task/TID/schedstat, nanoseconds), so the
 figures are CPU time, not wall time: the busiest thread of a node is its engine thread (ggml computes on it, one

@@ -9,8 +9,8 @@ a server waits for requests), so each round measures them back to back in altern
 - llama.cpp RPC, two machines: `ggml-rpc-server -t 1` on core 0 and on core 1, `llama-server -ngl 99 --rpc` on
   core 0 (it only orchestrates: every layer runs on the RPC servers);
 - exo-node, one machine: one node, `--threads 1 --quantize none`, on core 0;
-- exo-node, two machines: `--shard 0:19` on core 0 and `19:30` on core 1 (SmolLM2's output head costs about eight
-  layers, so the last node takes fewer: about 19 layers' work each), the entry on the first.
+- exo-node, two machines: `--shard 0:18` on core 0 and `18:30` on core 1 (the planner's split for two such nodes:
+  SmolLM2's output head costs about five layers' work here, so the last node takes fewer), the entry on the first.
 The same GGUF file (the packaged SmolLM2 Q4_1) and bench/bench_serve.py's asyncio client (greedy streams, new
 prompts every round). Prints one JSON line per system, stream count and round, then the medians and ratios.
 """
