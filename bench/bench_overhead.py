@@ -1,8 +1,9 @@
 """Time outside the engine, from the nodes' own counters (node/runtime/overhead.py): per token at one stream, per
-step at 8 streams on one node, and per hop on a two-node ring.
+step at 8 streams on one node, and per hop on a two-node ring (bench/bench_microbatch.py's SPLIT of the packaged
+model: the planner's), at one stream and at 8 (`ring8`).
 
     uv run python -m bench.bench_overhead [--tokens 64] [--streams 8] [--threads 1] [--engine auto]
-        [--node-args "--quantize none"] [--pin] [--only one,eight,ring,floor] [--model FILE.gguf]
+        [--node-args "--quantize none"] [--pin] [--only one,eight,ring,ring8,floor] [--model FILE.gguf]
 
 Each case starts its nodes (the packaged SmolLM2, the default engine unless --engine), sends one warm-up request,
 reads the counters, runs its streams (greedy chat, --tokens each, speculation off so one pass is one token) and
@@ -29,7 +30,7 @@ from pathlib import Path
 import aiohttp
 
 from bench import grpc_floor
-from bench.bench_microbatch import pin
+from bench.bench_microbatch import SPLIT, pin
 from bench.local_cluster import Cluster, free_port
 from shards.formats.packaged import DEFAULT_MODEL, resolve_model
 
@@ -140,15 +141,17 @@ def main() -> None:
     p.add_argument("--engine", default=None)
     p.add_argument("--node-args", default="", help='more node flags, e.g. "--quantize none"')
     p.add_argument("--pin", action="store_true", help="every node's threads on a core of their own (taskset)")
-    p.add_argument("--only", default="one,eight,ring", help="which cases: one, eight, ring, floor")
+    p.add_argument("--only", default="one,eight,ring", help="which cases: one, eight, ring, ring8, floor")
     p.add_argument("--model", type=Path, help="a GGUF file to serve instead of the packaged model")
     args = p.parse_args()
     path, model_id = (args.model, args.model.stem) if args.model else resolve_model(DEFAULT_MODEL)
     extra = ["--threads", str(args.threads), "--speculate", "off", *shlex.split(args.node_args)]
+    split = None if args.model else SPLIT  # another model: the planner's split (the file's head weight)
     cases = {
         "one": (1, None, 1),  # nodes, shards, streams
         "eight": (1, None, args.streams),
-        "ring": (2, None, 1),
+        "ring": (2, split, 1),
+        "ring8": (2, split, args.streams),
     }
     for name in args.only.split(","):
         if name == "floor":  # gRPC's own one-way time for the ring's message, between two bare processes
