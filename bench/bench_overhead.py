@@ -9,7 +9,7 @@ Each case starts its nodes (the packaged SmolLM2, the default engine unless --en
 reads the counters, runs its streams (greedy chat, --tokens each, speculation off so one pass is one token) and
 prints the counters' differences: the mean time between two passes on the engine thread, less the waits for work
 (`outside_ms_per_pass`), beside the engine's own mean pass (`forward_ms_per_pass`); on the ring, each node's
-sending side (pass end -> transport call), the call itself (serialise, gRPC's write: the peer answers only what it refuses) and
+sending side (pass end -> transport call), the call itself (serialise, gRPC, the peer's taking it, its answer) and
 the receiving side (arrival -> the pass that runs it), each split into its stages (`*_ms`, node/runtime/overhead.py).
 `floor` is what none of the node's counters sees: gRPC's one-way time for a decode step's message between two bare
 processes (bench/grpc_floor.py). `--pin` puts each node (and each floor process) on a core of its own, as two

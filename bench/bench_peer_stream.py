@@ -1,14 +1,13 @@
 """CPU per message of the data path's stream (node/grpc/stream.py's PeerStream), one message at a time as a
-one-stream ring sends them: what a hop costs the two nodes' processes in gRPC, apart from everything else a node does.
+one-stream ring sends them: what the sending node's event loop spends on gRPC per hop, apart from everything else a
+node does.
 
-    uv run python -m bench.bench_peer_stream [--messages 2000] [--rounds 3] [--gap-ms 5]
+    uv run python -m bench.bench_peer_stream [--messages 3000] [--rounds 3] [--core 0]
 
-A peer process answers as a node does (node/grpc/server.py: a quiet message only when it refuses something, here
-nothing). This process sends `--messages` messages `--gap-ms` apart (a token's compute between hops), each round
-both ways in turn: `asked`, every message awaiting its answer (the stream before quiet messages), and `quiet`
-(`post`: the way the pipeline sends now). Reported: CPU per message of each process, every thread (the kernel's
-schedstat: gRPC's own threads count, the gap's timer too, alike in both ways), and the peer's answers per message.
-The sender runs on `--core`, the peer on `--peer-core` (two machines).
+A peer process answers every message at once (an empty answer, as a node that refuses nothing); this process
+sends `--messages` messages, each after the last one's answer, and reports its own thread's CPU time per message
+(time.thread_time: what the loop did, not what it waited) and the wall time per round trip. Both processes run on
+`--core` (a one-core machine, where every microsecond of the loop is one the engine doesn't get).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+import time
 
 import grpc
 
@@ -34,9 +33,8 @@ WARMUP = 200
 
 class Peer(pb_grpc.NodeServiceServicer):
     async def SendStream(self, requests, context):
-        async for request in requests:
-            if not request.quiet:
-                yield pb.SendResponse(seq=request.seq)
+        async for _ in requests:
+            yield pb.SendResponse()
 
 
 async def serve(port: int) -> None:
@@ -47,58 +45,27 @@ async def serve(port: int) -> None:
     await server.wait_for_termination()
 
 
-def process_cpu_ns(pid: int) -> int:
-    """Nanoseconds every thread of `pid` has been on a CPU (threads that ended meanwhile are not counted)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError):
-            continue
-    return total
-
-
-async def send(port: int, peer: int, n: int, gap: float, quiet: bool) -> dict:
+async def send(port: int, n: int) -> dict:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options(1 << 20))
     stub = pb_grpc.NodeServiceStub(channel)
     stream = PeerStream(lambda: stub.SendStream(wait_for_ready=True), 10.0)
-    message = pb.SendRequest(entries=[pb.TensorEntry(request_id="r", tensor=pb.Tensor(data=bytes(576 * 4)))])
-    answered = []
-
-    async def one() -> None:
-        if quiet:
-            await stream.post(message, answered.append)
-        else:
-            answered.append(await stream.send(message))
-        await asyncio.sleep(gap)
-
+    message = pb.SendRequest(entries=[pb.TensorEntry(request_id="r")])
     for _ in range(WARMUP):
-        await one()
-    me, them, answers = process_cpu_ns(os.getpid()), process_cpu_ns(peer), len(answered)
+        await stream.send(message)
+    cpu, wall = time.thread_time(), time.perf_counter()
     for _ in range(n):
-        await one()
-    me, them = process_cpu_ns(os.getpid()) - me, process_cpu_ns(peer) - them
-    await asyncio.sleep(1.5)  # past ask_every: every quiet message answered
-    peer_answers = sum(a is not None for a in answered[answers:])
+        await stream.send(message)
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
     await stream.close()
     await channel.close()
-    return {
-        "way": "quiet" if quiet else "asked",
-        "messages": n,
-        "sender_cpu_us": round(me / n / 1e3, 1),
-        "peer_cpu_us": round(them / n / 1e3, 1),
-        "both_cpu_us": round((me + them) / n / 1e3, 1),
-        "answers_per_message": round(peer_answers / n, 3),
-    }
+    return {"messages": n, "cpu_us_per_message": round(cpu / n * 1e6, 1), "wall_us_per_message": round(wall / n * 1e6)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--messages", type=int, default=2000)
+    ap.add_argument("--messages", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--gap-ms", type=float, default=5.0, help="between messages (a token's compute)")
-    ap.add_argument("--core", type=int, default=0, help="the sender's core")
-    ap.add_argument("--peer-core", type=int, default=1, help="the peer's core")
+    ap.add_argument("--core", type=int, default=0, help="the core both processes run on")
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # the peer process
     args = ap.parse_args()
     if args.serve is not None:
@@ -107,12 +74,9 @@ def main() -> None:
     os.sched_setaffinity(0, {args.core})
     port = free_port()
     peer = subprocess.Popen([sys.executable, "-m", "bench.bench_peer_stream", "--serve", str(port)])
-    os.sched_setaffinity(peer.pid, {args.peer_core})
     try:
         for r in range(args.rounds):
-            for quiet in (r % 2 == 1, r % 2 == 0):  # alternated: asked first in even rounds
-                got = asyncio.run(send(port, peer.pid, args.messages, args.gap_ms / 1e3, quiet))
-                print(json.dumps({"round": r, **got}), flush=True)
+            print(json.dumps({"round": r, **asyncio.run(send(port, args.messages))}), flush=True)
     finally:
         peer.kill()
         peer.wait()

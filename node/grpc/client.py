@@ -138,38 +138,6 @@ class GrpcTransport:
         *,
         on_write: Callable[[], None] | None = None,
     ) -> list[Refusal]:
-        try:
-            response = await self._stream(address).send(wire.encode_send(activations, messages), on_write)
-        except StreamBroken as e:
-            raise TransportError(*failure_of(e.code, e.details, address)) from None
-        return [wire.decode_refusal(r) for r in response.rejected]
-
-    @_translated
-    async def post(
-        self,
-        address: str,
-        activations: tuple[Activation, ...],
-        messages: tuple[TokenMessage, ...],
-        on_answer: Callable[[list[Refusal] | TransportError], None],
-        *,
-        on_write: Callable[[], None] | None = None,
-    ) -> None:
-        def answered(got: pb.SendResponse | StreamBroken | None) -> None:
-            if isinstance(got, StreamBroken):
-                on_answer(TransportError(*failure_of(got.code, got.details, address)))
-                return
-            try:
-                on_answer([] if got is None else [wire.decode_refusal(r) for r in got.rejected])
-            except wire.WireError as e:
-                on_answer(
-                    TransportError(
-                        Failure(FailureKind.ERROR, f"answered with a malformed message: {e}", address), "malformed"
-                    )
-                )
-
-        await self._stream(address).post(wire.encode_send(activations, messages), answered, on_write)
-
-    def _stream(self, address: str) -> PeerStream:
         stub = self.stub(address)  # first: it may replace a channel whose certificate was renewed
         on, stream = self.streams.get(address, (None, None))
         if on is not stub:  # a new channel gets its own stream
@@ -177,7 +145,11 @@ class GrpcTransport:
                 asyncio.ensure_future(stream.close())
             stream = PeerStream(lambda: stub.SendStream(wait_for_ready=True), self.rpc_timeout)
             self.streams[address] = (stub, stream)
-        return stream
+        try:
+            response = await stream.send(wire.encode_send(activations, messages), on_write)
+        except StreamBroken as e:
+            raise TransportError(*failure_of(e.code, e.details, address)) from None
+        return [wire.decode_refusal(r) for r in response.rejected]
 
     @_translated
     async def end_request(

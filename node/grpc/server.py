@@ -62,8 +62,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         return pb.Ack()
 
     async def SendStream(self, requests, context: grpc.aio.ServicerContext):
-        """The data path: a message (activations, token messages) is answered with the activations refused, and a
-        quiet one only if some were (its sender asks for answers now and then: node/grpc/stream.py)."""
+        """The data path: each message (activations, token messages) is answered with the activations refused."""
         caller = peer_node_id(context)
         async for request in requests:
             received = time.perf_counter()
@@ -74,8 +73,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
             refused = self.node.accept_activations(activations, caller, received=received) if activations else []
             for message in messages:
                 self.node.accept_tokens(message, caller)
-            if refused or not request.quiet:
-                yield pb.SendResponse(seq=request.seq, rejected=[wire.encode_refusal(r) for r in refused])
+            yield pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused])
 
     async def EndRequest(self, request: pb.EndRequestRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         try:

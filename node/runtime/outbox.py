@@ -1,5 +1,4 @@
-"""Messages for one peer, sent in order, one call at a time (a call returns once its message is written; what the
-peer refuses comes back later: node/runtime/pipeline.py's `_answered`).
+"""Messages for one peer, sent in order, one call at a time.
 
 Whatever queues up while a call is in flight goes out together in the next call. Order matters: the chunks of a
 prompt and the tokens of a stream must arrive as they were produced, and concurrent unary gRPC calls don't promise

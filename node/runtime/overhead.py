@@ -9,8 +9,7 @@ per call: nothing measurable), so a benchmark can read them from /v1/topology (b
   - `loop_wake` (`loop_wakes`): a pass ended on the engine thread -> the event loop applies it;
   - `hop_out`: a pass ended -> its activations' transport call (the loop's wake, the core's routing, the outbox);
   - `hop_write` (`hop_writes`): the call -> its message encoded and handed to gRPC's write;
-  - `hop_send` (`hop_sends`): the call -> the message written (gRPC took it; the peer answers only what it
-    refuses, later: node/grpc/stream.py);
+  - `hop_send` (`hop_sends`): the call -> the peer's answer (the write, the link both ways, the peer's taking it);
   - on the peer, `hop_accept` (`hop_accepts`): the message in its handler -> accepted by its core (decoding);
   - `hop_in`: accepted -> the start of the pass that ran it, which is `hop_queue` (`hop_queued`: accepted -> the
     pass handed to the engine thread: waking the worker, scheduling) and `engine_wake` (`engine_wakes`: handed ->
@@ -78,16 +77,16 @@ class Overhead:
         self._arrivals = [t for t in self._arrivals if t > began]
         self.last_end, self._idle = ended, 0.0
 
-    def sent(self, called: float, written: float, handed: float | None = None) -> None:
+    def sent(self, called: float, answered: float, handed: float | None = None) -> None:
         """A call carrying activations was made at `called`, its message handed to gRPC's write at `handed` (if
-        known) and written at `written`."""
+        known) and answered at `answered`."""
         c = self.counters
         if self.last_end is not None and called >= self.last_end:
             c["hop_out_us_total"] += round((called - self.last_end) * 1e6)
             c["hop_out"] += 1
         if handed is not None and called <= handed:
             self._add("hop_write", "hop_writes", handed - called)
-        self._add("hop_send", "hop_sends", written - called)
+        self._add("hop_send", "hop_sends", answered - called)
 
     def _add(self, total: str, count: str, seconds: float) -> None:
         self.counters[f"{total}_us_total"] += round(seconds * 1e6)

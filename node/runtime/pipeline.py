@@ -226,43 +226,25 @@ class Pipeline:
         return box
 
     async def _send(self, address: str, batch: tuple[Activation | TokenMessage, ...]) -> None:
-        """One message to `address`; it returns once the message is written, and what the peer refused, or the
-        failure that lost the message, comes back later (`_answered`)."""
         activations = tuple(m for m in batch if isinstance(m, Activation))
         messages = tuple(m for m in batch if isinstance(m, TokenMessage))
         handed: list[float] = []
-        called = time.perf_counter()
         try:
-            await self.transport.post(
-                address,
-                activations,
-                messages,
-                lambda got: self._answered(address, activations, messages, got),
-                on_write=lambda: handed.append(time.perf_counter()),
+            called = time.perf_counter()
+            refused = await self.transport.send(
+                address, activations, messages, on_write=lambda: handed.append(time.perf_counter())
             )
-        except Exception as e:  # a message that can't be sent: its requests fail, never vanish
-            self._answered(address, activations, messages, e)
+            if activations:
+                self.overhead.sent(called, time.perf_counter(), handed[0] if handed else None)
+        except Exception as e:  # a transport error, or a message that can't be sent: its requests fail, never vanish
+            if not isinstance(e, TransportError):
+                log.exception("sending to %s failed", address)
+            self.metrics.rpc_error(address, "send")
+            self.do(self.core.send_failed(address, activations, str(e), isinstance(e, TransportError) and e.retryable))
+            for message in messages:
+                self.do(self.core.deliver_failed(address, message, str(e)))
             return
-        if activations:
-            self.overhead.sent(called, time.perf_counter(), handed[0] if handed else None)
-
-    def _answered(
-        self,
-        address: str,
-        activations: tuple[Activation, ...],
-        messages: tuple[TokenMessage, ...],
-        got: list[Refusal] | Exception,
-    ) -> None:
-        if not isinstance(got, Exception):
-            self.do(self.core.refused(address, got))
-            return
-        if not isinstance(got, TransportError):
-            log.exception("sending to %s failed", address, exc_info=got)
-        self.metrics.rpc_error(address, "send")
-        retryable = isinstance(got, TransportError) and got.retryable
-        self.do(self.core.send_failed(address, activations, str(got), retryable))
-        for message in messages:
-            self.do(self.core.deliver_failed(address, message, str(got)))
+        self.do(self.core.refused(address, refused))
 
 
 def _wire_size(item: Activation | TokenMessage) -> int:

@@ -51,19 +51,6 @@ class Transport(Protocol):
         one call; returns the activations the peer refused, and why. `on_write` is called as the encoded message is
         handed to the link's write (the hop's counters: node/runtime/overhead.py)."""
 
-    async def post(
-        self,
-        address: str,
-        activations: tuple[Activation, ...],
-        messages: tuple[TokenMessage, ...],
-        on_answer: Callable[[list[Refusal] | TransportError], None],
-        *,
-        on_write: Callable[[], None] | None = None,
-    ) -> None:
-        """`send` that returns once the message is written, after those of earlier calls to the same peer (raises
-        TransportError if it cannot be). `on_answer` is called later, once: with the activations the peer refused
-        ([] when none), or with the TransportError that lost the message."""
-
     async def end_request(
         self, address: str, request_id: str, reason: str, branch: tuple[str, int] | None = None
     ) -> None:
@@ -140,19 +127,6 @@ class Loopback:
         if address != self.node.address:
             return await self.inner.send(address, activations, messages, on_write=on_write)
         return self.accept(activations, messages)
-
-    async def post(
-        self,
-        address: str,
-        activations: tuple[Activation, ...],
-        messages: tuple[TokenMessage, ...],
-        on_answer: Callable[[list[Refusal] | TransportError], None],
-        *,
-        on_write: Callable[[], None] | None = None,
-    ) -> None:
-        if address != self.node.address:
-            return await self.inner.post(address, activations, messages, on_answer, on_write=on_write)
-        on_answer(self.accept(activations, messages))
 
     def accept(self, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> list[Refusal]:
         """What this node sends itself, taken at once, in order (the pipeline's `Local`: no task, no call)."""

@@ -194,25 +194,6 @@ def test_stray_activations_for_unknown_requests_are_rejected_per_entry():
     run(go())
 
 
-def test_a_quiet_message_is_answered_only_when_something_in_it_is_refused_and_an_answer_names_its_message():
-    async def go():
-        node, server, client = await serving()
-        try:
-            call = client.stub.SendStream(timeout=10)
-            stray = pb.TensorEntry(request_id="nobody", tensor=wire.encode_tensor(np.zeros((1, 64), np.float32)))
-            await call.write(pb.SendRequest(seq=1, quiet=True))  # nothing in it to refuse: no answer
-            await call.write(pb.SendRequest(seq=2, quiet=True, entries=[stray]))
-            await call.write(pb.SendRequest(seq=3))  # asks
-            first, second = await call.read(), await call.read()
-            assert (first.seq, [r.request_id for r in first.rejected]) == (2, ["nobody"])
-            assert (second.seq, list(second.rejected)) == (3, [])
-            call.cancel()
-        finally:
-            await shutdown(node, server, client)
-
-    run(go())
-
-
 def test_prompt_sent_to_the_wrong_node_is_invalid_argument():
     async def go():
         node, server, client = await serving()

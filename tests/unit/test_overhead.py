@@ -32,7 +32,7 @@ def test_a_hop_splits_into_the_stages_a_token_lives_in_order():
     o = Overhead(c := Counter())
     o.ran(3.000, 3.010)  # the sending node's pass
     o.applied(3.010, at=3.0102)  # the loop took it up 0.2 ms later
-    o.sent(3.0105, written=3.0125, handed=3.0107)  # called 0.5 ms after the pass, handed to gRPC 0.2 ms later
+    o.sent(3.0105, answered=3.0125, handed=3.0107)  # called 0.5 ms after the pass, handed to gRPC 0.2 ms later
     assert (c["loop_wakes"], c["loop_wake_us_total"]) == (1, 200)
     assert (c["hop_out"], c["hop_out_us_total"]) == (1, 500)
     assert (c["hop_writes"], c["hop_write_us_total"]) == (1, 200)

@@ -1,5 +1,4 @@
-"""The data-path stream to a peer: answers in order, quiet messages answered only when refused or asked for now and
-then, a deadline per message, and a fresh stream after any failure."""
+"""The data-path stream to a peer: answers in order, a deadline per message, and a fresh stream after any failure."""
 
 import asyncio
 
@@ -26,38 +25,7 @@ class Peer(pb_grpc.NodeServiceServicer):
             yield pb.SendResponse(rejected=[pb.Rejected(request_id=e.request_id) for e in request.entries])
 
 
-class QuietPeer(pb_grpc.NodeServiceServicer):
-    """Answers as a node does (node/grpc/server.py): a quiet message only when it refuses part of it (here: entries
-    named "bad..."); `hang` stops it answering at all, as a node whose loop froze."""
-
-    def __init__(self):
-        self.answers, self.hang = 0, False
-
-    async def SendStream(self, requests, context):
-        async for request in requests:
-            if self.hang:
-                await asyncio.sleep(3600)
-            refused = [pb.Rejected(request_id=e.request_id) for e in request.entries if e.request_id.startswith("bad")]
-            if refused or not request.quiet:
-                self.answers += 1
-                yield pb.SendResponse(seq=request.seq, rejected=refused)
-
-
-class Answers:
-    """What a stream's `post` callbacks got, by message name."""
-
-    def __init__(self):
-        self.got: dict[str, object] = {}
-
-    def to(self, name: str):
-        def answered(got):
-            assert name not in self.got, f"{name} answered twice"
-            self.got[name] = got
-
-        return answered
-
-
-async def serve(peer, port: int) -> grpc.aio.Server:
+async def serve(peer: Peer, port: int) -> grpc.aio.Server:
     server = grpc.aio.server()
     pb_grpc.add_NodeServiceServicer_to_server(peer, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -73,10 +41,10 @@ def answered(response) -> str:
     return response.rejected[0].request_id
 
 
-def stream_to(port: int, timeout: float = 2.0, ask_every: float = 1.0) -> tuple[PeerStream, grpc.aio.Channel]:
+def stream_to(port: int, timeout: float = 2.0) -> tuple[PeerStream, grpc.aio.Channel]:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options(1 << 20))
     stub = pb_grpc.NodeServiceStub(channel)
-    return PeerStream(lambda: stub.SendStream(wait_for_ready=True), timeout, ask_every=ask_every), channel
+    return PeerStream(lambda: stub.SendStream(wait_for_ready=True), timeout), channel
 
 
 def test_messages_are_answered_in_order_over_one_stream():
@@ -178,88 +146,5 @@ def test_a_peer_still_starting_is_waited_for_within_the_deadline():
         await stream.close()
         await channel.close()
         await server.stop(None)
-
-    asyncio.run(go())
-
-
-def test_quiet_messages_nobody_refuses_cost_one_answer_now_and_then_not_one_each():
-    async def go():
-        port = free_port()
-        peer = QuietPeer()
-        server = await serve(peer, port)
-        stream, channel = stream_to(port, ask_every=0.3)
-        answers = Answers()
-        for i in range(30):
-            await stream.post(message(f"m{i}"), answers.to(f"m{i}"))
-        await asyncio.sleep(0.05)
-        assert answers.got == {} and peer.answers == 0  # written, none answered yet
-        await asyncio.sleep(0.6)  # past ask_every: one asking message answers them all
-        assert answers.got == {f"m{i}": None for i in range(30)} and peer.answers == 1
-        await stream.close()
-        await channel.close()
-        await server.stop(None)
-
-    asyncio.run(go())
-
-
-def test_a_refusal_in_a_quiet_message_comes_back_at_once_and_answers_the_messages_before_it():
-    async def go():
-        port = free_port()
-        server = await serve(QuietPeer(), port)
-        stream, channel = stream_to(port, ask_every=30.0)
-        answers = Answers()
-        for name in ("ok1", "bad2", "ok3"):
-            await stream.post(message(name), answers.to(name))
-        await asyncio.sleep(0.3)  # long before anything asks
-        assert answers.got.keys() == {"ok1", "bad2"} and answers.got["ok1"] is None
-        assert answered(answers.got["bad2"]) == "bad2"
-        await stream.close()
-        assert isinstance(answers.got["ok3"], StreamBroken)  # never answered: the closed stream fails it
-        await channel.close()
-        await server.stop(None)
-
-    asyncio.run(go())
-
-
-def test_a_peer_that_stops_answering_fails_quiet_messages_within_ask_every_and_the_deadline():
-    async def go():
-        port = free_port()
-        peer = QuietPeer()
-        server = await serve(peer, port)
-        stream, channel = stream_to(port, timeout=0.4, ask_every=0.2)
-        answers = Answers()
-        await stream.post(message("before"), answers.to("before"))
-        await asyncio.sleep(0.4)
-        assert answers.got == {"before": None}
-        peer.hang = True
-        started = asyncio.get_running_loop().time()
-        await stream.post(message("lost"), answers.to("lost"))
-        while "lost" not in answers.got:
-            await asyncio.sleep(0.02)
-        assert asyncio.get_running_loop().time() - started < 0.2 + 0.4 + 0.3
-        assert answers.got["lost"].code == grpc.StatusCode.DEADLINE_EXCEEDED
-        await stream.close()
-        await channel.close()
-        await server.stop(None)
-
-    asyncio.run(go())
-
-
-def test_a_peer_that_dies_fails_its_unanswered_quiet_messages_at_once():
-    async def go():
-        port = free_port()
-        server = await serve(QuietPeer(), port)
-        stream, channel = stream_to(port, timeout=5.0, ask_every=5.0)
-        answers = Answers()
-        await stream.post(message("in flight"), answers.to("in flight"))
-        await asyncio.sleep(0.1)
-        started = asyncio.get_running_loop().time()
-        await server.stop(None)
-        while "in flight" not in answers.got:
-            await asyncio.sleep(0.02)
-        assert asyncio.get_running_loop().time() - started < 1.0  # not ask_every + the deadline
-        assert isinstance(answers.got["in flight"], StreamBroken)
-        await stream.close()
-        await channel.close()
 
     asyncio.run(go())

@@ -147,16 +147,12 @@ class TensorEntry(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., partial: _Optional[bool] = ..., proposals: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ...) -> None: ...
 
 class SendRequest(_message.Message):
-    __slots__ = ("entries", "results", "seq", "quiet")
+    __slots__ = ("entries", "results")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
-    SEQ_FIELD_NUMBER: _ClassVar[int]
-    QUIET_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     results: _containers.RepeatedCompositeFieldContainer[SendResultRequest]
-    seq: int
-    quiet: bool
-    def __init__(self, entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[SendResultRequest, _Mapping]]] = ..., seq: _Optional[int] = ..., quiet: _Optional[bool] = ...) -> None: ...
+    def __init__(self, entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[SendResultRequest, _Mapping]]] = ...) -> None: ...
 
 class Failure(_message.Message):
     __slots__ = ("kind", "detail", "node")
@@ -177,12 +173,10 @@ class Rejected(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
 
 class SendResponse(_message.Message):
-    __slots__ = ("rejected", "seq")
+    __slots__ = ("rejected",)
     REJECTED_FIELD_NUMBER: _ClassVar[int]
-    SEQ_FIELD_NUMBER: _ClassVar[int]
     rejected: _containers.RepeatedCompositeFieldContainer[Rejected]
-    seq: int
-    def __init__(self, rejected: _Optional[_Iterable[_Union[Rejected, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
+    def __init__(self, rejected: _Optional[_Iterable[_Union[Rejected, _Mapping]]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token", "logprob")
