@@ -88,22 +88,21 @@ async def measure_head(
     config: ModelConfig,
     mid: Shard,
     mid_engine: Engine,
-    mid_seconds: float,
 ) -> float | None:
-    """`head_weight_of` on this node: an engine on `head_slice` timed between two timings of the middle slice's
-    (their mean: the machine's speed as it was around it); None for a model with no more layers than a slice."""
+    """`head_weight_of` on this node: an engine on `head_slice` and the middle slice's timed step for step
+    (`time_interleaved`: nodes starting together load each other's cores unevenly); None for a model with no more
+    layers than a slice."""
     last = head_slice(mid.model_id, config.n_layers)
     if last is None:
         return None
     engine = await run(factory, model_dir, last, config)
     try:
-        last_seconds = await run(time_steps, engine, config)
+        mid_seconds, last_seconds = await run(time_interleaved, [mid_engine, engine], config)
     finally:
         await run(engine.close)
-    again = await run(time_steps, mid_engine, config)
-    if not (mid_seconds and last_seconds and again):
+    if not (mid_seconds and last_seconds):
         return None
-    return head_weight_of(config, mid, (mid_seconds + again) / 2, last, last_seconds)
+    return head_weight_of(config, mid, mid_seconds, last, last_seconds)
 
 
 async def calibrate_node(
@@ -116,11 +115,14 @@ async def calibrate_node(
     speed: LayerSpeed,
     complete: Callable[[], bool] = lambda: True,
     first: asyncio.Event | None = None,
+    head: bool = False,
 ) -> None:
     """Once the node holds every layer (`complete`; one holding only some measures as it serves), unless --speed
     fixes the speed: ROUNDS calibrations of one engine on `calibration_slice`, through `run` (the engine thread),
-    each reported to `speed` (which keeps the fastest). `first` is set at the first round, or as soon as there will
-    be none: a failure leaves the node to be counted as the others until its live passes measure it."""
+    each reported to `speed` (which keeps the fastest), and with `head` (the engine holds the head in another type
+    than the layers), after the first, what the head costs (`measure_head`: about a second more before the node
+    joins; a head of the layers' type costs what its parameters say). `first` is set at the first round, or as soon
+    as there will be none: a failure leaves the node to be counted as the others until its live passes measure it."""
     try:
         if speed.fixed is not None:
             return
@@ -134,8 +136,10 @@ async def calibrate_node(
                     await asyncio.sleep(ROUND_GAP_S)
                 seconds = await run(time_steps, engine, config)
                 speed.measured(sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9 if seconds else None)
-                if i == 0 and seconds:  # before the node joins: the first plan counting it weighs the head by it
-                    weight = await measure_head(run, factory, model_dir, config, shard, engine, seconds)
+                if (
+                    head and i == 0 and seconds
+                ):  # before the node joins: the first plan counting it weighs the head by it
+                    weight = await measure_head(run, factory, model_dir, config, shard, engine)
                     if weight is not None:
                         speed.head_measured(weight, layer_costs(config, weight))
                 if first is not None:
@@ -172,11 +176,18 @@ def time_steps(engine: Engine, config: ModelConfig) -> float | None:
     The median, since under a CPU quota the step that meets the end of a period's budget waits out the period (a
     mean over the window is then a mixture of the two speeds, anywhere from one to the other); `LayerSpeed` scales
     it to what the node sustains."""
+    return time_interleaved([engine], config)[0]
+
+
+def time_interleaved(engines: Sequence[Engine], config: ModelConfig) -> list[float]:
+    """`time_steps` of each engine, their steps taken in turn (one of each, again and again): whatever else runs
+    on the machine meanwhile slows them alike, so their ratio holds where two windows one after the other would
+    each catch another load."""
     rid = f"calibration-{uuid.uuid4().hex}"
     rng = np.random.default_rng(0)
     hidden = rng.standard_normal((1, config.hidden_size)).astype(np.float32)
 
-    def step(i: int) -> None:
+    def step(engine: Engine, i: int) -> None:
         if engine.shard.is_first:
             row = StepInput(rid, tokens=np.array([i % config.vocab_size], np.int64), max_positions=2)
         else:
@@ -187,15 +198,18 @@ def time_steps(engine: Engine, config: ModelConfig) -> float | None:
 
     try:
         for i in range(WARMUP_STEPS):
-            step(i)
-        began, times = time.perf_counter(), []
-        while len(times) < MIN_STEPS or time.perf_counter() - began < WINDOW_S:
-            t = time.perf_counter()
-            step(1 + len(times))
-            times.append(time.perf_counter() - t)
-        return float(np.median(times))
+            for engine in engines:
+                step(engine, i)
+        began, times = time.perf_counter(), [[] for _ in engines]
+        while len(times[0]) < MIN_STEPS or time.perf_counter() - began < WINDOW_S:
+            for engine, took in zip(engines, times):
+                t = time.perf_counter()
+                step(engine, 1 + len(took))
+                took.append(time.perf_counter() - t)
+        return [float(np.median(took)) for took in times]
     finally:
-        engine.release(rid)
+        for engine in engines:
+            engine.release(rid)
 
 
 def cpu_quota(cgroups: Path = Path("/proc/self/cgroup"), mount: Path = Path("/sys/fs/cgroup")) -> float | None:

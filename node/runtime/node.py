@@ -259,6 +259,7 @@ class Node:
             self.speed,
             lambda: self.availability().complete,
             self._first_speed,
+            head=self.settings.head_weight != 1.0,  # the engine keeps the head in a wider (or narrower) type
         )
 
     async def first_speed(self, timeout: float) -> None:

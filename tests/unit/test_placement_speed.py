@@ -194,7 +194,10 @@ def test_calibration_times_a_slice_of_the_model_well_under_a_second():
     assert speed is not None and 0 < speed < 1e6
 
 
-def test_a_node_calibrates_on_its_engine_thread_keeps_its_fastest_round_and_frees_the_engine(monkeypatch):
+@pytest.mark.parametrize("head", [True, False])
+def test_a_node_calibrates_on_its_engine_thread_keeps_its_fastest_round_and_frees_the_engine(monkeypatch, head):
+    """With `head` (a head stored in another type than the layers) it also times what the head costs; a head of the
+    layers' type is not timed (its parameters say what it costs), so the node starts a second sooner."""
     import asyncio
 
     from node.runtime import calibration
@@ -221,9 +224,12 @@ def test_a_node_calibrates_on_its_engine_thread_keeps_its_fastest_round_and_free
         made.append(Observed(*args))
         return made[-1]
 
-    asyncio.run(calibration.calibrate_node(on_a_thread, factory, LLAMA, "llama", cfg, layer_costs(cfg), speed))
-    assert speed.speed > 0 and speed.head_weight > 0  # and what the head costs here, timed with the last layers
-    assert [(e.shard.end_layer == cfg.n_layers, e.closed) for e in made] == [(False, True), (True, True)]
+    asyncio.run(
+        calibration.calibrate_node(on_a_thread, factory, LLAMA, "llama", cfg, layer_costs(cfg), speed, head=head)
+    )
+    assert speed.speed > 0 and (speed.head_weight > 0) == head  # the head timed with the last layers, or not
+    engines = [(False, True), (True, True)] if head else [(False, True)]  # (holds the head, closed)
+    assert [(e.shard.end_layer == cfg.n_layers, e.closed) for e in made] == engines
     # each engine's weights freed as soon as it is done, not when collected
     fastest = speed.speed
     speed.measured(fastest / 2)  # a round slowed by another process starting
