@@ -4,6 +4,9 @@ parameter that the layers take, and the last stage must hold fewer layers for th
 kernels bound it instead, the nodes' own measure says what it costs (node/runtime/calibration.py `measure_head`),
 and a ring goes by that."""
 
+import asyncio
+import math
+
 import pytest
 
 from node.core.placement.layer_costs import (
@@ -14,7 +17,12 @@ from node.core.placement.layer_costs import (
     ring_head_weight,
 )
 from node.core.placement.partition import NodeCapacity, partition
-from node.runtime.calibration import head_slice, head_weight_of
+from node.core.topology import Capabilities, NodeInfo
+from node.grpc.wire import WireError
+from node.grpc.wire_cluster import decode_node_info, encode_node_info
+from node.runtime.calibration import LayerSpeed, calibrate_node, head_slice, head_weight_of
+from shards.engines.numpy_engine import NumpyEngine
+from shards.formats.config import ModelConfig
 from shards.formats.loader import load_config
 from shards.formats.packaged import DEFAULT_MODEL, resolve_model
 from shards.model.shard import Shard
@@ -94,3 +102,35 @@ def test_two_equal_nodes_that_measured_a_cheaper_head_give_the_last_more_layers(
 
     assert first_stage(27 / 16) == 22
     assert first_stage(ring_head_weight([0.75, 0.8125], 27 / 16)) == 18
+
+
+def test_the_measured_head_weight_travels_with_the_capabilities_and_a_hostile_one_is_refused():
+    m = encode_node_info(NodeInfo("a", "127.0.0.1:1000", Capabilities(GB, "ggml", "m", 30, 1.0)))
+    m.capabilities.head_weight = 1.125
+    assert decode_node_info(m).capabilities.head_weight == 1.125
+    for bad in (-1.0, math.nan, math.inf, 1e9):
+        m.capabilities.head_weight = bad
+        with pytest.raises(WireError, match="head weight"):
+            decode_node_info(m)
+
+
+def test_a_node_whose_head_differs_times_it_with_the_last_layers_on_its_engine_thread():
+    """Calibration with `head` (the engine keeps the head in another type than the layers): a second engine on the
+    last layers with the head, timed step for step with the middle slice's, then freed at once."""
+    cfg = ModelConfig.from_dir(FIXTURES / "llama")
+    speed = LayerSpeed(layer_costs(cfg))
+    made = []
+
+    def factory(*args):
+        made.append(NumpyEngine(*args))
+        return made[-1]
+
+    async def on_a_thread(fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+    asyncio.run(
+        calibrate_node(on_a_thread, factory, FIXTURES / "llama", "llama", cfg, layer_costs(cfg), speed, head=True)
+    )
+    assert speed.speed > 0 and speed.head_weight > 0
+    assert [e.shard.end_layer == cfg.n_layers for e in made] == [False, True]  # the middle slice, then the last
+    assert speed.costs == layer_costs(cfg, speed.head_weight)  # a last shard's live passes go by it

@@ -194,10 +194,7 @@ def test_calibration_times_a_slice_of_the_model_well_under_a_second():
     assert speed is not None and 0 < speed < 1e6
 
 
-@pytest.mark.parametrize("head", [True, False])
-def test_a_node_calibrates_on_its_engine_thread_keeps_its_fastest_round_and_frees_the_engine(monkeypatch, head):
-    """With `head` (a head stored in another type than the layers) it also times what the head costs; a head of the
-    layers' type is not timed (its parameters say what it costs), so the node starts a second sooner."""
+def test_a_node_calibrates_on_its_engine_thread_keeps_its_fastest_round_and_frees_the_engine(monkeypatch):
     import asyncio
 
     from node.runtime import calibration
@@ -224,13 +221,9 @@ def test_a_node_calibrates_on_its_engine_thread_keeps_its_fastest_round_and_free
         made.append(Observed(*args))
         return made[-1]
 
-    asyncio.run(
-        calibration.calibrate_node(on_a_thread, factory, LLAMA, "llama", cfg, layer_costs(cfg), speed, head=head)
-    )
-    assert speed.speed > 0 and (speed.head_weight > 0) == head  # the head timed with the last layers, or not
-    engines = [(False, True), (True, True)] if head else [(False, True)]  # (holds the head, closed)
-    assert [(e.shard.end_layer == cfg.n_layers, e.closed) for e in made] == engines
-    # each engine's weights freed as soon as it is done, not when collected
+    asyncio.run(calibration.calibrate_node(on_a_thread, factory, LLAMA, "llama", cfg, layer_costs(cfg), speed))
+    assert speed.speed > 0
+    assert [e.closed for e in made] == [True]  # its weights freed as soon as it is done, not when collected
     fastest = speed.speed
     speed.measured(fastest / 2)  # a round slowed by another process starting
     assert speed.speed == fastest
@@ -388,16 +381,6 @@ def test_a_peers_hostile_speed_is_refused(bad):
     m.capabilities.speed = bad
     with pytest.raises(WireError, match="speed"):
         decode_node_info(m)
-
-
-def test_the_measured_head_weight_travels_with_the_capabilities_and_a_hostile_one_is_refused():
-    m = encode_node_info(info(1.0))
-    m.capabilities.head_weight = 1.125
-    assert decode_node_info(m).capabilities.head_weight == 1.125
-    for bad in (-1.0, math.nan, math.inf, 1e9):
-        m.capabilities.head_weight = bad
-        with pytest.raises(WireError, match="head weight"):
-            decode_node_info(m)
 
 
 def test_footprints_and_costs_of_a_real_model_place_within_memory():
