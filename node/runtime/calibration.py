@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from node.core.placement.balance import MAX_SPEED, speed_level
-from node.core.placement.layer_costs import MAX_HEAD_WEIGHT, head_params, layer_costs
+from node.core.placement.layer_costs import MAX_HEAD_WEIGHT, block_costs, head_params, layer_costs
 from shards.engines.base import Engine, StepInput
 from shards.formats.config import ModelConfig
 from shards.model.shard import Shard
@@ -73,8 +73,7 @@ def head_weight_of(config: ModelConfig, mid: Shard, mid_seconds: float, last: Sh
     """What a head parameter costs in layer parameters, from one-row steps through the middle slice and through the
     last layers with the head: the head's time is the difference, less the layers' own (at the middle's time per
     parameter); to 1/16, between 1/16 and MAX_HEAD_WEIGHT."""
-    layers = list(layer_costs(config, 1.0))
-    layers[-1] -= head_params(config) + config.hidden_size
+    layers = block_costs(config)
     per_param = mid_seconds / sum(layers[mid.start_layer : mid.end_layer])
     head_seconds = last_seconds - per_param * sum(layers[last.start_layer : last.end_layer])
     weight = head_seconds / per_param / head_params(config)
@@ -136,9 +135,8 @@ async def calibrate_node(
                     await asyncio.sleep(ROUND_GAP_S)
                 seconds = await run(time_steps, engine, config)
                 speed.measured(sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9 if seconds else None)
-                if (
-                    head and i == 0 and seconds
-                ):  # before the node joins: the first plan counting it weighs the head by it
+                # before the node joins: the first plan counting it weighs the head by what it measures
+                if head and i == 0 and seconds:
                     weight = await measure_head(run, factory, model_dir, config, shard, engine)
                     if weight is not None:
                         speed.head_measured(weight, layer_costs(config, weight))

@@ -30,15 +30,20 @@ def layer_costs(cfg: ModelConfig, head_weight: float = 1.0) -> tuple[int, ...]:
     parameters per second, measured on middle layers) is a rate of."""
     if not 0 < head_weight <= MAX_HEAD_WEIGHT:
         raise ValueError(f"a head weight is a positive ratio of bytes per parameter, got {head_weight}")
+    costs = list(block_costs(cfg))
+    costs[-1] += round(head_params(cfg) * head_weight) + cfg.hidden_size  # the head, and the final norm
+    return tuple(costs)
+
+
+def block_costs(cfg: ModelConfig) -> tuple[int, ...]:
+    """`layer_costs` without the head: the parameters a token goes through in each transformer block."""
     h, m = cfg.hidden_size, cfg.moe
     active = (
         0
         if m is None
         else h * m.n_experts + 3 * m.n_used * h * m.expert_size + (3 * h * m.shared_size + h if m.shared_size else 0)
     )
-    costs = _layers(cfg, active)
-    costs[-1] += round(cfg.vocab_size * h * head_weight) + h
-    return tuple(costs)
+    return tuple(_layers(cfg, active))
 
 
 def head_params(cfg: ModelConfig) -> int:
