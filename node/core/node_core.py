@@ -205,6 +205,7 @@ class NodeCore(RequestBook):
         what it may do (node/core/failures.py: replay on another plan, try again later, give up)."""
         req = self.requests.get(request_id)
         actions = self.end_request(request_id, ended_as)
+        self.ended.add(request_id, failure)
         if req is not None:
             node_log(__name__, self.id).request(request_id).warning("failed: %s", failure)
             actions.append(
@@ -238,20 +239,10 @@ class NodeCore(RequestBook):
         rid = message.request_id
         node_log(__name__, self.id).request(rid).warning("its result could not reach its entry node: %s", why)
         actions = self.end_request(rid, "failed")
+        failure = Failure(FailureKind.LOST, f"a result could not reach the entry ({why}); replay", self.id)
+        self.ended.add(rid, failure)
         if message.finish_reason != "error":
-            actions.append(
-                Deliver(
-                    address,
-                    TokenMessage(
-                        rid,
-                        finished=True,
-                        finish_reason="error",
-                        failure=Failure(
-                            FailureKind.LOST, f"a result could not reach the entry ({why}); replay", self.id
-                        ),
-                    ),
-                )
-            )
+            actions.append(Deliver(address, TokenMessage(rid, finished=True, finish_reason="error", failure=failure)))
         return actions
 
     def expire(self) -> list[Action]:

@@ -104,7 +104,9 @@ class RequestBook:
         rejected = []
         for a in activations:
             if a.request_id in self.ended:
-                continue  # the request is over; a late activation is simply dropped
+                if (failure := self.ended.failure(a.request_id)) is not None:  # failed here: the sender must know
+                    rejected.append(Refusal(a.request_id, failure))
+                continue  # the request is over; a late activation is dropped
             try:
                 req = self.requests.get(a.request_id)
                 if req is None:

@@ -108,17 +108,24 @@ class RequestState:
 
 
 class Tombstones:
-    """Ids of ended requests, so late messages for them are dropped instead of reviving state. Bounded."""
+    """Ids of ended requests, so late messages for them are dropped instead of reviving state, and for those that
+    failed here, why: a late activation for one is refused with that failure, so its sender learns the request is
+    gone (a node that ended a request because its entry was unreachable may see the entry come back, and the next
+    input with it: dropped silently, the entry would wait for its idle timeout). Bounded."""
 
     def __init__(self, size: int = 4096):
-        self.ids: OrderedDict[str, None] = OrderedDict()
+        self.ids: OrderedDict[str, Failure | None] = OrderedDict()
         self.size = size
 
-    def add(self, request_id: str) -> None:
-        self.ids[request_id] = None
+    def add(self, request_id: str, failure: Failure | None = None) -> None:
+        """`failure`: why it failed here (kept over an earlier one's none: a failure ends what it ends at once)."""
+        self.ids[request_id] = failure or self.ids.get(request_id)
         self.ids.move_to_end(request_id)
         while len(self.ids) > self.size:
             self.ids.popitem(last=False)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.ids
+
+    def failure(self, request_id: str) -> Failure | None:
+        return self.ids.get(request_id)
