@@ -34,6 +34,7 @@ from node.core.plan import PlanStep, RequestSpec
 from node.core.prefix_cache import PrefixIndex
 from node.core.requests import TokenMessage
 from node.runtime.loop_stall import LoopStalls
+from node.runtime.token_hold import TokenHold
 from node.runtime.transport import Transport, TransportError
 from shards.decoding.penalties import with_context
 from shards.decoding.sampling import SamplingParams
@@ -92,12 +93,14 @@ class Entry:
         vocab_size: int,
         prefixes: PrefixIndex | None = None,
         per_key: bool = False,
+        hold: TokenHold | None = None,
     ):
         """`plan`: a new plan over the nodes alive, leaving out the ones given; `spawn` runs a coroutine as a task
         its owner cancels on stop (ending a request everywhere outlives the caller's stream); `vocab_size`: token
         ids at or above it are refused (they come from a broken or hostile node, and would crash the decoder);
         `prefixes`: the finished requests whose caches the nodes of their plan retained (None: no prefix reuse);
-        `per_key`: each client's prefixes serve only its own requests (CLIENT_KEY)."""
+        `per_key`: each client's prefixes serve only its own requests (CLIENT_KEY); `hold`: where what the plan
+        sends an attempt waits while this node's engine computes the next pass (node/runtime/token_hold.py)."""
         self.node_id, self.address, self.transport, self.plan = node_id, address, transport, plan
         self.vocab_size = vocab_size
         self.stop_token_ids, self.request_timeout, self.max_replays = stop_token_ids, request_timeout, max_replays
@@ -106,6 +109,7 @@ class Entry:
         self.attempts: dict[str, _Attempt] = {}  # request id -> the attempt we are the entry node of
         self.prefixes, self.per_key = prefixes, per_key
         self.log = node_log(__name__, node_id)
+        self.hold = hold
 
     async def generate(
         self, prompt: list[int], sampling: SamplingParams, max_tokens: int
@@ -230,7 +234,7 @@ class Entry:
             except TransportError as e:
                 if e.retryable:
                     attempt.suspects.add(spec.first.node_id)
-                attempt.inbox.put_nowait(Failed(Failure(e.kind, f"sending the prompt failed: {e}", spec.first.node_id)))
+                self._tell(attempt, Failed(Failure(e.kind, f"sending the prompt failed: {e}", spec.first.node_id)))
 
         self.spawn(send_prompt())
         return attempt
@@ -287,9 +291,16 @@ class Entry:
             self.counters["results_refused"] += 1
             attempt.lost = True  # nothing more from this attempt is believed
             why = f"sent token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})"
-            attempt.inbox.put_nowait(_Final(Failure(FailureKind.ERROR, why, caller or plan[-1].node_id)))
+            self._tell(attempt, _Final(Failure(FailureKind.ERROR, why, caller or plan[-1].node_id)))
             return
-        attempt.inbox.put_nowait(message)
+        self._tell(attempt, message)
+
+    def _tell(self, attempt: _Attempt, item: TokenMessage | Failed) -> None:
+        """Put `item` in the attempt's inbox, behind what the hold keeps (so in the order it came)."""
+        if self.hold is None:
+            attempt.inbox.put_nowait(item)
+        else:
+            self.hold.put(lambda: attempt.inbox.put_nowait(item))
 
     def nodes_alive(self, alive: Collection[str]) -> None:
         """Membership's latest view: every attempt whose plan has a node no longer alive is lost."""
@@ -298,7 +309,7 @@ class Entry:
             if gone and not attempt.lost:
                 attempt.lost = True
                 attempt.suspects.update(gone)
-                attempt.inbox.put_nowait(lost("stopped answering", ", ".join(gone)))
+                self._tell(attempt, lost("stopped answering", ", ".join(gone)))
 
     @property
     def active(self) -> int:

@@ -129,6 +129,7 @@ class Node:
             vocab_size=model.config.vocab_size,
             prefixes=None if settings.prefix_cache == "off" else PrefixIndex(PREFIX_INDEX_POSITIONS),
             per_key=settings.prefix_cache == "per-key",
+            hold=self.pipeline.hold,
         )
         self._stat_sources = [
             self.counters,
@@ -336,6 +337,8 @@ class Node:
         rejected = self.core.accept_activations(activations, caller)
         if not local:
             self.pipeline.overhead.arrived(received=received)
+            if len(rejected) < len(activations) and all(len(a.data) == 1 for a in activations):
+                self.pipeline.hold.arrived()  # tokens in the same message go to the client after the pass
         self.pipeline.wake()
         return rejected
 

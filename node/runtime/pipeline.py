@@ -8,7 +8,8 @@ so concurrent requests batch at every stage of the pipeline. A pass is schedule 
 frozen plan (`take_batch`, node/core/step_plan.py), one engine-thread call that runs and samples it
 (`ShardManager.execute`), one `step_done(plan, outputs)`. What a node sends itself is taken at once (`Local`), and
 a one-node ring's rows run on on the engine thread while their token is their next input (`Following`,
-node/runtime/engine_step.py).
+node/runtime/engine_step.py). Tokens for this node's clients that come during a decode pass wait for its end and its
+sends (`TokenHold`, node/runtime/token_hold.py): the pass goes first.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from node.runtime.outbox import Outbox
 from node.runtime.overhead import Overhead, thread_clock
 from node.runtime.sampling_batcher import BatcherClosed, SampleItem, SamplingBatcher
 from node.runtime.shard_manager import ShardManager
+from node.runtime.token_hold import TokenHold
 from node.runtime.transport import Transport, TransportError
 from shards.engines.base import Engine
 
@@ -72,6 +74,7 @@ class Pipeline:
         self.counters: Counter[str] = Counter()  # forward_us_total, step_us_total
         self.overhead = Overhead(self.counters)
         self.following = Following(self._on_pass)
+        self.hold = TokenHold()  # the entry's tokens wait for a decode pass in flight (node/runtime/token_hold.py)
         self._wake = asyncio.Event()
         self._outboxes: dict[str, Outbox] = {}
 
@@ -96,6 +99,7 @@ class Pipeline:
         self.overhead.engine_clock = thread_clock(await self.shards.run(threading.get_ident))
         while True:
             if not core.queue or core.should_wait:
+                self.hold.idle()
                 self._wake.clear()
                 waited, for_input = time.perf_counter(), not core.queue  # else for this node's own tokens
                 try:
@@ -113,6 +117,9 @@ class Pipeline:
                     log.exception("pipeline step failed")
                     for row in plan.rows:
                         self.do(core.fail(row.request_id, f"internal error: {e}"))
+                finally:  # after the pass's sends started (their tasks were made first): the held tokens
+                    self.hold.ended()
+                    asyncio.get_running_loop().call_soon(self.hold.release)
             # rows the engine thread could not sample wait in the sampling batch: sample them now, not after the
             # window (the next pass, a micro-batch or a prompt chunk, takes longer than the window anyway)
             self.batcher.flush()
@@ -138,6 +145,7 @@ class Pipeline:
             if sampler is not None and any(r.sample and r.sample.params.constraint for r in plan.sampled_rows):
                 sampler.expect_grammar()
             self.overhead.submitted()
+            self.hold.started(plan)
             done = await self.shards.execute(engine, plan, sampler, self.following)
         except Exception as e:
             log.exception("forward failed")
