@@ -1,6 +1,6 @@
 """Two one-core machines: exo-node's 2-node ring against llama.cpp RPC, and each against its one machine.
 
-    uv run python -m bench.bench_rpc [--llamacpp-bin DIR] [--streams 1,8] [--tokens 96] [--rounds 3]
+    uv run python -m bench.bench_rpc [--llamacpp-bin DIR] [--streams 1,8] [--tokens 96] [--rounds 3] [--keep-awake]
 
 Every process is pinned to a core (`taskset`, Linux) so that core 0 and core 1 stand for two machines on a LAN
 (loopback here). All four systems are started at once and stay idle between their turns (no thread spins while
@@ -10,7 +10,9 @@ a server waits for requests), so each round measures them back to back in altern
   core 0 (it only orchestrates: every layer runs on the RPC servers);
 - exo-node, one machine: one node, `--threads 1 --quantize none`, on core 0;
 - exo-node, two machines: `--shard 0:18` on core 0 and `18:30` on core 1 (the planner's split for two such nodes:
-  SmolLM2's output head costs about five layers' work here, so the last node takes fewer), the entry on the first.
+  SmolLM2's output head costs about five layers' work here, so the last node takes fewer), the entry on the first;
+- with `--keep-awake`, the same two machines again with that flag: their idle cores spin at the lowest priority
+  while they serve (node/runtime/keep_awake.py), which llama.cpp RPC's processes don't do.
 The same GGUF file (the packaged SmolLM2 Q4_1) and bench/bench_serve.py's asyncio client (greedy streams, new
 prompts every round). Prints one JSON line per system, stream count and round, then the medians and ratios.
 """
@@ -65,6 +67,11 @@ def main() -> None:
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--keep-awake",
+        action="store_true",
+        help="also run exo's two machines with --keep-awake (node/runtime/keep_awake.py)",
+    )
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     gguf, model_id = resolve_model("smollm2")
@@ -84,10 +91,18 @@ def main() -> None:
             peers = [f"127.0.0.1:{p}" for p in hosts] if hosts else None
             stack.enter_context(process(llama_server(args.llamacpp_bin / "llama-server", gguf, port, peers), 0))
             urls[name] = (f"http://127.0.0.1:{port}", "smollm2")
-        for name, n in (("exo 1 machine", 1), ("exo 2 machines", 2)):
+        exos = [("exo 1 machine", 1, []), ("exo 2 machines", 2, [])]
+        exos += [("exo 2 machines --keep-awake", 2, ["--keep-awake"])] if args.keep_awake else []
+        for name, n, more in exos:
             c = stack.enter_context(
                 Cluster(
-                    gguf, n, shards=SPLIT if n == 2 else None, api_nodes=1, model_id=model_id, engine=None, extra=extra
+                    gguf,
+                    n,
+                    shards=SPLIT if n == 2 else None,
+                    api_nodes=1,
+                    model_id=model_id,
+                    engine=None,
+                    extra=extra + more,
                 )
             )
             for core, node in enumerate(c.nodes):
@@ -120,6 +135,9 @@ def main() -> None:
             f"exo 2/1 machines = {med[('exo 2 machines', n)] / med[('exo 1 machine', n)]:.2f}x; "
             f"RPC 2/1 = {med[('llama.cpp RPC 2 machines', n)] / med[('llama.cpp 1 machine', n)]:.2f}x"
         )
+        if args.keep_awake:
+            awake = med[("exo 2 machines --keep-awake", n)] / med[("llama.cpp RPC 2 machines", n)]
+            print(f"  {what}: exo 2 machines --keep-awake / llama.cpp RPC = {awake:.2f}x")
 
 
 def _short(got: dict) -> dict:

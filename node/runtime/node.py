@@ -29,6 +29,7 @@ from node.core.speculation import Speculation
 from node.core.topology import Availability, Capabilities, NodeInfo, PeerLink, Topology
 from node.runtime.calibration import LayerSpeed, calibrate_node, cpu_share
 from node.runtime.entry import Entry
+from node.runtime.keep_awake import KeepAwake
 from node.runtime.loop_monitor import LoopMonitor
 from node.runtime.metrics import NodeMetrics, NodeStatus
 from node.runtime.peers import PeerView
@@ -46,6 +47,7 @@ from shards.formats.tokenizer import Tokenizer
 from shards.model.shard import Shard
 
 PREFIX_INDEX_POSITIONS = 1 << 16  # token positions of finished requests the entry remembers for prefix reuse
+KEEP_AWAKE_TICK_S = 0.1  # how often --keep-awake looks whether the node serves a request
 
 
 class Node:
@@ -142,6 +144,7 @@ class Node:
             *stat_sources,
         ]
         self._tasks: set[asyncio.Task] = set()
+        self.keep_awake = KeepAwake(settings.keep_awake) if settings.keep_awake else None
         self._first_speed = asyncio.Event()  # set at the calibration's first round, or when there will be none
 
     # -- what the API and the tools read ----------------------------------------------------------------------
@@ -245,6 +248,8 @@ class Node:
     def start(self) -> None:
         self._spawn(self.pipeline.work())
         self._spawn(self._expire_loop())
+        if self.keep_awake is not None:
+            self._spawn(self._keep_awake_loop())
         self._spawn(LoopMonitor(self.metrics.loop_lag.observe).run())
         self._spawn(self._calibrate())
 
@@ -282,6 +287,14 @@ class Node:
         while True:
             await asyncio.sleep(min(1.0, self.settings.core.idle_timeout / 4))
             self.pipeline.do(self.core.expire())
+
+    async def _keep_awake_loop(self) -> None:
+        try:
+            while True:
+                self.keep_awake.busy(self._active_requests() > 0)
+                await asyncio.sleep(KEEP_AWAKE_TICK_S)
+        finally:
+            self.keep_awake.close()
 
     async def stop(self) -> None:
         self.pipeline.interrupt()

@@ -45,6 +45,7 @@ class NodeSettings:
     speed: float | None = None  # --speed: layer throughput to report (Gparam/s); None: measured (calibration.py)
     head_weight: float = 1.0  # what a head parameter costs in layer parameters, as the engine holds them (layer_costs)
     prefix_cache: str = "shared"  # --prefix-cache: shared, per-key (by the client's API key) or off
+    keep_awake: int = 0  # --keep-awake: the most idle cores spun while serving (node/runtime/keep_awake.py); 0: off
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -62,6 +63,8 @@ class NodeSettings:
             raise ValueError(
                 f"--prefix-cache must be one of {', '.join(PREFIX_CACHE_CHOICES)}, not {self.prefix_cache!r}"
             )
+        if self.keep_awake < 0:
+            raise ValueError(f"keep_awake is a count of cores, got {self.keep_awake}")
         if self.max_replays < 0:
             raise ValueError(f"max_replays must be >= 0, got {self.max_replays} (--max-replays)")
         if self.sample_batch_max < 1 or self.sample_batch_window_ms < 0:

@@ -4,12 +4,14 @@ speculative decoding. They become one `NodeSettings` (node/runtime/settings.py),
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from node.core.admission import CoreLimits
 from node.core.scheduler import SchedulerLimits
 from node.core.speculation import SpeculationLimits
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES
+from node.runtime.keep_awake import supported as keep_awake_unsupported
 from node.runtime.settings import PREFIX_CACHE_CHOICES, SPECULATE_CHOICES, NodeSettings
 from node.settings.machine import Machine
 from node.settings.model import EngineSettings, parse_shard
@@ -51,6 +53,13 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="how long a request waits for room in the cluster before a 503 (default 30 s)",
+    )
+    g.add_argument(
+        "--keep-awake",
+        action="store_true",
+        help="while serving requests, spin this node's idle cores at the lowest priority (SCHED_IDLE, Linux) so "
+        "a message that arrives finds them awake: faster per token where waking a core is slow (VMs), at the cost "
+        "of those cores' power",
     )
     g.add_argument(
         "--drain-timeout",
@@ -162,6 +171,8 @@ def node_from_args(args: argparse.Namespace, *, node_id: str, engine: EngineSett
     )
     if not 0 < args.kv_entry_share <= 1:
         raise ValueError(f"--kv-entry-share must be in (0, 1], got {args.kv_entry_share}")
+    if args.keep_awake and (why := keep_awake_unsupported()):
+        raise ValueError(why)
     if args.micro_batches < 0:
         raise ValueError(f"--micro-batches must be 0 (one per node of the ring) or more, got {args.micro_batches}")
     return NodeSettings(
@@ -177,6 +188,7 @@ def node_from_args(args: argparse.Namespace, *, node_id: str, engine: EngineSett
         max_replays=args.max_replays,
         queue_timeout=args.queue_timeout,
         prefix_cache=args.prefix_cache,
+        keep_awake=((engine.threads or os.cpu_count() or 1) + 1) if args.keep_awake else 0,
         sample_batch_max=args.sample_batch_max,
         sample_batch_window_ms=args.sample_batch_window_ms,
         speculate=args.speculate,
