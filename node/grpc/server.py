@@ -73,6 +73,8 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
             refused = self.node.accept_activations(activations, caller, received=received) if activations else []
             for message in messages:
                 self.node.accept_tokens(message, caller)
+            if activations:
+                await asyncio.sleep(0)  # the worker first: the pass these feed starts before the answer is written
             yield pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused])
 
     async def EndRequest(self, request: pb.EndRequestRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
