@@ -16,11 +16,13 @@ use up to its threads, are stopped (SIGSTOP) when the node has had no request fo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 # the spinner: lowest priority, killed with its parent, says it is ready (only then may it be stopped: stopped
 # before, it would never learn its parent died), then spins, looking up every few million iterations
@@ -62,7 +64,7 @@ class KeepAwake:
         return min(len(os.sched_getaffinity(0)), self.cores)
 
     def busy(self, active: bool) -> None:
-        """Called often (node/runtime/node.py's tick): whether the node serves a request right now."""
+        """Called often (`run`'s tick): whether the node serves a request right now."""
         now = self.clock()
         if active:
             self._last_busy = now
@@ -93,6 +95,15 @@ class KeepAwake:
             return bool(p.stdout.read())
         except (BlockingIOError, ValueError):
             return False
+
+    async def run(self, active: Callable[[], bool], tick_s: float = 0.1) -> None:
+        """Look every `tick_s` whether the node serves a request (`active`), until cancelled; then close."""
+        try:
+            while True:
+                self.busy(active())
+                await asyncio.sleep(tick_s)
+        finally:
+            self.close()
 
     def close(self) -> None:
         for p in self.procs:

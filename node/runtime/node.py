@@ -47,7 +47,6 @@ from shards.formats.tokenizer import Tokenizer
 from shards.model.shard import Shard
 
 PREFIX_INDEX_POSITIONS = 1 << 16  # token positions of finished requests the entry remembers for prefix reuse
-KEEP_AWAKE_TICK_S = 0.1  # how often --keep-awake looks whether the node serves a request
 
 
 class Node:
@@ -249,7 +248,7 @@ class Node:
         self._spawn(self.pipeline.work())
         self._spawn(self._expire_loop())
         if self.keep_awake is not None:
-            self._spawn(self._keep_awake_loop())
+            self._spawn(self.keep_awake.run(lambda: self._active_requests() > 0))
         self._spawn(LoopMonitor(self.metrics.loop_lag.observe).run())
         self._spawn(self._calibrate())
 
@@ -287,14 +286,6 @@ class Node:
         while True:
             await asyncio.sleep(min(1.0, self.settings.core.idle_timeout / 4))
             self.pipeline.do(self.core.expire())
-
-    async def _keep_awake_loop(self) -> None:
-        try:
-            while True:
-                self.keep_awake.busy(self._active_requests() > 0)
-                await asyncio.sleep(KEEP_AWAKE_TICK_S)
-        finally:
-            self.keep_awake.close()
 
     async def stop(self) -> None:
         self.pipeline.interrupt()

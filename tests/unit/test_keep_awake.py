@@ -2,6 +2,7 @@
 Linux has, one process per core it may use (at most its threads and the loop's); they stop a grace after the last
 request, go on again with the next one, and never outlive the node."""
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -107,3 +108,21 @@ def test_busy_ticks_start_no_more_processes_once_they_run():
         assert len(awake.procs) == 1
     finally:
         awake.close()
+
+
+def test_a_nodes_tick_starts_them_with_its_requests_and_its_stop_ends_them():
+    async def go():
+        awake, serving = KeepAwake(cores=1, grace_s=0), [False]
+        task = asyncio.ensure_future(awake.run(lambda: serving[0], tick_s=0.01))
+        await asyncio.sleep(0.05)
+        assert awake.procs == []
+        serving[0] = True
+        while not awake.procs:
+            await asyncio.sleep(0.01)
+        pids = [p.pid for p in awake.procs]
+        task.cancel()  # the node stops
+        await asyncio.gather(task, return_exceptions=True)
+        return pids
+
+    pids = asyncio.run(go())
+    assert {state(p) for p in pids} == {"gone"}
