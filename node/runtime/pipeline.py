@@ -139,45 +139,45 @@ class Pipeline:
             plan = core.proposed(plan, {rid: d for (rid, _, _), d in zip(asks, drafts)})
         if not (plan := core.still_held(plan)).rows:
             return
-        started = time.perf_counter()
         try:
             sampler = None if self.batcher.closed else self.batcher
             if sampler is not None and any(r.sample and r.sample.params.constraint for r in plan.sampled_rows):
                 sampler.expect_grammar()
             self.overhead.submitted()
             self.hold.started(plan)
-            done = await self.shards.execute(engine, plan, sampler, self.following)
+            await self.shards.execute(engine, plan, sampler, self.following)  # each pass to _on_pass
         except Exception as e:
             log.exception("forward failed")
             for row in plan.rows:
                 self.do(core.fail(row.request_id, f"forward failed: {e}"))
-            return
-        if done is not None:  # else `following` handed it to _on_pass, with its followers
-            self._applied(done, engine, time.perf_counter() - started)
 
     def _on_pass(self, done: Executed) -> None:
-        """A pass of a run the engine thread ran on by itself (`Following`), on the loop, in order."""
+        """A pass the engine thread ran (the plan `_run` handed it, then any that followed: `Following`), on the
+        loop, in order, in the callback that brings it back."""
         try:
-            self._applied(done, self.shards.engines.get(done.plan.shard), done.ended - done.began)
+            self._applied(done, self.shards.engines.get(done.plan.shard))
         except Exception as e:  # a bug: fail the pass's requests, keep serving the others
-            log.exception("applying a followed pass failed")
+            log.exception("applying a pass failed")
             for row in done.plan.rows:
                 self.do(self.core.fail(row.request_id, f"internal error: {e}"))
 
-    def _applied(self, done: Executed, engine: Engine | None, seconds: float) -> None:
-        """Count a pass and give what it made to the core. forward_us: the engine computing; step_us: the pass as
-        the pipeline saw it (waiting for the engine thread included); the time between passes is overhead."""
+    def _applied(self, done: Executed, engine: Engine | None) -> None:
+        """Give what a pass made to the core, then count it: its sends leave first (the next node waits for them,
+        nobody for the counters). forward_us: the engine computing; step_us: the pass on the engine thread, its
+        inputs checked and rows sampled; the time between passes is overhead."""
         core, plan = self.core, done.plan
         self.overhead.applied(done.ended)
+        alone = core.active <= 1  # before step_done, which may end the pass's requests
+        self.do(core.step_done(plan, done.outputs), engine)
+        seconds = done.ended - done.began
         self.counters["forward_us_total"] += int(done.outputs.computed * 1e6)
         self.counters["step_us_total"] += int(seconds * 1e6)
         self.overhead.ran(done.began, done.ended)
         self.overhead.read_cpu()
         if self.speed is not None:
-            self.speed.observed(plan.shard, plan.positions, done.outputs.computed, alone=core.active <= 1)
+            self.speed.observed(plan.shard, plan.positions, done.outputs.computed, alone=alone)
         self.metrics.step_done(seconds, len(plan.rows), plan.positions)
         self.batcher.record(done.sample_counts)
-        self.do(core.step_done(plan, done.outputs), engine)
         if prefills := core.draft_prefills(plan):  # a draft model reads the prompts while the ring computes
             self.spawn(self.shards.run(core.speculation.prefill, prefills))
 

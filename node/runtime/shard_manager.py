@@ -66,10 +66,11 @@ class ShardManager:
         their logits exist (`sampler`: the sampling batcher; None: the rows are left to the batcher's own path).
         One trip to the engine thread and back per pass. Inputs the engine refuses (a bad input, a start it
         won't roll back to, an evicted prefix: a reason that starts with PREFIX_GONE) are left out of the pass,
-        not failing it. `following`: the plan's followed rows run on, pass after pass, on the engine thread, every
-        pass (this one too) handed to `following.on_pass` in order (node/runtime/engine_step.py); then this returns
-        None once the first was."""
-        if following is None or not any(row.follow for row in plan.rows):
+        not failing it. `following`: the pass is handed to `following.on_pass` straight from the engine thread, in
+        the loop callback that ends the trip (its sends go out before the awaiting task resumes), and the plan's
+        followed rows run on, pass after pass, each handed on in order (node/runtime/engine_step.py); then this
+        returns None once the first was."""
+        if following is None:
             return await self.run(run_pass, engine, plan, sampler)
         await following.start(self.executor, engine, plan, sampler)
         return None

@@ -267,3 +267,24 @@ def test_an_interrupt_ends_a_run_of_followed_passes_after_the_pass_it_is_in():
         shards.close()
 
     asyncio.run(go())
+
+
+def test_a_pass_with_no_followed_rows_reaches_on_pass_in_the_callback_that_brings_it_back():
+    """A ring's pass (its rows go to the next node, none runs on here) is handed to `on_pass` from the engine
+    thread's own loop callback: its sends go out before the task that awaited the pass resumes, and `execute`
+    returns None as for a followed run."""
+
+    async def go():
+        whole = Shard("llama", 0, 6, 6)
+        shards = ShardManager(FIXTURES / "llama", CFG, lambda d, s, c: NumpyEngine(d, s, ModelConfig.from_dir(d)))
+        engine = await shards.get(whole)
+        seen = []
+        following = Following(lambda done: seen.append((done, asyncio.current_task())))
+        row = Row("r", tokens(5, 6), 20)  # no sampling, no follow: a pass whose output leaves the node
+        assert await shards.execute(engine, StepPlan(whole, None, (row,)), None, following) is None
+        ((done, task),) = seen
+        assert task is None  # a plain loop callback, not the awaiting task's step
+        assert done.outputs.outputs["r"].shape == (1, CFG.vocab_size) and not done.outputs.followed
+        shards.close()
+
+    asyncio.run(go())
