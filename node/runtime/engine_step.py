@@ -106,9 +106,11 @@ def _outputs(engine: Engine, items: list[StepInput], every_row: frozenset[str]) 
 
 
 class Following:
-    """The engine thread's runs of followed passes for one pipeline. `on_pass` is called on the event loop with
+    """The engine thread's passes for one pipeline: each plan it is handed, then the passes that follow it (a
+    one-node ring's rows run on while their token is their next input). `on_pass` is called on the event loop with
     every pass of a run, the first included, in the order they ran (one queue of loop callbacks: a pass's tokens
-    never overtake the previous pass's); `interrupt` (on the loop) ends the current run after the pass it is in."""
+    never overtake the previous pass's), from the callback that brings it back (no task resumes first); `interrupt`
+    (on the loop) ends the current run after the pass it is in."""
 
     def __init__(self, on_pass: Callable[[Executed], None], max_passes: int = FOLLOW_PASSES):
         self.on_pass, self.max_passes = on_pass, max_passes

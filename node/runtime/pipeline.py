@@ -6,9 +6,10 @@ testable without threads, sockets or engines (node/core/node_core.py).
 All work that reaches a node is queued in the core, and the worker runs what the core picks in one forward pass,
 so concurrent requests batch at every stage of the pipeline. A pass is schedule -> execute -> update: the core's
 frozen plan (`take_batch`, node/core/step_plan.py), one engine-thread call that runs and samples it
-(`ShardManager.execute`), one `step_done(plan, outputs)`. What a node sends itself is taken at once (`Local`), and
-a one-node ring's rows run on on the engine thread while their token is their next input (`Following`,
-node/runtime/engine_step.py). Tokens for this node's clients that come during a decode pass wait for its end and its
+(`ShardManager.execute`), one `step_done(plan, outputs)`, given to the core in the loop callback that brings the pass
+back, its sends before its counters (`Following`, node/runtime/engine_step.py, through which a one-node ring's rows
+also run on on the engine thread while their token is their next input). What a node sends itself is taken at once
+(`Local`). Tokens for this node's clients that come during a decode pass wait for its end and its
 sends (`TokenHold`, node/runtime/token_hold.py): the pass goes first.
 """
 
