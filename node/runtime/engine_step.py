@@ -11,6 +11,12 @@ decides: it knows which rows went on (`StepOutputs.followed`) and records their 
 back (`RequestBook.followed`); the engine thread only applies the rule the core froze in the plan (no stop token,
 tokens left). It stops when the loop has anything else for it (`interrupt`: new work, an ended request, shutdown),
 after `max_passes`, or when no row goes on; the rows still going then come back through the queue.
+
+The followed passes reach the loop together, at most every `handoff_s` (and at once when the run ends): each
+hand-off wakes the loop, whose work for a pass then takes a core from ggml's threads mid-pass (they wait for it at
+their next barrier) and runs on cold caches. Handed several passes at once, the loop does that once for them, hot
+for all but the first; a client sees its tokens at most `handoff_s` later, in the same order, the first token of a
+run (its plan came from the loop, which waits for it) at once.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from shards.engines.base import Engine, EngineInputError, StepInput
 
 log = logging.getLogger(__name__)
 FOLLOW_PASSES = 64  # passes the engine thread runs on by itself at most before the loop schedules again
+HANDOFF_S = 0.025  # longest a followed pass waits on the engine thread for the next ones to reach the loop with it
 
 
 class StepSampler(Protocol):
@@ -52,6 +59,7 @@ class Executed:
     sample_counts: list = field(default_factory=list)
     began: float = 0.0
     ended: float = 0.0
+    handed: float | None = None  # when the engine thread handed it to the loop, if later than `ended` (Following)
 
 
 def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None) -> Executed:
@@ -112,8 +120,12 @@ class Following:
     never overtake the previous pass's), from the callback that brings it back (no task resumes first); `interrupt`
     (on the loop) ends the current run after the pass it is in."""
 
-    def __init__(self, on_pass: Callable[[Executed], None], max_passes: int = FOLLOW_PASSES):
-        self.on_pass, self.max_passes = on_pass, max_passes
+    def __init__(
+        self, on_pass: Callable[[Executed], None], max_passes: int = FOLLOW_PASSES, handoff_s: float = HANDOFF_S
+    ):
+        if max_passes < 0 or handoff_s < 0:
+            raise ValueError(f"a run's limits are never negative, got {max_passes} passes and {handoff_s} s")
+        self.on_pass, self.max_passes, self.handoff_s = on_pass, max_passes, handoff_s
         self.epoch = 0  # bumped by interrupt; a run goes on only while it is the one it started under
 
     def interrupt(self) -> None:
@@ -143,6 +155,8 @@ class Following:
             loop.call_soon_threadsafe(_settle, first, e)
             return
         loop.call_soon_threadsafe(self._first, first, done)
+        held: list[Executed] = []  # passes run since the last hand-off
+        handed = time.perf_counter()
         for passes in range(1, self.max_passes + 1):
             if nxt is None:
                 return
@@ -152,10 +166,19 @@ class Following:
                 log.exception("a followed pass failed")
                 why = f"internal error in a followed pass: {e}"
                 done, nxt = Executed(nxt, StepOutputs({}, {r.request_id: why for r in nxt.rows})), None
+            held.append(done)
+            if nxt is not None and done.ended - handed < self.handoff_s:
+                continue  # the run goes on (a run that ends, at its limit or interrupted, has no next pass)
+            handed = time.perf_counter()
             try:
-                loop.call_soon_threadsafe(self.on_pass, done)
+                loop.call_soon_threadsafe(self._handed, [dataclasses.replace(d, handed=handed) for d in held])
             except RuntimeError:  # the loop is closed: the node stopped
                 return
+            held = []
+
+    def _handed(self, passes: list[Executed]) -> None:
+        for done in passes:
+            self.on_pass(done)
 
     def _first(self, first: asyncio.Future[None], done: Executed) -> None:
         try:

@@ -167,7 +167,7 @@ class Pipeline:
         nobody for the counters). forward_us: the engine computing; step_us: the pass on the engine thread, its
         inputs checked and rows sampled; the time between passes is overhead."""
         core, plan = self.core, done.plan
-        self.overhead.applied(done.ended)
+        self.overhead.applied(done.ended if done.handed is None else done.handed)
         alone = core.active <= 1  # before step_done, which may end the pass's requests
         self.do(core.step_done(plan, done.outputs), engine)
         seconds = done.ended - done.began

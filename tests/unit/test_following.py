@@ -288,3 +288,44 @@ def test_a_pass_with_no_followed_rows_reaches_on_pass_in_the_callback_that_bring
         shards.close()
 
     asyncio.run(go())
+
+
+def test_followed_passes_reach_the_loop_together_within_the_handoff_window_and_in_order():
+    """The loop's work for a pass costs a wake-up and cold caches, so the engine thread hands it the passes of a
+    window together: with a window longer than the run, every pass after the first reaches `on_pass` in one loop
+    callback (nothing else runs between them), in order, each stamped with that hand-off; with none, each pass
+    comes on its own. The tokens are the same either way."""
+
+    async def run(handoff_s: float):
+        whole = Shard("llama", 0, 6, 6)
+        shards = ShardManager(FIXTURES / "llama", CFG, lambda d, s, c: NumpyEngine(d, s, ModelConfig.from_dir(d)))
+        batcher = SamplingBatcher(8, 60_000, executor=shards.executor)
+        engine = await shards.get(whole)
+        seen = []
+
+        def on_pass(done):
+            seen.append(done)
+            asyncio.get_running_loop().call_soon(seen.append, "tick")  # runs once the current callback returns
+
+        ask = Sampling(SamplingParams(temperature=0), SamplerState())
+        row = Row("r", tokens(5, 6), 60, sample=ask, follow=Follow(frozenset(), 8))
+        await shards.execute(engine, StepPlan(whole, None, (row,)), batcher, Following(on_pass, handoff_s=handoff_s))
+        await shards.run(lambda: None)
+        await asyncio.sleep(0.01)
+        await batcher.close()
+        shards.close()
+        return [s for s in seen if s != "tick"], seen
+
+    together, seen = asyncio.run(run(handoff_s=60.0))
+    assert len(together) == 8 and seen.index("tick") == 1  # the first pass alone: the loop awaited it
+    assert seen[1:] == ["tick"] + together[1:] + ["tick"] * 7  # the rest in one callback
+    assert together[0].handed is None and len({d.handed for d in together[1:]}) == 1
+    assert all(d.handed >= d.ended for d in together[1:])
+    alone, _ = asyncio.run(run(handoff_s=0.0))
+    assert len({d.handed for d in alone[1:]}) == 7
+    assert [d.outputs.samples["r"].token for d in alone] == [d.outputs.samples["r"].token for d in together]
+
+
+def test_a_following_refuses_negative_limits():
+    with pytest.raises(ValueError, match="never negative"):
+        Following(lambda done: None, handoff_s=-1)
