@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from node.runtime.calibration import ROUND_GAP_S, ROUNDS
 from shards.engines.ggml.threads import others_busy, read_cpu_sample
 from tests.multihost.test_multihost import call, peers_seen, stop_hosts
 from tests.support import cgroups, netns
@@ -78,12 +79,19 @@ def test_a_host_at_half_speed_gets_fewer_layers_and_the_ring_answers_exactly(how
                 return topo if len(speeds) == 3 and all(s > 0 for s in speeds.values()) else None
 
             wait_until(lambda: measured() is not None, 30, "every host to report a measured speed")
-            topo = measured()
-            speeds = {n["node_id"]: n["capabilities"]["speed"] for n in topo["nodes"]}
-            layers = {step["node_id"]: step["end"] - step["start"] for step in topo["plan"]}
+            # a host keeps the fastest of its start-up calibration rounds (node/runtime/calibration.py): one slowed
+            # by the VM's noise is overtaken by the next, ROUND_GAP_S later, so the plan is read once they are done
+            deadline = time.monotonic() + (ROUNDS - 1) * ROUND_GAP_S + 10
+            while True:
+                topo = measured()
+                speeds = {n["node_id"]: n["capabilities"]["speed"] for n in topo["nodes"]}
+                layers = {step["node_id"]: step["end"] - step["start"] for step in topo["plan"]}
+                fast = [layers.get(f"host{i}", 0) for i in range(3) if i != SLOW]
+                if layers.get(f"host{SLOW}", 0) < min(fast) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
             with capsys.disabled():
                 print(f"\n[placement, {how}] speeds (Gparam/s) {speeds}; layers {layers}")
-            fast = [layers.get(f"host{i}", 0) for i in range(3) if i != SLOW]
             assert speeds[f"host{SLOW}"] < min(s for h, s in speeds.items() if h != f"host{SLOW}")
             assert layers.get(f"host{SLOW}", 0) < min(fast), (speeds, layers)
             assert sum(layers.values()) == 6
