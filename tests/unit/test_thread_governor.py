@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from shards.engines.ggml.threads import CpuSample, ThreadGovernor, choose_threads, others_busy, read_cpu_sample
@@ -119,3 +121,19 @@ def test_this_machine_has_proc_or_the_governor_keeps_the_configured_count():
         assert ThreadGovernor(2).threads() == 2
     else:
         assert sample.cpus_busy > 0 and sample.own > 0  # this process has run, on these CPUs
+
+
+def test_a_sample_counts_this_processs_own_work_and_leaves_it_out_of_the_others():
+    """What this process computes between two samples shows in `own` and in the CPUs' busy time alike, so it is
+    never taken for another process keeping a core busy (the reads repeat every IDLE_GAP: /proc/stat through one
+    descriptor kept open)."""
+    before = read_cpu_sample()
+    if before is None:
+        pytest.skip("no /proc here")
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:  # a core's worth of our own work
+        pass
+    after = read_cpu_sample()
+    assert after.own - before.own >= 0.2
+    assert after.cpus_busy - before.cpus_busy >= 0.2
+    assert read_cpu_sample(frozenset()).cpus_busy == 0.0  # no CPU of ours: nothing of theirs counted either

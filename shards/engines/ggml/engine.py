@@ -205,7 +205,12 @@ class GraphRunner(Runner):
         self.generation = engine.pool.generation
         self.masks = CausalMasks(np.float16(0), np.float16(-np.inf), np.float16)
         self.sliding = SlidingWindows.for_shard(engine.config, engine.shard)  # Gemma's window masks (ggml/sliding.py)
-        self.last: StepWork | None = None  # what the last step cost, counted (tests, benchmarks)
+        self._last: tuple[Shape, Packing, bool] | None = None  # the last step: its shape, packing, whether built
+
+    @property
+    def last(self) -> StepWork | None:
+        """What the last step cost, counted (tests, benchmarks): counted when asked, not on every step."""
+        return None if self._last is None else StepWork.of(*self._last)
 
     def cache(self, cache: CellRange | None, item: StepInput, end: int) -> CellRange:
         """A range of what the request holds now (at least MIN_CAPACITY cells), doubled (moved to a larger range) as
@@ -269,7 +274,7 @@ class GraphRunner(Runner):
             self.generation = e.pool.generation
         shape, segments = self.layout(p, caches, all_logits)
         graph = self.graphs.get(shape)
-        self.last = StepWork.of(shape, p, built=graph is None)
+        self._last = (shape, p, graph is None)
         if graph is None:
             model = e.model if self.sliding is None else self.sliding.builder(e.model, e.ops)
             new = Graph if e.on is None else partial(DeviceGraph, e.on)

@@ -6,7 +6,7 @@ after each op (OpenMP barriers in ggml-python's build, spin-then-sleep). When an
 cores busy, the thread that shares that core gets a fraction of it and every op waits for it, so a node's decode
 falls below what one thread alone would do (docs/benchmarks.md, a busy neighbour). So
 before each step the engine asks a `ThreadGovernor`, which reads how busy the cores are while steps run (/proc/stat,
-less this process's own time from /proc/self/stat), decides over every `interval` seconds of them and answers the
+less this process's own time), decides over every `interval` seconds of them and answers the
 configured count minus the cores other processes keep busy, at least 1. Results do not depend on the thread count (ggml gives each output
 row to one thread; tested), so the choice is free to change between steps.
 
@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 HYSTERESIS = 0.25  # cores: a change needs the others' load this far past the midpoint, so the count doesn't flap
 IDLE_GAP = 0.05  # seconds between a step's end and the next one's start past which the engine counts as idle
@@ -59,12 +60,10 @@ EMPTY = CpuSample(0.0, 0.0, 0.0)  # no CPU time yet: where a governor's window o
 
 def read_cpu_sample(cpus: frozenset[int] | None = None) -> CpuSample | None:
     """Busy seconds of `cpus` (default: this process's affinity) from /proc/stat and this process's user+system
-    seconds from /proc/self/stat; None where /proc is not there."""
+    seconds (`os.times`, the same clock ticks /proc/self/stat counts); None where /proc is not there. /proc/stat is
+    read through one descriptor kept open (a positioned read: the engine thread samples every IDLE_GAP)."""
     try:
-        with open("/proc/stat") as f:
-            stat = f.read()
-        with open("/proc/self/stat") as f:
-            own_fields = f.read().rsplit(")", 1)[1].split()
+        stat = os.pread(_proc_stat(), 1 << 18, 0).decode()
     except OSError:
         return None
     cpus = cpus if cpus is not None else frozenset(os.sched_getaffinity(0))
@@ -72,13 +71,21 @@ def read_cpu_sample(cpus: frozenset[int] | None = None) -> CpuSample | None:
     busy = 0
     for line in stat.splitlines():
         name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+        if not name.startswith("cpu"):
+            break  # the cpu lines come first
+        if name == "cpu" or int(name[3:]) not in cpus:
             continue
         # user nice system idle iowait irq softirq steal [guest guest_nice, already inside user and nice]
         values = [int(v) for v in rest.split()[:8]]
         busy += sum(values) - values[3] - values[4]
-    own = int(own_fields[11]) + int(own_fields[12])  # utime, stime (fields 14 and 15 of the whole line)
-    return CpuSample(busy / tick, own / tick, time.monotonic())
+    own = os.times()
+    return CpuSample(busy / tick, own.user + own.system, time.monotonic())
+
+
+@cache
+def _proc_stat() -> int:
+    """The descriptor of /proc/stat, opened once per process (OSError where there is none)."""
+    return os.open("/proc/stat", os.O_RDONLY | os.O_CLOEXEC)
 
 
 def others_busy(before: CpuSample, after: CpuSample) -> float:
