@@ -137,8 +137,9 @@ def sample_rows(logits: np.ndarray, params: list[SamplingParams], states: list[S
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     # The O(vocab) work is vectorized over rows. Elementwise and last-axis ops are computed row by row, so
     # batching never changes a row's result.
-    if greedy:
-        for i, t in zip(greedy, np.argmax(logits[greedy], axis=1)):
+    if greedy:  # every row greedy (a lone row): argmax over them in place, not over a copy of their rows
+        rows = logits if len(greedy) == len(params) else logits[greedy]
+        for i, t in zip(greedy, np.argmax(rows, axis=1)):
             tokens[i] = int(t)  # argmax picks the lowest id among equal maxima
     if drawn:
         temps = np.array([params[i].temperature for i in drawn], dtype=np.float32)
