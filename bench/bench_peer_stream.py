@@ -1,11 +1,12 @@
-"""CPU per message of the data path's stream (node/grpc/stream.py's PeerStream), one message at a time as a
-one-stream ring sends them: what the sending node's event loop spends on gRPC per hop, apart from everything else a
-node does.
+"""CPU per message of the data path, one message at a time as a one-stream ring sends them: on gRPC's stream
+(node/grpc/stream.py's PeerStream) and on the data link (node/grpc/link/), alternating rounds. What the sending
+node's event loop spends per hop, apart from everything else a node does.
 
-    uv run python -m bench.bench_peer_stream [--messages 3000] [--rounds 3] [--core 0]
+    uv run python -m bench.bench_peer_stream [--messages 3000] [--rounds 3] [--core 0] [--paths grpc,link]
 
-A peer process answers every message at once (an empty answer, as a node that refuses nothing); this process
-sends `--messages` messages, each after the last one's answer, and reports its own thread's CPU time per message
+A peer process takes every message as a node does (node/grpc/server.py's `take_send`: decoded and validated, a
+node that refuses nothing) and answers at once; this process sends `--messages` messages (one activation row of
+SmolLM2's width, 576 floats), each after the last one's answer, and reports its own thread's CPU time per message
 (time.thread_time: what the loop did, not what it waited) and the wall time per round trip. Both processes run on
 `--core` (a one-core machine, where every microsecond of the loop is one the engine doesn't get).
 """
@@ -21,43 +22,62 @@ import sys
 import time
 
 import grpc
+import numpy as np
 
 from bench.local_cluster import free_port
+from node.core.requests import Activation
+from node.grpc import wire
 from node.grpc.client import channel_options
-from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
+from node.grpc.link.client import LinkConnection
+from node.grpc.link.server import LinkServer
+from node.grpc.server import NodeServicer
 from node.grpc.stream import PeerStream
 
 WARMUP = 200
 
 
-class Peer(pb_grpc.NodeServiceServicer):
-    async def SendStream(self, requests, context):
-        async for _ in requests:
-            yield pb.SendResponse()
+class Peer:
+    """A node that takes every message and refuses nothing (the servers' `Handler`)."""
+
+    max_tensor_bytes = 1 << 20
+
+    def accept_activations(self, activations, caller, *, received=None):
+        return []
+
+    def accept_tokens(self, message, caller):
+        pass
 
 
-async def serve(port: int) -> None:
+async def serve(port: int, link_port: int) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_NodeServiceServicer_to_server(Peer(), server)
+    pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(Peer()), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
+    link = LinkServer("127.0.0.1", link_port, 1 << 20)
+    await link.start(Peer())
     await server.wait_for_termination()
 
 
-async def send(port: int, n: int) -> dict:
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options(1 << 20))
-    stub = pb_grpc.NodeServiceStub(channel)
-    stream = PeerStream(lambda: stub.SendStream(wait_for_ready=True), 10.0)
-    message = pb.SendRequest(entries=[pb.TensorEntry(request_id="r")])
+async def send(path: str, port: int, link_port: int, n: int) -> dict:
+    message = wire.encode_send((Activation("r", np.zeros((1, 576), np.float32)),), ())
+    if path == "grpc":
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options(1 << 20))
+        stub = pb_grpc.NodeServiceStub(channel)
+        stream = PeerStream(lambda: stub.SendStream(wait_for_ready=True), 10.0)
+    else:
+        stream = await LinkConnection.open("127.0.0.1", link_port, 1 << 20, 10.0)
     for _ in range(WARMUP):
         await stream.send(message)
     cpu, wall = time.thread_time(), time.perf_counter()
     for _ in range(n):
         await stream.send(message)
     cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
-    await stream.close()
-    await channel.close()
+    if path == "grpc":
+        await stream.close()
+        await channel.close()
+    else:
+        stream.close()
     return {"messages": n, "cpu_us_per_message": round(cpu / n * 1e6, 1), "wall_us_per_message": round(wall / n * 1e6)}
 
 
@@ -66,17 +86,32 @@ def main() -> None:
     ap.add_argument("--messages", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--core", type=int, default=0, help="the core both processes run on")
-    ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # the peer process
+    ap.add_argument("--paths", default="grpc,link", help="grpc: gRPC's stream; link: the data link")
+    ap.add_argument("--serve", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # the peer process
     args = ap.parse_args()
     if args.serve is not None:
-        asyncio.run(serve(args.serve))
+        asyncio.run(serve(*args.serve))
         return
     os.sched_setaffinity(0, {args.core})
-    port = free_port()
-    peer = subprocess.Popen([sys.executable, "-m", "bench.bench_peer_stream", "--serve", str(port)])
+    port, link_port = free_port(), free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.bench_peer_stream",
+        "--core",
+        str(args.core),
+        "--serve",
+        str(port),
+        str(link_port),
+    ]
+    peer = subprocess.Popen(cmd)
+    paths = args.paths.split(",")
     try:
+        time.sleep(2)  # the peer's servers start
         for r in range(args.rounds):
-            print(json.dumps({"round": r, **asyncio.run(send(port, args.messages))}), flush=True)
+            for path in paths if r % 2 == 0 else paths[::-1]:
+                got = asyncio.run(send(path, port, link_port, args.messages))
+                print(json.dumps({"path": path, "round": r, **got}), flush=True)
     finally:
         peer.kill()
         peer.wait()

@@ -1,6 +1,7 @@
 """Two one-core machines: exo-node's 2-node ring against llama.cpp RPC, and each against its one machine.
 
     uv run python -m bench.bench_rpc [--llamacpp-bin DIR] [--streams 1,8] [--tokens 96] [--rounds 3] [--keep-awake]
+        [--no-link-too]
 
 Every process is pinned to a core (`taskset`, Linux) so that core 0 and core 1 stand for two machines on a LAN
 (loopback here). All four systems are started at once and stay idle between their turns (no thread spins while
@@ -12,7 +13,9 @@ a server waits for requests), so each round measures them back to back in altern
 - exo-node, two machines: `--shard 0:18` on core 0 and `18:30` on core 1 (the planner's split for two such nodes:
   SmolLM2's output head costs about five layers' work here, so the last node takes fewer), the entry on the first;
 - with `--keep-awake`, the same two machines again with that flag: their idle cores spin at the lowest priority
-  while they serve (node/runtime/keep_awake.py), which llama.cpp RPC's processes don't do.
+  while they serve (node/runtime/keep_awake.py), which llama.cpp RPC's processes don't do;
+- with `--no-link-too`, the same two machines again with `--no-link`: activations and tokens on gRPC's stream, not
+  on the data link (node/grpc/link/).
 The same GGUF file (the packaged SmolLM2 Q4_1) and bench/bench_serve.py's asyncio client (greedy streams, new
 prompts every round). Prints one JSON line per system, stream count and round, then the medians and ratios.
 """
@@ -72,6 +75,11 @@ def main() -> None:
         action="store_true",
         help="also run exo's two machines with --keep-awake (node/runtime/keep_awake.py)",
     )
+    ap.add_argument(
+        "--no-link-too",
+        action="store_true",
+        help="also run exo's two machines with --no-link (the data path on gRPC's stream: node/grpc/link/)",
+    )
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     gguf, model_id = resolve_model("smollm2")
@@ -93,6 +101,7 @@ def main() -> None:
             urls[name] = (f"http://127.0.0.1:{port}", "smollm2")
         exos = [("exo 1 machine", 1, []), ("exo 2 machines", 2, [])]
         exos += [("exo 2 machines --keep-awake", 2, ["--keep-awake"])] if args.keep_awake else []
+        exos += [("exo 2 machines --no-link", 2, ["--no-link"])] if args.no_link_too else []
         for name, n, more in exos:
             c = stack.enter_context(
                 Cluster(
@@ -135,9 +144,10 @@ def main() -> None:
             f"exo 2/1 machines = {med[('exo 2 machines', n)] / med[('exo 1 machine', n)]:.2f}x; "
             f"RPC 2/1 = {med[('llama.cpp RPC 2 machines', n)] / med[('llama.cpp 1 machine', n)]:.2f}x"
         )
-        if args.keep_awake:
-            awake = med[("exo 2 machines --keep-awake", n)] / med[("llama.cpp RPC 2 machines", n)]
-            print(f"  {what}: exo 2 machines --keep-awake / llama.cpp RPC = {awake:.2f}x")
+        for flag in ("--keep-awake", "--no-link"):
+            if (f"exo 2 machines {flag}", n) in med:
+                other = med[(f"exo 2 machines {flag}", n)] / med[("llama.cpp RPC 2 machines", n)]
+                print(f"  {what}: exo 2 machines {flag} / llama.cpp RPC = {other:.2f}x")
 
 
 def _short(got: dict) -> dict:

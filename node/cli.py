@@ -25,6 +25,7 @@ from node.fetch.follow import Follower
 from node.fetch.seal import ManifestSeal
 from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, message_bound
 from node.grpc.core_log import CoreLogFilter
+from node.grpc.link.server import LinkServer
 from node.grpc.server import GrpcServer
 from node.runtime.membership import Membership
 from node.runtime.node import Node
@@ -113,7 +114,12 @@ async def run(settings: Settings) -> int:
         server = GrpcServer(settings.grpc.host, settings.grpc.port, bound, tls)  # binds now
         stack.push_async_callback(server.stop)
         address = f"{settings.grpc.advertise_host}:{server.port}"
-        transport = GrpcTransport(bound, tls=tls)
+        link = (
+            LinkServer(settings.grpc.host, settings.grpc.link_port, bound) if settings.grpc.link and not tls else None
+        )
+        if link is not None:
+            stack.push_async_callback(link.stop)
+        transport = GrpcTransport(bound, tls=tls, links=settings.grpc.link)
         stack.push_async_callback(transport.close)
         announcement = Announcement(node_id, server.port, model_id, settings.node.engine, memory)
         discoveries = settings.discovery.discoveries(lambda: announcement, key.discovery_key() if key else None)
@@ -158,13 +164,17 @@ async def run(settings: Settings) -> int:
                 *(d.stats for d in discoveries if isinstance(d, UdpDiscovery)),
                 fetch_counters,
                 source.counters,
+                *([link.counters] if link is not None else []),
             ],
+            link_port=link.port if link is not None else 0,
         )
         stack.push_async_callback(node.stop)
         node.start()
         if copy is None:  # its weights are here: measure them before any peer can count this node in a plan
             await node.first_speed(CALIBRATION_WAIT_S)
         await server.start(node, source)
+        if link is not None:
+            await link.start(node)
         board.hand_on(node.update_peers)
         stack.callback(board.let_go)  # on the way out, the node (stopped first) hears no more
         if copy is None:
@@ -174,7 +184,8 @@ async def run(settings: Settings) -> int:
         if follower is not None:  # after --wait-for-peers: the layers it is assigned depend on who is there
             stack.push_async_callback(_cancel, asyncio.create_task(follower.run(node), name="fetch-follower"))
         await node.load_pinned()
-        print(f"exo-node {node_id}: gRPC listening on {address} (model {model_id})", flush=True)
+        linked = f", data link on port {link.port}" if link is not None else ""
+        print(f"exo-node {node_id}: gRPC listening on {address} (model {model_id}){linked}", flush=True)
         if settings.http is not None:
             url = await serve_api(stack, settings.http, node)
             print(f"exo-node {node_id}: API listening on {url}", flush=True)

@@ -51,6 +51,7 @@ class NodeInfo:
     status: dict[str, int] = field(default_factory=dict, compare=False)  # counters for observability
     draining: bool = False  # shutting down: finishing what it has, taking nothing new
     availability: Availability = Availability()  # the layers it can serve (all of them unless it fetches)
+    link_port: int = 0  # its data link's port on the address's host (node/grpc/link/); 0: none
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from node.grpc import wire, wire_cluster
 from node.grpc.failures import failure_of
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
+from node.grpc.link.client import PeerLinks
 from node.grpc.stream import PeerStream, StreamBroken
 from node.runtime.transport import TransportError
 
@@ -94,10 +95,17 @@ class GrpcTransport:
     that is down for longer is noticed by membership's health checks, which fail fast."""
 
     def __init__(
-        self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, rpc_timeout: float = 10.0, tls: NodeTls | None = None
+        self,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        rpc_timeout: float = 10.0,
+        tls: NodeTls | None = None,
+        links: bool = True,
     ):
-        """With `tls` (a cluster key), every channel is mutual TLS: both ends prove they hold the key."""
+        """With `tls` (a cluster key), every channel is mutual TLS: both ends prove they hold the key. `links`: the
+        data path goes on a peer's data link (node/grpc/link/) where its health check names one and it is up; never
+        with `tls` (the link is plaintext)."""
         self.max_message_bytes, self.rpc_timeout, self.tls = max_message_bytes, rpc_timeout, tls
+        self.links = PeerLinks(max_message_bytes, rpc_timeout) if links and tls is None else None
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.streams: dict[str, tuple[pb_grpc.NodeServiceStub, PeerStream]] = {}  # the data path to each peer
         self._stubs: dict[str, tuple[pb_grpc.NodeServiceStub, NodeIdentity | None]] = {}
@@ -140,6 +148,14 @@ class GrpcTransport:
     ) -> list[Refusal]:
         stub = self.stub(address)  # first: it may replace a channel whose certificate was renewed
         on, stream = self.streams.get(address, (None, None))
+        # the link once it is up, and once nothing is in flight on the stream (the peer gets messages in order)
+        link = self.links.get(address) if self.links is not None and not (stream and stream.waiting) else None
+        if link is not None:
+            try:
+                response = await link.send(wire.encode_send(activations, messages), on_write)
+            except StreamBroken as e:
+                raise TransportError(*failure_of(e.code, e.details, address)) from None
+            return [wire.decode_refusal(r) for r in response.rejected]
         if on is not stub:  # a new channel gets its own stream
             if stream is not None:
                 asyncio.ensure_future(stream.close())
@@ -165,7 +181,10 @@ class GrpcTransport:
         response = await self.stub(address).HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
         if not response.ok:
             raise TransportError(Failure(FailureKind.LOST, "says it is not ready", address), "unavailable")
-        return wire_cluster.decode_node_info(response.node)
+        info = wire_cluster.decode_node_info(response.node)
+        if self.links is not None:
+            self.links.learn(address, info.link_port)
+        return info
 
     @_translated
     async def leave(self, address: str, node_id: str, timeout: float = 1.0) -> None:
@@ -216,6 +235,8 @@ class GrpcTransport:
             call.cancel()  # a no-op once the call is over; stops the peer's stream when we give up early
 
     async def forget(self, address: str) -> None:
+        if self.links is not None:
+            await self.links.forget(address)
         _, stream = self.streams.pop(address, (None, None))
         if stream is not None:
             await stream.close()
@@ -227,3 +248,5 @@ class GrpcTransport:
     async def close(self) -> None:
         for address in {*self.channels, *self.streams}:
             await self.forget(address)
+        if self.links is not None:
+            await self.links.close()

@@ -45,6 +45,19 @@ class Handler(Protocol):
     def info(self) -> NodeInfo: ...
 
 
+def take_send(
+    node: Handler, request: pb.SendRequest, caller: str | None, received: float
+) -> tuple[pb.SendResponse, bool]:
+    """One data-path message handed to the node, from gRPC's stream or the data link (node/grpc/link/): its answer (the
+    activations refused) and whether it fed the engine (the answer then waits a loop round, so the pass starts
+    first). A wire.WireError for a malformed message, before the node sees any of it."""
+    activations, messages = wire.decode_send(request, node.max_tensor_bytes)
+    refused = node.accept_activations(activations, caller, received=received) if activations else []
+    for message in messages:
+        node.accept_tokens(message, caller)
+    return pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused]), bool(activations)
+
+
 class NodeServicer(pb_grpc.NodeServiceServicer):
     def __init__(self, node: Handler, source: WeightSource | None = None):
         self.node, self.source = node, source  # source: the weights this node hands to peers (None: none)
@@ -65,17 +78,13 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         """The data path: each message (activations, token messages) is answered with the activations refused."""
         caller = peer_node_id(context)
         async for request in requests:
-            received = time.perf_counter()
             try:
-                activations, messages = wire.decode_send(request, self.node.max_tensor_bytes)
+                answer, fed = take_send(self.node, request, caller, time.perf_counter())
             except wire.WireError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            refused = self.node.accept_activations(activations, caller, received=received) if activations else []
-            for message in messages:
-                self.node.accept_tokens(message, caller)
-            if activations:
+            if fed:
                 await asyncio.sleep(0)  # the worker first: the pass these feed starts before the answer is written
-            yield pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused])
+            yield answer
 
     async def EndRequest(self, request: pb.EndRequestRequest, context: grpc.aio.ServicerContext) -> pb.Ack:
         try:

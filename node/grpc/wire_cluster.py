@@ -52,6 +52,7 @@ def encode_node_info(n: NodeInfo) -> pb.NodeInfo:
         active_requests=n.active_requests,
         status=n.status,
         draining=n.draining,
+        link_port=n.link_port,
     )
     if not n.availability.complete:  # absent means complete: what nodes that never fetch have always sent
         a = n.availability
@@ -113,7 +114,11 @@ def _node_info(m: pb.NodeInfo, node_id: str) -> NodeInfo:
         raise WireError(f"reports {m.active_requests} active requests")
     status = {_text(k, "status key"): int(v) for k, v in _count(m.status, "status counters", MAX_STATUS).items()}
     availability = decode_availability(m.availability, caps.n_layers) if m.HasField("availability") else Availability()
-    return NodeInfo(node_id, address, caps, pinned, loaded, m.active_requests, status, m.draining, availability)
+    if m.link_port > 65535:
+        raise WireError(f"names data link port {m.link_port}, not a TCP port")
+    return NodeInfo(
+        node_id, address, caps, pinned, loaded, m.active_requests, status, m.draining, availability, m.link_port
+    )
 
 
 def decode_availability(m: pb.Availability, n_layers: int) -> Availability:

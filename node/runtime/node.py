@@ -60,8 +60,10 @@ class Node:
         transport: Transport,
         availability: Callable[[], Availability] = Availability,
         stat_sources: Iterable[Mapping[str, int]] = (),
+        link_port: int = 0,
     ):
         """`address`: host:port other nodes reach this node's gRPC server at (known once the server is bound);
+        `link_port`: its data link's port on that host (node/grpc/link/; 0: none);
         `availability`: the layers this node can serve now (all, unless it fetches its weights from a peer:
         node/fetch/follow.py); `stat_sources`: more counters for the node's status (discovery, fetching)."""
         if settings.pinned is not None and settings.pinned[1] > model.config.n_layers:
@@ -70,6 +72,7 @@ class Node:
                 f"{model.config.n_layers} layers; need END <= {model.config.n_layers}"
             )
         self.settings, self.model, self.address, self.availability = settings, model, address, availability
+        self.link_port = link_port
         self.id = settings.node_id
         self._footprints = LayerFootprints(model.path, model.config, settings.core.kv_value_bytes, availability)
         self.view = PeerView(self.id, address)
@@ -192,6 +195,7 @@ class Node:
             status={k: v for source in self._stat_sources for k, v in source.items()},
             draining=self.draining,
             availability=self.availability(),
+            link_port=self.link_port,
         )
 
     def status(self) -> NodeStatus:

@@ -28,6 +28,14 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         "first non-loopback IPv4 when binding to all interfaces)",
     )
     g.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port (default 50051)")
+    g.add_argument(
+        "--link-port",
+        type=int,
+        default=0,
+        help="the data link's TCP port, for activations and tokens between nodes without a cluster key (default: a "
+        "free port, named to peers in health checks; give one where a firewall must let it through)",
+    )
+    g.add_argument("--no-link", action="store_true", help="send activations and tokens on gRPC's stream only")
 
     g = ap.add_argument_group("discovery", "how peers are found (docs/operations.md, Discovery)")
     g.add_argument("--peers", default="", help="static peers' gRPC endpoints, HOST:PORT,... (with any discovery)")
@@ -75,10 +83,14 @@ class GrpcSettings:
     host: str
     port: int  # 0: a free port
     advertise_host: str
+    link: bool = True  # the data link (node/grpc/link/), without a cluster key
+    link_port: int = 0  # 0: a free port (peers learn it from health checks)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--grpc-port must be a TCP port (0 picks a free one), got {self.port}")
+        if not 0 <= self.link_port < 65536:
+            raise ValueError(f"--link-port must be a TCP port (0 picks a free one), got {self.link_port}")
         if not self.advertise_host or self.advertise_host in ALL_INTERFACES:
             raise ValueError(f"peers can't reach {self.advertise_host!r}: give --advertise-host the address they use")
 
@@ -102,7 +114,7 @@ def grpc_from_args(args: argparse.Namespace, security: SecuritySettings, machine
     only, since an open port lets anyone who reaches it use the node."""
     host = args.host or ("0.0.0.0" if security.keyed else "127.0.0.1")
     advertise = args.advertise_host or (host if host not in ALL_INTERFACES else machine.lan_host)
-    return GrpcSettings(host, args.grpc_port, advertise)
+    return GrpcSettings(host, args.grpc_port, advertise, not args.no_link, args.link_port)
 
 
 def discovery_from_args(args: argparse.Namespace) -> DiscoverySettings:

@@ -55,6 +55,31 @@ def test_every_node_of_a_ring_counts_the_stages_of_its_hops(live_cluster):
     assert set(c.wait_idle().values()) == {0}
 
 
+def test_a_ring_without_a_cluster_key_carries_its_data_path_on_the_links(live_cluster):
+    """Once the peers' health checks named their data links (node/grpc/link/), every hop of a request goes on them:
+    each node of the ring takes its input from the link (activations; tokens at the entry), with the tokens the
+    one-process reference gives."""
+    c = live_cluster
+    deadline = time.monotonic() + 15  # the links come up in the background, a health check after the start
+    while True:
+        before = statuses(c)
+        assert_matches_reference(c, PROMPTS[1])
+        gained = grown(before, statuses(c))
+        if all(g.get("link_messages", 0) > 0 for g in gained.values()) or time.monotonic() > deadline:
+            break
+    assert {node: g.get("link_messages", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)
+    assert {node: g.get("link_refused", 0) for node, g in gained.items()} == dict.fromkeys(gained, 0)
+    assert set(c.wait_idle().values()) == {0}
+
+
+def test_a_ring_told_no_link_keeps_to_the_grpc_stream():
+    with Cluster(MODEL, 2, shards=["0:3", "3:6"], extra=["--no-link"]) as c:
+        for _ in range(3):
+            assert_matches_reference(c, PROMPTS[0], max_tokens=12)
+        assert [s for s in statuses(c).values() if "link_messages" in s] == []
+        assert all("data link" not in "".join(node.lines) for node in c.nodes)
+
+
 def test_automatic_partitioning_weights_layers_by_speed():
     with Cluster(MODEL, 3, memory_gb=[4, 2, 2], per_node=[["--speed", "2"], ["--speed", "1"], ["--speed", "1"]]) as c:
         assert_matches_reference(c, PROMPTS[2])

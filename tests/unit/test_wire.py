@@ -47,6 +47,7 @@ def make_node(**overrides) -> NodeInfo:
         loaded=(Shard("m", 0, 8, 16), Shard("m", 8, 16, 16)),
         active_requests=3,
         status={"requests_total": 12, "rejected": 0},
+        link_port=50123,
     )
     return NodeInfo(**{**fields, **overrides})
 
@@ -190,6 +191,7 @@ def _node_msg() -> pb.NodeInfo:
         lambda m: setattr(m.loaded[0], "end_layer", 0),
         lambda m: setattr(m, "active_requests", -1),
         lambda m: m.status.__setitem__("", 1),
+        lambda m: setattr(m, "link_port", 70000),
     ],
 )
 def test_invalid_node_info_is_rejected_naming_the_node_once(mutate):

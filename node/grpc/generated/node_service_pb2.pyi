@@ -269,7 +269,7 @@ class Availability(_message.Message):
     def __init__(self, complete: _Optional[bool] = ..., layers: _Optional[_Iterable[_Union[LayerRun, _Mapping]]] = ..., embed: _Optional[bool] = ..., head: _Optional[bool] = ..., note: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "address", "capabilities", "pinned", "loaded", "active_requests", "status", "draining", "availability")
+    __slots__ = ("node_id", "address", "capabilities", "pinned", "loaded", "active_requests", "status", "draining", "availability", "link_port")
     class StatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class NodeInfo(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     AVAILABILITY_FIELD_NUMBER: _ClassVar[int]
+    LINK_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     capabilities: Capabilities
@@ -295,7 +296,8 @@ class NodeInfo(_message.Message):
     status: _containers.ScalarMap[str, int]
     draining: bool
     availability: Availability
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., pinned: _Optional[_Union[ShardRange, _Mapping]] = ..., loaded: _Optional[_Iterable[_Union[ShardRange, _Mapping]]] = ..., active_requests: _Optional[int] = ..., status: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., availability: _Optional[_Union[Availability, _Mapping]] = ...) -> None: ...
+    link_port: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., pinned: _Optional[_Union[ShardRange, _Mapping]] = ..., loaded: _Optional[_Iterable[_Union[ShardRange, _Mapping]]] = ..., active_requests: _Optional[int] = ..., status: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., availability: _Optional[_Union[Availability, _Mapping]] = ..., link_port: _Optional[int] = ...) -> None: ...
 
 class HealthCheckRequest(_message.Message):
     __slots__ = ()

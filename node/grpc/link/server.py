@@ -1,0 +1,165 @@
+"""The data link's listener: the data path's messages (activations, token messages) over plain TCP frames, for
+peers that would otherwise send them on the gRPC stream (node/grpc/stream.py).
+
+Why: a message on gRPC's Python stream pays HTTP/2's framing and gRPC's core thread with its hand-offs into asyncio
+(docs/benchmarks.md has the figures), and a ring pays that on every hop of every token; a frame on a bare socket
+pays neither. The link carries the very messages of that stream (node/grpc/wire.py's codec, validated by the same
+`take_send`), answered in order.
+
+A cluster without a key only: its gRPC port is plaintext and open to whoever reaches it, and so is this one. With
+a cluster key the data path stays on gRPC's mutual TLS (node/security/tls.py); the link never carries what TLS
+would protect.
+
+Bad input closes the connection after an ERROR frame naming it (the sender then fails those messages as a broken
+gRPC stream would); nothing a peer sends reaches the node unvalidated, and a frame's bound is the model's, as on
+gRPC. A greeting or frame left half-sent for `stall_s` closes the connection; a peer that doesn't read its answers
+stops being read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from node.grpc import wire
+from node.grpc.generated import node_service_pb2 as pb
+from node.grpc.link.frames import DATA, ERROR, GREETING, FrameError, FrameReader, frame
+from node.grpc.server import Handler, take_send
+
+log = logging.getLogger(__name__)
+
+
+class LinkServer:
+    """Bound at construction (its port goes in the node's health-check answers), serving once `start` hands it the
+    node; `port` 0 binds a free one."""
+
+    def __init__(self, host: str, port: int, max_message_bytes: int, stall_s: float = 10.0):
+        try:
+            self.sock = socket.create_server((host, port), family=_family(host))
+        except OSError as e:
+            raise OSError(f"cannot listen for the data link on {host}:{port}: {e.strerror or e}") from None
+        self.port = self.sock.getsockname()[1]
+        self.max_message_bytes, self.stall_s = max_message_bytes, stall_s
+        self.server: asyncio.Server | None = None
+        self.connections: set[_Connection] = set()
+        self.counters = {"link_messages": 0, "link_refused": 0}  # a status source (the node's counters)
+
+    async def start(self, node: Handler) -> None:
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: _Connection(self, node), sock=self.sock)
+
+    async def stop(self) -> None:
+        if self.server is None:
+            self.sock.close()
+            return
+        self.server.close()
+        for connection in list(self.connections):
+            connection.transport.close()
+        await self.server.wait_closed()
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: LinkServer, node: Handler):
+        self.server, self.node = server, node
+        self.reader = FrameReader(server.max_message_bytes)
+        self.greeting = b""  # what arrived of the client's greeting; None once it was right
+        self.outgoing: list[bytes] = []
+        self.flush: asyncio.Handle | None = None
+        self.stall: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.server.connections.add(self)  # (asyncio sets TCP_NODELAY on its TCP transports)
+        self._watch(True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self._watch(False)
+        if self.flush is not None:
+            self.flush.cancel()
+
+    def pause_writing(self) -> None:  # a peer that doesn't read its answers sends no more
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self.greeting is not None:
+            self.greeting += data
+            if not GREETING.startswith(self.greeting[: len(GREETING)]):
+                self.transport.close()  # not this protocol (or not its version): no frame for it
+                return
+            if len(self.greeting) < len(GREETING):
+                return
+            data, self.greeting = self.greeting[len(GREETING) :], None
+            self.transport.write(GREETING)
+        try:
+            frames = self.reader.feed(data)
+        except FrameError as e:
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        for kind, payload in frames:
+            if not self._take(kind, payload, time.perf_counter()):
+                return
+        self._watch(self.reader.pending > 0)
+
+    def _take(self, kind: int, payload: bytes, received: float) -> bool:
+        if kind != DATA:
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, "a client sends data frames only")
+            return False
+        try:
+            answer, fed = take_send(self.node, pb.SendRequest.FromString(payload), None, received)
+        except (DecodeError, wire.WireError) as e:
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e) or "not a SendRequest")
+            return False
+        except Exception:  # a bug: the peer hears of it as gRPC's own handler errors
+            log.exception("the data link's message failed")
+            self._refuse(grpc.StatusCode.UNKNOWN, "internal error")
+            return False
+        self.server.counters["link_messages"] += 1
+        self.outgoing.append(frame(DATA, answer.SerializeToString()))
+        if fed and self.flush is None:  # the worker first: the pass this feeds starts before the answer goes
+            self.flush = asyncio.get_running_loop().call_soon(self._flush)
+        elif self.flush is None:  # (behind a deferred answer, an answer waits with it: answers go in order)
+            self._flush()
+        return True
+
+    def _flush(self) -> None:
+        self.flush = None
+        if not self.transport.is_closing():
+            self.transport.write(b"".join(self.outgoing))
+        self.outgoing = []
+
+    def _refuse(self, code: grpc.StatusCode, why: str) -> None:
+        """The ERROR frame (behind the answers owed), then the end of the connection."""
+        log.warning("data link from %s: %s", self.transport.get_extra_info("peername"), why)
+        self.server.counters["link_refused"] += 1
+        if self.flush is not None:
+            self.flush.cancel()
+        self.outgoing.append(frame(ERROR, f"{code.name} {why}".encode()[:4096]))
+        self._flush()
+        self.transport.close()
+
+    def _watch(self, waiting: bool) -> None:
+        """While a greeting or frame is half here, a timer that ends the connection if the rest doesn't come."""
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+        if waiting and not self.transport.is_closing():
+            self.stall = asyncio.get_running_loop().call_later(self.server.stall_s, self._stalled)
+
+    def _stalled(self) -> None:
+        log.warning(
+            "data link from %s: half a message for %gs", self.transport.get_extra_info("peername"), self.server.stall_s
+        )
+        self.transport.close()
