@@ -12,7 +12,8 @@ bench/bench_multihost_large.py (a 7B-shaped model on hosts each capped below it)
 
 On the same hosts, started once and idle between turns (bench/bench_rpc.py's pieces):
 - exo-node: a node per host (`--quantize none --threads 1 --speed 1`, bench/bench_microbatch.py's SPLIT for two
-  hosts), static peers, plain gRPC (no cluster key: llama.cpp RPC has no encryption either), the entry on host 0;
+  hosts), static peers, no cluster key (llama.cpp RPC has no encryption either), so activations and tokens go on
+  the nodes' data links (node/grpc/link/) once up, the entry on host 0;
 - llama.cpp RPC: `ggml-rpc-server -t 1` per host, `llama-server -ngl 99 --rpc` on host 0 (it reaches host 0's
   worker over loopback, the others over their links).
 The client (bench/bench_serve.py's `concurrent`) runs inside host 0, so its HTTP never crosses a link. Per setting,
@@ -21,8 +22,8 @@ median of rounds): one-stream decode tok/s, 8-stream aggregate tok/s, time to fi
 (a host's egress: for two hosts, host i to the other) bytes and packets per generated token at one stream, from
 `ip -s link` counters before and after (the same measure for both systems, including TCP's acknowledgements and
 exo's health checks); and exo's time outside compute per hop from its status counters (node/runtime/overhead.py):
-the sender's pass end -> message handed to gRPC and the receiver's message in its handler -> pass (the link and
-gRPC's own layers between them are not in it: bench_overhead's `--only floor`). llama.cpp exposes no such timing, so
+the sender's pass end -> message handed to its link and the receiver's message in its handler -> pass (the link's
+own layers between them are not in it: bench_peer_stream measures those). llama.cpp exposes no such timing, so
 its column is empty. Writes docs/multihost.md and docs/multihost.png (+ .json).
 """
 
@@ -97,8 +98,11 @@ def run_turn(lan, system: str, model_id: str, streams: int, tokens: int, round_:
     before = tx(lan)
     got = serve(lan, url, model_id, streams, tokens, round_)
     after = tx(lan)
-    outside = outside_ms(status, exo_status(lan)) if status is not None else None
-    return {**got, "hops": per_token(before, after, got["chunks"]), "outside": outside}
+    later = exo_status(lan) if status is not None else None
+    outside = outside_ms(status, later) if status is not None else None
+    # each host's messages taken on its data link in the turn (none: they went on gRPC's stream)
+    linked = [a.get("link_messages", 0) - b.get("link_messages", 0) for b, a in zip(status, later)] if later else None
+    return {**got, "hops": per_token(before, after, got["chunks"]), "outside": outside, "link_messages": linked}
 
 
 def main() -> None:

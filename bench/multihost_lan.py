@@ -26,7 +26,7 @@ from pathlib import Path
 from bench.bench_rpc import process
 from bench.local_cluster import ROOT
 
-EXO_GRPC, RPC_PORT = 50051, 50100  # host i's exo node and ggml-rpc-server listen on these + i
+EXO_GRPC, EXO_LINK, RPC_PORT = 50051, 50075, 50100  # host i's exo node (gRPC, data link), ggml-rpc-server: + i
 EXO_API, LLAMA_PORT = 52415, 8080  # on each host's own loopback
 CLIENT = (
     "import asyncio, json, sys; from bench.bench_serve import concurrent; "
@@ -82,9 +82,10 @@ def netem_commands(host: str, switch: str, port: str, link: Link, netem: bool = 
 
 
 def relays(ips: list[str], i: int) -> list[str]:
-    """bench/delay_relay.py's pairs on host i (no netem): each other host's exo node, and from the entry host each
-    other host's RPC worker, at its port on i's loopback, which is where i's processes reach it."""
-    pairs = [(EXO_GRPC + j, ip) for j, ip in enumerate(ips) if j != i]
+    """bench/delay_relay.py's pairs on host i (no netem): each other host's exo node (gRPC and its data link), and
+    from the entry host each other host's RPC worker, at its port on i's loopback, which is where i's processes
+    reach it."""
+    pairs = [(base + j, ip) for base in (EXO_GRPC, EXO_LINK) for j, ip in enumerate(ips) if j != i]
     pairs += [(RPC_PORT + j, ip) for j, ip in enumerate(ips) if j != i and i == 0]
     return [f"127.0.0.1:{port}={ip}:{port}" for port, ip in pairs]
 
@@ -230,14 +231,16 @@ def start_relays(stack: contextlib.ExitStack, lan, logs: Path) -> None:
 
 
 def exo_node(lan, i: int, gguf: Path, netem: bool, *extra: str) -> list[str]:
-    """Host i's exo node (`--threads 1 --quantize none`, static peers, plain gRPC: llama.cpp RPC has no encryption
-    either), its API on the host's loopback; `extra` flags after these."""
+    """Host i's exo node (`--threads 1 --quantize none`, static peers, no cluster key: llama.cpp RPC has no
+    encryption either, so the data path goes on the data link, at a fixed port the relays carry), its API on the
+    host's loopback; `extra` flags after these."""
     n = len(lan.hosts)
     reach = lambda j: "127.0.0.1" if i == j or not netem else lan.ips[j]  # noqa: E731 (host j, from host i)
     peers = ",".join(f"{reach(j)}:{EXO_GRPC + j}" for j in range(n) if j != i)
     node = [sys.executable, "-m", "node.cli", "--model", str(gguf), "--node-id", f"host{i}", "--host", lan.ips[i]]
     node += ["--advertise-host", "127.0.0.1"] if not netem else []  # peers reach it through their own relays
-    node += ["--grpc-port", str(EXO_GRPC + i), "--discovery", "none", "--peers", peers, "--api-port", str(EXO_API)]
+    node += ["--grpc-port", str(EXO_GRPC + i), "--link-port", str(EXO_LINK + i)]
+    node += ["--discovery", "none", "--peers", peers, "--api-port", str(EXO_API)]
     return lan.exec(i, *node, "--quantize", "none", "--threads", "1", *extra)
 
 

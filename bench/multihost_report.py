@@ -32,10 +32,10 @@ def per_token(before: list[tuple[int, int]], after: list[tuple[int, int]], token
 
 def outside_ms(before: list[dict], after: list[dict]) -> list[float]:
     """Per hop i -> i+1 (mean ms), the token's path through the nodes' own work: node i's pass end -> its message
-    handed to gRPC's write (the hand-off, the core, encoding), then node i+1's message in its handler -> the pass
-    that runs it (decoding, the core, the hand-off); from the nodes' status counters (`before`/`after`, one dict
-    per host). The link and gRPC's own layers between the write and the handler are not in it (bench_overhead's
-    `--only floor` measures that floor). Not the call's answer: nothing on the token's path waits for it."""
+    handed to its link's write (the hand-off, the core, encoding), then node i+1's message in its handler -> the
+    pass that runs it (decoding, the core, the hand-off); from the nodes' status counters (`before`/`after`, one
+    dict per host). The link's own layers between the write and the handler are not in it (bench_peer_stream
+    measures them). Not the call's answer: nothing on the token's path waits for it."""
     d = [{k: a.get(k, 0) - b.get(k, 0) for k in HOP_KEYS} for b, a in zip(before, after)]
     mean = lambda c, total, n: c[total] / max(1, c[n]) / 1000  # noqa: E731
     return [
@@ -116,8 +116,8 @@ def report(
         + ("each pinned to a core of its own." if hosts <= 2 else f"the {hosts} hosts share the machine's 2 cores.")
         + f" {links[0].upper()}{links[1:]}. Load average at the end: {load:.1f}."
         " Per hop: at one stream, from the hosts' veth counters; outside compute: exo's status counters, the"
-        " sender's pass end to its message handed to gRPC and the receiver's handler to its pass (gRPC's own layers"
-        " between them are not counted; llama.cpp RPC has no counters).",
+        " sender's pass end to its message handed to its link (the data link, node/grpc/link/) and the receiver's"
+        " handler to its pass (the link's own layers between them are not counted; llama.cpp RPC has no counters).",
         "",
         "The other multi-host modes: [placement by measured speed](multihost-placement.md) (one host slowed: the"
         " planner's split against every static split) and [a model no node can hold](multihost-large.md).",

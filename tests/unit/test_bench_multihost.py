@@ -8,7 +8,7 @@ import time
 import pytest
 
 from bench.delay_relay import Delay, serve
-from bench.multihost_lan import EXO_GRPC, RPC_PORT, Link, netem_commands, relays, tx_counters
+from bench.multihost_lan import EXO_GRPC, EXO_LINK, RPC_PORT, Link, netem_commands, relays, tx_counters
 from bench.multihost_report import HOP_KEYS, Figures, outside_ms, per_token, report, table
 
 
@@ -35,15 +35,19 @@ def test_without_netem_the_rate_is_shaped_by_htb_both_ways_and_no_delay_is_asked
     ]
 
 
-def test_relays_give_every_host_the_other_exo_nodes_and_the_entry_the_other_rpc_workers_on_loopback():
+def test_relays_give_every_host_the_other_exo_nodes_and_their_links_and_the_entry_the_other_rpc_workers():
     ips = ["10.0.0.10", "10.0.0.11", "10.0.0.12"]
     assert relays(ips, 0) == [
         f"127.0.0.1:{EXO_GRPC + 1}=10.0.0.11:{EXO_GRPC + 1}",
         f"127.0.0.1:{EXO_GRPC + 2}=10.0.0.12:{EXO_GRPC + 2}",
+        f"127.0.0.1:{EXO_LINK + 1}=10.0.0.11:{EXO_LINK + 1}",
+        f"127.0.0.1:{EXO_LINK + 2}=10.0.0.12:{EXO_LINK + 2}",
         f"127.0.0.1:{RPC_PORT + 1}=10.0.0.11:{RPC_PORT + 1}",
         f"127.0.0.1:{RPC_PORT + 2}=10.0.0.12:{RPC_PORT + 2}",
     ]
-    assert relays(ips, 2) == [f"127.0.0.1:{EXO_GRPC + j}=10.0.0.1{j}:{EXO_GRPC + j}" for j in (0, 1)]
+    assert relays(ips, 2) == [
+        f"127.0.0.1:{base + j}=10.0.0.1{j}:{base + j}" for base in (EXO_GRPC, EXO_LINK) for j in (0, 1)
+    ]
 
 
 @pytest.mark.parametrize("delay, rate", [(-1, 100), (1, 0), (1, -5)])
