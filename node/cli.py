@@ -23,7 +23,7 @@ from node.fetch import startup as fetching
 from node.fetch.fetcher import Fetcher
 from node.fetch.follow import Follower
 from node.fetch.seal import ManifestSeal
-from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, message_bound
+from node.grpc.client import DEFAULT_MAX_MESSAGE_BYTES, GrpcTransport, links_with, message_bound
 from node.grpc.core_log import CoreLogFilter
 from node.grpc.link.server import LinkServer
 from node.grpc.server import GrpcServer
@@ -115,7 +115,9 @@ async def run(settings: Settings) -> int:
         stack.push_async_callback(server.stop)
         address = f"{settings.grpc.advertise_host}:{server.port}"
         link = (
-            LinkServer(settings.grpc.host, settings.grpc.link_port, bound) if settings.grpc.link and not tls else None
+            LinkServer(settings.grpc.host, settings.grpc.link_port, bound, tls=tls)
+            if settings.grpc.link and links_with(tls)
+            else None
         )
         if link is not None:
             stack.push_async_callback(link.stop)

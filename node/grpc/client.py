@@ -67,6 +67,16 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def links_with(tls: NodeTls | None) -> bool:
+    """Whether a node with `tls` (None: no cluster key) can have data links: always without a key; with one where
+    Python's ssl can take the leaf from memory (node/security/tls.py's LEAF_IN_MEMORY)."""
+    if tls is None:
+        return True
+    from node.security.tls import LEAF_IN_MEMORY
+
+    return LEAF_IN_MEMORY
+
+
 def _translated(call):
     """Turn a gRPC error of the wrapped call into a TransportError naming the peer."""
 
@@ -102,10 +112,10 @@ class GrpcTransport:
         links: bool = True,
     ):
         """With `tls` (a cluster key), every channel is mutual TLS: both ends prove they hold the key. `links`: the
-        data path goes on a peer's data link (node/grpc/link/) where its health check names one and it is up; never
-        with `tls` (the link is plaintext)."""
+        data path goes on a peer's data link (node/grpc/link/) where its health check names one and it is up (with
+        `tls`, mutual TLS as well, where `links_with` says the link can have it)."""
         self.max_message_bytes, self.rpc_timeout, self.tls = max_message_bytes, rpc_timeout, tls
-        self.links = PeerLinks(max_message_bytes, rpc_timeout) if links and tls is None else None
+        self.links = PeerLinks(max_message_bytes, rpc_timeout, tls=tls) if links and links_with(tls) else None
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.streams: dict[str, tuple[pb_grpc.NodeServiceStub, PeerStream]] = {}  # the data path to each peer
         self._stubs: dict[str, tuple[pb_grpc.NodeServiceStub, NodeIdentity | None]] = {}

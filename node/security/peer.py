@@ -33,3 +33,14 @@ def peer_node_id(context: grpc.aio.ServicerContext) -> str | None:
         return None
     node_id = ids.pop()
     return node_id if NODE_ID.match(node_id) else None
+
+
+def node_id_of(cert: dict | None) -> str | None:
+    """The node id in a peer's certificate as Python's ssl gives a verified one (`getpeercert()`, on the data link:
+    node/grpc/link/), by the rule of `peer_node_id`: exactly one well-formed node URI; None without one."""
+    sans = (cert or {}).get("subjectAltName", ())
+    ids = {v[len(NODE_URI_PREFIX) :] for k, v in sans if k == "URI" and v.startswith(NODE_URI_PREFIX)}
+    if len(ids) != 1:
+        return None
+    node_id = ids.pop()
+    return node_id if NODE_ID.match(node_id) else None

@@ -32,6 +32,10 @@ Why not TLS + an HMAC token in metadata: it would still need server authenticati
 activations, or its token, to an impostor), i.e. certificates anyway, and a bearer token can be replayed by any
 server that receives it. mTLS authenticates both ends in the handshake, before any RPC byte, in one mechanism.
 
+The data link (node/grpc/link/) speaks the same mutual TLS through Python's ssl (`ssl_context`: TLS 1.3, the same
+leaf and CA, the same cluster name checked), which loads a key only from a path: the leaf goes through an anonymous
+memory file (`load_leaf`, Linux's memfd), so it still never touches a disk; where there is none the link is off.
+
 Renewal: the server uses grpc's dynamic credentials, so new handshakes get the renewed leaf without a restart;
 a channel keeps the client certificate it was built with, so callers compare `NodeTls.generation` and build a
 new channel when it changed (see the integration notes).
@@ -40,6 +44,8 @@ new channel when it changed (see the integration notes).
 from __future__ import annotations
 
 import datetime as dt
+import os
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -185,6 +191,23 @@ class NodeIdentity:
         return now >= self.issued + (self.expires - self.issued) / 2
 
 
+# Python's ssl loads a key only from a path: an anonymous memory file (Linux) is one the key never leaves memory
+# for. Elsewhere the data link stays off with a key, and everything goes on gRPC's mutual TLS.
+LEAF_IN_MEMORY = hasattr(os, "memfd_create")
+
+
+def load_leaf(context: ssl.SSLContext, identity: NodeIdentity) -> None:
+    """`identity`'s key and certificate into `context` (for the handshakes after this one)."""
+    fd = os.memfd_create("exo-node-leaf", os.MFD_CLOEXEC)
+    try:
+        data = memoryview(identity.key_pem + identity.cert_pem)
+        while data:
+            data = data[os.write(fd, data) :]
+        context.load_cert_chain(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
 class NodeTls:
     """One node's TLS material: credentials for its server and its channels, renewed at the leaf's half-life.
 
@@ -243,3 +266,16 @@ class NodeTls:
     def channel_options() -> list[tuple[str, str]]:
         """Check the server's certificate against the cluster name, not the address we dialled."""
         return [("grpc.ssl_target_name_override", SERVER_NAME)]
+
+    def ssl_context(self, server: bool, identity: NodeIdentity | None = None) -> ssl.SSLContext:
+        """The same mutual TLS for the data link (node/grpc/link/), in Python's ssl: TLS 1.3, our leaf (the
+        current one, or `identity`), the peer's required and checked against the cluster CA; a client checks the
+        cluster name (connect with server_hostname=SERVER_NAME). Only where `LEAF_IN_MEMORY`."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=self.ca.cert_pem.decode())
+        load_leaf(context, identity or self.identity())
+        return context
+
+    load_leaf = staticmethod(load_leaf)  # a renewed leaf into a context (for the handshakes after)

@@ -32,8 +32,8 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         "--link-port",
         type=int,
         default=0,
-        help="the data link's TCP port, for activations and tokens between nodes without a cluster key (default: a "
-        "free port, named to peers in health checks; give one where a firewall must let it through)",
+        help="the data link's TCP port, for activations and tokens between nodes (default: a free port, named to "
+        "peers in health checks; give one where a firewall must let it through)",
     )
     g.add_argument("--no-link", action="store_true", help="send activations and tokens on gRPC's stream only")
 
@@ -83,7 +83,7 @@ class GrpcSettings:
     host: str
     port: int  # 0: a free port
     advertise_host: str
-    link: bool = True  # the data link (node/grpc/link/), without a cluster key
+    link: bool = True  # the data link (node/grpc/link/)
     link_port: int = 0  # 0: a free port (peers learn it from health checks)
 
     def __post_init__(self) -> None:

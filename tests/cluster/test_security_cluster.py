@@ -7,6 +7,7 @@ without a key, a node still only follows plans among the members it knows.
 """
 
 import asyncio
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from node.core.plan import PlanStep, RequestSpec
 from node.grpc import wire
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
+from node.grpc.link.frames import DATA, GREETING, frame
 from node.security import write_key_file
 from shards.decoding.sampling import SamplingParams
 from shards.model.shard import Shard
@@ -147,6 +149,27 @@ def test_a_keyed_cluster_serves_exactly_and_nodes_without_the_key_stay_out(keyed
             assert [n["node_id"] for n in stranger.topology()["nodes"]] == ["node0"]
         assert len(c.topology()["nodes"]) == 3
     assert_matches_reference(c, "Hello there, how are you?", 16)
+
+
+def test_a_keyed_clusters_data_path_goes_on_mutual_tls_links_a_stranger_cannot_speak_to(keyed):
+    """The data links (node/grpc/link/) with a key: mutual TLS as gRPC's, each message taken as its sender's
+    (the plans' checks pass), and a stranger at the link's port gets not one byte of the protocol."""
+    c = keyed
+    deadline = time.monotonic() + 15  # the links come up in the background, a health check after the start
+    while True:
+        before = {n: i["status"].get("link_messages", 0) for n, i in c.self_info().items()}
+        assert_matches_reference(c, "Why?", 12)
+        after = {n: i["status"].get("link_messages", 0) for n, i in c.self_info().items()}
+        if all(after[n] > before[n] for n in after) or time.monotonic() > deadline:
+            break
+    assert {n: after[n] > before[n] for n in after} == dict.fromkeys(after, True)
+    link_port = c.self_info()["node0"]["link_port"]
+    done = steps(c)
+    with socket.create_connection(("127.0.0.1", link_port), timeout=5) as plain:
+        plain.sendall(GREETING + frame(DATA, b"\x0a\x03abc"))  # the protocol in plaintext, not a TLS handshake
+        plain.settimeout(5)
+        assert GREETING not in plain.recv(1 << 16)  # closed (a TLS alert at most), never the protocol's greeting
+    assert steps(c) == done and c.active_requests()["node0"] == 0
 
 
 def test_without_the_key_no_rpc_completes_and_no_work_is_done(keyed):

@@ -1,2 +1,2 @@
-"""The data link: the data path's messages on plain TCP frames between peers without a cluster key (server.py
-says why), the gRPC stream's messages and answers, in order."""
+"""The data link: the data path's messages on TCP frames between peers (server.py says why), the gRPC stream's
+messages and answers, in order; mutual TLS with a cluster key."""

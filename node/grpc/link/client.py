@@ -1,5 +1,5 @@
-"""The data links to peers (node/grpc/link/server.py says why): one connection per peer, made in the background once the
-peer's health check names its link port, used by the transport once it is up, never waited for.
+"""The data links to peers (node/grpc/link/server.py says why): one connection per peer, made in the background
+once the peer's health check names its link port, used by the transport once it is up, never waited for.
 
 Until a link is up, and for a while after it failed (`PeerLinks`: doubling from `retry_s` to `max_retry_s`, back
 to `retry_s` once a link lived `healthy_s`), the gRPC stream carries the messages: a link that can't be had costs
@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -22,6 +24,10 @@ from google.protobuf.message import DecodeError
 from discovery.address import parse_address
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.link.frames import DATA, ERROR, GREETING, FrameError, FrameReader, frame
+from node.security.peer import SERVER_NAME
+
+if TYPE_CHECKING:  # node.security.tls loads cryptography: only a node with a cluster key needs it
+    from node.security.tls import NodeIdentity, NodeTls
 from node.grpc.stream import StreamBroken
 
 log = logging.getLogger(__name__)
@@ -43,10 +49,15 @@ class LinkConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     @classmethod
-    async def open(cls, host: str, port: int, max_message_bytes: int, timeout: float) -> LinkConnection:
-        """Connected and greeted (raises OSError, TimeoutError or StreamBroken; the caller bounds the time)."""
+    async def open(
+        cls, host: str, port: int, max_message_bytes: int, timeout: float, context: ssl.SSLContext | None = None
+    ) -> LinkConnection:
+        """Connected (through mutual TLS with `context`: node/security/tls.py's `ssl_context`) and greeted; raises
+        OSError (ssl.SSLError for a peer without the cluster's leaf), TimeoutError or StreamBroken; the caller
+        bounds the time."""
+        name = SERVER_NAME if context is not None else None  # a peer's leaf names the cluster, not its address
         _, link = await asyncio.get_running_loop().create_connection(
-            lambda: cls(max_message_bytes, timeout), host, port
+            lambda: cls(max_message_bytes, timeout), host, port, ssl=context, server_hostname=name
         )
         try:
             link.transport.write(GREETING)
@@ -156,7 +167,8 @@ def _refusal(payload: bytes) -> StreamBroken:
 
 
 class PeerLinks:
-    """The links to peers, by their gRPC address."""
+    """The links to peers, by their gRPC address; with `tls` (a cluster key) each is mutual TLS, and one made with
+    a leaf since renewed is made again once no message waits on it (as gRPC's channels are rebuilt)."""
 
     def __init__(
         self,
@@ -166,11 +178,14 @@ class PeerLinks:
         retry_s: float = 1.0,
         max_retry_s: float = 300.0,
         healthy_s: float = 60.0,
+        tls: NodeTls | None = None,
     ):
         self.max_message_bytes, self.timeout, self.connect_s = max_message_bytes, timeout, connect_s
         self.retry_s, self.max_retry_s, self.healthy_s = retry_s, max_retry_s, healthy_s
+        self.tls = tls
+        self._context: tuple[NodeIdentity, ssl.SSLContext] | None = None  # the client context, for its leaf
         self.ports: dict[str, int] = {}  # the link port each peer's latest health check named
-        self.links: dict[str, tuple[LinkConnection, float]] = {}  # up (and when it came up)
+        self.links: dict[str, tuple[LinkConnection, float, object]] = {}  # up: since when, with which leaf
         self.connecting: dict[str, asyncio.Task] = {}
         self.backoff: dict[str, tuple[float, float]] = {}  # (no attempt before, the wait after the next failure)
 
@@ -186,12 +201,15 @@ class PeerLinks:
         """The link to `address` if it is up; else None, and an attempt to make one starts when one may."""
         up = self.links.get(address)
         if up is not None:
-            link, since = up
-            if not link.closed:
+            link, since, leaf = up
+            if not link.closed and (leaf is self._leaf() or link.waiting):
                 return link
             del self.links[address]
-            lived = time.monotonic() - since
-            self._failed(address, f"broke after {lived:.0f}s", reset=lived >= self.healthy_s)
+            if link.closed:
+                lived = time.monotonic() - since
+                self._failed(address, f"broke after {lived:.0f}s", reset=lived >= self.healthy_s)
+            else:  # made with a leaf since renewed, and idle: made again with the current one
+                link.close()
         port = self.ports.get(address)
         if port and address not in self.connecting and time.monotonic() >= self.backoff.get(address, (0.0,))[0]:
             self.connecting[address] = asyncio.ensure_future(self._connect(address, port))
@@ -200,9 +218,10 @@ class PeerLinks:
     async def _connect(self, address: str, port: int) -> None:
         try:
             host, _ = parse_address(address)
+            leaf, context = self._leaf(), self._client_context()
             async with asyncio.timeout(self.connect_s):
-                link = await LinkConnection.open(host, port, self.max_message_bytes, self.timeout)
-        except (OSError, TimeoutError, ValueError, StreamBroken) as e:
+                link = await LinkConnection.open(host, port, self.max_message_bytes, self.timeout, context)
+        except (OSError, TimeoutError, ValueError, StreamBroken) as e:  # (ssl.SSLError is an OSError)
             self._failed(address, f"{type(e).__name__}: {e}")
             return
         finally:
@@ -210,7 +229,18 @@ class PeerLinks:
         if self.ports.get(address) != port:  # forgotten or moved meanwhile
             link.close()
             return
-        self.links[address] = (link, time.monotonic())
+        self.links[address] = (link, time.monotonic(), leaf)
+
+    def _leaf(self) -> object:
+        return self.tls.identity() if self.tls is not None else None
+
+    def _client_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        identity = self.tls.identity()
+        if self._context is None or self._context[0] is not identity:
+            self._context = (identity, self.tls.ssl_context(server=False, identity=identity))
+        return self._context[1]
 
     def _failed(self, address: str, why: str, reset: bool = False) -> None:
         wait = self.retry_s if reset else self.backoff.get(address, (0.0, self.retry_s))[1]
@@ -220,7 +250,7 @@ class PeerLinks:
     def _drop(self, address: str) -> None:
         self.ports.pop(address, None)
         self.backoff.pop(address, None)
-        link, _ = self.links.pop(address, (None, 0.0))
+        link, *_ = self.links.pop(address, (None,))
         if link is not None:
             link.close()
         task = self.connecting.pop(address, None)

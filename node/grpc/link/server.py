@@ -1,14 +1,16 @@
-"""The data link's listener: the data path's messages (activations, token messages) over plain TCP frames, for
-peers that would otherwise send them on the gRPC stream (node/grpc/stream.py).
+"""The data link's listener: the data path's messages (activations, token messages) over TCP frames, for peers
+that would otherwise send them on the gRPC stream (node/grpc/stream.py).
 
 Why: a message on gRPC's Python stream pays HTTP/2's framing and gRPC's core thread with its hand-offs into asyncio
 (docs/benchmarks.md has the figures), and a ring pays that on every hop of every token; a frame on a bare socket
 pays neither. The link carries the very messages of that stream (node/grpc/wire.py's codec, validated by the same
 `take_send`), answered in order.
 
-A cluster without a key only: its gRPC port is plaintext and open to whoever reaches it, and so is this one. With
-a cluster key the data path stays on gRPC's mutual TLS (node/security/tls.py); the link never carries what TLS
-would protect.
+With a cluster key the link is the same mutual TLS as gRPC's (node/security/tls.py's `ssl_context`: TLS 1.3, the
+peer's leaf required and checked against the cluster CA before any byte of the protocol, the caller named from
+it), the leaf renewed for the handshakes after a renewal; where Python's ssl can't take the leaf from memory
+(`LEAF_IN_MEMORY`) there is no link with a key. Without one the link is plaintext and open to whoever reaches it,
+as the gRPC port is.
 
 Bad input closes the connection after an ERROR frame naming it (the sender then fails those messages as a broken
 gRPC stream would); nothing a peer sends reaches the node unvalidated, and a frame's bound is the model's, as on
@@ -22,6 +24,7 @@ import asyncio
 import logging
 import socket
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -30,6 +33,10 @@ from node.grpc import wire
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.link.frames import DATA, ERROR, GREETING, FrameError, FrameReader, frame
 from node.grpc.server import Handler, take_send
+from node.security.peer import node_id_of
+
+if TYPE_CHECKING:  # node.security.tls loads cryptography: only a node with a cluster key needs it
+    from node.security.tls import NodeTls
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +45,10 @@ class LinkServer:
     """Bound at construction (its port goes in the node's health-check answers), serving once `start` hands it the
     node; `port` 0 binds a free one."""
 
-    def __init__(self, host: str, port: int, max_message_bytes: int, stall_s: float = 10.0):
+    def __init__(self, host: str, port: int, max_message_bytes: int, stall_s: float = 10.0, tls: NodeTls | None = None):
+        self.tls = tls
+        self.served = tls.identity() if tls else None  # the leaf the context holds
+        self.context = tls.ssl_context(server=True, identity=self.served) if tls else None
         try:
             self.sock = socket.create_server((host, port), family=_family(host))
         except OSError as e:
@@ -51,7 +61,18 @@ class LinkServer:
 
     async def start(self, node: Handler) -> None:
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _Connection(self, node), sock=self.sock)
+        self.server = await loop.create_server(
+            lambda: _Connection(self, node),
+            sock=self.sock,
+            ssl=self.context,
+            ssl_handshake_timeout=self.stall_s if self.context is not None else None,
+        )
+
+    def renewed(self) -> None:
+        """A connection is coming: its handshake shows the current leaf (renewed at half-life: tls.py)."""
+        if self.tls is not None and (current := self.tls.identity()) is not self.served:
+            self.tls.load_leaf(self.context, current)
+            self.served = current
 
     async def stop(self) -> None:
         if self.server is None:
@@ -69,7 +90,9 @@ def _family(host: str) -> socket.AddressFamily:
 
 class _Connection(asyncio.Protocol):
     def __init__(self, server: LinkServer, node: Handler):
+        server.renewed()
         self.server, self.node = server, node
+        self.caller: str | None = None  # the peer's node id, from its verified leaf (with a key)
         self.reader = FrameReader(server.max_message_bytes)
         self.greeting = b""  # what arrived of the client's greeting; None once it was right
         self.outgoing: list[bytes] = []
@@ -79,6 +102,8 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         self.server.connections.add(self)  # (asyncio sets TCP_NODELAY on its TCP transports)
+        if self.server.tls is not None:  # called once the handshake verified the peer's leaf
+            self.caller = node_id_of(transport.get_extra_info("peercert"))
         self._watch(True)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -118,7 +143,7 @@ class _Connection(asyncio.Protocol):
             self._refuse(grpc.StatusCode.INVALID_ARGUMENT, "a client sends data frames only")
             return False
         try:
-            answer, fed = take_send(self.node, pb.SendRequest.FromString(payload), None, received)
+            answer, fed = take_send(self.node, pb.SendRequest.FromString(payload), self.caller, received)
         except (DecodeError, wire.WireError) as e:
             self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e) or "not a SendRequest")
             return False
