@@ -24,11 +24,11 @@ from google.protobuf.message import DecodeError
 from discovery.address import parse_address
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.link.frames import DATA, ERROR, GREETING, FrameError, FrameReader, frame
+from node.grpc.stream import StreamBroken
 from node.security.peer import SERVER_NAME
 
 if TYPE_CHECKING:  # node.security.tls loads cryptography: only a node with a cluster key needs it
     from node.security.tls import NodeIdentity, NodeTls
-from node.grpc.stream import StreamBroken
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,8 @@ class PeerLinks:
             self._failed(address, f"{type(e).__name__}: {e}")
             return
         finally:
-            self.connecting.pop(address, None)
+            if self.connecting.get(address) is asyncio.current_task():  # (a cancelled one may have a successor)
+                del self.connecting[address]
         if self.ports.get(address) != port:  # forgotten or moved meanwhile
             link.close()
             return
