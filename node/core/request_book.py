@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 
 import numpy as np
 
@@ -101,44 +101,69 @@ class RequestBook:
 
     def accept_activations(self, activations: list[Activation], caller: str | None = None) -> list[Refusal]:
         """Queue each activation (from `caller`, when known); returns the ones refused, and why."""
-        rejected = []
+        rejected, _ = self.relay_activations(activations, caller)
+        return rejected
+
+    def relay_activations(
+        self, activations: list[Activation], caller: str | None = None, awaited: Container[str] = ()
+    ) -> tuple[list[Refusal], dict[str, np.ndarray]]:
+        """`accept_activations`, except that a relayed row's next input (`awaited`: the requests whose rows the
+        engine thread waits for, `step_plan.relayed_pass`) is not queued but handed back, by request, for that
+        pass, when it is what the core would queue as a plain next position (no proposals, none asked for, no
+        explicit start): recorded here as taken, after the same checks. The rest are queued."""
+        rejected, relayed = [], {}
         for a in activations:
-            if a.request_id in self.ended:
-                if (failure := self.ended.failure(a.request_id)) is not None:  # failed here: the sender must know
-                    rejected.append(Refusal(a.request_id, failure))
-                continue  # the request is over; a late activation is dropped
             try:
-                req = self.requests.get(a.request_id)
-                if req is None:
-                    if a.spec is None:
-                        raise PlanError(f"unknown request {a.request_id} (this node has no state for it)")
-                    if a.spec.step_of(self.id) == 0:
-                        raise PlanError("a request starts at its first node with a prompt, not an activation")
-                    check_caller(caller, {predecessor(a.spec, a.spec.step_of(self.id))}, f"request {a.request_id}")
-                    self.admission.check_declared(a.spec, a.spec.reuse_positions, len(a.data))
-                    req = self._admit(a.spec)
-                    req.positions_in = a.spec.reuse_positions
-                else:
-                    check_caller(caller, {predecessor(req.spec, req.step_index)}, f"request {a.request_id}")
-                start = req.positions_in if a.start is None else a.start
-                check_start(req, start)
-                self.admission.check_declared(req.spec, start, len(a.data))
-                self.admission.check_input(req.shard.is_first, a.data)
-                data, proposals, defer = a.data, a.proposals, 0
-                if req.shard.is_first and req.history is not None and self.speculation is not None:
-                    if proposals or len(data) != 1 or a.partial:
-                        raise PlanError("the first node takes one next token at a time and makes the proposals")
-                    data, proposals, defer = self.speculation.next_input(
-                        req, int(data[0]), start, self._step_room(), held=len(self.requests)
-                    )
-                req.drafts, req.chunk_start, req.positions_in = proposals, start, start + len(data)
-                explicit = start if a.start is not None or proposals else None
-                self._enqueue(Queued(a.request_id, data, a.partial, proposals, explicit, defer))
+                item = self._taken(a, caller)
             except PlanError as e:
                 rejected.append(Refusal(a.request_id, Failure(FailureKind.REFUSED, str(e))))
+                continue
             except Failed as e:
                 rejected.append(Refusal(a.request_id, e.failure))
-        return rejected
+                continue
+            if isinstance(item, Refusal):
+                rejected.append(item)
+            elif item is not None and item.request_id in awaited and item.plain:
+                self.requests[item.request_id].last_active = self.clock()
+                relayed[item.request_id] = item.data
+                self.counters["relayed_rows"] += 1
+            elif item is not None:
+                self._enqueue(item)
+        return rejected, relayed
+
+    def _taken(self, a: Activation, caller: str | None) -> Queued | Refusal | None:
+        """One activation checked and recorded as arrived: the input to queue, a refusal for a request that failed
+        here, or None for one that is over (dropped). Raises PlanError or Failed for a bad input."""
+        if a.request_id in self.ended:
+            if (failure := self.ended.failure(a.request_id)) is not None:  # failed here: the sender must know
+                return Refusal(a.request_id, failure)
+            return None  # the request is over; a late activation is dropped
+        req = self.requests.get(a.request_id)
+        if req is None:
+            if a.spec is None:
+                raise PlanError(f"unknown request {a.request_id} (this node has no state for it)")
+            if a.spec.step_of(self.id) == 0:
+                raise PlanError("a request starts at its first node with a prompt, not an activation")
+            check_caller(caller, {predecessor(a.spec, a.spec.step_of(self.id))}, f"request {a.request_id}")
+            self.admission.check_declared(a.spec, a.spec.reuse_positions, len(a.data))
+            req = self._admit(a.spec)
+            req.positions_in = a.spec.reuse_positions
+        else:
+            check_caller(caller, {predecessor(req.spec, req.step_index)}, f"request {a.request_id}")
+        start = req.positions_in if a.start is None else a.start
+        check_start(req, start)
+        self.admission.check_declared(req.spec, start, len(a.data))
+        self.admission.check_input(req.shard.is_first, a.data)
+        data, proposals, defer = a.data, a.proposals, 0
+        if req.shard.is_first and req.history is not None and self.speculation is not None:
+            if proposals or len(data) != 1 or a.partial:
+                raise PlanError("the first node takes one next token at a time and makes the proposals")
+            data, proposals, defer = self.speculation.next_input(
+                req, int(data[0]), start, self._step_room(), held=len(self.requests)
+            )
+        req.drafts, req.chunk_start, req.positions_in = proposals, start, start + len(data)
+        explicit = start if a.start is not None or proposals else None
+        return Queued(a.request_id, data, a.partial, proposals, explicit, defer)
 
     def end_request(
         self, request_id: str, reason: str, caller: str | None = None, branch: tuple[str, int] | None = None
@@ -264,7 +289,10 @@ class RequestBook:
         return plan if len(rows) == len(plan.rows) else dataclasses.replace(plan, rows=rows)
 
     def _plan(self, group: Group, follow: bool = True) -> StepPlan:
-        """The scheduler's group, with what each row's request says about running it, frozen now."""
+        """The scheduler's group, with what each row's request says about running it, frozen now. `follow`: no
+        work is left for a later pass, so rows may run on by themselves: a one-node ring's on its own token
+        (`Row.follow`), a ring's decode row on its next input from the data link (`Row.relay`; not under a grammar,
+        as `_follow`)."""
         rows = []
         for item in group.items:
             spec = (req := self.requests[item.request_id]).spec  # take() just dropped the ended ones
@@ -286,6 +314,7 @@ class RequestBook:
                     if follow and sample is not None and not (item.proposals or item.propose)
                     else None,
                     spec.prompt_tokens or None,
+                    follow and item.plain and len(spec.plan) > 1 and spec.sampling.constraint is None,
                 )
             )
         return StepPlan(group.shard, group.bucket, tuple(rows), self._retain_limit())

@@ -139,6 +139,11 @@ class Queued:
         return len(self.data) == 1 and not self.partial
 
     @property
+    def plain(self) -> bool:
+        """A decode row appended as it is: no proposals, none to ask for, no explicit cache position."""
+        return self.decode and not self.proposals and self.start is None and not self.propose
+
+    @property
     def stepwise(self) -> bool:
         """A running stream's step: a decode row, or a decode row with proposals (taken whole, never cut: the last
         node verifies every proposal at once), scheduled with the decode rows and charged its positions."""

@@ -7,6 +7,10 @@ sample it with). The driver executes a plan without reading the core (node/runti
 thread runs the pass and samples its rows at once) and hands the result back in one `NodeCore.step_done(plan,
 StepOutputs)`. A row whose request ended while the pass ran is dropped there (its caches released), never routed.
 
+A plan's rows may go on without the core: a one-node ring's on its own token (`Follow`, `next_pass`), a ring's
+decode row on its next input from a peer, which the core took on the loop as it takes any input (`Row.relay`,
+`relayed_pass`); either way the core set the row up to, and records what came.
+
 Why frozen: the core keeps changing while a pass runs (requests end, inputs arrive); a plan that pointed into it
 would make the pass depend on when the engine thread read it. The sampler state is the one object a plan shares
 with the core: a request's state is made once at admission and only its own rows (one per pass) advance it.
@@ -77,6 +81,7 @@ class Row:
     sample: Sampling | None = None  # on the last shard, a complete input: sample its next token right after
     follow: Follow | None = None  # a one-node ring's row whose token may go straight into the next pass
     prompt_positions: int | None = None  # positions its prompt fills (its cache may take them at its first chunk)
+    relay: bool = False  # a ring's decode row whose next input the engine thread may take itself (`relayed_pass`)
 
     def __post_init__(self) -> None:
         if self.sample is not None and self.partial:
@@ -85,6 +90,10 @@ class Row:
             raise ValueError(f"row {self.request_id}: only a sampled row without proposals is followed")
         if self.proposals and len(self.proposals) >= len(self.data):
             raise ValueError(f"row {self.request_id}: {len(self.proposals)} proposals need more rows than that")
+        if self.relay and (
+            self.follow or not self.stepwise or self.proposals or self.propose or self.start is not None
+        ):
+            raise ValueError(f"row {self.request_id}: only a ring's one-position step without proposals is relayed")
 
     @property
     def stepwise(self) -> bool:
@@ -165,3 +174,30 @@ def next_pass(plan: StepPlan, samples: Mapping[str, Sampled]) -> StepPlan | None
     if not rows:
         return None
     return StepPlan(plan.shard, 1 if plan.bucket is not None else None, tuple(rows), plan.retain_limit)
+
+
+def relayed_pass(plan: StepPlan, inputs: Mapping[str, np.ndarray]) -> StepPlan | None:
+    """The pass that follows `plan` on the engine thread for its relayed rows (`Row.relay`) whose next input came
+    straight from the data link (`inputs`, by request, taken by the core on the loop: `RequestBook.relay_activations`,
+    after the checks every input gets): each with that input, appended to its cache, as the core would have
+    scheduled it (None: no such row). A relayed row stays relayed: the core alone decides when one stops being."""
+    rows = tuple(
+        Row(
+            r.request_id,
+            inputs[r.request_id],
+            r.max_positions,
+            sample=r.sample,
+            prompt_positions=r.prompt_positions,
+            relay=True,
+        )
+        for r in plan.rows
+        if r.relay and r.request_id in inputs
+    )
+    if not rows:
+        return None
+    return StepPlan(plan.shard, 1 if plan.bucket is not None else None, rows, plan.retain_limit)
+
+
+def awaited(plan: StepPlan, outputs: Mapping[str, np.ndarray]) -> tuple[str, ...]:
+    """The relayed rows of a pass that ran (`outputs`): those whose next input the engine thread may wait for."""
+    return tuple(r.request_id for r in plan.rows if r.relay and r.request_id in outputs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -173,6 +173,33 @@ class GrpcTransport:
             self.streams[address] = (stub, stream)
         try:
             response = await stream.send(wire.encode_send(activations, messages), on_write)
+        except StreamBroken as e:
+            raise TransportError(*failure_of(e.code, e.details, address)) from None
+        return [wire.decode_refusal(r) for r in response.rejected]
+
+    def post(
+        self,
+        address: str,
+        activations: tuple[Activation, ...],
+        messages: tuple[TokenMessage, ...],
+        *,
+        on_write: Callable[[], None] | None = None,
+    ) -> Awaitable[list[Refusal]] | None:
+        """`send`'s message written now, on the peer's data link, where one is up and nothing is in flight on the
+        gRPC stream to it (what `send` would choose), with its answer to await; None where `send` must carry it."""
+        _, stream = self.streams.get(address, (None, None))
+        if self.links is None or (stream and stream.waiting) or (link := self.links.get(address)) is None:
+            return None
+        try:
+            answer = link.post(wire.encode_send(activations, messages), on_write)
+        except StreamBroken:  # closed under us: `send` finds another way
+            return None
+        return self._answered(address, answer)
+
+    @_translated
+    async def _answered(self, address: str, answer: Awaitable[pb.SendResponse]) -> list[Refusal]:
+        try:
+            response = await answer
         except StreamBroken as e:
             raise TransportError(*failure_of(e.code, e.details, address)) from None
         return [wire.decode_refusal(r) for r in response.rejected]

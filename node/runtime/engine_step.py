@@ -12,6 +12,11 @@ back (`RequestBook.followed`); the engine thread only applies the rule the core 
 tokens left). It stops when the loop has anything else for it (`interrupt`: new work, an ended request, shutdown),
 after `max_passes`, or when no row goes on; the rows still going then come back through the queue.
 
+On a ring of several nodes a decode row's next input comes from a peer: a plan's relayed rows (`Row.relay`, which
+the core sets) make the engine thread wait for it after their pass (`RelayInbox`, node/runtime/relay.py), and run
+the next pass on it as soon as the loop hands it over (`step_plan.relayed_pass`). Such a pass reaches the loop at
+once: its messages are the next node's input.
+
 The followed passes reach the loop together, at most every `handoff_s` (and at once when the run ends): each
 hand-off wakes the loop, whose work for a pass then takes a core from ggml's threads mid-pass (they wait for it at
 their next barrier) and runs on cold caches. Handed several passes at once, the loop does that once for them, hot
@@ -32,7 +37,8 @@ from typing import Protocol
 
 import numpy as np
 
-from node.core.step_plan import PREFIX_GONE, StepOutputs, StepPlan, next_pass
+from node.core.step_plan import PREFIX_GONE, StepOutputs, StepPlan, awaited, next_pass, relayed_pass
+from node.runtime.relay import RelayInbox
 from shards.engines.base import Engine, EngineInputError, StepInput
 
 log = logging.getLogger(__name__)
@@ -60,6 +66,8 @@ class Executed:
     began: float = 0.0
     ended: float = 0.0
     handed: float | None = None  # when the engine thread handed it to the loop, if later than `ended` (Following)
+    waited: float = 0.0  # seconds the engine thread waited for its relayed inputs to come (the ring's, not ours)
+    relayed: bool = False  # run on inputs handed straight to the engine thread (node/runtime/relay.py)
 
 
 def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None) -> Executed:
@@ -115,10 +123,11 @@ def _outputs(engine: Engine, items: list[StepInput], every_row: frozenset[str]) 
 
 class Following:
     """The engine thread's passes for one pipeline: each plan it is handed, then the passes that follow it (a
-    one-node ring's rows run on while their token is their next input). `on_pass` is called on the event loop with
-    every pass of a run, the first included, in the order they ran (one queue of loop callbacks: a pass's tokens
-    never overtake the previous pass's), from the callback that brings it back (no task resumes first); `interrupt`
-    (on the loop) ends the current run after the pass it is in."""
+    one-node ring's rows run on while their token is their next input; a ring's relayed rows run on as their next
+    input comes: `relay`, node/runtime/relay.py). `on_pass` is called on the event loop with every pass of a run,
+    the first included, in the order they ran (one queue of loop callbacks: a pass's tokens never overtake the
+    previous pass's), from the callback that brings it back (no task resumes first); `interrupt` (on the loop)
+    ends the current run after the pass it is in."""
 
     def __init__(
         self, on_pass: Callable[[Executed], None], max_passes: int = FOLLOW_PASSES, handoff_s: float = HANDOFF_S
@@ -127,9 +136,12 @@ class Following:
             raise ValueError(f"a run's limits are never negative, got {max_passes} passes and {handoff_s} s")
         self.on_pass, self.max_passes, self.handoff_s = on_pass, max_passes, handoff_s
         self.epoch = 0  # bumped by interrupt; a run goes on only while it is the one it started under
+        self._running = -1  # the epoch of the run on the engine thread (-1: none)
+        self.relay = RelayInbox(lambda: self._running == self.epoch)
 
     def interrupt(self) -> None:
         self.epoch += 1
+        self.relay.wake()
 
     async def start(self, executor: Executor, engine: Engine, plan: StepPlan, sampler: StepSampler | None) -> None:
         """Run `plan` and its followers; returns once the first pass was handed to `on_pass` (raises what running
@@ -149,6 +161,7 @@ class Following:
         sampler: StepSampler | None,
     ) -> None:
         """On the engine thread: the first pass (to `first`), then its followers (to `on_pass`)."""
+        self._running = epoch
         try:
             done, nxt = self._followed(run_pass(engine, plan, sampler), epoch, 0)
         except BaseException as e:
@@ -158,6 +171,11 @@ class Following:
         held: list[Executed] = []  # passes run since the last hand-off
         handed = time.perf_counter()
         for passes in range(1, self.max_passes + 1):
+            waited, relayed = 0.0, False
+            if nxt is None and epoch == self.epoch and (rows := awaited(done.plan, done.outputs.outputs)):
+                inputs, waited = self.relay.wait(rows)  # (the pass before went to the loop: its sends go first)
+                nxt = relayed_pass(done.plan, inputs)
+                relayed = nxt is not None
             if nxt is None:
                 return
             try:
@@ -166,6 +184,8 @@ class Following:
                 log.exception("a followed pass failed")
                 why = f"internal error in a followed pass: {e}"
                 done, nxt = Executed(nxt, StepOutputs({}, {r.request_id: why for r in nxt.rows})), None
+            if relayed:
+                done = dataclasses.replace(done, waited=waited, relayed=True)
             held.append(done)
             if nxt is not None and done.ended - handed < self.handoff_s:
                 continue  # the run goes on (a run that ends, at its limit or interrupted, has no next pass)

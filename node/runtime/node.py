@@ -342,11 +342,9 @@ class Node:
     ) -> list[Refusal]:
         """`local`: this node's own (a one-node ring's next token), not a hop from a peer; `received`: when the
         service had the message (perf_counter), for the hop's counters."""
-        rejected = self.core.accept_activations(activations, caller)
         if not local:
-            self.pipeline.overhead.arrived(received=received)
-            if len(rejected) < len(activations) and all(len(a.data) == 1 for a in activations):
-                self.pipeline.hold.arrived()  # tokens in the same message go to the client after the pass
+            return self.pipeline.offer(activations, caller, received)
+        rejected = self.core.accept_activations(activations, caller)
         self.pipeline.wake()
         return rejected
 

@@ -9,8 +9,11 @@ frozen plan (`take_batch`, node/core/step_plan.py), one engine-thread call that 
 (`ShardManager.execute`), one `step_done(plan, outputs)`, given to the core in the loop callback that brings the pass
 back, its sends before its counters (`Following`, node/runtime/engine_step.py, through which a one-node ring's rows
 also run on on the engine thread while their token is their next input). What a node sends itself is taken at once
-(`Local`). Tokens for this node's clients that come during a decode pass wait for its end and its
-sends (`TokenHold`, node/runtime/token_hold.py): the pass goes first.
+(`Local`); what it sends a peer is written at once, in that callback, where the transport can (`Transport.post`: a
+data link up, nothing queued for the peer), or else queued in its outbox; a ring's decode rows get their next input
+from `offer` straight to the engine thread that waits for it (node/runtime/relay.py). Tokens for this node's clients
+that come during a decode pass wait for its end and its sends (`TokenHold`, node/runtime/token_hold.py): the pass
+goes first.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from node.core.actions import Action, Deliver, Release, Sample, Send
@@ -75,14 +78,16 @@ class Pipeline:
         self.counters: Counter[str] = Counter()  # forward_us_total, step_us_total
         self.overhead = Overhead(self.counters)
         self.following = Following(self._on_pass)
+        shards.interrupt = self.following.interrupt
         self.hold = TokenHold()  # the entry's tokens wait for a decode pass in flight (node/runtime/token_hold.py)
         self._wake = asyncio.Event()
         self._outboxes: dict[str, Outbox] = {}
+        self._posted = 0  # calls whose answer is awaited
 
     @property
     def sending(self) -> bool:
         """Whether messages are still on their way out (a request's last token leaves after it ended here)."""
-        return bool(self._outboxes)
+        return bool(self._outboxes) or self._posted > 0
 
     def wake(self) -> None:
         """New work was queued in the core: the engine thread stops running rows on by itself (`Following`), so
@@ -161,6 +166,23 @@ class Pipeline:
             log.exception("applying a pass failed")
             for row in done.plan.rows:
                 self.do(self.core.fail(row.request_id, f"internal error: {e}"))
+        if done.relayed:  # the pass the relayed inputs came for ran, and its sends left: the held tokens go
+            self.hold.ran()
+            asyncio.get_running_loop().call_soon(self.hold.release)
+
+    def offer(self, activations: list[Activation], caller: str | None, received: float | None = None) -> list[Refusal]:
+        """A peer's activations: the core takes them, handing those the engine thread waits for (a relayed row's
+        next input: node/runtime/relay.py) straight to it and queueing the others, for which the worker wakes."""
+        queued = len(self.core.queue)
+        rejected, relayed = self.following.relay.offer(
+            lambda waited: self.core.relay_activations(activations, caller, waited)
+        )
+        self.overhead.arrived(received=received)
+        if len(rejected) < len(activations) and all(len(a.data) == 1 for a in activations):
+            self.hold.arrived()  # tokens in the same message go to the client after the pass
+        if len(self.core.queue) != queued or not relayed:
+            self.wake()
+        return rejected
 
     def _applied(self, done: Executed, engine: Engine | None) -> None:
         """Give what a pass made to the core, then count it: its sends leave first (the next node waits for them,
@@ -168,6 +190,7 @@ class Pipeline:
         inputs checked and rows sampled; the time between passes is overhead."""
         core, plan = self.core, done.plan
         self.overhead.applied(done.ended if done.handed is None else done.handed)
+        self.overhead.idle(done.waited)
         alone = core.active <= 1  # before step_done, which may end the pass's requests
         self.do(core.step_done(plan, done.outputs), engine)
         seconds = done.ended - done.began
@@ -186,6 +209,7 @@ class Pipeline:
     def do(self, actions: list[Action], engine: Engine | None = None) -> None:
         """`engine`: the one whose pass the actions follow (a `Sample` action's row is sampled with it)."""
         samples: dict[str, asyncio.Future] = {}
+        out: dict[str, list[Activation | TokenMessage]] = {}  # by address, in order: one message each where it can
         for action in actions:
             if isinstance(action, Release):
                 self.shards.release(action.request_id, keep=action.keep, branch=action.branch)
@@ -194,13 +218,14 @@ class Pipeline:
                 if self._here(action.address):
                     self.do(self.core.refused(action.address, self.local.accept(action.activations, ())))
                 else:
-                    self._outbox(action.address).put(*action.activations)
+                    out.setdefault(action.address, []).extend(action.activations)
             elif isinstance(action, Deliver):
                 if self._here(action.address):
                     self.local.accept((), (action.message,))
                 else:
-                    self._outbox(action.address).put(action.message)
+                    out.setdefault(action.address, []).append(action.message)
             elif isinstance(action, Sample):
+                self.following.interrupt()  # the batcher samples it on the engine thread: no run may hold that up
                 item = SampleItem(
                     action.request_id, action.logits, action.params, action.state, engine, self.model_id, action.drafts
                 )
@@ -208,10 +233,16 @@ class Pipeline:
                     samples[action.request_id] = self.batcher.submit(item)
                 except (ValueError, BatcherClosed) as e:
                     self.do(self.core.fail(action.request_id, f"cannot sample: {e}"))
+        for address, items in out.items():  # written at once where they can be (the next node waits for them)
+            if not self._post(address, items):
+                self._outbox(address).put(*items)
         if samples:
             if not self.core.queue:
                 self.batcher.flush()  # no more forward passes queued here: nothing else can join this batch
             self.spawn(self._sampled(samples))
+
+    def _max_bytes(self) -> int:
+        return self.transport.max_message_bytes - MESSAGE_ROOM
 
     def _here(self, address: str) -> bool:
         return self.local is not None and address == self.local.address
@@ -229,23 +260,55 @@ class Pipeline:
                 lambda batch: self._send(address, batch),
                 self.spawn,
                 lambda: self._outboxes.pop(address, None),
-                max_bytes=self.transport.max_message_bytes - MESSAGE_ROOM,
+                max_bytes=self._max_bytes(),
                 size=_wire_size,
             )
         return box
+
+    def _post(self, address: str, items: list[Activation | TokenMessage]) -> bool:
+        """`items` for `address` in one message written now, where nothing is queued for it and the transport can
+        write without waiting (its data link: `Transport.post`); False: they go through the outbox."""
+        post = getattr(self.transport, "post", None)  # (a transport without data links has none)
+        if post is None or address in self._outboxes or sum(map(_wire_size, items)) > self._max_bytes():
+            return False
+        activations = tuple(m for m in items if isinstance(m, Activation))
+        messages = tuple(m for m in items if isinstance(m, TokenMessage))
+        handed: list[float] = []
+        called = time.perf_counter()
+        try:
+            answer = post(address, activations, messages, on_write=lambda: handed.append(time.perf_counter()))
+        except Exception:  # (one that can't be encoded: the outbox's call fails its requests, saying why)
+            return False
+        if answer is None:
+            return False
+        self._posted += 1
+        self.spawn(self._answered(address, activations, messages, answer, called, handed))
+        return True
 
     async def _send(self, address: str, batch: tuple[Activation | TokenMessage, ...]) -> None:
         activations = tuple(m for m in batch if isinstance(m, Activation))
         messages = tuple(m for m in batch if isinstance(m, TokenMessage))
         handed: list[float] = []
+        called = time.perf_counter()
+        call = self.transport.send(address, activations, messages, on_write=lambda: handed.append(time.perf_counter()))
+        self._posted += 1
+        await self._answered(address, activations, messages, call, called, handed)
+
+    async def _answered(
+        self,
+        address: str,
+        activations: tuple[Activation, ...],
+        messages: tuple[TokenMessage, ...],
+        answer: Awaitable[list[Refusal]],
+        called: float,
+        handed: list[float],
+    ) -> None:
+        """A call's answer: its refusals to the core, or its failure, which fails its requests (never vanish)."""
         try:
-            called = time.perf_counter()
-            refused = await self.transport.send(
-                address, activations, messages, on_write=lambda: handed.append(time.perf_counter())
-            )
+            refused = await answer
             if activations:
                 self.overhead.sent(called, time.perf_counter(), handed[0] if handed else None)
-        except Exception as e:  # a transport error, or a message that can't be sent: its requests fail, never vanish
+        except Exception as e:  # a transport error, or a message that can't be sent
             if not isinstance(e, TransportError):
                 log.exception("sending to %s failed", address)
             self.metrics.rpc_error(address, "send")
@@ -253,6 +316,8 @@ class Pipeline:
             for message in messages:
                 self.do(self.core.deliver_failed(address, message, str(e)))
             return
+        finally:
+            self._posted -= 1
         self.do(self.core.refused(address, refused))
 
 

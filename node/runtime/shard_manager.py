@@ -32,8 +32,12 @@ class ShardManager:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engines: dict[Shard, Engine] = {}
         self._loading: dict[Shard, asyncio.Future] = {}
+        # what ends a run of passes the engine thread goes on with by itself (the pipeline's `Following`), so a
+        # call queued behind it never waits for a relayed row's next input (node/runtime/relay.py)
+        self.interrupt: Callable[[], None] = lambda: None
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self.interrupt()
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def get(self, shard: Shard) -> Engine:

@@ -47,6 +47,11 @@ class TokenHold:
         if not self.running:
             self.release()
 
+    def ran(self) -> None:
+        """A pass the engine thread started by itself on inputs that arrived (a ring's relayed rows) ended. What
+        it holds is released once its messages left (`release`, by the caller)."""
+        self.due, self.running = False, None
+
     def ended(self) -> None:
         """The pass ended. What it holds is released once what the pass made is sent (`release`, by the caller)."""
         self.running = None

@@ -6,7 +6,7 @@ about grpc or protobuf; everything else talks to a `Transport`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import numpy as np
@@ -50,6 +50,17 @@ class Transport(Protocol):
         """Activations (for requests the peer runs) and token messages (for requests it is the entry node of), in
         one call; returns the activations the peer refused, and why. `on_write` is called as the encoded message is
         handed to the link's write (the hop's counters: node/runtime/overhead.py)."""
+
+    def post(
+        self,
+        address: str,
+        activations: tuple[Activation, ...],
+        messages: tuple[TokenMessage, ...],
+        *,
+        on_write: Callable[[], None] | None = None,
+    ) -> Awaitable[list[Refusal]] | None:
+        """`send`'s message handed to the link's write now, where that can be done without waiting (a data link
+        up: node/grpc/client.py), with its answer (`send`'s) to await; None: `send` it."""
 
     async def end_request(
         self, address: str, request_id: str, reason: str, branch: tuple[str, int] | None = None
@@ -127,6 +138,19 @@ class Loopback:
         if address != self.node.address:
             return await self.inner.send(address, activations, messages, on_write=on_write)
         return self.accept(activations, messages)
+
+    def post(
+        self,
+        address: str,
+        activations: tuple[Activation, ...],
+        messages: tuple[TokenMessage, ...],
+        *,
+        on_write: Callable[[], None] | None = None,
+    ) -> Awaitable[list[Refusal]] | None:
+        if address == self.node.address:
+            return None  # (what this node sends itself is `accept`ed)
+        post = getattr(self.inner, "post", None)  # (a transport without data links has none)
+        return None if post is None else post(address, activations, messages, on_write=on_write)
 
     def accept(self, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> list[Refusal]:
         """What this node sends itself, taken at once, in order (the pipeline's `Local`: no task, no call)."""

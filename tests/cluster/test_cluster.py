@@ -69,6 +69,8 @@ def test_a_ring_without_a_cluster_key_carries_its_data_path_on_the_links(live_cl
             break
     assert {node: g.get("link_messages", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)
     assert {node: g.get("link_refused", 0) for node, g in gained.items()} == dict.fromkeys(gained, 0)
+    # and each node's engine thread took its decode rows' inputs as they came off the link (node/runtime/relay.py)
+    assert {node: g.get("relayed_rows", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)
     assert set(c.wait_idle().values()) == {0}
 
 
@@ -77,6 +79,8 @@ def test_a_ring_told_no_link_keeps_to_the_grpc_stream():
         for _ in range(3):
             assert_matches_reference(c, PROMPTS[0], max_tokens=12)
         assert [s for s in statuses(c).values() if "link_messages" in s] == []
+        # the stream's inputs are relayed to a waiting engine thread as the link's are
+        assert all(s.get("relayed_rows", 0) > 0 for s in statuses(c).values())
         assert all("data link" not in "".join(node.lines) for node in c.nodes)
 
 

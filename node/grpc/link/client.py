@@ -15,7 +15,7 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -68,6 +68,10 @@ class LinkConnection(asyncio.Protocol):
         return link
 
     async def send(self, request: pb.SendRequest, on_write: Callable[[], None] | None = None) -> pb.SendResponse:
+        return await self.post(request, on_write)
+
+    def post(self, request: pb.SendRequest, on_write: Callable[[], None] | None = None) -> Awaitable[pb.SendResponse]:
+        """`send`'s write, now (StreamBroken once the link is closed), and its answer to await."""
         if self.closed:
             raise StreamBroken(grpc.StatusCode.UNAVAILABLE, "the link is closed")
         answer = asyncio.get_running_loop().create_future()
@@ -75,6 +79,9 @@ class LinkConnection(asyncio.Protocol):
         if on_write is not None:
             on_write()
         self.transport.write(frame(DATA, request.SerializeToString()))
+        return self._answer(answer)
+
+    async def _answer(self, answer: asyncio.Future) -> pb.SendResponse:
         overdue = asyncio.get_running_loop().call_later(self.timeout, self._overdue, answer)
         try:
             if self.writable is not None:  # the peer reads slower than we write: wait for room, within the deadline

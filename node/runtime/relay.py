@@ -1,0 +1,79 @@
+"""Where a ring's relayed rows meet their next inputs: the engine thread waits here for them, and the loop hands
+them over as they come off the data link (or gRPC's stream), so a hop's next pass starts from the message, without
+the core's queue, the worker's wake and a new trip to the engine thread.
+
+The core decides what is relayed (`Row.relay`, node/core/request_book.py's `_plan`) and checks each input as it
+checks every input (`RequestBook.relay_activations`, called under this inbox's lock: an input is either handed here
+while the engine thread waits for it, or queued, never both, never neither). The engine thread waits while nothing
+else is asked of it: new work, an ended request or shutdown (`interrupt`) ends the wait, and so does `wait_s`
+without any input (a stalled peer; its input then comes through the queue). Once one input of several came, the
+others get `gather_s` more: those that come later are queued, for the pass after.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+import numpy as np
+
+R = TypeVar("R")
+WAIT_S = 0.5  # longest the engine thread waits for a relayed row's next input (a peer's pass takes far less)
+GATHER_S = 0.002  # once one input came, longest it waits for the others of the same pass
+
+
+class RelayInbox:
+    def __init__(self, current: Callable[[], bool], wait_s: float = WAIT_S, gather_s: float = GATHER_S):
+        """`current()`: whether the engine thread's run may go on (false once interrupted)."""
+        if wait_s < 0 or gather_s < 0:
+            raise ValueError(f"waits are never negative, got {wait_s} and {gather_s} s")
+        self.current, self.wait_s, self.gather_s = current, wait_s, gather_s
+        self._cond = threading.Condition()
+        self._awaiting: dict[str, np.ndarray | None] = {}  # request -> its input once it came
+        self._first: float | None = None  # when the first awaited input came (perf_counter)
+
+    def wake(self) -> None:
+        """Something changed `current()`: the engine thread looks again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait(self, requests: Iterable[str]) -> tuple[dict[str, np.ndarray], float]:
+        """On the engine thread: the inputs that came for `requests` (none: the run ends), and the seconds waited
+        before the first of them came (the ring's time, not this node's)."""
+        began = time.perf_counter()
+        with self._cond:
+            self._awaiting, self._first = dict.fromkeys(requests), None
+            try:
+                while self.current():
+                    came = sum(v is not None for v in self._awaiting.values())
+                    if came == len(self._awaiting):
+                        break
+                    until = began + self.wait_s if self._first is None else self._first + self.gather_s
+                    left = until - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                inputs = {rid: data for rid, data in self._awaiting.items() if data is not None}
+                idle = self._first - began if inputs and self._first is not None else 0.0
+                return inputs, max(0.0, idle)
+            finally:
+                self._awaiting = {}
+
+    def offer(
+        self, take: Callable[[frozenset[str]], tuple[R, dict[str, np.ndarray]]]
+    ) -> tuple[R, dict[str, np.ndarray]]:
+        """On the loop: `take(awaited)` (the core taking a message's activations) with the requests whose input the
+        engine thread waits for now; the inputs it hands back for them go to the engine thread."""
+        with self._cond:
+            awaited = frozenset(rid for rid, data in self._awaiting.items() if data is None)
+            result, relayed = take(awaited)
+            if stray := set(relayed) - awaited:
+                raise ValueError(f"inputs relayed for requests {sorted(stray)} nobody waits for")
+            if relayed:
+                self._awaiting.update(relayed)
+                if self._first is None:
+                    self._first = time.perf_counter()
+                self._cond.notify_all()
+            return result, relayed
