@@ -104,6 +104,24 @@ def test_a_ring_node_that_waits_between_its_steps_still_hears_a_busy_neighbour()
     assert counts == [2, 2, 2, 1, 1, 1]  # the third step's end: 0.6 s of steps seen
 
 
+def test_a_process_pinned_to_fewer_cores_while_it_runs_starts_a_new_baseline():
+    """Busy time is summed over the process's CPUs as they are at each read: pinned to one of two cores mid-run
+    (`taskset -p`), the next read counts less busy time than the last. That is no negative load (it once failed
+    the pass that read it: "CPU times are never negative"): the window goes on from the new count."""
+    cpu = Recorded()
+    cpu.busy = 5000.0  # the CPUs' busy seconds since boot
+    gov = ThreadGovernor(2, interval=0.5, reader=cpu, clock=lambda: cpu.now)
+    cpu.run(0.3, others=0.0, ours=2.0)
+    assert gov.threads() == 2
+    cpu.busy /= 2  # the second core no longer counted
+    cpu.run(0.3, others=0.0, ours=1.0)
+    assert gov.threads() == 2
+    for _ in range(4):
+        cpu.run(0.3, others=1.0, ours=1.0)  # then a neighbour on the other counted core
+        gov.threads()
+    assert gov.current == 1
+
+
 def test_a_fixed_governor_or_one_thread_never_reads_proc():
     cpu = Recorded()
     for gov in (

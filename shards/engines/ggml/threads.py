@@ -146,6 +146,8 @@ class ThreadGovernor:
         if sample is None or sample.at <= self.last.at:
             return
         last, self.last, w = self.last, sample, self._window
+        if sample.cpus_busy < last.cpus_busy or sample.own < last.own:
+            return  # counted over other CPUs now (the process was pinned, say): a new baseline, nothing to add
         w = self._window = CpuSample(
             w.cpus_busy + sample.cpus_busy - last.cpus_busy, w.own + sample.own - last.own, w.at + sample.at - last.at
         )
