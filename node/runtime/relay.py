@@ -12,6 +12,7 @@ others get `gather_s` more: those that come later are queued, for the pass after
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -76,4 +77,14 @@ class RelayInbox:
                 if self._first is None:
                     self._first = time.perf_counter()
                 self._cond.notify_all()
-            return result, relayed
+        if relayed:
+            _yield()  # the engine thread, woken, takes the interpreter now, not when the loop next sleeps
+        return result, relayed
+
+
+def _yield() -> None:
+    """Let a thread waiting for the interpreter lock run: os.sched_yield releases it and gives up the core."""
+    if hasattr(os, "sched_yield"):
+        os.sched_yield()
+    else:
+        time.sleep(0)
