@@ -26,6 +26,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+import numpy as np
+
 from node.core.actions import Action, Deliver, Release, Sample, Send
 from node.core.node_core import NodeCore
 from node.core.requests import Activation, Refusal, TokenMessage
@@ -173,11 +175,15 @@ class Pipeline:
     def offer(self, activations: list[Activation], caller: str | None, received: float | None = None) -> list[Refusal]:
         """A peer's activations: the core takes them, handing those the engine thread waits for (a relayed row's
         next input: node/runtime/relay.py) straight to it and queueing the others, for which the worker wakes."""
-        queued = len(self.core.queue)
-        rejected, relayed = self.following.relay.offer(
-            lambda waited: self.core.relay_activations(activations, caller, waited)
-        )
-        self.overhead.arrived(received=received)
+        queued, taken = len(self.core.queue), []
+
+        def take(waited: frozenset[str]) -> tuple[list[Refusal], dict[str, np.ndarray]]:
+            got = self.core.relay_activations(activations, caller, waited)
+            taken.append(time.perf_counter())  # (the offer then yields the core to the engine thread it woke)
+            return got
+
+        rejected, relayed = self.following.relay.offer(take)
+        self.overhead.arrived(taken[0] if taken else None, received)
         if len(rejected) < len(activations) and all(len(a.data) == 1 for a in activations):
             self.hold.arrived()  # tokens in the same message go to the client after the pass
         if len(self.core.queue) != queued or not relayed:
