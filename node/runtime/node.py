@@ -38,7 +38,7 @@ from node.runtime.planning import LayerFootprints, make_plan
 from node.runtime.proposers import proposer_for
 from node.runtime.sampling_batcher import SamplingBatcher
 from node.runtime.settings import NodeSettings, ServedModel
-from node.runtime.shard_manager import EngineFactory, ShardManager
+from node.runtime.shard_manager import EngineCalls, EngineFactory, ShardManager
 from node.runtime.transport import Loopback, Transport
 from shards.decoding.grammar import grammar_tokenizer
 from shards.decoding.sampling import SamplingParams
@@ -100,7 +100,7 @@ class Node:
         self.batcher = SamplingBatcher(
             settings.sample_batch_max,
             settings.sample_batch_window_ms,
-            executor=self.shards.executor,
+            executor=EngineCalls(self.shards),
             grammar=lambda: grammar_tokenizer(model.tokenizer),
         )
         self.transport = Loopback(self, transport)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +118,16 @@ class ShardManager:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class EngineCalls(Executor):
+    """The engine thread for its other callers (the sampling batcher's rows): a call first ends any run of passes
+    the engine thread goes on with by itself (`ShardManager.interrupt`), so it never waits behind a relayed row's
+    wait for its next input."""
+
+    def __init__(self, shards: ShardManager):
+        self.shards = shards
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        self.shards.interrupt()
+        return self.shards.executor.submit(fn, *args, **kwargs)

@@ -22,7 +22,7 @@ from node.core.step_plan import Row, Sampling, StepOutputs, StepPlan, awaited, r
 from node.runtime.engine_step import Following
 from node.runtime.relay import RelayInbox
 from node.runtime.sampling_batcher import SamplingBatcher
-from node.runtime.shard_manager import ShardManager
+from node.runtime.shard_manager import EngineCalls, ShardManager
 from shards.decoding.grammar import Constraint
 from shards.decoding.sampling import SamplerState, SamplingParams
 from shards.engines.numpy_engine import NumpyEngine
@@ -291,3 +291,26 @@ def test_the_core_routes_a_relayed_pass_as_any_pass():
     assert send.address == "h:3" and b.requests["r1"].positions_in == 6
     (row,), (before,) = nxt.rows, plan.rows
     assert (row.max_positions, row.prompt_positions, row.relay) == (before.max_positions, before.prompt_positions, True)
+
+
+def test_a_call_for_the_engine_thread_ends_a_relay_wait_so_it_never_waits_behind_it():
+    """The sampling batcher samples on the engine thread too: its call (`EngineCalls`) ends a relayed row's wait
+    for its input at once, where a bare submission waits for the wait's end."""
+    factory = lambda d, s, c: NumpyEngine(d, s, ModelConfig.from_dir(d))  # noqa: E731
+    last = Shard("llama", 3, 6, 6)
+
+    async def waited(call) -> float:
+        shards = ShardManager(FIXTURES / "llama", CFG, factory)
+        following = Following(lambda done: None)
+        shards.interrupt = following.interrupt  # as the pipeline sets it
+        engine = await shards.get(last)
+        plan = StepPlan(last, None, (Row("r", hidden(), 20, relay=True),))
+        await shards.execute(engine, plan, None, following)  # the engine thread now waits for r's next input
+        started = time.perf_counter()
+        await asyncio.wrap_future(call(shards).submit(lambda: None))
+        took = time.perf_counter() - started
+        shards.close()
+        return took
+
+    assert asyncio.run(waited(EngineCalls)) < 0.25
+    assert asyncio.run(waited(lambda shards: shards.executor)) >= 0.4  # the wait's 0.5 s, for want of an interrupt
