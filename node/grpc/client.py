@@ -157,15 +157,9 @@ class GrpcTransport:
         on_write: Callable[[], None] | None = None,
     ) -> list[Refusal]:
         stub = self.stub(address)  # first: it may replace a channel whose certificate was renewed
+        if (answer := self.post(address, activations, messages, on_write=on_write)) is not None:
+            return await answer
         on, stream = self.streams.get(address, (None, None))
-        # the link once it is up, and once nothing is in flight on the stream (the peer gets messages in order)
-        link = self.links.get(address) if self.links is not None and not (stream and stream.waiting) else None
-        if link is not None:
-            try:
-                response = await link.send(wire.encode_send(activations, messages), on_write)
-            except StreamBroken as e:
-                raise TransportError(*failure_of(e.code, e.details, address)) from None
-            return [wire.decode_refusal(r) for r in response.rejected]
         if on is not stub:  # a new channel gets its own stream
             if stream is not None:
                 asyncio.ensure_future(stream.close())
@@ -186,7 +180,8 @@ class GrpcTransport:
         on_write: Callable[[], None] | None = None,
     ) -> Awaitable[list[Refusal]] | None:
         """`send`'s message written now, on the peer's data link, where one is up and nothing is in flight on the
-        gRPC stream to it (what `send` would choose), with its answer to await; None where `send` must carry it."""
+        gRPC stream to it (the peer gets messages in order), with its answer to await; None: `send` carries it on
+        the stream."""
         _, stream = self.streams.get(address, (None, None))
         if self.links is None or (stream and stream.waiting) or (link := self.links.get(address)) is None:
             return None
