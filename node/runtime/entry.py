@@ -72,6 +72,10 @@ class _Attempt:
     inbox: asyncio.Queue  # TokenMessage, or a Failed that ends the attempt
     lost: bool = False
     suspects: set[str] = dataclasses.field(default_factory=set)  # nodes to leave out of a replay's plan
+    sliced: bool = False  # a _SLICE waits in the inbox
+
+
+_SLICE = object()  # in an attempt's inbox: a slice went by (Entry._slice)
 
 
 class Entry:
@@ -241,17 +245,15 @@ class Entry:
 
     async def _run(self, attempt: _Attempt) -> AsyncIterator[TokenMessage]:
         started = heard = time.monotonic()
+        self._slice(attempt, started + self.stalls.slice_s)
         while True:
-            try:
-                asleep = time.monotonic()
-                async with asyncio.timeout(self.stalls.slice_s):  # no task per token, as wait_for makes
-                    message = await attempt.inbox.get()
-            except TimeoutError:
-                self.stalls.woke(asleep)
+            message = await attempt.inbox.get()
+            if message is _SLICE:
+                attempt.sliced = False
                 if self.stalls.lost(started, heard):  # what the plan owed us may be gone with our stall
-                    raise lost("the entry's loop stalled, and nothing came after it") from None
+                    raise lost("the entry's loop stalled, and nothing came after it")
                 if time.monotonic() - heard > self.request_timeout:  # a frozen node is membership's to find
-                    raise _Final(Failure(FailureKind.LOST, f"no token within {self.request_timeout:g}s")) from None
+                    raise _Final(Failure(FailureKind.LOST, f"no token within {self.request_timeout:g}s"))
                 continue
             heard = time.monotonic()
             if isinstance(message, TokenMessage) and not (message.results or message.finished):
@@ -263,6 +265,22 @@ class Entry:
             yield message
             if message.finished:
                 return
+
+    def _slice(self, attempt: _Attempt, due: float) -> None:
+        """Every `slice_s` while the attempt runs: a late call is the loop's stall; an attempt with nothing to read
+        is handed a `_SLICE`, so it looks at the clock (silent through a stall, or past the request timeout).
+        One timer an attempt, not one a token: a timeout around each wait cost the loop a timer's arming and
+        cancelling per token."""
+        if self.attempts.get(attempt.spec.request_id) is not attempt:
+            return  # ended: no more slices
+        loop = asyncio.get_running_loop()
+        if loop.time() >= due:
+            self.stalls.woke(due - self.stalls.slice_s)
+            if attempt.inbox.empty() and not attempt.sliced:
+                attempt.sliced = True
+                attempt.inbox.put_nowait(_SLICE)
+            due = loop.time() + self.stalls.slice_s
+        loop.call_at(due, self._slice, attempt, due)
 
     def accept_tokens(self, message: TokenMessage, caller: str | None = None) -> None:
         """Tokens (or an error) for one of our requests, from a node of its plan (`caller`, when authenticated).

@@ -130,3 +130,29 @@ def test_a_long_prompt_that_reports_its_chunks_outlives_the_request_timeout_and_
     got, silent, waited = asyncio.run(go())
     assert got.results == (SampleResult(7),)  # the first message its client sees is its first token
     assert silent.kind is FailureKind.LOST and "no token within 0.8s" in str(silent) and 0.7 < waited < 3
+
+
+def test_a_streaming_request_arms_a_timer_a_slice_not_one_a_token():
+    """The entry looks at the clock every slice while a request runs (its stalls, its timeout), on one timer the
+    request re-arms: a timeout around each wait for a token armed and cancelled a timer on the loop per token, at
+    every stream's every token. 300 tokens within one slice arm at most the slice's own timer."""
+
+    async def go():
+        ring = Ring()
+        entry = entry_for(ring)
+        loop = asyncio.get_running_loop()
+        armed = []
+        call_at = loop.call_at
+        loop.call_at = lambda when, callback, *args, **kw: (
+            armed.append(callback) or call_at(when, callback, *args, **kw)
+        )
+        stream, first, rid = await started(entry, ring)
+        got = []
+        for i in range(300):
+            entry.accept_tokens(TokenMessage(rid, (SampleResult(7 + i % 5),), finished=i == 299), caller="c")
+            got.append(await first if i == 0 else await anext(stream))
+        return got, armed
+
+    got, armed = asyncio.run(go())
+    assert len(got) == 300 and got[-1].finished
+    assert len(armed) <= 2, f"{len(armed)} timers for 300 tokens"
