@@ -24,6 +24,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection
 from contextvars import ContextVar
+from typing import Any
 
 import numpy as np
 
@@ -76,6 +77,20 @@ class _Attempt:
 
 
 _SLICE = object()  # in an attempt's inbox: a slice went by (Entry._slice)
+
+
+def _joined(message: TokenMessage, inbox: asyncio.Queue) -> tuple[TokenMessage, Any]:
+    """`message` with the tokens already behind it in `inbox` (those that came while its client was written to),
+    and the first item that can't join it (a failure, a slice), if one was taken: the client gets them in one
+    write, not one a token. Nothing waits for this: only what has come joins."""
+    results, last = list(message.results), message
+    while not last.finished and not inbox.empty():
+        item = inbox.get_nowait()
+        if not isinstance(item, TokenMessage) or item.failure is not None:
+            return dataclasses.replace(last, results=tuple(results)), item
+        results += item.results
+        last = item
+    return (message if last is message else dataclasses.replace(last, results=tuple(results))), None
 
 
 class Entry:
@@ -246,8 +261,9 @@ class Entry:
     async def _run(self, attempt: _Attempt) -> AsyncIterator[TokenMessage]:
         started = heard = time.monotonic()
         self._slice(attempt, started + self.stalls.slice_s)
+        pending = None  # what was taken from the inbox behind a message and did not join it
         while True:
-            message = await attempt.inbox.get()
+            message, pending = (pending if pending is not None else await attempt.inbox.get()), None
             if message is _SLICE:
                 attempt.sliced = False
                 if self.stalls.lost(started, heard):  # what the plan owed us may be gone with our stall
@@ -262,6 +278,7 @@ class Entry:
                 raise message
             if message.failure is not None:
                 raise Failed(message.failure)
+            message, pending = _joined(message, attempt.inbox)
             yield message
             if message.finished:
                 return

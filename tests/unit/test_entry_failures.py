@@ -156,3 +156,46 @@ def test_a_streaming_request_arms_a_timer_a_slice_not_one_a_token():
     got, armed = asyncio.run(go())
     assert len(got) == 300 and got[-1].finished
     assert len(armed) <= 2, f"{len(armed)} timers for 300 tokens"
+
+
+def test_tokens_that_came_while_the_client_was_written_to_go_out_together_and_a_failure_behind_them_after():
+    """What is already in a request's inbox when its stream comes back for more joins the message it takes (one
+    write to the client, not one a token), in order; a failure never joins: the tokens before it are delivered,
+    then it is raised. Nothing is waited for: a lone token goes out alone."""
+
+    async def go():
+        ring = Ring()
+        entry = entry_for(ring, max_replays=0)
+        stream, first, rid = await started(entry, ring)
+        entry.accept_tokens(TokenMessage(rid, (SampleResult(7),)), caller="c")
+        alone = await first
+        for token in (8, 9, 10):
+            entry.accept_tokens(TokenMessage(rid, (SampleResult(token),)), caller="c")
+        together = await anext(stream)
+        entry.accept_tokens(TokenMessage(rid, (SampleResult(11),)), caller="c")
+        entry.accept_tokens(failed(rid, FailureKind.ERROR, "the engine failed"), caller="b")
+        before = await anext(stream)
+        with pytest.raises(Failed) as after:
+            await anext(stream)
+        return alone, together, before, after.value
+
+    alone, together, before, after = asyncio.run(go())
+    assert [r.token for r in alone.results] == [7]
+    assert [r.token for r in together.results] == [8, 9, 10] and not together.finished
+    assert [r.token for r in before.results] == [11] and "the engine failed" in str(after)
+
+
+def test_tokens_joined_up_to_the_one_that_finishes_the_request():
+    async def go():
+        ring = Ring()
+        entry = entry_for(ring)
+        stream, first, rid = await started(entry, ring)
+        entry.accept_tokens(TokenMessage(rid, (SampleResult(7),)), caller="c")
+        entry.accept_tokens(TokenMessage(rid, (SampleResult(8),), finished=True, finish_reason="length"), caller="c")
+        last = await first
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        return last
+
+    last = asyncio.run(go())
+    assert [r.token for r in last.results] == [7, 8] and last.finished and last.finish_reason == "length"
