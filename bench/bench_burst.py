@@ -53,12 +53,14 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, i: int, toke
         "max_tokens": tokens,
         "temperature": 0,
         "messages": [{"role": "user", "content": f"Tell me one fact about {TOPICS[i % len(TOPICS)]} (#{i})."}],
+        "stream_options": {"include_usage": True},  # a chunk may carry several tokens
     }
     started, first, n = time.perf_counter(), None, 0
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
         async for line in response.content:
-            if line.startswith(b"data: {") and b'"content"' in line:
-                n += 1
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                n = json.loads(line[6:])["usage"]["completion_tokens"]
+            elif line.startswith(b"data: {") and b'"content"' in line:
                 first = first or time.perf_counter() - started
     return n, first or float("nan")
 

@@ -41,8 +41,9 @@ NODES = (1, 2, 3, 4)
 STREAMS = (1, 2, 4, 8, 16)
 
 
-def stream_stamps(api_url: str, model: str, prompt: str, tokens: int) -> list[float]:
-    """Arrival time of each content chunk of one greedy stream (chunks are tokens here: every id is a word)."""
+def stream_stamps(api_url: str, model: str, prompt: str, tokens: int) -> tuple[list[float], int]:
+    """Arrival time of each content chunk of one greedy stream, and its tokens (the usage: a chunk carries every
+    token that came while the one before was written)."""
     body = json.dumps(
         {
             "model": model,
@@ -50,33 +51,37 @@ def stream_stamps(api_url: str, model: str, prompt: str, tokens: int) -> list[fl
             "max_tokens": tokens,
             "temperature": 0,
             "stream": True,
+            "stream_options": {"include_usage": True},
         }
     ).encode()
     req = urllib.request.Request(
         f"{api_url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
     )
-    stamps = []
+    stamps, used = [], 0
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
-            if line.startswith(b"data: {") and b'"content"' in line and b'"role"' not in line:
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                used = json.loads(line[6:])["usage"]["completion_tokens"]
+            elif line.startswith(b"data: {") and b'"content"' in line and b'"role"' not in line:
                 stamps.append(time.perf_counter())
-    return stamps
+    return stamps, used or len(stamps)  # a server without usage: its chunks
 
 
-def decode_rate(stamps: list[float]) -> float:
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+def decode_rate(run: tuple[list[float], int]) -> float:
+    stamps, used = run
+    return (used - 1) / (stamps[-1] - stamps[0])
 
 
 def concurrent(api_url: str, model: str, streams: int, tokens: int) -> dict:
-    """`streams` streams at once: aggregate tok/s (prefill included) and the inter-token latencies of all."""
+    """`streams` streams at once: aggregate tok/s (prefill included) and the gaps between the chunks of all."""
     with ThreadPoolExecutor(streams) as pool:
         t = time.perf_counter()
         runs = list(pool.map(lambda i: stream_stamps(api_url, model, f"p{i}", tokens), range(streams)))
         elapsed = time.perf_counter() - t
-    gaps = sorted(b - a for stamps in runs for a, b in zip(stamps, stamps[1:]))
+    gaps = sorted(b - a for stamps, _ in runs for a, b in zip(stamps, stamps[1:]))
     return {
         "streams": streams,
-        "tok_s": sum(map(len, runs)) / elapsed,
+        "tok_s": sum(used for _, used in runs) / elapsed,
         "p50_ms": 1000 * gaps[len(gaps) // 2],
         "p99_ms": 1000 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))],
     }

@@ -70,11 +70,13 @@ async def stream(session: aiohttp.ClientSession, url: str, model: str, i: int, t
         "max_tokens": tokens,
         "temperature": 0,
         "messages": [{"role": "user", "content": f"Write a long story about a lighthouse keeper (#{i})."}],
+        "stream_options": {"include_usage": True},  # a chunk carries every token that came while the last was sent
     }
     n = 0
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
         async for line in response.content:
-            n += line.startswith(b"data: {") and b'"content"' in line
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                n = json.loads(line[6:])["usage"]["completion_tokens"]
     return n
 
 

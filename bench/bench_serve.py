@@ -137,7 +137,7 @@ async def concurrent(
     return {
         "streams": streams,
         "aggregate": chunks / (end - start),
-        "per_stream": sum(per_stream) / len(per_stream),
+        "per_stream": sum(per_stream) / len(per_stream) if per_stream else float("nan"),  # too few chunks to time
         "ttft": sum(r["stamps"][0] - r["sent"] for r in runs) / len(runs),
         "chunks": chunks,
         "load": os.getloadavg()[0],
