@@ -266,6 +266,8 @@ class Entry:
             message, pending = (pending if pending is not None else await attempt.inbox.get()), None
             if message is _SLICE:
                 attempt.sliced = False
+                if not attempt.inbox.empty():
+                    continue  # messages came behind it (while the stream was written to): the plan is alive
                 if self.stalls.lost(started, heard):  # what the plan owed us may be gone with our stall
                     raise lost("the entry's loop stalled, and nothing came after it")
                 if time.monotonic() - heard > self.request_timeout:  # a frozen node is membership's to find

@@ -199,3 +199,23 @@ def test_tokens_joined_up_to_the_one_that_finishes_the_request():
 
     last = asyncio.run(go())
     assert [r.token for r in last.results] == [7, 8] and last.finished and last.finish_reason == "length"
+
+
+def test_a_stream_busy_past_the_request_timeout_still_gets_the_tokens_that_came_meanwhile():
+    """The timeout counts silence from the ring, not time the client's stream spent elsewhere: tokens that came
+    while the stream was away (a slow client's write) are delivered, even behind a slice that fell due then."""
+
+    async def go():
+        ring = Ring()
+        entry = entry_for(ring, request_timeout=0.3)
+        entry.stalls = dataclasses.replace(entry.stalls, slice_s=0.05)
+        stream, first, rid = await started(entry, ring)
+        entry.accept_tokens(TokenMessage(rid, (SampleResult(7),)), caller="c")
+        await first
+        await asyncio.sleep(0.5)  # the stream writes to its client; the ring is silent, then speaks
+        entry.accept_tokens(TokenMessage(rid, (SampleResult(8),), finished=True, finish_reason="length"), caller="c")
+        await asyncio.sleep(0.1)
+        return await anext(stream)
+
+    late = asyncio.run(go())
+    assert [r.token for r in late.results] == [8] and late.finished
