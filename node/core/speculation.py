@@ -30,7 +30,7 @@ import numpy as np
 from node.core.plan import PlanError
 from node.core.requests import RequestState
 from shards.decoding.sampling import SamplingParams
-from shards.decoding.speculation import DraftLength, Proposer
+from shards.decoding.speculation import RATE_WEIGHT, DraftLength, Proposer
 
 log = logging.getLogger(__name__)
 MAX_DRAFTS = 32  # proposals per trip at most: more is never accepted in practice, and counters stay few
@@ -83,6 +83,8 @@ class Speculation:
         """`deferred`: the proposer computes (a draft model): it is not called here but by the driver, off the event
         loop, just before the input's step (`draft`, then the core's `proposed`)."""
         self.proposer, self.limits, self.vocab, self.deferred = proposer, limits, vocab, deferred
+        self.row_cost = 0.0  # what a draft row costs here, as a share of a step (`priced`): free until measured
+        self.rate = 1.0  # the share of drafts accepted over the node's recent trips: where a new request starts
         self.lengths: dict[str, DraftLength] = {}
         # The text of finished requests whose caches the node keeps for prefix reuse: a request reusing one gets
         # only the rest of its prompt, and its proposals are looked up in the whole text. Most recent last, bounded.
@@ -102,17 +104,29 @@ class Speculation:
             req.history += [*req.drafts[:accepted], token]
         if req.drafts and (length := self.lengths.get(req.id)) is not None:
             length.update(len(req.drafts), accepted)
+            self.rate += RATE_WEIGHT * (accepted / len(req.drafts) - self.rate)
         k = 0
         busy = held > self.limits.max_requests
         if self.proposer is not None and req.history is not None and speculates(req.spec.sampling) and not busy:
             length = self.lengths.get(req.id)
             if length is None:
-                length = self.lengths[req.id] = DraftLength(self.limits.max_drafts)
+                length = self.lengths[req.id] = self._length()
             k = max(0, min(length.next(), room(req, start), step_room - 1))
         if self.deferred or not k:
             return np.array([token], dtype=np.int64), (), k
         (drafts,) = self.draft([(req.id, req.history, k)])
         return np.array([token, *drafts], dtype=np.int64), drafts, 0
+
+    def _length(self) -> DraftLength:
+        return DraftLength(self.limits.max_drafts, row_cost=self.row_cost, rate=self.rate)
+
+    def priced(self, row_cost: float) -> None:
+        """What a draft row costs on this node, as a share of a one-row step (node/runtime/calibration.py
+        `draft_row_cost`): requests from now on propose only while their drafts pay for it (`DraftLength`). The
+        first node prices the rows every node of the plan computes by its own: a ring's nodes are alike enough."""
+        if not (isinstance(row_cost, (int, float)) and 0 <= row_cost < float("inf")):
+            raise ValueError(f"a draft row's cost is a finite share >= 0, got {row_cost!r}")
+        self.row_cost = float(row_cost)
 
     def quiet(self, req: RequestState, step_room: int) -> Callable[[int, int], bool]:
         """For a one-node ring's row the engine thread may run on (step_plan.Follow): `quiet(token, left)`, whether
@@ -122,7 +136,7 @@ class Speculation:
         nothing for the request; after a token answered False the pass comes back through the queue, where
         next_input asks again (the proposer is a function of the text: it proposes the same)."""
         text, rid = list(req.history or ()), req.id
-        length = self.lengths.setdefault(rid, DraftLength(self.limits.max_drafts))
+        length = self.lengths.setdefault(rid, self._length())
 
         def quiet(token: int, left: int) -> bool:
             text.append(token)

@@ -50,6 +50,7 @@ ROUND_GAP_S = 2.0  # ... this far apart
 LIVE_WINDOW = 16  # live passes whose median is the live measure ...
 MIN_LIVE = 8  # ... once it holds this many
 REPORT_STEPS = 2  # the report moves when the measure is this many quantisation steps away from it
+DRAFT_ROWS = 3  # draft rows timed beside one (`draft_row_cost`): proposals are 1-4 tokens
 
 
 def calibration_slice(model_id: str, n_layers: int) -> Shard:
@@ -115,41 +116,55 @@ async def calibrate_node(
     complete: Callable[[], bool] = lambda: True,
     first: asyncio.Event | None = None,
     head: bool = False,
+    drafts: Callable[[float], None] | None = None,
 ) -> None:
     """Once the node holds every layer (`complete`; one holding only some measures as it serves), unless --speed
     fixes the speed: ROUNDS calibrations of one engine on `calibration_slice`, through `run` (the engine thread),
     each reported to `speed` (which keeps the fastest), and with `head` (the engine holds the head in another type
     than the layers), after the first, what the head costs (`measure_head`: about a second more before the node
     joins; a head of the layers' type costs what its parameters say). `first` is set at the first round, or as soon
-    as there will be none: a failure leaves the node to be counted as the others until its live passes measure it."""
+    as there will be none: a failure leaves the node to be counted as the others until its live passes measure it.
+    With the second round (the node serves by then), `drafts` is told what a draft row costs (`draft_row_cost`),
+    also under --speed (which skips the speed rounds); until then drafts count as free, as where weights are read."""
+    fixed = speed.fixed is not None
     try:
-        if speed.fixed is not None:
+        if fixed and drafts is None:
             return
         while not complete():
             await asyncio.sleep(1.0)
         shard = calibration_slice(model_id, config.n_layers)
         engine = await run(factory, model_dir, shard, config)
         try:
-            for i in range(ROUNDS):
+            for i in range(ROUNDS if not fixed else 2):
                 if i:
                     await asyncio.sleep(ROUND_GAP_S)
-                seconds = await run(time_steps, engine, config)
-                speed.measured(sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9 if seconds else None)
-                # before the node joins: the first plan counting it weighs the head by what it measures
-                if head and i == 0 and seconds:
-                    weight = await measure_head(run, factory, model_dir, config, shard, engine)
-                    if weight is not None:
-                        speed.head_measured(weight, layer_costs(config, weight))
+                if not fixed:
+                    await _speed_round(run, factory, model_dir, config, costs, speed, shard, engine, head and i == 0)
                 if first is not None:
                     first.set()
+                if drafts is not None and i == 1 and (cost := await run(draft_row_cost, engine, config)) is not None:
+                    drafts(cost)
+                    log.info("a draft row costs %.2f of a one-row step here (%s)", cost, shard)
         finally:  # now, not when a collection finds it: its weights are a slice of the model's memory
             await run(engine.close)
-        log.info("calibrated: %.3g Gparam/s (%s)", speed.speed, shard)
+        if not fixed:
+            log.info("calibrated: %.3g Gparam/s (%s)", speed.speed, shard)
     except Exception as e:
         log.warning("no speed calibration: %s", e)
     finally:
         if first is not None:
             first.set()
+
+
+async def _speed_round(run, factory, model_dir, config, costs, speed, shard, engine, head: bool) -> None:
+    """One calibration round's speed, and with `head` what the head costs (before the node joins: the first plan
+    counting it weighs the head by what it measures)."""
+    seconds = await run(time_steps, engine, config)
+    speed.measured(sum(costs[shard.start_layer : shard.end_layer]) / seconds / 1e9 if seconds else None)
+    if head and seconds:
+        weight = await measure_head(run, factory, model_dir, config, shard, engine)
+        if weight is not None:
+            speed.head_measured(weight, layer_costs(config, weight))
 
 
 def calibrate(factory, model_dir: Path, shard: Shard, config: ModelConfig, costs: Sequence[int]) -> float | None:
@@ -181,32 +196,50 @@ def time_interleaved(engines: Sequence[Engine], config: ModelConfig) -> list[flo
     """`time_steps` of each engine, their steps taken in turn (one of each, again and again): whatever else runs
     on the machine meanwhile slows them alike, so their ratio holds where two windows one after the other would
     each catch another load."""
-    rid = f"calibration-{uuid.uuid4().hex}"
-    rng = np.random.default_rng(0)
-    hidden = rng.standard_normal((1, config.hidden_size)).astype(np.float32)
+    return time_in_turn([(engine, 1) for engine in engines], config)
 
-    def step(engine: Engine, i: int) -> None:
+
+def draft_row_cost(engine: Engine, config: ModelConfig, drafts: int = DRAFT_ROWS) -> float | None:
+    """What a draft row adds to a decode step on this engine, as a share of a one-row step: steps of one row and
+    of 1 + `drafts` taken in turn, (t(1 + drafts) - t(1)) / (drafts * t(1)) of their medians, at least 0. Near 0
+    where a step's time is reading its weights (float weights on a CPU, a GPU: the rows share the read), near 1
+    where it is the arithmetic (quantized weights on few cores); speculation's proposals pay only above it
+    (shards/decoding/speculation.py DraftLength)."""
+    one, more = time_in_turn([(engine, 1), (engine, 1 + drafts)], config)
+    return max(0.0, (more - one) / (drafts * one)) if one > 0 else None
+
+
+def time_in_turn(kinds: Sequence[tuple[Engine, int]], config: ModelConfig) -> list[float]:
+    """Median seconds of a step of each (engine, rows), at the same positions every time (the cache rolled back
+    to one position), one step of each kind in turn for WINDOW_S (at least MIN_STEPS, after WARMUP_STEPS)."""
+    rng = np.random.default_rng(0)
+    rids = [f"calibration-{uuid.uuid4().hex}" for _ in kinds]
+    hidden = [rng.standard_normal((rows, config.hidden_size)).astype(np.float32) for _, rows in kinds]
+
+    def step(kind: int, i: int) -> None:
+        engine, rows = kinds[kind]
         if engine.shard.is_first:
-            row = StepInput(rid, tokens=np.array([i % config.vocab_size], np.int64), max_positions=2)
+            tokens = (np.arange(i, i + rows) % config.vocab_size).astype(np.int64)
+            row = StepInput(rids[kind], tokens=tokens, max_positions=rows + 1)
         else:
-            row = StepInput(rid, hidden=hidden, max_positions=2)
+            row = StepInput(rids[kind], hidden=hidden[kind], max_positions=rows + 1)
         if i:
-            engine.rollback(rid, 1)
+            engine.rollback(rids[kind], 1)
         engine.forward([row])
 
     try:
         for i in range(WARMUP_STEPS):
-            for engine in engines:
-                step(engine, i)
-        began, times = time.perf_counter(), [[] for _ in engines]
+            for kind in range(len(kinds)):
+                step(kind, i)
+        began, times = time.perf_counter(), [[] for _ in kinds]
         while len(times[0]) < MIN_STEPS or time.perf_counter() - began < WINDOW_S:
-            for engine, took in zip(engines, times):
+            for kind, took in enumerate(times):
                 t = time.perf_counter()
-                step(engine, 1 + len(took))
+                step(kind, 1 + len(took))
                 took.append(time.perf_counter() - t)
         return [float(np.median(took)) for took in times]
     finally:
-        for engine in engines:
+        for (engine, _), rid in zip(kinds, rids):
             engine.release(rid)
 
 

@@ -269,6 +269,7 @@ class Node:
             lambda: self.availability().complete,
             self._first_speed,
             head=self.settings.head_weight != 1.0,  # the engine keeps the head in a wider (or narrower) type
+            drafts=self.core.speculation.priced,
         )
 
     async def first_speed(self, timeout: float) -> None:

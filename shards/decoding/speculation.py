@@ -145,27 +145,55 @@ class _Index:
         return new - old
 
 
+RATE_WEIGHT = 0.3  # how far one trip moves a request's acceptance rate (DraftLength.rate)
+
+
 class DraftLength:
-    """How many tokens to propose next for one request, adapted to how many were accepted.
+    """How many tokens to propose next for one request, adapted to how many were accepted and to what a draft row
+    costs where it is verified.
 
     Grows by one after a fully accepted proposal, shrinks to one more than the accepted count after a partial one.
     After `patience` proposals in a row with nothing accepted it pauses (next() returns 0) for `backoff` calls,
     then tries again with one token; each further failed retry doubles the pause (up to `max_backoff`), and any
     acceptance ends the back-off. So a request whose text never repeats costs almost no verification work, and
     one that starts repeating later (a quoted passage) is found again within max_backoff steps.
+
+    `row_cost`: what a draft row adds to a step, as a share of a one-row step (node/runtime/calibration.py
+    `draft_row_cost`). An accepted draft saves a step; a proposed one costs `row_cost` of one. So proposals pay
+    while the share of them accepted (`rate`, over recent trips, starting from `rate`: the node's recent requests')
+    is above `row_cost`; a trip that leaves it at or below pauses as a failure does, and a request whose start
+    says so begins paused. At 0 (a step's time is reading its weights: drafts ride free) only failures pause.
     """
 
-    def __init__(self, max_tokens: int, *, patience: int = 3, backoff: int = 4, max_backoff: int = 64):
+    def __init__(
+        self,
+        max_tokens: int,
+        *,
+        patience: int = 3,
+        backoff: int = 4,
+        max_backoff: int = 64,
+        row_cost: float = 0.0,
+        rate: float = 1.0,
+    ):
         for name, value, low in (("max_tokens", max_tokens, 0), ("patience", patience, 1), ("backoff", backoff, 1)):
             if not (isinstance(value, int) and value >= low):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not (isinstance(max_backoff, int) and max_backoff >= backoff):
             raise ValueError(f"max_backoff must be an integer >= backoff ({backoff}), got {max_backoff!r}")
+        if not (isinstance(row_cost, (int, float)) and 0 <= row_cost < float("inf")):
+            raise ValueError(f"row_cost must be a finite share >= 0, got {row_cost!r}")
+        if not (isinstance(rate, (int, float)) and 0 <= rate <= 1):
+            raise ValueError(f"rate must be a share in [0, 1], got {rate!r}")
         self.max_tokens, self.patience, self.min_backoff, self.max_backoff = max_tokens, patience, backoff, max_backoff
+        self.row_cost = float(row_cost)
         self.length = min(max_tokens, 2)
+        self.rate = float(rate)  # accepted / proposed, averaged over recent trips (RATE_WEIGHT each)
         self._misses = 0  # proposals in a row with nothing accepted
         self._backoff = backoff  # the next pause's length
         self._paused = 0  # calls of next() still to answer 0
+        if not self._pays():
+            self.length = 1
+            self._pause()
 
     def next(self) -> int:
         if self._paused:
@@ -178,17 +206,30 @@ class DraftLength:
             raise ValueError(f"need 0 <= accepted <= proposed, got proposed={proposed!r} accepted={accepted!r}")
         if proposed == 0:
             return  # nothing was tried (a paused step, or the proposer had no match)
+        self.rate += RATE_WEIGHT * (accepted / proposed - self.rate)
         if accepted == 0:
             self._misses += 1
             self.length = 1
             if self._misses >= self.patience:
-                self._paused = self._backoff
-                self._backoff = min(self.max_backoff, 2 * self._backoff)
+                self._pause()
                 self._misses = self.patience - 1  # one more failure after the pause pauses again, longer
+            elif not self._pays():
+                self._pause()
+            return
+        if not self._pays():
+            self.length = 1  # accepted, but too few for what the drafts cost: retried after a pause, alone
+            self._pause()
             return
         self._misses, self._backoff = 0, self.min_backoff
         grown = self.length + 1 if accepted == proposed else accepted + 1
         self.length = max(1, min(self.max_tokens, grown))
+
+    def _pays(self) -> bool:
+        return not self.row_cost or self.rate > self.row_cost
+
+    def _pause(self) -> None:
+        self._paused = self._backoff
+        self._backoff = min(self.max_backoff, 2 * self._backoff)
 
 
 def verify(
