@@ -143,6 +143,8 @@ def plot(settings: list[tuple[Link, Figures, Figures]], hosts: int, path: Path) 
         ax.set_xticks([x + 0.2 for x in xs], labels, rotation=30, ha="right")
         ax.set_ylabel("tok/s")
         ax.set_title(f"{title}, {hosts} hosts" + (" (sharing 2 cores)" if hosts > 2 else ""))
-        ax.legend(loc="lower right", framealpha=0.9)
+        top = max(getattr(s[1 + k], what) for s in settings for k in (0, 1))
+        ax.set_ylim(0, top * 1.25)  # room above the bars for the legend, which hid the short ones at the bottom
+        ax.legend(loc="upper right", ncol=2, framealpha=0.9)
     data = [{"link": link.label, "exo": asdict(exo), "rpc": asdict(rpc)} for link, exo, rpc in settings]
     return _save(fig, path, data)
