@@ -269,8 +269,14 @@ class Node:
             lambda: self.availability().complete,
             self._first_speed,
             head=self.settings.head_weight != 1.0,  # the engine keeps the head in a wider (or narrower) type
-            drafts=self.core.speculation.priced,
+            drafts=self._priced_drafts(),
         )
+
+    def _priced_drafts(self) -> Callable[[float], None] | None:
+        """Draft rows are priced on a CPU node that proposes: a GPU's ride free (its weights read once for all
+        rows), and timing four rows there would compile (lavapipe: for seconds) pipelines only calibration uses."""
+        speculation = self.core.speculation
+        return speculation.priced if speculation.proposer is not None and not self.settings.device else None
 
     async def first_speed(self, timeout: float) -> None:
         """Wait (up to `timeout` s) for the calibration's first round, which a node holding the whole model runs

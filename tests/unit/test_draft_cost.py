@@ -12,11 +12,16 @@ import pytest
 from node.core.placement.layer_costs import layer_costs
 from node.core.requests import Activation
 from node.core.speculation import Speculation, SpeculationLimits
+from node.grpc.client import GrpcTransport
 from node.runtime import calibration
 from node.runtime.calibration import LayerSpeed, draft_row_cost
+from node.runtime.node import Node
+from node.runtime.settings import NodeSettings, ServedModel
 from shards.decoding.speculation import DraftLength
 from shards.engines.numpy_engine import NumpyEngine
+from shards.engines.registry import engine_factory
 from shards.formats.config import ModelConfig
+from shards.formats.tokenizer import Tokenizer
 from shards.model.shard import Shard
 from tests.support.factories import tokens
 from tests.support.models import FIXTURES
@@ -144,3 +149,42 @@ def test_a_node_with_a_fixed_speed_still_prices_its_draft_rows(monkeypatch):
         )
     )
     assert len(priced) == 1 and speed.speed == 2.5
+
+
+def node_with(**settings):
+    cfg = ModelConfig.from_dir(LLAMA)
+    return Node(
+        NodeSettings(node_id="n0", memory_bytes=1 << 30, speed=1.0, **settings),
+        ServedModel("llama", LLAMA, cfg, Tokenizer(LLAMA)),
+        address="127.0.0.1:1",
+        engines=engine_factory("numpy"),
+        transport=GrpcTransport(rpc_timeout=5.0),
+    )
+
+
+def test_a_cpu_node_that_proposes_prices_its_draft_rows_at_start(monkeypatch):
+    monkeypatch.setattr(calibration, "ROUND_GAP_S", 0.0)
+
+    async def go():
+        node = node_with()
+        node.start()
+        for _ in range(500):
+            if node.core.speculation.row_cost > 0:
+                break
+            await asyncio.sleep(0.01)
+        await node.stop()
+        return node.core.speculation.row_cost
+
+    assert 0 < asyncio.run(go()) < math.inf
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"device": "Vulkan0 (llvmpipe)"}, {"speculate": "off"}],
+    ids=["a GPU node: its rows ride free", "a node that never proposes"],
+)
+def test_no_draft_rows_are_timed_where_they_could_not_matter(settings):
+    async def go():
+        return node_with(**settings)._priced_drafts()
+
+    assert asyncio.run(go()) is None
