@@ -116,38 +116,32 @@ def test_a_draft_rows_cost_is_measured_on_a_real_engine_and_leaves_nothing_in_it
             engine.close()
 
 
-def test_the_node_calibration_prices_draft_rows_once(monkeypatch):
-    monkeypatch.setattr(calibration, "ROUND_GAP_S", 0.0)
-    cfg = ModelConfig.from_dir(LLAMA)
-    priced = []
+def calibrated(speed: LayerSpeed) -> list[float]:
+    """What a node's calibration (on the llama fixture, the numpy engine, rounds back to back) priced draft rows at."""
+    cfg, priced = ModelConfig.from_dir(LLAMA), []
 
     async def on_a_thread(fn, *args):
         return await asyncio.to_thread(fn, *args)
 
-    speed = LayerSpeed(layer_costs(cfg))
     asyncio.run(
         calibration.calibrate_node(
             on_a_thread, NumpyEngine, LLAMA, "llama", cfg, layer_costs(cfg), speed, drafts=priced.append
         )
     )
+    return priced
+
+
+def test_the_node_calibration_prices_draft_rows_once(monkeypatch):
+    monkeypatch.setattr(calibration, "ROUND_GAP_S", 0.0)
+    priced = calibrated(LayerSpeed(layer_costs(ModelConfig.from_dir(LLAMA))))
     assert len(priced) == 1 and 0 <= priced[0] < math.inf
 
 
 def test_a_node_with_a_fixed_speed_still_prices_its_draft_rows(monkeypatch):
     """--speed fixes what placement balances, not what a draft row costs: that is measured all the same."""
     monkeypatch.setattr(calibration, "ROUND_GAP_S", 0.0)
-    cfg = ModelConfig.from_dir(LLAMA)
-    priced = []
-
-    async def on_a_thread(fn, *args):
-        return await asyncio.to_thread(fn, *args)
-
-    speed = LayerSpeed(layer_costs(cfg), fixed=2.5)
-    asyncio.run(
-        calibration.calibrate_node(
-            on_a_thread, NumpyEngine, LLAMA, "llama", cfg, layer_costs(cfg), speed, drafts=priced.append
-        )
-    )
+    speed = LayerSpeed(layer_costs(ModelConfig.from_dir(LLAMA)), fixed=2.5)
+    priced = calibrated(speed)
     assert len(priced) == 1 and speed.speed == 2.5
 
 
