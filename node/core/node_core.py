@@ -34,10 +34,11 @@ from shards.formats.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
-def malformed_outputs(config: ModelConfig, plan: StepPlan, outputs: Mapping[str, np.ndarray]) -> str | None:
+def malformed_outputs(config: ModelConfig, plan: StepPlan, outputs: Mapping[str, np.ndarray | None]) -> str | None:
     """What is wrong with a step's outputs, if anything: one float32 array per input, [1, vocab] logits on the
     last shard (a row for each of [t, d1..dk] for an input with proposals), [T, hidden] hidden states elsewhere,
-    every value finite."""
+    every value finite; or none for a row whose token the engine picked (StepOutputs holds it: its sampled token is
+    validated with the others)."""
     for row in plan.rows:
         out = outputs.get(row.request_id)
         if out is None:
@@ -113,6 +114,7 @@ class NodeCore(RequestBook):
         actions += [Send(address, tuple(acts)) for address, acts in sends.items()]
         if results:
             self.counters["presampled_rows"] += len(results)
+            self.counters["picked_rows"] += sum(1 for rid in results if outputs.get(rid, 0) is None)
             self.counters["followed_rows"] += len(done.followed)
             actions += self.sampled(results, done.followed)
         return actions

@@ -140,7 +140,7 @@ class StepOutputs:
     token, or for a row with proposals the accepted drafts and the token after, or the error that request hit),
     and the seconds the engine computed (on its thread: no queueing in it)."""
 
-    outputs: Mapping[str, np.ndarray]
+    outputs: Mapping[str, np.ndarray | None]  # None: the engine picked the row's token (in `samples`) from its logits
     refused: Mapping[str, str] = field(default_factory=dict)
     samples: Mapping[str, Sampled] = field(default_factory=dict)
     computed: float = 0.0
@@ -153,6 +153,8 @@ class StepOutputs:
             raise ValueError(f"requests {sorted(both)} both refused and computed")
         if stray := set(self.samples) - set(self.outputs):
             raise ValueError(f"requests {sorted(stray)} sampled without outputs")
+        if unpicked := {rid for rid, out in self.outputs.items() if out is None} - set(self.samples):
+            raise ValueError(f"requests {sorted(unpicked)} without outputs were not picked")
 
 
 def next_pass(plan: StepPlan, samples: Mapping[str, Sampled]) -> StepPlan | None:

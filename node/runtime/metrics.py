@@ -258,6 +258,11 @@ class _NodeCollector(Collector):
             "exo_sampling_calls", "Sampler calls (one per batch, or per row on a fallback)", stats["sample_calls"]
         )
         yield _counter(
+            "exo_sampling_picked",
+            "Of those rows, greedy ones whose token the engine picked where their logits were (no logits copied out)",
+            stats.get("sample_picked", 0),
+        )
+        yield _counter(
             "exo_sampling_fallbacks",
             "Rows sampled one by one because their batch could not be sampled in one call",
             stats["sample_fallbacks"],

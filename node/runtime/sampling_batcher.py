@@ -161,12 +161,23 @@ class SamplingBatcher:
         return results, batches
 
     def sample_step(
-        self, engine: Engine, plan: StepPlan, outputs: Mapping[str, np.ndarray]
+        self, engine: Engine, plan: StepPlan, outputs: Mapping[str, np.ndarray | None], picked: Mapping[str, int]
     ) -> tuple[dict[str, SampleResult | list | BaseException], list]:
         """On the engine thread, right after `plan`'s pass: its rows to sample (`Row.sample`: the parameters and
         sampler states the plan froze), from their logits (the last row, or every row of one with proposals), in
-        `sample_now`'s batches. A row whose output is missing (refused) is not sampled; one whose logits can't be
-        sampled is left to the core, which asks for it through `submit` and fails it with the reason."""
+        `sample_now`'s batches, and the rows whose greedy token the engine picked where their logits were
+        (`picked`, shards/engines/picks.py: their outputs are None), counted as one batch of their own. A row whose
+        output is missing (refused) is not sampled; one whose logits can't be sampled is left to the core, which
+        asks for it through `submit` and fails it with the reason."""
+        results, batches = self.sample_now(self._items(engine, plan, outputs))
+        if picked:
+            counts = Counts()
+            counts["sample_picked"] = len(picked)
+            results.update((rid, SampleResult(token)) for rid, token in picked.items())
+            batches.append((len(picked), [(len(picked), counts)]))
+        return results, batches
+
+    def _items(self, engine: Engine, plan: StepPlan, outputs: Mapping[str, np.ndarray | None]) -> list[SampleItem]:
         items = []
         for row in plan.sampled_rows:
             out = outputs.get(row.request_id)
@@ -175,7 +186,7 @@ class SamplingBatcher:
             logits = out if row.proposals else out[-1]
             params, state = row.sample.params, row.sample.state
             items.append(SampleItem(row.request_id, logits, params, state, engine, plan.shard.model_id, row.proposals))
-        return self.sample_now(items)
+        return items
 
     def record(self, batches: list) -> None:
         """On the loop: count the batches `sample_now` sampled."""

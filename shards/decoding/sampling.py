@@ -69,6 +69,12 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def pickable(self) -> bool:
+        """Whether a row's token is its logits' argmax and nothing else is asked of them (no bias, penalties,
+        grammar or logprobs): an engine may pick it where it computed them (shards/engines/picks.py)."""
+        return self.greedy and not self.processed and self.constraint is None and self.top_logprobs is None
+
+    @property
     def penalized(self) -> bool:
         """Whether its recent tokens change a row's logits (its sampler then keeps a window of them)."""
         return penalties.penalizes(self)

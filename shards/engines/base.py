@@ -14,6 +14,7 @@ carried out, nor in what they declare: KV caches, retained caches, their size, o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 
 from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams, sample_one, sample_rows
 from shards.engines.backend import Backend, RequestCache
+from shards.engines.picks import Pick, host_pick
 from shards.engines.retained import RetainedCaches
 from shards.engines.runner import EagerRunner, Runner
 from shards.engines.step import Packing, StepInput
@@ -93,12 +95,26 @@ class Engine(ABC):
     def run(self, batch: list[StepInput], p: Packing, all_logits: bool) -> list[np.ndarray]:
         """The forward pass of a validated, packed batch, the same for every engine: the runner computes it, then
         each request's cache takes the step's positions (only now: a step that raised has committed nothing)."""
+        out = self.computed(batch, p, lambda x, caches: self.runner.run(x, p, caches, all_logits))
+        return p.split(out, self.shard.is_last and not all_logits)
+
+    def computed(self, batch: list[StepInput], p: Packing, compute: Callable[[np.ndarray, list], Any]) -> Any:
+        """`compute(x, caches)` over the step's input and each request's cache, then the positions committed."""
         caches = [self.request_cache(item, start + n) for item, start, n in zip(batch, p.starts, p.lengths)]
         x = self.tokens(batch) if self.shard.is_first else self.hidden(batch)
-        out = self.runner.run(x, p, caches, all_logits)
+        out = compute(x, caches)
         for cache, n in zip(caches, p.lengths):
             cache.commit(n)
-        return p.split(out, self.shard.is_last and not all_logits)
+        return out
+
+    def pick(self, batch: list[StepInput], wanted: list[bool]) -> list[Pick]:
+        """`forward` on the last shard for a step whose requests with `wanted` set are greedy with nothing changing
+        their logits (shards/engines/picks.py): those come back as their token where it is single, the others as
+        their last position's logits. Here the reference, on the host; an engine that can pick where its logits
+        are overrides it (the ggml engine)."""
+        if not self.shard.is_last or len(wanted) != len(batch):
+            raise EngineInputError(f"picks come from the last shard, one flag per request ({len(wanted)} flags)")
+        return [host_pick(out, w) for out, w in zip(self.forward(batch), wanted)]
 
     def request_cache(self, item: StepInput, end: int) -> RequestCache:
         """The request's cache, made or grown by the runner (which knows its storage) to hold `end` positions."""

@@ -55,6 +55,23 @@ def test_every_node_of_a_ring_counts_the_stages_of_its_hops(live_cluster):
     assert set(c.wait_idle().values()) == {0}
 
 
+def test_greedy_rows_are_picked_where_their_logits_are_and_give_the_samplers_tokens(live_cluster):
+    """A greedy request's tokens come back from the last node's engine as token ids (shards/engines/picks.py); asking
+    for logprobs keeps its rows' logits, sampled as before: the same tokens either way."""
+    c = live_cluster
+    before = statuses(c)
+    status, picked = c.chat(PROMPTS[2], max_tokens=16, temperature=0)
+    assert status == 200, picked
+    mid = statuses(c)
+    status, sampled = c.chat(PROMPTS[2], max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    assert status == 200, sampled
+    first, second = grown(before, mid)["node2"], grown(mid, statuses(c))["node2"]
+    assert first.get("picked_rows", 0) == first["presampled_rows"] >= 16
+    assert second.get("picked_rows", 0) == 0 and second["presampled_rows"] >= 16
+    assert picked["choices"][0]["message"]["content"] == sampled["choices"][0]["message"]["content"]
+    assert set(c.wait_idle().values()) == {0}
+
+
 def test_a_ring_without_a_cluster_key_carries_its_data_path_on_the_links(live_cluster):
     """Once the peers' health checks named their data links (node/grpc/link/), every hop of a request goes on them:
     each node of the ring takes its input from the link (activations; tokens at the entry), with the tokens the
@@ -251,7 +268,8 @@ def test_mixed_engine_ring_equals_one_numpy_node():
         assert [c.self_info()[f"node{i}"]["capabilities"]["engine"] for i in range(3)] == ["numpy", "mlx", "tinygrad"]
         assert_matches_reference(c, PROMPTS[0], max_tokens=16)
         with ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(c.chat, p, max_tokens=12, temperature=0) for p in PROMPTS]
+            # logprobs keep the rows' logits for the sampler (greedy rows alone are picked by the engine)
+            futures = [pool.submit(c.chat, p, max_tokens=12, temperature=0, logprobs=True) for p in PROMPTS]
             results = [f.result() for f in futures]
         for prompt, (status, body) in zip(PROMPTS, results):
             assert status == 200 and body["choices"][0]["message"]["content"] == reference(prompt, 12)[0]

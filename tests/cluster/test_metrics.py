@@ -87,6 +87,7 @@ def test_counters_and_histograms_add_up_after_real_traffic(live_cluster):
     assert delta("node2", "exo_sampling_batch_size_count") == generated
     assert delta("node2", "exo_sampling_batch_size_sum") == generated
     assert delta("node0", "exo_sampling_rows_total") == 0
+    assert delta("node2", "exo_sampling_picked_total") == 7  # the greedy chat's rows; the completion samples
     assert value(after["node2"], "exo_sampling_fallbacks_total") == 0
     # (the entry ends a finished request on the other nodes with reason "cancelled" today: count every reason)
     assert sum(delta("node1", "exo_node_requests_ended_total", reason=r) for r in ("finished", "cancelled")) == 2

@@ -22,6 +22,7 @@ the weights and the cell pool in the device's memory (shards/engines/ggml/on_dev
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from functools import partial
 from pathlib import Path
@@ -30,6 +31,7 @@ import numpy as np
 
 from shards.engines.base import Engine, EngineInputError, Packing, StepInput
 from shards.engines.ggml import attention, f16_probe
+from shards.engines.ggml.arrays import expect
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CELL_ALIGN, SCRATCH_CELL, CellPool, CellRange
 from shards.engines.ggml.devices import Device, select
@@ -43,6 +45,7 @@ from shards.engines.ggml.sliding import SlidingWindows
 from shards.engines.ggml.threads import ThreadGovernor
 from shards.engines.ggml.weights import QUANTIZE_CHOICES, load_ggml_shard_weights
 from shards.engines.masks import CausalMasks
+from shards.engines.picks import Pick
 from shards.engines.registry import ATTENTION_CHOICES, FLOAT_MATMUL_CHOICES
 from shards.engines.runner import Runner
 from shards.formats.config import ModelConfig
@@ -173,6 +176,16 @@ class GgmlEngine(Engine):
     def nbytes(self) -> int:
         return sum(self.ops.nbytes(w) for w in self._weights.values())
 
+    def pick(self, batch: list[StepInput], wanted: list[bool]) -> list[Pick]:
+        """`Engine.pick`, where the logits are: the step's graph ends in the picking tail (ggml/picks.py), on the
+        device with one; only rows not picked bring their logits back."""
+        if not self.shard.is_last or len(wanted) != len(batch):
+            raise EngineInputError(f"picks come from the last shard, one flag per request ({len(wanted)} flags)")
+        if not batch:
+            return []
+        p = self.pack(batch)
+        return self.computed(batch, p, lambda x, caches: self.runner.run(x, p, caches, False, list(wanted)))
+
     def close(self) -> None:
         """Free everything ggml holds for this engine (also done when it is garbage collected)."""
         if getattr(self, "backend", None):
@@ -251,28 +264,38 @@ class GraphRunner(Runner):
         # strided groups on the CPU, and without window masks (layout.py)
         return layout(e.pool, output, p, caches, strided=e.on is None and self.sliding is None)
 
-    def run(self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool) -> np.ndarray:
+    def run(
+        self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool, picks: list[bool] | None = None
+    ) -> np.ndarray | list[Pick]:
         """A step of lone rows runs in the order of its requests' ranges in the pool, its output rows handed back in
         the step's order: neighbours in the pool are neighbours in the graph, so ranges at one stride attend as one
-        strided group (layout.py) whatever order the requests came in. A row's numbers don't depend on its place."""
+        strided group (layout.py) whatever order the requests came in. A row's numbers don't depend on its place.
+        With `picks` (a flag per request, on the last shard): a Pick per request (`GgmlEngine.pick`)."""
         n = len(caches)
         if n > 2 and p.bounds[-1] == n:
             order = sorted(range(n), key=[c.start for c in caches].__getitem__)
             if order != list(range(n)):
                 ids, starts = tuple(p.request_ids[i] for i in order), [p.starts[i] for i in order]
                 q = Packing(ids, [1] * n, starts, p.bounds, p.positions[order])
-                out = self.ordered(x[order], q, [caches[i] for i in order], all_logits)
-                back = np.empty_like(out)
-                back[order] = out
+                wanted = None if picks is None else [picks[i] for i in order]
+                out = self.ordered(x[order], q, [caches[i] for i in order], all_logits, wanted)
+                back = np.empty_like(out) if picks is None else [None] * n
+                for i, o in enumerate(order):
+                    back[o] = out[i]
                 return back
-        return self.ordered(x, p, caches, all_logits)
+        return self.ordered(x, p, caches, all_logits, picks)
 
-    def ordered(self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool) -> np.ndarray:
+    def ordered(
+        self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool, picks: list[bool] | None = None
+    ) -> np.ndarray | list[Pick]:
         e, rows, n = self.engine, p.bounds[-1], len(caches)
         if e.pool.generation != self.generation:  # the pool moved (it grew): every graph points at the old tensors
             self.graphs.clear()
             self.generation = e.pool.generation
         shape, segments = self.layout(p, caches, all_logits)
+        if picks is not None:
+            expect(shape.output == "last" and len(picks) == n, f"picks for {len(picks)} of {n} requests")
+            shape = dataclasses.replace(shape, picks=True)
         graph = self.graphs.get(shape)
         self._last = (shape, p, graph is None)
         if graph is None:
@@ -298,9 +321,15 @@ class GraphRunner(Runner):
         if threads != e.step_threads:
             g.ggml_backend_cpu_set_n_threads(e.backend, threads)
             e.step_threads = threads
-        out = graph.run(e.backend, hidden, out_ids)
+        out = (
+            graph.run(e.backend, hidden, out_ids)
+            if picks is None
+            else graph.run_picks(e.backend, hidden, out_ids, picks)
+        )
         e.governor.ended()
         self.lines_after(shape, p, caches, segments)
+        if picks is not None:
+            return out
         return out[:n] if shape.output == "last" else out[:rows]
 
     def lines_before(self, shape: Shape, p: Packing, caches: list[CellRange], segments: list[Segment]) -> None:

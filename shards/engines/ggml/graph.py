@@ -37,11 +37,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from shards.engines.backend import KVCache
+from shards.engines.ggml import picks
 from shards.engines.ggml.arrays import GArray, ValueLines, expect
 from shards.engines.ggml.attention import ATTENTION_ROWS
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.lib import F16, F32, I32, Context, GgmlError, cpu_buffer_type, g
+from shards.engines.picks import Pick
 from shards.model.transformer import ShardModel, Step
 
 WINDOW_STEP = 256  # spans of cells start and end on multiples of this (llama.cpp pads its KV view to 256 too)
@@ -80,6 +82,7 @@ class Shape:
     groups: tuple[Group, ...]  # the rows, in order, by the cells they attend
     output: str  # "hidden" (not the last shard), "last" (chosen rows' logits) or "all" (every row's)
     outputs: int  # rows of logits for "last" (padded like rows), else 0
+    picks: bool = False  # "last" only: the graph also picks each row's greedy token (shards/engines/ggml/picks.py)
 
     def __post_init__(self):
         if self.rows < 1 or self.output not in OUTPUTS or sum(gr.rows for gr in self.groups) != self.rows:
@@ -88,8 +91,8 @@ class Shape:
             raise ValueError(f"bad attention groups {self.groups}")
         if any(gr.stride and (gr.rows < 2 or gr.gemm or gr.lines or gr.stride < gr.cells) for gr in self.groups):
             raise ValueError(f"a strided group is 2+ flash rows over disjoint ranges: {self.groups}")
-        if (self.output == "last") != (self.outputs > 0):
-            raise ValueError(f"a graph has logits rows exactly when its output is 'last': {self}")
+        if (self.output == "last") != (self.outputs > 0) or (self.picks and self.output != "last"):
+            raise ValueError(f"a graph has logits rows (and picks) exactly when its output is 'last': {self}")
 
 
 @dataclass(frozen=True)
@@ -212,15 +215,17 @@ class Graph:
                 kv.append([PoolKV(ops, pool, layer, rows_cells, gr, heads[layer]) for layer in range(layers)])
             step = Step(bounds, (0,) * len(shape.groups), positions, ops.rotary(positions), tuple(masks))
             out: GArray = ops.contiguous(model(x, step, kv, self.out_ids))
+            self.picks = picks.tail(ops, out) if shape.picks else ()
         except BaseException:  # a failed build (context full, a shape check): its context's memory goes back now
             self.ctx.free()
             raise
         finally:
             ops.ctx = None
-        g.ggml_set_output(out.t)
         self.out, self.out_shape = out.t, out.shape
         self.gf = self.ctx.graph()
-        g.ggml_build_forward_expand(self.gf, out.t)
+        for t in (out.t, *self.picks):  # the logits stay an output beside picks: a row not picked is read from them
+            g.ggml_set_output(t)
+            g.ggml_build_forward_expand(self.gf, t)
         self.nodes = int(g.ggml_graph_n_nodes(self.gf))
         self.compute_bytes = self.allocate()
 
@@ -239,6 +244,19 @@ class Graph:
     def run(self, backend: int, hidden: np.ndarray | None, out_ids: np.ndarray | None) -> np.ndarray:
         """Compute with `ints_np` and `mask_np` as the caller filled them (ggml copies bytes and checks nothing:
         the caller checks every value), `hidden` float32 [rows, hidden] on a non-first shard."""
+        self.run_inputs(backend, hidden, out_ids)
+        out = np.empty(self.out_shape, dtype=np.float32)  # fresh: callers may keep outputs across steps
+        g.ggml_backend_tensor_get(self.out, out.ctypes.data, 0, out.nbytes)
+        return out
+
+    def run_picks(
+        self, backend: int, hidden: np.ndarray | None, out_ids: np.ndarray | None, wanted: list[bool]
+    ) -> list[Pick]:
+        """`run` in a graph with picks: a pick for each of the first len(wanted) logits rows."""
+        self.run_inputs(backend, hidden, out_ids)
+        return picks.read(*self.picks, self.out, self.out_shape[-1], wanted)
+
+    def run_inputs(self, backend: int, hidden: np.ndarray | None, out_ids: np.ndarray | None) -> None:
         if hidden is not None:
             g.ggml_backend_tensor_set(self.hidden.t, hidden.ctypes.data, 0, hidden.nbytes)
         if out_ids is not None:
@@ -248,9 +266,6 @@ class Graph:
         status = self.compute(backend)
         if status != 0:
             raise GgmlError(f"ggml graph compute failed with status {status}")
-        out = np.empty(self.out_shape, dtype=np.float32)  # fresh: callers may keep outputs across steps
-        g.ggml_backend_tensor_get(self.out, out.ctypes.data, 0, out.nbytes)
-        return out
 
     def copied_bytes(self) -> int:
         """What the graph's copies (ggml_cont, ggml_cpy) write per run: data moved beside the math, which must not
