@@ -39,7 +39,7 @@ import numpy as np
 
 from node.core.step_plan import PREFIX_GONE, StepOutputs, StepPlan, awaited, next_pass, relayed_pass
 from node.runtime.relay import RelayInbox
-from shards.decoding.sampling import SampleResult
+from node.runtime.sample_rows import MalformedBatch, picked_results
 from shards.engines.base import Engine, EngineInputError, StepInput
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,11 @@ class StepSampler(Protocol):
     """Samples a pass's rows on the engine thread (node/runtime/sampling_batcher.py)."""
 
     def sample_step(
-        self, engine: Engine, plan: StepPlan, outputs: Mapping[str, np.ndarray | None], picked: Mapping[str, int]
+        self,
+        engine: Engine,
+        plan: StepPlan,
+        outputs: Mapping[str, np.ndarray | None],
+        picked: Mapping[str, tuple[int, ...]],
     ) -> tuple[dict, list]:
         """Results by request (`picked`: rows whose token the engine picked, their outputs None), and the counts its
         owner records on the event loop."""
@@ -102,9 +106,7 @@ def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None) -> Exe
         except EngineInputError as e:
             refused[rid] = str(e)
     every_row = frozenset(r.request_id for r in plan.rows if r.every_row)
-    pickable = frozenset(
-        r.request_id for r in plan.sampled_rows if sampler is not None and not r.proposals and r.sample.params.pickable
-    )
+    pickable = frozenset(r.request_id for r in plan.sampled_rows if sampler is not None and r.sample.params.pickable)
     outputs, picked = _outputs(engine, items, every_row, pickable)
     computed = time.perf_counter() - began
     samples, counts = {}, []
@@ -113,33 +115,39 @@ def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None) -> Exe
             samples, counts = sampler.sample_step(engine, plan, outputs, picked)
         except Exception:  # the rows take the batcher's own path (a Sample action), which reports what is wrong
             log.exception("sampling the pass's rows on the engine thread failed")
-            samples = {rid: SampleResult(token) for rid, token in picked.items()}  # theirs need no sampler
+            try:
+                samples = picked_results(plan, picked)  # theirs need no sampler
+            except MalformedBatch as e:  # an engine's picks that don't fit their rows: those requests fail
+                outputs = {rid: out for rid, out in outputs.items() if rid not in picked}
+                refused = {**refused, **{rid: f"the engine's picks are malformed: {e}" for rid in picked}}
     return Executed(plan, StepOutputs(outputs, refused, samples, computed), counts, began, time.perf_counter())
 
 
 def _outputs(
     engine: Engine, items: list[StepInput], every_row: frozenset[str], pickable: frozenset[str]
-) -> tuple[dict[str, np.ndarray | None], dict[str, int]]:
+) -> tuple[dict[str, np.ndarray | None], dict[str, tuple[int, ...]]]:
     """One engine call for the step, or on a last shard with inputs to verify, one call returning every row's
     logits for them and the decode rows (a decode row's one row is its last), and one for the prompt chunks, whose
-    rows but the last nobody needs (a head over 256 rows is costly). Where some of the rest are `pickable` (greedy,
-    nothing asked of their logits: shards/engines/picks.py), the engine picks their tokens where it computed their
-    logits: those come back as tokens (their outputs None), the others as logits."""
+    rows but the last nobody needs (a head over 256 rows is costly). Where a call's rows include `pickable` ones
+    (greedy, nothing asked of their logits: shards/engines/picks.py), the engine picks their tokens where it
+    computed their logits: those come back as tokens (their outputs None), the others as logits."""
     whole = [i for i in items if i.request_id in every_row or i.length == 1] if engine.shard.is_last else []
     if not any(i.request_id in every_row for i in whole):
         whole = []
     rest = [i for i in items if i.request_id not in {w.request_id for w in whole}]
-    outputs: dict[str, np.ndarray | None] = dict(
-        zip((i.request_id for i in whole), engine.forward(whole, all_logits=True) if whole else [])
-    )
-    picked: dict[str, int] = {}
-    if any(i.request_id in pickable for i in rest):
-        for item, pick in zip(rest, engine.pick(rest, [i.request_id in pickable for i in rest])):
+    outputs: dict[str, np.ndarray | None] = {}
+    picked: dict[str, tuple[int, ...]] = {}
+    for call, all_logits in ((whole, True), (rest, False)):
+        if not call:
+            continue
+        wanted = [i.request_id in pickable for i in call]
+        if not any(wanted):
+            outputs |= zip((i.request_id for i in call), engine.forward(call, all_logits=all_logits))
+            continue
+        for item, pick in zip(call, engine.pick(call, wanted, all_logits)):
             outputs[item.request_id] = pick.logits
-            if pick.token is not None:
-                picked[item.request_id] = pick.token
-    else:
-        outputs |= dict(zip((i.request_id for i in rest), engine.forward(rest) if rest else []))
+            if pick.tokens is not None:
+                picked[item.request_id] = pick.tokens
     return outputs, picked
 
 

@@ -14,11 +14,12 @@ import dataclasses
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from node.core.step_plan import StepPlan
 from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
 from shards.decoding.speculation import verify_blocks
 from shards.engines.base import Engine
@@ -180,6 +181,27 @@ def _validate(results: object, items: list[SampleItem]) -> None:
 
 def _ok_logprob(x: object) -> bool:
     return isinstance(x, float) and not math.isnan(x) and x <= 1e-6  # -inf is fine for an impossible alternative
+
+
+def picked_results(plan: StepPlan, picked: Mapping[str, tuple[int, ...]]) -> dict[str, SampleResult | list]:
+    """What the rows whose greedy tokens the engine picked emit (shards/engines/picks.py): a row's token, or for a
+    block with proposals what `verify_blocks` gives greedy rows: the drafts equal to their row's token, then the
+    token after them (row i's token follows draft i)."""
+    out: dict[str, SampleResult | list] = {}
+    for row in plan.sampled_rows:
+        tokens = picked.get(row.request_id)
+        if tokens is None:
+            continue
+        if len(tokens) != len(row.proposals) + 1:
+            raise MalformedBatch(f"{len(tokens)} picked tokens for a block of {len(row.proposals) + 1} rows")
+        if not row.proposals:
+            out[row.request_id] = SampleResult(tokens[0])
+            continue
+        n = 0
+        while n < len(row.proposals) and tokens[n] == row.proposals[n]:
+            n += 1
+        out[row.request_id] = [SampleResult(t) for t in tokens[: n + 1]]
+    return out
 
 
 def refusal(item: SampleItem) -> str | None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from node.core.step_plan import StepPlan
-from node.runtime.sample_rows import Counts, SampleItem, refusal, sample_rows, verify
+from node.runtime.sample_rows import Counts, SampleItem, picked_results, refusal, sample_rows, verify
 from shards.decoding.grammar import GrammarTokenizer, Matcher
 from shards.decoding.sampling import SampleResult
 from shards.engines.base import Engine
@@ -161,7 +161,11 @@ class SamplingBatcher:
         return results, batches
 
     def sample_step(
-        self, engine: Engine, plan: StepPlan, outputs: Mapping[str, np.ndarray | None], picked: Mapping[str, int]
+        self,
+        engine: Engine,
+        plan: StepPlan,
+        outputs: Mapping[str, np.ndarray | None],
+        picked: Mapping[str, tuple[int, ...]],
     ) -> tuple[dict[str, SampleResult | list | BaseException], list]:
         """On the engine thread, right after `plan`'s pass: its rows to sample (`Row.sample`: the parameters and
         sampler states the plan froze), from their logits (the last row, or every row of one with proposals), in
@@ -173,7 +177,7 @@ class SamplingBatcher:
         if picked:
             counts = Counts()
             counts["sample_picked"] = len(picked)
-            results.update((rid, SampleResult(token)) for rid, token in picked.items())
+            results.update(picked_results(plan, picked))
             batches.append((len(picked), [(len(picked), counts)]))
         return results, batches
 

@@ -107,14 +107,15 @@ class Engine(ABC):
             cache.commit(n)
         return out
 
-    def pick(self, batch: list[StepInput], wanted: list[bool]) -> list[Pick]:
+    def pick(self, batch: list[StepInput], wanted: list[bool], all_logits: bool = False) -> list[Pick]:
         """`forward` on the last shard for a step whose requests with `wanted` set are greedy with nothing changing
-        their logits (shards/engines/picks.py): those come back as their token where it is single, the others as
-        their last position's logits. Here the reference, on the host; an engine that can pick where its logits
-        are overrides it (the ggml engine)."""
+        their logits (shards/engines/picks.py): those come back as their rows' tokens where each is single, the
+        others as their logits (the last position's, or every position's with `all_logits`). Here on the host,
+        where the logits are for an engine that computes in host memory; one that computes on a device overrides it
+        (the ggml engine)."""
         if not self.shard.is_last or len(wanted) != len(batch):
             raise EngineInputError(f"picks come from the last shard, one flag per request ({len(wanted)} flags)")
-        return [host_pick(out, w) for out, w in zip(self.forward(batch), wanted)]
+        return [host_pick(out, w) for out, w in zip(self.forward(batch, all_logits), wanted)]
 
     def request_cache(self, item: StepInput, end: int) -> RequestCache:
         """The request's cache, made or grown by the runner (which knows its storage) to hold `end` positions."""

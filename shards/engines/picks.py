@@ -1,12 +1,14 @@
 """Greedy tokens picked where the logits are: a step that returns token ids, not a vocabulary of logits per row.
 
 A greedy request with nothing that changes its logits before the pick (no bias, no penalties, no grammar, no
-logprobs) needs only its row's argmax. An engine that can reduce a row where it computed it (the ggml engine: a
-graph tail on its device, shards/engines/ggml/picks.py) hands back that token, and the row's logits never leave
-the device. The rule is the sampler's greedy pick (shards/decoding/sampling.py: the lowest id among equal maxima),
-made exact without trusting any backend's tie-breaking: a row is picked only where its maximum is finite and
-unique and the row holds no NaN, which every argmax agrees on; any other row comes back as logits, for the sampler
-to take (or refuse) as it always has. So a picked token is the very token the sampler would have drawn.
+logprobs) needs only its rows' argmax: its last position's, or each position's of a block of proposals to verify.
+An engine that can reduce a row where it computed it (the ggml engine on a device: a graph tail, shards/engines/ggml/
+picks.py) hands back those tokens, and the rows' logits never leave the device; one whose logits are in host memory
+picks them there (`host_pick`), with numpy's vector loops. The rule is the sampler's greedy pick (shards/decoding/
+sampling.py: the lowest id among equal maxima), made exact without trusting any backend's tie-breaking: a row is
+picked only where its maximum is finite and single and the row holds no NaN, which every argmax agrees on; a
+request with any other row comes back as its rows' logits, for the sampler to take (or refuse) as it always has. So
+a picked token is the very token the sampler would have drawn.
 """
 
 from __future__ import annotations
@@ -18,32 +20,33 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Pick:
-    """One request's outcome of a picking step: its greedy token, or its last position's logits [1, vocab] where
-    the token was not picked (not asked for, or not single: `host_pick`)."""
+    """One request's outcome of a picking step: its greedy token for each of its rows asked (its last position, or
+    every position of a block with proposals), or those rows' logits [rows, vocab] where not every row was picked
+    (not asked for, or a row whose maximum is not single)."""
 
-    token: int | None = None
+    tokens: tuple[int, ...] | None = None
     logits: np.ndarray | None = None
 
     def __post_init__(self):
-        if (self.token is None) == (self.logits is None):
-            raise ValueError("a pick holds a token or its row's logits, exactly one of them")
-        if self.token is not None and not (isinstance(self.token, int) and self.token >= 0):
-            raise ValueError(f"a picked token is a non-negative int, got {self.token!r}")
-        if self.logits is not None and (self.logits.ndim != 2 or len(self.logits) != 1):
-            raise ValueError(f"an unpicked row's logits are [1, vocab], got {self.logits.shape}")
+        if (self.tokens is None) == (self.logits is None):
+            raise ValueError("a pick holds its rows' tokens or their logits, exactly one of them")
+        if self.tokens is not None and not (self.tokens and all(isinstance(t, int) and t >= 0 for t in self.tokens)):
+            raise ValueError(f"picked tokens are non-negative ints, one per row, got {self.tokens!r}")
+        if self.logits is not None and (self.logits.ndim != 2 or len(self.logits) < 1):
+            raise ValueError(f"an unpicked request's logits are [rows, vocab], got {self.logits.shape}")
 
 
-def single_max(top: float, below: float, vocab: int) -> bool:
-    """Whether a row whose largest value is `top` and which has `below` values strictly under it has exactly one
-    finite maximum and no NaN (a NaN is neither under nor at the top, so it lowers `below` too)."""
-    return bool(np.isfinite(top)) and below == vocab - 1
-
-
-def host_pick(row: np.ndarray, wanted: bool = True) -> Pick:
-    """The reference rule on the host, for a row [1, vocab] (or [vocab]): its argmax where `single_max` holds."""
-    row = np.asarray(row, dtype=np.float32).reshape(1, -1)
+def host_pick(rows: np.ndarray, wanted: bool = True) -> Pick:
+    """The rule on the host, for a request's rows [rows, vocab] (or one row [vocab]): each row's argmax where every
+    row's maximum is finite and single, else the rows."""
+    rows = np.asarray(rows, dtype=np.float32)
+    rows = rows.reshape(1, -1) if rows.ndim == 1 else rows
     if wanted:
-        top = row.max()  # NaN when the row holds one
-        if np.isfinite(top) and single_max(top, int(np.count_nonzero(row < top)), row.shape[1]):
-            return Pick(token=int(np.argmax(row)))
-    return Pick(logits=row)
+        tokens = []
+        for row in rows:
+            top = row.max()  # NaN when the row holds one
+            if not (np.isfinite(top) and np.count_nonzero(row == top) == 1):  # else every other value is under it
+                return Pick(logits=rows)
+            tokens.append(int(np.argmax(row)))
+        return Pick(tokens=tuple(tokens))
+    return Pick(logits=rows)

@@ -48,21 +48,27 @@ def crafted_rows() -> np.ndarray:
 def test_the_host_rule_picks_a_single_finite_maximum_and_hands_back_every_other_row():
     rows = crafted_rows()
     picks = [host_pick(r) for r in rows]
-    picked = {i for i, p in enumerate(picks) if p.token is not None}
+    picked = {i for i, p in enumerate(picks) if p.tokens is not None}
     assert picked == {0, 6, 7, 10, 11}
     for i in picked:
-        assert picks[i].token == greedy(rows[i])
+        assert picks[i].tokens == (greedy(rows[i]),)
     for i in set(range(len(rows))) - picked:
         assert np.array_equal(picks[i].logits, rows[i : i + 1], equal_nan=True)
-    assert host_pick(rows[0], wanted=False).token is None  # a row not asked for comes back as logits
+    assert host_pick(rows[0], wanted=False).tokens is None  # a row not asked for comes back as logits
+    block = host_pick(rows[[0, 6, 10]])  # a block's rows: a token each
+    assert block.tokens == tuple(greedy(rows[i]) for i in (0, 6, 10))
+    spoilt = host_pick(rows[[0, 2, 10]])  # one tie in the block: every row's logits
+    assert spoilt.tokens is None and np.array_equal(spoilt.logits, rows[[0, 2, 10]])
 
 
 def test_a_pick_holds_a_token_or_its_rows_logits_never_both():
     with pytest.raises(ValueError, match="exactly one"):
-        Pick(token=3, logits=np.zeros((1, 4), np.float32))
+        Pick(tokens=(3,), logits=np.zeros((1, 4), np.float32))
     with pytest.raises(ValueError, match="exactly one"):
         Pick()
-    with pytest.raises(ValueError, match=r"\[1, vocab\]"):
+    with pytest.raises(ValueError, match="one per row"):
+        Pick(tokens=())
+    with pytest.raises(ValueError, match=r"\[rows, vocab\]"):
         Pick(logits=np.zeros(4, np.float32))
 
 
@@ -82,17 +88,25 @@ def test_the_ggml_tail_on_crafted_rows_follows_the_host_rule_whatever_ggmls_tie_
         ids, stats = tail_picks.tail(ops, logits)
         wrap = [ops.wrap(t, ()) for t in (ids, stats)]
         with computed(ctx, backend, [logits, *wrap], [(logits, rows)]):
-            got = tail_picks.read(ids, stats, logits.t, VOCAB, [True] * len(rows))
-            not_asked = tail_picks.read(ids, stats, logits.t, VOCAB, [False, True])
+            lone = [(i, i + 1) for i in range(len(rows))]
+            got = tail_picks.read(ids, stats, logits.t, VOCAB, [True] * len(rows), lone)
+            not_asked = tail_picks.read(ids, stats, logits.t, VOCAB, [False, True], lone[:2])
+            blocks = tail_picks.read(ids, stats, logits.t, VOCAB, [True, True, True], [(5, 8), (9, 12), (10, 12)])
     finally:
         g.ggml_backend_free(backend)
         ctx.free()
     for i, (p, ref) in enumerate(zip(got, (host_pick(r) for r in rows))):
-        assert p.token == ref.token, f"row {i}"
-        if p.token is None:
+        assert p.tokens == ref.tokens, f"row {i}"
+        if p.tokens is None:
             assert np.array_equal(p.logits, ref.logits, equal_nan=True), f"row {i}"
-    assert not_asked[0].token is None and np.array_equal(not_asked[0].logits, rows[:1])
-    assert not_asked[1].token == got[1].token is None  # a tie is never picked, asked or not
+    assert not_asked[0].tokens is None and np.array_equal(not_asked[0].logits, rows[:1])
+    assert not_asked[1].tokens == got[1].tokens is None  # a tie is never picked, asked or not
+    for p, (a, b) in zip(blocks, [(5, 8), (9, 12), (10, 12)]):  # blocks of rows: picked only where every row is
+        ref = host_pick(rows[a:b])
+        assert p.tokens == ref.tokens
+        if p.tokens is None:
+            assert np.array_equal(p.logits, rows[a:b], equal_nan=True)
+    assert [p.tokens is None for p in blocks] == [True, True, False]
 
 
 @pytest.mark.parametrize("name", installed())
@@ -104,16 +118,24 @@ def test_every_engines_picks_are_the_greedy_tokens_of_its_own_logits_step_after_
     wanted = [True, False, True, True]
     for _ in range(5):
         picks, outs = picking.pick(batch, wanted), forwarding.forward(batch)
-        assert [p.token is not None for p in picks] == wanted  # random logits: every maximum single
+        assert [p.tokens is not None for p in picks] == wanted  # random logits: every maximum single
         tokens = []
         for p, out in zip(picks, outs):
-            if p.token is None:
+            if p.tokens is None:
                 assert np.array_equal(p.logits, out[-1:])  # not asked: the very logits forward gives
             else:
-                assert p.token == greedy(out[-1])
+                assert p.tokens == (greedy(out[-1]),)
             tokens.append(greedy(out[-1]))
         batch = [StepInput(r, tokens=np.array([t])) for r, t in zip(ids, tokens)]
     assert picking.cache_length("a") == forwarding.cache_length("a") == 9
+    # blocks of every row (proposals to verify) beside a decode row: a token per row
+    batch = [StepInput("a", tokens=np.array([5, 6, 7])), StepInput("b", tokens=np.array([8])), batch[2]]
+    picks, outs = picking.pick(batch, [True, True, False], all_logits=True), forwarding.forward(batch, all_logits=True)
+    assert picks[0].tokens == tuple(greedy(r) for r in outs[0]) and len(picks[0].tokens) == 3
+    assert picks[1].tokens == (greedy(outs[1][0]),)
+    assert np.array_equal(picks[2].logits, outs[2])
+    if name == "ggml":  # on the CPU the logits are in host memory: picked there, the graphs have no tail
+        assert picking.graphs.graphs and not any(shape.picks for shape in picking.graphs.graphs)
 
 
 def test_picks_come_only_from_the_last_shard_with_one_flag_per_request():

@@ -36,11 +36,19 @@ def test_picks_on_the_device_are_the_greedy_tokens_of_the_devices_own_logits(gpu
             tokens = []
             for p, out, w in zip(picks, outs, wanted):
                 token = sample_one(out[-1], SamplingParams(temperature=0.0), SamplerState()).token
-                assert p.token == (token if w else None)  # the same graph shapes: the same logits, bit for bit
-                if p.token is None:
+                assert p.tokens == ((token,) if w else None)  # the same graph shapes: the same logits, bit for bit
+                if p.tokens is None:
                     assert np.array_equal(p.logits, out[-1:])
                 tokens.append(token)
             batch = [StepInput(r, tokens=np.array([t])) for r, t in zip(ids, tokens)]
+        # a block of every row (proposals to verify) beside a decode row: the tail over the step's every row
+        batch = [StepInput("a", tokens=np.array([5, 6, 7])), batch[1], batch[2]]
+        picks = picking.pick(batch, [True, True, False], all_logits=True)
+        outs = forwarding.forward(batch, all_logits=True)
+        greedy = [[sample_one(r, SamplingParams(temperature=0.0), SamplerState()).token for r in o] for o in outs]
+        assert picks[0].tokens == tuple(greedy[0]) and picks[1].tokens == tuple(greedy[1])
+        assert np.array_equal(picks[2].logits, outs[2])
+        assert {s.picks for s in picking.graphs.graphs} == {True} and not any(s.picks for s in forwarding.graphs.graphs)
     finally:
         picking.close()
         forwarding.close()

@@ -176,15 +176,16 @@ class GgmlEngine(Engine):
     def nbytes(self) -> int:
         return sum(self.ops.nbytes(w) for w in self._weights.values())
 
-    def pick(self, batch: list[StepInput], wanted: list[bool]) -> list[Pick]:
-        """`Engine.pick`, where the logits are: the step's graph ends in the picking tail (ggml/picks.py), on the
-        device with one; only rows not picked bring their logits back."""
+    def pick(self, batch: list[StepInput], wanted: list[bool], all_logits: bool = False) -> list[Pick]:
+        """`Engine.pick`, where the logits are: on a device the step's graph ends in the picking tail (ggml/picks.py)
+        and only rows not picked bring their logits back; on the CPU the logits are in host memory already, where
+        numpy's vector loops pick faster than the tail's ggml ops (a scalar argmax, a broadcast subtraction)."""
+        if self.on is None or not batch:
+            return super().pick(batch, wanted, all_logits)
         if not self.shard.is_last or len(wanted) != len(batch):
             raise EngineInputError(f"picks come from the last shard, one flag per request ({len(wanted)} flags)")
-        if not batch:
-            return []
         p = self.pack(batch)
-        return self.computed(batch, p, lambda x, caches: self.runner.run(x, p, caches, False, list(wanted)))
+        return self.computed(batch, p, lambda x, caches: self.runner.run(x, p, caches, all_logits, list(wanted)))
 
     def close(self) -> None:
         """Free everything ggml holds for this engine (also done when it is garbage collected)."""
@@ -294,7 +295,7 @@ class GraphRunner(Runner):
             self.generation = e.pool.generation
         shape, segments = self.layout(p, caches, all_logits)
         if picks is not None:
-            expect(shape.output == "last" and len(picks) == n, f"picks for {len(picks)} of {n} requests")
+            expect(shape.output != "hidden" and len(picks) == n, f"picks for {len(picks)} of {n} requests")
             shape = dataclasses.replace(shape, picks=True)
         graph = self.graphs.get(shape)
         self._last = (shape, p, graph is None)
@@ -321,11 +322,11 @@ class GraphRunner(Runner):
         if threads != e.step_threads:
             g.ggml_backend_cpu_set_n_threads(e.backend, threads)
             e.step_threads = threads
-        out = (
-            graph.run(e.backend, hidden, out_ids)
-            if picks is None
-            else graph.run_picks(e.backend, hidden, out_ids, picks)
-        )
+        if picks is None:
+            out = graph.run(e.backend, hidden, out_ids)
+        else:  # each request's rows of logits: its one in "last", its own in "all"
+            bounds = range(n + 1) if shape.output == "last" else p.bounds
+            out = graph.run_picks(e.backend, hidden, out_ids, picks, list(zip(bounds, bounds[1:])))
         e.governor.ended()
         self.lines_after(shape, p, caches, segments)
         if picks is not None:

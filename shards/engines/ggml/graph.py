@@ -82,7 +82,7 @@ class Shape:
     groups: tuple[Group, ...]  # the rows, in order, by the cells they attend
     output: str  # "hidden" (not the last shard), "last" (chosen rows' logits) or "all" (every row's)
     outputs: int  # rows of logits for "last" (padded like rows), else 0
-    picks: bool = False  # "last" only: the graph also picks each row's greedy token (shards/engines/ggml/picks.py)
+    picks: bool = False  # the graph also picks each logits row's greedy token (shards/engines/ggml/picks.py)
 
     def __post_init__(self):
         if self.rows < 1 or self.output not in OUTPUTS or sum(gr.rows for gr in self.groups) != self.rows:
@@ -91,8 +91,8 @@ class Shape:
             raise ValueError(f"bad attention groups {self.groups}")
         if any(gr.stride and (gr.rows < 2 or gr.gemm or gr.lines or gr.stride < gr.cells) for gr in self.groups):
             raise ValueError(f"a strided group is 2+ flash rows over disjoint ranges: {self.groups}")
-        if (self.output == "last") != (self.outputs > 0) or (self.picks and self.output != "last"):
-            raise ValueError(f"a graph has logits rows (and picks) exactly when its output is 'last': {self}")
+        if (self.output == "last") != (self.outputs > 0) or (self.picks and self.output == "hidden"):
+            raise ValueError(f"a graph has chosen logits rows when its output is 'last', picks with logits: {self}")
 
 
 @dataclass(frozen=True)
@@ -250,11 +250,16 @@ class Graph:
         return out
 
     def run_picks(
-        self, backend: int, hidden: np.ndarray | None, out_ids: np.ndarray | None, wanted: list[bool]
+        self,
+        backend: int,
+        hidden: np.ndarray | None,
+        out_ids: np.ndarray | None,
+        wanted: list[bool],
+        spans: list[tuple[int, int]],
     ) -> list[Pick]:
-        """`run` in a graph with picks: a pick for each of the first len(wanted) logits rows."""
+        """`run` in a graph with picks: a pick for each request, over its logits rows [a, b) of `spans`."""
         self.run_inputs(backend, hidden, out_ids)
-        return picks.read(*self.picks, self.out, self.out_shape[-1], wanted)
+        return picks.read(*self.picks, self.out, self.out_shape[-1], wanted, spans)
 
     def run_inputs(self, backend: int, hidden: np.ndarray | None, out_ids: np.ndarray | None) -> None:
         if hidden is not None:
