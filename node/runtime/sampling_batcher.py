@@ -31,6 +31,7 @@ from node.runtime.sample_rows import Counts, SampleItem, picked_results, refusal
 from shards.decoding.grammar import GrammarTokenizer, Matcher
 from shards.decoding.sampling import SampleResult
 from shards.engines.base import Engine
+from shards.engines.picks import host_pick
 
 log = logging.getLogger(__name__)
 __all__ = ["BatcherClosed", "SampleItem", "SamplingBatcher"]
@@ -245,15 +246,19 @@ class SamplingBatcher:
             if item.drafts:
                 continue
             try:
-                rows.append(self._masked(item))
+                if (allowed := self._allowed_pick(item)) is not None:
+                    results[k] = allowed
+                    counts["sample_grammar_picked"] += 1
+                else:
+                    rows.append(self._masked(item))
             except Exception as e:  # the grammar can't be built or allows nothing: only this request fails
                 counts["sample_grammar_errors"] += 1
                 results[k] = e
         sampled = iter(sample_rows(rows, self.batching, counts))
         for k, item in enumerate(items):
-            if results[k] is not None or item.drafts:
+            if item.drafts or isinstance(results[k], BaseException):
                 continue
-            result = results[k] = next(sampled)
+            result = results[k] = next(sampled) if results[k] is None else results[k]
             if item.params.constraint is not None and isinstance(result, SampleResult):
                 counts["sample_constrained"] += 1
                 try:
@@ -265,11 +270,26 @@ class SamplingBatcher:
 
     def _masked(self, item: SampleItem) -> SampleItem:
         """The item itself, or for a constrained request a copy whose logits only allow what its grammar allows."""
-        constraint = item.params.constraint
-        if constraint is None:
+        if item.params.constraint is None:
             return item
+        return dataclasses.replace(item, logits=self._matcher(item).apply(item.logits))
+
+    def _matcher(self, item: SampleItem) -> Matcher:
         if item.state.matcher is None:
             if self._grammar is None:
                 raise ValueError("this node cannot sample constrained requests (no grammar tokenizer)")
-            item.state.matcher = Matcher(self._grammar(), constraint, self._grammars())
-        return dataclasses.replace(item, logits=item.state.matcher.apply(item.logits))
+            item.state.matcher = Matcher(self._grammar(), item.params.constraint, self._grammars())
+        return item.state.matcher
+
+    def _allowed_pick(self, item: SampleItem) -> SampleResult | None:
+        """A greedy constrained row's token without masking its logits, or None: its argmax where that is single
+        (shards/engines/picks.py) and its grammar allows it, which makes it the masked row's single maximum too, the
+        token masking then sampling would give. A model that follows its grammar mostly gets here."""
+        p = item.params
+        if p.constraint is None or not p.greedy or p.processed or p.top_logprobs is not None:
+            return None
+        pick = host_pick(item.logits)
+        if pick.tokens is None:
+            return None
+        token, allowed = pick.tokens[0], self._matcher(item).mask()
+        return SampleResult(token) if token < allowed.size and allowed[token] else None

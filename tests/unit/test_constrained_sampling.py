@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 
 from node.runtime.sampling_batcher import SampleItem, SamplingBatcher
-from shards.decoding.grammar import Constraint, GrammarError, closed_objects, grammar_tokenizer, json_schema_grammar
+from shards.decoding.grammar import (
+    Constraint,
+    GrammarError,
+    Matcher,
+    closed_objects,
+    grammar_tokenizer,
+    json_schema_grammar,
+)
 from shards.decoding.sampling import SamplerState, SamplingParams, sample_one
 from shards.formats.packaged import resolve_model
 from shards.formats.tokenizer import Tokenizer
@@ -96,6 +103,37 @@ def test_a_free_row_in_a_mixed_batch_gets_the_token_it_would_get_alone(tok):
             got, _ = await asyncio.gather(fa, fb)
             assert got == sample_one(row_free, SamplingParams(seed=9), alone)
         assert engine.calls == [2] * 6 and batcher.stats["sample_constrained"] == 6
+        await batcher.close()
+
+    asyncio.run(go())
+
+
+def test_a_greedy_rows_allowed_argmax_is_taken_without_masking_and_a_forbidden_one_is_masked(tok):
+    """The token is always the masked row's argmax; where the raw argmax is allowed (a model that follows its
+    grammar) it is taken as it is, the mask only consulted."""
+
+    async def go():
+        engine = Recording()
+        batcher = SamplingBatcher(8, LONG, grammar=lambda: grammar_tokenizer(tok))
+        grammar = Constraint(json_schema_grammar(SCHEMA))
+        shadow = Matcher(grammar_tokenizer(tok), grammar)  # the reference: mask, then the argmax
+        rng = np.random.default_rng(8)
+        params, state = SamplingParams(temperature=0.0, constraint=grammar), SamplerState()
+        tokens, direct = [], 0
+        while not tokens or tokens[-1] not in tok.eos_token_ids:
+            row, allowed = logits_for(rng, tok), shadow.mask()
+            if len(tokens) % 2 == 0:  # the model's best token is one the grammar allows
+                row[rng.choice(np.flatnonzero(allowed))] = row.max() + 5.0
+            want = int(np.argmax(shadow.apply(row)))
+            direct += bool(allowed[int(np.argmax(row))])
+            future = batcher.submit(SampleItem("g", row, params, state, engine, "m"))
+            batcher.flush()
+            tokens.append((await future).token)
+            assert tokens[-1] == want
+            shadow.advance(want)
+            assert len(tokens) < 200
+        jsonschema.validate(json.loads(tok.decode(tokens)), closed_objects(SCHEMA))
+        assert batcher.stats["sample_grammar_picked"] == direct and 0 < direct < len(tokens)
         await batcher.close()
 
     asyncio.run(go())
