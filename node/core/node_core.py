@@ -114,7 +114,7 @@ class NodeCore(RequestBook):
         actions += [Send(address, tuple(acts)) for address, acts in sends.items()]
         if results:
             self.counters["presampled_rows"] += len(results)
-            self.counters["picked_rows"] += sum(1 for rid in results if outputs.get(rid, 0) is None)
+            self.counters["picked_rows"] += sum(1 for rid in results if outputs[rid] is None)
             self.counters["followed_rows"] += len(done.followed)
             actions += self.sampled(results, done.followed)
         return actions

@@ -285,8 +285,7 @@ class SamplingBatcher:
         """A greedy constrained row's token without masking its logits, or None: its argmax where that is single
         (shards/engines/picks.py) and its grammar allows it, which makes it the masked row's single maximum too, the
         token masking then sampling would give. A model that follows its grammar mostly gets here."""
-        p = item.params
-        if p.constraint is None or not p.greedy or p.processed or p.top_logprobs is not None:
+        if item.params.constraint is None or not item.params.plain_greedy:
             return None
         pick = host_pick(item.logits)
         if pick.tokens is None:

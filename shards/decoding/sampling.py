@@ -69,10 +69,15 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing changing the logits before the argmax (no bias or penalties) and no logprobs asked."""
+        return self.greedy and not self.processed and self.top_logprobs is None
+
+    @property
     def pickable(self) -> bool:
-        """Whether a row's token is its logits' argmax and nothing else is asked of them (no bias, penalties,
-        grammar or logprobs): an engine may pick it where it computed them (shards/engines/picks.py)."""
-        return self.greedy and not self.processed and self.constraint is None and self.top_logprobs is None
+        """Whether a row's token is its logits' argmax and nothing else is asked of them (plain greedy, no grammar):
+        an engine may pick it where it computed them (shards/engines/picks.py)."""
+        return self.plain_greedy and self.constraint is None
 
     @property
     def penalized(self) -> bool:
