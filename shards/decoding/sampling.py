@@ -22,6 +22,8 @@ MAX_TOP_LOGPROBS = 20
 # top-p first looks for the nucleus among this many most likely tokens; it sorts the whole row only when
 # they don't reach top_p (a nearly flat distribution).
 _NUCLEUS_PRESELECT = 1024
+# the best k ids are looked for among the ids scoring at least the k-th best of every this-many-th score
+_SAMPLE_STRIDE = 16
 
 
 @dataclass(frozen=True)
@@ -155,9 +157,8 @@ def sample_rows(logits: np.ndarray, params: list[SamplingParams], states: list[S
     if drawn:
         temps = np.array([params[i].temperature for i in drawn], dtype=np.float32)
         scaled = logits[drawn] / temps[:, None]
-        probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
         for j, i in enumerate(drawn):
-            tokens[i] = _draw(scaled[j], probs[j], params[i], states[i].rng)
+            tokens[i] = _draw(scaled[j], params[i], states[i].rng)
     for i, p in enumerate(params):
         if p.penalized:
             states[i].window(p).append(tokens[i])
@@ -170,22 +171,34 @@ def sample_one(logits: np.ndarray, params: SamplingParams, state: SamplerState) 
     return sample_rows(np.asarray(logits, dtype=np.float32).reshape(1, -1), [params], [state])[0]
 
 
-def _draw(scaled: np.ndarray, probs: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
-    """Inverse-CDF draw over the surviving ids taken in id order, with one uniform from the request's RNG."""
+def _draw(scaled: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw over the surviving ids taken in id order, with one uniform from the request's RNG. A
+    token's probability is exp(scaled - max) (the likeliest token's is 1), computed for the ids a step needs: after
+    a top-k cut only the k survivors' (elementwise, so the same numbers as over the whole row)."""
+    top = scaled.max()
+    probs = None  # the whole row's, once a step needs them
+
+    def at(ids: np.ndarray | None) -> np.ndarray:
+        nonlocal probs
+        if ids is None or probs is not None:
+            probs = np.exp(scaled - top) if probs is None else probs
+            return probs if ids is None else probs[ids]
+        return np.exp(scaled[ids] - top)
+
     ids = None  # None: every id survives
     if p.top_k and p.top_k < len(scaled):
         ids = _best_ids(scaled, p.top_k)
         if p.top_p < 1.0:  # the nucleus is taken within the k survivors, as HF chains the two filters
-            mass = np.cumsum(probs[ids], dtype=np.float64)
+            mass = np.cumsum(at(ids), dtype=np.float64)
             ids = ids[: int(np.searchsorted(mass, p.top_p * mass[-1], side="left")) + 1]
     elif p.top_p < 1.0:
-        ids = _nucleus(scaled, probs, p.top_p)
-    if p.min_p > 0:  # probs are exp(scaled - max): the likeliest token's is 1
-        kept = np.flatnonzero(probs >= np.float32(p.min_p)) if ids is None else ids[probs[ids] >= np.float32(p.min_p)]
+        ids = _nucleus(scaled, at(None), p.top_p)
+    if p.min_p > 0:  # the likeliest token's probability is 1
+        kept = np.flatnonzero(at(None) >= np.float32(p.min_p)) if ids is None else ids[at(ids) >= np.float32(p.min_p)]
         ids = kept
     if ids is not None:
         ids = np.sort(ids)
-    cdf = np.cumsum(probs if ids is None else probs[ids], dtype=np.float64)
+    cdf = np.cumsum(at(ids), dtype=np.float64)
     j = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
     return int(j if ids is None else ids[j])
 
@@ -210,12 +223,26 @@ def _nucleus(scaled: np.ndarray, probs: np.ndarray, top_p: float) -> np.ndarray:
 def _best_ids(scores: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k highest scores, best first; equal scores ordered by id (canonical, batch independent)."""
     if k < len(scores):
-        kth = np.partition(scores, len(scores) - k)[len(scores) - k]
-        ids = np.flatnonzero(scores >= kth)  # includes every tie with the k-th value
+        pool = _at_least_kth(scores, k)
+        sub = scores[pool]
+        kth = np.partition(sub, len(sub) - k)[len(sub) - k]  # the row's k-th highest: the pool holds the k highest
+        ids = pool[sub >= kth]  # includes every tie with the k-th value, in id order
     else:
         ids = np.arange(len(scores))
     order = np.lexsort((ids, -scores[ids]))
     return ids[order][:k]
+
+
+def _at_least_kth(scores: np.ndarray, k: int) -> np.ndarray:
+    """Ids, in order, of every score at or above the k-th highest: those at or above the k-th highest of every
+    stride-th score (at most the row's: the row holds that sample's k scores), so a partition runs over a few times
+    k scores rather than the vocabulary; every id where a sample could not hold k scores."""
+    stride = min(_SAMPLE_STRIDE, len(scores) // (4 * k))
+    if stride < 2:
+        return np.arange(len(scores))
+    sample = scores[::stride]
+    floor = np.partition(sample, len(sample) - k)[len(sample) - k]
+    return np.flatnonzero(scores >= floor)
 
 
 def _with_logprobs(row: np.ndarray, token: int, top: int | None) -> SampleResult:
