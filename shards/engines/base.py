@@ -115,6 +115,10 @@ class Engine(ABC):
         (the ggml engine)."""
         if not self.shard.is_last or len(wanted) != len(batch):
             raise EngineInputError(f"picks come from the last shard, one flag per request ({len(wanted)} flags)")
+        return self.picked(batch, wanted, all_logits) if batch else []
+
+    def picked(self, batch: list[StepInput], wanted: list[bool], all_logits: bool) -> list[Pick]:
+        """`pick` of a checked, non-empty step: here on the host, from `forward`'s logits."""
         return [host_pick(out, w) for out, w in zip(self.forward(batch, all_logits), wanted)]
 
     def request_cache(self, item: StepInput, end: int) -> RequestCache:

@@ -176,14 +176,12 @@ class GgmlEngine(Engine):
     def nbytes(self) -> int:
         return sum(self.ops.nbytes(w) for w in self._weights.values())
 
-    def pick(self, batch: list[StepInput], wanted: list[bool], all_logits: bool = False) -> list[Pick]:
+    def picked(self, batch: list[StepInput], wanted: list[bool], all_logits: bool) -> list[Pick]:
         """`Engine.pick`, where the logits are: on a device the step's graph ends in the picking tail (ggml/picks.py)
         and only rows not picked bring their logits back; on the CPU the logits are in host memory already, where
         numpy's vector loops pick faster than the tail's ggml ops (a scalar argmax, a broadcast subtraction)."""
-        if self.on is None or not batch:
-            return super().pick(batch, wanted, all_logits)
-        if not self.shard.is_last or len(wanted) != len(batch):
-            raise EngineInputError(f"picks come from the last shard, one flag per request ({len(wanted)} flags)")
+        if self.on is None:
+            return super().picked(batch, wanted, all_logits)
         p = self.pack(batch)
         return self.computed(batch, p, lambda x, caches: self.runner.run(x, p, caches, all_logits, list(wanted)))
 
