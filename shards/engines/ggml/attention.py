@@ -28,6 +28,13 @@ GEMM_FROM = 1024  # under "auto", the first position attended by matmuls: about 
 ATTENTION_ROWS = 32  # query rows per flash-attention op: below the size where ggml's CPU kernel changes (see attention)
 SPLIT_KV_CELLS = 512  # from this many cells on, ggml splits a single query row's cells across threads (ops.cpp)
 SCORE_BYTES = 16 << 20  # matmul attention computes its F32 scores (and their softmax) for this much at a time at most
+SCORE_ROWS = 48  # and for this many query rows at most: smaller blocks stay in cache (docs/benchmarks.md)
+
+
+def score_block(cells: int, heads: int) -> int:
+    """Query rows whose scores matmul attention computes in one block over `cells` cells with `heads` heads: at most
+    SCORE_ROWS and SCORE_BYTES, at least MIN_FLOAT_ROWS. Any block gives a row the same numbers (gemm_attention)."""
+    return max(MIN_FLOAT_ROWS, min(SCORE_ROWS, SCORE_BYTES // (cells * heads * 4)))
 
 
 def gemm_from(attention: str | None = None) -> int | None:
@@ -83,7 +90,7 @@ class GgmlAttention:
             f"attention: {q.shape}, {keys.shape}",
         )
         expect(mask.shape == (t, cells), f"attention: mask {mask.shape}")
-        block = max(MIN_FLOAT_ROWS, SCORE_BYTES // (cells * nh * 4))
+        block = score_block(cells, nh)
         if t > block:  # in blocks of rows, not every row's scores (rows x cells x heads, F32) at once
             n = -(-t // block)
             bounds = [i * (t // n) + min(i, t % n) for i in range(n + 1)]

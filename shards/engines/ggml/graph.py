@@ -39,7 +39,7 @@ import numpy as np
 from shards.engines.backend import KVCache
 from shards.engines.ggml import picks
 from shards.engines.ggml.arrays import GArray, ValueLines, expect
-from shards.engines.ggml.attention import ATTENTION_ROWS
+from shards.engines.ggml.attention import ATTENTION_ROWS, score_block
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.lib import F16, F32, I32, Context, GgmlError, cpu_buffer_type, g
@@ -180,11 +180,14 @@ class Graph:
     def __init__(self, ops: GgmlBackend, model: ShardModel, shape: Shape, pool: CellPool, *, first: bool, hidden: int):
         rows, layers = shape.rows, len(model.layers)
         self.shape, self.first = shape, first
-        blocks = sum(-(-gr.rows // ATTENTION_ROWS) + 1 for gr in shape.groups)
-        # ~40 tensors per layer (measured 38 for Qwen3 with q/k norms), 8 per (flash) attention block and 14 per
-        # group and layer (cache writes and views, gemm attention), 8 per group, MoE ~20 + top-k
+        heads = max((layer.self_attn.n_heads for layer in model.layers), default=1)
+        blocks = sum(  # a group's rows attend in blocks: flash's, matmuls' (a group may straddle GEMM_FROM)
+            -(-gr.rows // ATTENTION_ROWS) + -(-gr.rows // score_block(gr.cells, heads)) + 1 for gr in shape.groups
+        )
+        # ~40 tensors per layer (measured 38 for Qwen3 with q/k norms), 10 per attention block and 14 per group and
+        # layer (cache writes and views, gemm attention), 8 per group, MoE ~20 + top-k
         n = len(shape.groups)
-        self.ctx = Context(64 + 8 * n + layers * (96 + 8 * blocks + 14 * n), graph=True)
+        self.ctx = Context(64 + 8 * n + layers * (96 + 10 * blocks + 14 * n), graph=True)
         ops.ctx = self.ctx
         try:
             n_ints = (3 if first else 2) * rows
