@@ -13,6 +13,7 @@ a picked token is the very token the sampler would have drawn.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,15 +39,18 @@ class Pick:
 
 def host_pick(rows: np.ndarray, wanted: bool = True) -> Pick:
     """The rule on the host, for a request's rows [rows, vocab] (or one row [vocab]): each row's argmax where every
-    row's maximum is finite and single, else the rows."""
+    row's maximum is finite and single, else the rows. One kind of pass, twice (right after a step numpy's code is
+    out of cache, and each new kind of call costs more than its pass): argmax gives the first maximum, or the first
+    NaN, which numpy takes for the largest; the values after it must lie under it, and those before do."""
     rows = np.asarray(rows, dtype=np.float32)
     rows = rows.reshape(1, -1) if rows.ndim == 1 else rows
     if wanted:
         tokens = []
         for row in rows:
-            top = row.max()  # NaN when the row holds one
-            if not (np.isfinite(top) and np.count_nonzero(row == top) == 1):  # else every other value is under it
+            at = int(row.argmax())
+            top = row[at]
+            if not math.isfinite(top) or (at + 1 < len(row) and not row[at + 1 + int(row[at + 1 :].argmax())] < top):
                 return Pick(logits=rows)
-            tokens.append(int(np.argmax(row)))
+            tokens.append(at)
         return Pick(tokens=tuple(tokens))
     return Pick(logits=rows)

@@ -40,6 +40,7 @@ from shards.engines.ggml.graph import Graph, GraphCache, Shape, StepWork
 from shards.engines.ggml.host_memory import unmap_large_blocks
 from shards.engines.ggml.layout import Segment, layout
 from shards.engines.ggml.lib import default_threads, g
+from shards.engines.ggml.next_row import LastRow
 from shards.engines.ggml.on_device import DeviceGraph, DevicePool, OnDevice
 from shards.engines.ggml.sliding import SlidingWindows
 from shards.engines.ggml.threads import ThreadGovernor
@@ -178,10 +179,9 @@ class GgmlEngine(Engine):
 
     def picked(self, batch: list[StepInput], wanted: list[bool], all_logits: bool) -> list[Pick]:
         """`Engine.pick`, where the logits are: on a device the step's graph ends in the picking tail (ggml/picks.py)
-        and only rows not picked bring their logits back; on the CPU the logits are in host memory already, where
-        numpy's vector loops pick faster than the tail's ggml ops (a scalar argmax, a broadcast subtraction)."""
-        if self.on is None:
-            return super().picked(batch, wanted, all_logits)
+        and only rows not picked bring their logits back; on the CPU numpy's vector loops pick faster than the
+        tail's ggml ops (a scalar argmax, a broadcast subtraction), from the graph's own host copy of the logits
+        (`Graph.run_picks`), and only rows not picked are copied out."""
         p = self.pack(batch)
         return self.computed(batch, p, lambda x, caches: self.runner.run(x, p, caches, all_logits, list(wanted)))
 
@@ -218,6 +218,9 @@ class GraphRunner(Runner):
         self.masks = CausalMasks(np.float16(0), np.float16(-np.inf), np.float16)
         self.sliding = SlidingWindows.for_shard(engine.config, engine.shard)  # Gemma's window masks (ggml/sliding.py)
         self._last: tuple[Shape, Packing, bool] | None = None  # the last step: its shape, packing, whether built
+        self._row: LastRow | None = None  # the last step, where it was a lone row that may go on (next_row.py)
+        self.next_rows = True  # False: every step laid out and filled in full (tests compare the two)
+        self.next_row_steps = 0  # steps taken from the last one (next_row.py)
 
     @property
     def last(self) -> StepWork | None:
@@ -291,23 +294,36 @@ class GraphRunner(Runner):
         if e.pool.generation != self.generation:  # the pool moved (it grew): every graph points at the old tensors
             self.graphs.clear()
             self.generation = e.pool.generation
-        shape, segments = self.layout(p, caches, all_logits)
         if picks is not None:
-            expect(shape.output != "hidden" and len(picks) == n, f"picks for {len(picks)} of {n} requests")
-            shape = dataclasses.replace(shape, picks=True)
-        graph = self.graphs.get(shape)
-        self._last = (shape, p, graph is None)
-        if graph is None:
-            model = e.model if self.sliding is None else self.sliding.builder(e.model, e.ops)
-            new = Graph if e.on is None else partial(DeviceGraph, e.on)
-            graph = new(e.ops, model, shape, e.pool, first=e.shard.is_first, hidden=self.config.hidden_size)
+            expect(not e.shard.is_last or len(picks) == n, f"picks for {len(picks)} of {n} requests")
+        kind, split = (all_logits, picks is not None), e.pool.gemm_from
+        row = self._row.next(p, caches, kind, split) if self._row is not None else None
+        if row is not None:  # a lone decode row's next step (next_row.py)
+            graph, shape, segments = row.graph, row.shape, list(row.segments)
+            row.fill(x, self.masks.visible)
+            self._last = (shape, p, False)
+            self.next_row_steps += 1
+        else:
+            shape, segments = self.layout(p, caches, all_logits)
+            if picks is not None:  # a device's graph picks in its tail; the CPU's picks on the host (Graph.run_picks)
+                expect(shape.output != "hidden", f"picks for {len(picks)} of {n} requests")
+                shape = dataclasses.replace(shape, picks=e.on is not None)
+            graph = self.graphs.get(shape)
+            self._last = (shape, p, graph is None)
+            if graph is None:
+                model = e.model if self.sliding is None else self.sliding.builder(e.model, e.ops)
+                new = Graph if e.on is None else partial(DeviceGraph, e.on)
+                graph = new(e.ops, model, shape, e.pool, first=e.shard.is_first, hidden=self.config.hidden_size)
+                if self.sliding is not None:
+                    self.sliding.attach(graph, model)
+                self.graphs.put(graph)
+            self.fill(graph, x, p, caches, segments)
+            self.lines_before(shape, p, caches, segments)
             if self.sliding is not None:
-                self.sliding.attach(graph, model)
-            self.graphs.put(graph)
-        self.fill(graph, x, p, caches, segments)
-        self.lines_before(shape, p, caches, segments)
-        if self.sliding is not None:
-            self.sliding.fill(graph, graph.masks_np)
+                self.sliding.fill(graph, graph.masks_np)
+            if e.on is None and self.sliding is None and self.next_rows:
+                row = LastRow.of(graph, shape, segments, p, caches, kind, split)
+        self._row = row
         hidden = None
         if not e.shard.is_first:
             hidden = np.zeros((shape.rows, self.config.hidden_size), dtype=np.float32)

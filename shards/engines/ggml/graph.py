@@ -31,6 +31,7 @@ later steps copy the inputs and compute. Graphs are kept least recently used fir
 
 from __future__ import annotations
 
+import ctypes
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ from shards.engines.ggml.attention import ATTENTION_ROWS, score_block
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.lib import F16, F32, I32, Context, GgmlError, cpu_buffer_type, g
-from shards.engines.picks import Pick
+from shards.engines.picks import Pick, host_pick
 from shards.model.transformer import ShardModel, Step
 
 WINDOW_STEP = 256  # spans of cells start and end on multiples of this (llama.cpp pads its KV view to 256 too)
@@ -225,6 +226,7 @@ class Graph:
         finally:
             ops.ctx = None
         self.out, self.out_shape = out.t, out.shape
+        self._logits: np.ndarray | None = None  # `host_logits`
         self.gf = self.ctx.graph()
         for t in (out.t, *self.picks):  # the logits stay an output beside picks: a row not picked is read from them
             g.ggml_set_output(t)
@@ -260,9 +262,28 @@ class Graph:
         wanted: list[bool],
         spans: list[tuple[int, int]],
     ) -> list[Pick]:
-        """`run` in a graph with picks: a pick for each request, over its logits rows [a, b) of `spans`."""
+        """`run` with a pick for each request, over its logits rows [a, b) of `spans`: by the graph's tail where it
+        has one (a device's), else on the host from the logits where the step left them (a CPU graph's buffer is
+        host memory: copying a vocabulary per row out first costs more than the pick); only the rows that come back
+        as logits are copied out of it."""
         self.run_inputs(backend, hidden, out_ids)
-        return picks.read(*self.picks, self.out, self.out_shape[-1], wanted, spans)
+        if self.picks:
+            return picks.read(*self.picks, self.out, self.out_shape[-1], wanted, spans)
+        logits = self.host_logits()
+        out = []
+        for w, (a, b) in zip(wanted, spans):
+            pick = host_pick(logits[a:b], w)
+            out.append(pick if pick.tokens is not None else Pick(logits=pick.logits.copy()))
+        return out
+
+    def host_logits(self) -> np.ndarray:
+        """A CPU graph's logits where its runs leave them, read after a run and before the next: a view made once,
+        as the compute buffer is allocated once (`allocate`; nothing per step: right after a step every call not
+        made since the last one costs tens of microseconds)."""
+        if self._logits is None:
+            size, at = int(np.prod(self.out_shape)), self.out.contents.data
+            self._logits = np.ctypeslib.as_array((ctypes.c_float * size).from_address(at)).reshape(self.out_shape)
+        return self._logits
 
     def run_inputs(self, backend: int, hidden: np.ndarray | None, out_ids: np.ndarray | None) -> None:
         if hidden is not None:
