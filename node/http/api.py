@@ -21,13 +21,12 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
-from node.core.failures import Failed
 from node.core.plan import PlanError
 from node.http import anthropic, chat, middleware, ollama, responses, webui
 from node.http.chat import ChatRun
-from node.http.completion import Job, TextDelta, run_job
-from node.http.failures import api_error
+from node.http.completion import Job, run_job
 from node.http.format import ChatFormat, CompletionFormat, Format
+from node.http.pieces import Pieces
 from node.http.prompt import PromptEncoder
 from node.http.schema import ApiError, ChatRequest, CompletionRequest, Options, parse_chat, parse_completion, read_json
 from node.http.tools import ToolError, prompt_inputs, with_tool_syntax
@@ -238,9 +237,7 @@ class Api:
         return Job(prompt, opts.sampling, max_tokens, opts.stop)
 
     @asynccontextmanager
-    async def _running(
-        self, endpoint: str, opts: Options, prompt: list[int], param: str
-    ) -> AsyncIterator[AsyncIterator[TextDelta]]:
+    async def _running(self, endpoint: str, opts: Options, prompt: list[int], param: str) -> AsyncIterator[Pieces]:
         """The request admitted (or refused: beyond the context, draining, at the concurrency limit) and its text
         pieces, the first already awaited so that errors before any token are plain HTTP errors."""
         with self.node.metrics.request(endpoint, refusals=(ApiError,)) as observed:
@@ -258,14 +255,12 @@ class Api:
                 )
             observed.admitted(len(prompt))
             self.active += 1
-            pieces = None
+            pieces = Pieces(run_job(self.node, job, observed.tokens), observed)
             try:
-                pieces = observed.watch(_guard(run_job(self.node, job, observed.tokens)))
-                yield _prepend(await anext(pieces, None), pieces)
+                yield await pieces.peek()
             finally:
                 self.active -= 1
-                if pieces is not None:  # now, not when collected: ends the request on every node of its plan
-                    await pieces.aclose()
+                await pieces.aclose()
 
     async def _respond(self, request: web.Request, fmt: Format, pieces, echo: str) -> web.StreamResponse:
         if fmt.options.stream:
@@ -300,23 +295,3 @@ class Api:
         await send("[DONE]")
         await response.write_eof()
         return response
-
-
-async def _prepend(first: TextDelta | None, rest: AsyncIterator[TextDelta]) -> AsyncIterator[TextDelta]:
-    if first is not None:
-        yield first
-        async for piece in rest:
-            yield piece
-
-
-async def _guard(pieces):
-    """Map failures of the ring to API errors."""
-    try:
-        async for piece in pieces:
-            yield piece
-    except PlanError as e:
-        raise ApiError(503, f"the cluster cannot serve this model now: {e}", code="no_plan") from None
-    except Failed as e:
-        raise api_error(e.failure) from None
-    finally:
-        await pieces.aclose()  # closing this closes the generation under it too

@@ -16,7 +16,7 @@ import asyncio
 import re
 import time
 from collections import Counter as Tally
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -124,7 +124,7 @@ class NodeMetrics:
 
 class RequestObserver:
     """One generation request at the entry node: `with metrics.request("chat") as obs:` counts its outcome when the
-    block exits (however it exits), `obs.tokens(n)` times each token, `obs.watch(pieces)` notes the finish reason."""
+    block exits (however it exits), `obs.tokens(n)` times each token, and `outcome` is its finish reason (node/http/pieces.py notes it)."""
 
     def __init__(self, metrics: NodeMetrics, endpoint: str, refusals: tuple[type[BaseException], ...] = ()):
         self.metrics, self.endpoint, self.refusals = metrics, endpoint, refusals
@@ -165,19 +165,6 @@ class RequestObserver:
         self.count += n
         self.last = now
         self.metrics.completion_tokens.inc(n)
-
-    async def watch(self, pieces: AsyncIterator) -> AsyncIterator:
-        """Pass text pieces through, noting the finish reason, or "error" when the generation fails."""
-        try:
-            async for piece in pieces:
-                if piece.finish_reason is not None:
-                    self.outcome = piece.finish_reason
-                yield piece
-        except Exception:
-            self.outcome = "error"
-            raise
-        finally:
-            await pieces.aclose()
 
 
 class _Status(Mapping):
