@@ -46,6 +46,7 @@ def test_every_step_taken_from_the_last_equals_the_full_one_whatever_comes_betwe
                 other = full.runner.graphs.graphs[row.shape]
                 assert np.array_equal(row.graph.ints_np, other.ints_np), f"step {k}"
                 assert np.array_equal(row.graph.mask_np, other.mask_np), f"step {k}"
+                assert np.array_equal(row.graph.out_ids_np, other.out_ids_np), f"step {k}"
         assert short.cache_length("a") > 256  # its range grew (and moved) on the way
         assert short.runner.next_row_steps >= 0.6 * plan.count("a")  # (a pick after a forward starts over)
         assert full.runner.next_row_steps == 0

@@ -318,6 +318,9 @@ class GraphRunner(Runner):
                     self.sliding.attach(graph, model)
                 self.graphs.put(graph)
             self.fill(graph, x, p, caches, segments)
+            if shape.output == "last":  # (a lone row's next step keeps them: the same rows give logits)
+                graph.out_ids_np[n:] = 0
+                graph.out_ids_np[:n] = np.asarray(p.bounds[1:], dtype=np.int32) - 1
             self.lines_before(shape, p, caches, segments)
             if self.sliding is not None:
                 self.sliding.fill(graph, graph.masks_np)
@@ -325,22 +328,20 @@ class GraphRunner(Runner):
                 row = LastRow.of(graph, shape, segments, p, caches, kind, split)
         self._row = row
         hidden = None
-        if not e.shard.is_first:
+        if not e.shard.is_first and shape.rows == rows and x.dtype == np.float32 and x.flags.c_contiguous:
+            hidden = x  # no padding rows: the step's own rows, as they are
+        elif not e.shard.is_first:
             hidden = np.zeros((shape.rows, self.config.hidden_size), dtype=np.float32)
             hidden[:rows] = x
-        out_ids = None
-        if shape.output == "last":
-            out_ids = np.zeros(shape.outputs, dtype=np.int32)
-            out_ids[:n] = np.asarray(p.bounds[1:], dtype=np.int32) - 1
         threads = e.governor.threads()
         if threads != e.step_threads:
             g.ggml_backend_cpu_set_n_threads(e.backend, threads)
             e.step_threads = threads
         if picks is None:
-            out = graph.run(e.backend, hidden, out_ids)
+            out = graph.run(e.backend, hidden)
         else:  # each request's rows of logits: its one in "last", its own in "all"
             bounds = range(n + 1) if shape.output == "last" else p.bounds
-            out = graph.run_picks(e.backend, hidden, out_ids, picks, list(zip(bounds, bounds[1:])))
+            out = graph.run_picks(e.backend, hidden, picks, list(zip(bounds, bounds[1:])))
         e.governor.ended()
         self.lines_after(shape, p, caches, segments)
         if picks is not None:

@@ -213,6 +213,7 @@ class Graph:
             ]
             bounds = np.concatenate([[0], np.cumsum([gr.rows for gr in shape.groups])]).astype(int).tolist()
             self.out_ids = ops.input(I32, (shape.outputs,)) if shape.output == "last" else None
+            self.out_ids_np = np.zeros(shape.outputs, dtype=np.int32)  # which rows give logits ("last")
             kv, heads = [], [{"k": pool.k[layer]} for layer in range(layers)]
             for gr, b in zip(shape.groups, bounds):
                 rows_cells = ops.view(cells, (gr.rows,), (4,), 4 * b)
@@ -226,6 +227,10 @@ class Graph:
         finally:
             ops.ctx = None
         self.out, self.out_shape = out.t, out.shape
+        # the host inputs a run uploads, with their addresses read once (each read builds a ctypes object)
+        host = [(self.ints.t, self.ints_np), (self.mask.t, self.mask_np)]
+        host += [(self.out_ids.t, self.out_ids_np)] if self.out_ids is not None else []
+        self._uploads = [(t, a.ctypes.data, a.nbytes) for t, a in host]
         self._logits: np.ndarray | None = None  # `host_logits`
         self.gf = self.ctx.graph()
         for t in (out.t, *self.picks):  # the logits stay an output beside picks: a row not picked is read from them
@@ -246,10 +251,10 @@ class Graph:
     def compute(self, backend: int) -> int:
         return g.ggml_backend_graph_compute(backend, self.gf)
 
-    def run(self, backend: int, hidden: np.ndarray | None, out_ids: np.ndarray | None) -> np.ndarray:
-        """Compute with `ints_np` and `mask_np` as the caller filled them (ggml copies bytes and checks nothing:
-        the caller checks every value), `hidden` float32 [rows, hidden] on a non-first shard."""
-        self.run_inputs(backend, hidden, out_ids)
+    def run(self, backend: int, hidden: np.ndarray | None) -> np.ndarray:
+        """Compute with `ints_np`, `mask_np` and `out_ids_np` as the caller filled them (ggml copies bytes and checks
+        nothing: the caller checks every value), `hidden` float32 [rows, hidden] (C order) on a non-first shard."""
+        self.run_inputs(backend, hidden)
         out = np.empty(self.out_shape, dtype=np.float32)  # fresh: callers may keep outputs across steps
         g.ggml_backend_tensor_get(self.out, out.ctypes.data, 0, out.nbytes)
         return out
@@ -258,7 +263,6 @@ class Graph:
         self,
         backend: int,
         hidden: np.ndarray | None,
-        out_ids: np.ndarray | None,
         wanted: list[bool],
         spans: list[tuple[int, int]],
     ) -> list[Pick]:
@@ -266,7 +270,7 @@ class Graph:
         has one (a device's), else on the host from the logits where the step left them (a CPU graph's buffer is
         host memory: copying a vocabulary per row out first costs more than the pick); only the rows that come back
         as logits are copied out of it."""
-        self.run_inputs(backend, hidden, out_ids)
+        self.run_inputs(backend, hidden)
         if self.picks:
             return picks.read(*self.picks, self.out, self.out_shape[-1], wanted, spans)
         logits = self.host_logits()
@@ -285,13 +289,11 @@ class Graph:
             self._logits = np.ctypeslib.as_array((ctypes.c_float * size).from_address(at)).reshape(self.out_shape)
         return self._logits
 
-    def run_inputs(self, backend: int, hidden: np.ndarray | None, out_ids: np.ndarray | None) -> None:
+    def run_inputs(self, backend: int, hidden: np.ndarray | None) -> None:
         if hidden is not None:
             g.ggml_backend_tensor_set(self.hidden.t, hidden.ctypes.data, 0, hidden.nbytes)
-        if out_ids is not None:
-            g.ggml_backend_tensor_set(self.out_ids.t, out_ids.ctypes.data, 0, out_ids.nbytes)
-        g.ggml_backend_tensor_set(self.ints.t, self.ints_np.ctypes.data, 0, self.ints_np.nbytes)
-        g.ggml_backend_tensor_set(self.mask.t, self.mask_np.ctypes.data, 0, self.mask_np.nbytes)
+        for t, at, size in self._uploads:
+            g.ggml_backend_tensor_set(t, at, 0, size)
         status = self.compute(backend)
         if status != 0:
             raise GgmlError(f"ggml graph compute failed with status {status}")
