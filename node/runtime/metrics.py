@@ -124,7 +124,8 @@ class NodeMetrics:
 
 class RequestObserver:
     """One generation request at the entry node: `with metrics.request("chat") as obs:` counts its outcome when the
-    block exits (however it exits), `obs.tokens(n)` times each token, and `outcome` is its finish reason (node/http/pieces.py notes it)."""
+    block exits (however it exits), `obs.tokens(n)` times each token, and `outcome` is its finish reason or "error"
+    (node/http/pieces.py notes it)."""
 
     def __init__(self, metrics: NodeMetrics, endpoint: str, refusals: tuple[type[BaseException], ...] = ()):
         self.metrics, self.endpoint, self.refusals = metrics, endpoint, refusals

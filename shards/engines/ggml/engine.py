@@ -178,10 +178,9 @@ class GgmlEngine(Engine):
         return sum(self.ops.nbytes(w) for w in self._weights.values())
 
     def picked(self, batch: list[StepInput], wanted: list[bool], all_logits: bool) -> list[Pick]:
-        """`Engine.pick`, where the logits are: on a device the step's graph ends in the picking tail (ggml/picks.py)
-        and only rows not picked bring their logits back; on the CPU numpy's vector loops pick faster than the
-        tail's ggml ops (a scalar argmax, a broadcast subtraction), from the graph's own host copy of the logits
-        (`Graph.run_picks`), and only rows not picked are copied out."""
+        """`Engine.pick`, where the logits are: on a device by the step's graph's picking tail (ggml/picks.py), on
+        the CPU by numpy from the logits where the step left them (`Graph.run_picks`: faster than the tail's ggml
+        ops, a scalar argmax and a broadcast subtraction); only rows not picked bring their logits back."""
         p = self.pack(batch)
         return self.computed(batch, p, lambda x, caches: self.runner.run(x, p, caches, all_logits, list(wanted)))
 
