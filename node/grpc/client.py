@@ -20,6 +20,7 @@ from node.grpc import wire, wire_cluster
 from node.grpc.failures import failure_of
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.generated import node_service_pb2_grpc as pb_grpc
+from node.grpc.link import packed
 from node.grpc.link.client import PeerLinks
 from node.grpc.stream import PeerStream, StreamBroken
 from node.runtime.transport import TransportError
@@ -186,7 +187,8 @@ class GrpcTransport:
         if self.links is None or (stream and stream.waiting) or (link := self.links.get(address)) is None:
             return None
         try:
-            answer = link.post(wire.encode_send(activations, messages), on_write)
+            message = packed.pack(activations, messages)  # (None: the SendRequest)
+            answer = link.post(wire.encode_send(activations, messages) if message is None else message, on_write)
         except StreamBroken:  # closed under us: `send` finds another way
             return None
         return self._answered(address, answer)

@@ -52,10 +52,18 @@ def take_send(
     activations refused) and whether it fed the engine (the answer then waits a loop round, so the pass starts
     first). A wire.WireError for a malformed message, before the node sees any of it."""
     activations, messages = wire.decode_send(request, node.max_tensor_bytes)
+    refused = accept_send(node, activations, messages, caller, received)
+    return pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused]), bool(activations)
+
+
+def accept_send(
+    node: Handler, activations: list[Activation], messages: list[TokenMessage], caller: str | None, received: float
+) -> list[Refusal]:
+    """A data-path message's items, decoded and checked, handed to the node: the activations it refused."""
     refused = node.accept_activations(activations, caller, received=received) if activations else []
     for message in messages:
         node.accept_tokens(message, caller)
-    return pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused]), bool(activations)
+    return refused
 
 
 class NodeServicer(pb_grpc.NodeServiceServicer):

@@ -254,7 +254,7 @@ def encode_result(r: SampleResult) -> pb.TokenResult:
     )
 
 
-def _logprob(x: float) -> float:
+def checked_logprob(x: float) -> float:
     # Log-probabilities are <= 0; -inf (an underflowed probability) is tolerable, NaN and +inf are not.
     if math.isnan(x) or x == math.inf:
         raise WireError(f"invalid logprob {x}")
@@ -267,8 +267,8 @@ def decode_result(m: pb.TokenResult) -> SampleResult:
         raise WireError("token ids must be >= 0")
     return SampleResult(
         token=m.token,
-        logprob=_logprob(m.logprob) if m.HasField("logprob") else None,
-        top_logprobs=tuple((t.token, _logprob(t.logprob)) for t in m.top_logprobs),
+        logprob=checked_logprob(m.logprob) if m.HasField("logprob") else None,
+        top_logprobs=tuple((t.token, checked_logprob(t.logprob)) for t in m.top_logprobs),
     )
 
 

@@ -86,6 +86,9 @@ def test_a_ring_without_a_cluster_key_carries_its_data_path_on_the_links(live_cl
             break
     assert {node: g.get("link_messages", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)
     assert {node: g.get("link_refused", 0) for node, g in gained.items()} == dict.fromkeys(gained, 0)
+    # the messages of decode steps are packed (node/grpc/link/packed.py)
+    packed = {node: g.get("link_packed", 0) for node, g in gained.items()}
+    assert {node: 0 < n <= gained[node]["link_messages"] for node, n in packed.items()} == dict.fromkeys(gained, True)
     # and each node's engine thread took its decode rows' inputs as they came off the link (node/runtime/relay.py)
     assert {node: g.get("relayed_rows", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)
     assert set(c.wait_idle().values()) == {0}

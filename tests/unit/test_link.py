@@ -17,6 +17,7 @@ from node.core.topology import Capabilities, NodeInfo
 from node.grpc import wire
 from node.grpc.client import GrpcTransport
 from node.grpc.generated import node_service_pb2 as pb
+from node.grpc.link import packed
 from node.grpc.link.client import LinkConnection, PeerLinks
 from node.grpc.link.frames import DATA, ERROR, GREETING, HEADER, FrameReader, frame
 from node.grpc.link.server import LinkServer
@@ -89,7 +90,8 @@ def test_messages_cross_the_link_and_are_answered_in_order():
         assert [refused(a) for a in answers] == [[n] if n.startswith("bad") else [] for n in names]
         message = TokenMessage("r", (SampleResult(5),))
         await link.send(wire.encode_send((), (message,)))
-        assert node.arrived == [*names, "tokens:r"] and server.counters == {"link_messages": 61, "link_refused": 0}
+        assert node.arrived == [*names, "tokens:r"]
+        assert server.counters == {"link_messages": 61, "link_packed": 0, "link_refused": 0}
         link.close()
         await server.stop()
 
@@ -106,6 +108,35 @@ def test_a_malformed_message_is_refused_in_band_and_ends_the_link():
         assert link.closed and node.arrived == [] and server.counters["link_refused"] == 1
         with pytest.raises(StreamBroken):  # a closed link takes nothing more
             await link.send(send_of("m"))
+        await server.stop()
+
+    asyncio.run(go())
+
+
+def test_packed_messages_cross_among_send_requests_and_are_answered_in_order():
+    async def go():
+        server, node, link = await link_pair()
+        names = [f"bad{i}" if i % 3 == 0 else f"m{i}" for i in range(40)]
+        row = np.zeros((1, 8), np.float32)
+        sent = [packed.pack((Activation(n, row),), ()) if i % 2 else send_of(n) for i, n in enumerate(names)]
+        answers = await asyncio.gather(*(link.send(m) for m in sent))
+        assert [refused(a) for a in answers] == [[n] if n.startswith("bad") else [] for n in names]
+        await link.send(packed.pack((), (TokenMessage("r", (SampleResult(5, -0.5),), True, "stop"),)))
+        assert node.arrived == [*names, "tokens:r"]
+        assert server.counters == {"link_messages": 41, "link_packed": 21, "link_refused": 0}
+        link.close()
+        await server.stop()
+
+    asyncio.run(go())
+
+
+def test_a_malformed_packed_message_is_refused_in_band_and_ends_the_link():
+    async def go():
+        server, node, link = await link_pair()
+        with pytest.raises(StreamBroken) as e:
+            await link.send(packed.pack((Activation("m", np.zeros((1, 8), np.float32)),), ())[:-4])
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "ends inside a tensor" in e.value.details
+        assert link.closed and node.arrived == [] and server.counters["link_refused"] == 1
         await server.stop()
 
     asyncio.run(go())
@@ -129,7 +160,7 @@ def test_a_stranger_without_the_greeting_gets_not_one_byte():
         server = LinkServer("127.0.0.1", 0, BOUND)
         await server.start(Node())
         assert await raw(server.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n") == b""
-        assert await raw(server.port, b"EXO-LINK\x02\x00") == b""  # another version of the link: closed as well
+        assert await raw(server.port, b"EXO-LINK\x01\x00") == b""  # another version of the link: closed as well
         await server.stop()
 
     asyncio.run(go())

@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 
 from discovery.address import parse_address
 from node.grpc.generated import node_service_pb2 as pb
-from node.grpc.link.frames import DATA, ERROR, GREETING, FrameError, FrameReader, frame
+from node.grpc.link.frames import DATA, ERROR, GREETING, PACKED, FrameError, FrameReader, frame
 from node.grpc.stream import StreamBroken
 from node.security.peer import SERVER_NAME
 
@@ -67,18 +67,24 @@ class LinkConnection(asyncio.Protocol):
             raise
         return link
 
-    async def send(self, request: pb.SendRequest, on_write: Callable[[], None] | None = None) -> pb.SendResponse:
+    async def send(
+        self, request: pb.SendRequest | bytes, on_write: Callable[[], None] | None = None
+    ) -> pb.SendResponse:
         return await self.post(request, on_write)
 
-    def post(self, request: pb.SendRequest, on_write: Callable[[], None] | None = None) -> Awaitable[pb.SendResponse]:
-        """`send`'s write, now (StreamBroken once the link is closed), and its answer to await."""
+    def post(
+        self, request: pb.SendRequest | bytes, on_write: Callable[[], None] | None = None
+    ) -> Awaitable[pb.SendResponse]:
+        """`send`'s write, now (StreamBroken once the link is closed), and its answer to await; `request`: a
+        SendRequest, or the bytes of the same message packed (node/grpc/link/packed.py)."""
         if self.closed:
             raise StreamBroken(grpc.StatusCode.UNAVAILABLE, "the link is closed")
         answer = asyncio.get_running_loop().create_future()
         self.waiting.append(answer)
         if on_write is not None:
             on_write()
-        self.transport.write(frame(DATA, request.SerializeToString()))
+        packed = isinstance(request, bytes)
+        self.transport.write(frame(PACKED, request) if packed else frame(DATA, request.SerializeToString()))
         return self._answer(answer)
 
     async def _answer(self, answer: asyncio.Future) -> pb.SendResponse:
@@ -109,6 +115,8 @@ class LinkConnection(asyncio.Protocol):
             for kind, payload in self.frames.feed(data):
                 if kind == ERROR:  # the peer refused the message at the head, and closes
                     raise _refusal(payload)
+                if kind != DATA:
+                    raise StreamBroken(grpc.StatusCode.UNKNOWN, f"the peer answered with a frame of kind {kind}")
                 if not self.waiting:
                     raise StreamBroken(grpc.StatusCode.UNKNOWN, "the peer answered a message never sent")
                 waiter = self.waiting.popleft()

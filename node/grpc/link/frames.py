@@ -1,6 +1,8 @@
 """The data link's bytes: a greeting each way, then frames of a 5-byte header (payload length, little-endian u32;
 kind, u8) and the payload. DATA carries one data-path message (the gRPC stream's SendRequest, answered by a
-SendResponse: node/grpc/wire.py encodes both), ERROR the reason a peer refused the last message before it closes.
+SendResponse: node/grpc/wire.py encodes both), PACKED the same message in a fixed layout (node/grpc/link/packed.py,
+answered as DATA is), ERROR the reason a peer refused the last message before it closes. The greeting names the
+version: a peer of another version gets no link, and its messages go on the gRPC stream.
 
 The reader is incremental (bytes arrive in any pieces) and refuses, before buffering it, a frame longer than the
 bound the model implies (node/grpc/client.py: message_bound), as gRPC does a message: what a peer makes a node hold
@@ -11,11 +13,11 @@ from __future__ import annotations
 
 import struct
 
-VERSION = 1
+VERSION = 2  # 2: PACKED
 GREETING = b"EXO-LINK" + struct.pack("<H", VERSION)  # both ends say it first: a stray client never gets a frame
 HEADER = struct.Struct("<IB")
-DATA, ERROR = 0, 1
-KINDS = (DATA, ERROR)
+DATA, ERROR, PACKED = 0, 1, 2
+KINDS = (DATA, ERROR, PACKED)
 
 
 class FrameError(ValueError):

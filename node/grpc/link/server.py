@@ -29,10 +29,12 @@ from typing import TYPE_CHECKING
 import grpc
 from google.protobuf.message import DecodeError
 
+from node.core.requests import Refusal
 from node.grpc import wire
 from node.grpc.generated import node_service_pb2 as pb
-from node.grpc.link.frames import DATA, ERROR, GREETING, FrameError, FrameReader, frame
-from node.grpc.server import Handler, take_send
+from node.grpc.link import packed
+from node.grpc.link.frames import DATA, ERROR, GREETING, PACKED, FrameError, FrameReader, frame
+from node.grpc.server import Handler, accept_send, take_send
 from node.security.peer import node_id_of
 
 if TYPE_CHECKING:  # node.security.tls loads cryptography: only a node with a cluster key needs it
@@ -57,7 +59,8 @@ class LinkServer:
         self.max_message_bytes, self.stall_s = max_message_bytes, stall_s
         self.server: asyncio.Server | None = None
         self.connections: set[_Connection] = set()
-        self.counters = {"link_messages": 0, "link_refused": 0}  # a status source (the node's counters)
+        # a status source (the node's counters); link_packed: those of the messages that came packed
+        self.counters = {"link_messages": 0, "link_packed": 0, "link_refused": 0}
 
     async def start(self, node: Handler) -> None:
         loop = asyncio.get_running_loop()
@@ -82,6 +85,13 @@ class LinkServer:
         for connection in list(self.connections):
             connection.transport.close()
         await self.server.wait_closed()
+
+
+_ANSWERED = frame(DATA, pb.SendResponse().SerializeToString())  # nothing refused: the usual answer
+
+
+def _answer(refused: list[Refusal]) -> bytes:
+    return frame(DATA, pb.SendResponse(rejected=[wire.encode_refusal(r) for r in refused]).SerializeToString())
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -139,11 +149,18 @@ class _Connection(asyncio.Protocol):
         self._watch(self.reader.pending > 0)
 
     def _take(self, kind: int, payload: bytes, received: float) -> bool:
-        if kind != DATA:
-            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, "a client sends data frames only")
+        if kind not in (DATA, PACKED):
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, "a client sends data or packed frames only")
             return False
         try:
-            answer, fed = take_send(self.node, pb.SendRequest.FromString(payload), self.caller, received)
+            if kind == PACKED:
+                activations, messages = packed.unpack(payload, self.node.max_tensor_bytes)
+                refused = accept_send(self.node, activations, messages, self.caller, received)
+                answer = _ANSWERED if not refused else _answer(refused)
+                fed = bool(activations)
+            else:
+                reply, fed = take_send(self.node, pb.SendRequest.FromString(payload), self.caller, received)
+                answer = frame(DATA, reply.SerializeToString())
         except (DecodeError, wire.WireError) as e:
             self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e) or "not a SendRequest")
             return False
@@ -152,7 +169,8 @@ class _Connection(asyncio.Protocol):
             self._refuse(grpc.StatusCode.UNKNOWN, "internal error")
             return False
         self.server.counters["link_messages"] += 1
-        self.outgoing.append(frame(DATA, answer.SerializeToString()))
+        self.server.counters["link_packed"] += kind == PACKED
+        self.outgoing.append(answer)
         if fed and self.flush is None:  # the worker first: the pass this feeds starts before the answer goes
             self.flush = asyncio.get_running_loop().call_soon(self._flush)
         elif self.flush is None:  # (behind a deferred answer, an answer waits with it: answers go in order)

@@ -1,0 +1,191 @@
+"""The data link's packed messages: a ring's usual message (activations and sampled tokens, no request spec, no
+failure) as fixed-layout bytes in one PACKED frame, instead of the gRPC stream's SendRequest in a DATA frame.
+
+Why: a hop's message is encoded right after a pass and decoded right before one, when the pass has just streamed
+the shard's weights through the core's caches; there protobuf's layers (a message object per tensor, entry and
+result, then Python objects out of them) cost several times the few struct reads of a fixed layout
+(docs/benchmarks.md, "Packed link messages"). What is packed means exactly what the SendRequest would: `unpack`
+returns what node/grpc/wire.py's `decode_send` returns for the same items, checked as strictly (every limit and
+value wire.py checks, with the same errors: `WireError`), so a node accepts the same messages by either path.
+Items that carry a spec (a request's first message) or a failure go as a SendRequest (`pack` gives None).
+
+Layout (little-endian): counts of activations and of token messages (u16 each); each activation: its request id
+(u16 length, UTF-8), flags (u8: partial, has start), dtype (u8: 0 float32, 1 int64), dims (u8) and the count of
+proposals (u16), the start (i64, present or not), the proposals (i64 each), the dims (u32 each), zeros up to an
+8-byte boundary, then the tensor's bytes (C order); each token message: its request id, finished (u8), the finish
+reason (u8: none, stop, length), the count of results (u16); each result: token (i64), has a logprob (u8), the
+logprob (f32), the count of top logprobs (u8), and (token i64, logprob f32) pairs.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+
+from node.core.plan import MAX_REQUEST_ID
+from node.core.requests import Activation, TokenMessage
+from node.grpc.wire import MAX_DIMS, MAX_MESSAGES, MAX_TOKENS_PER_MESSAGE, WireError, checked_logprob
+from shards.decoding.sampling import MAX_TOP_LOGPROBS, SampleResult
+
+_COUNTS = struct.Struct("<HH")
+_NAME = struct.Struct("<H")
+_ROW = struct.Struct("<BBBH")  # flags, dtype, dims, proposals
+_I64 = struct.Struct("<q")
+_MESSAGE = struct.Struct("<BBH")  # finished, finish reason, results
+_RESULT = struct.Struct("<qBfB")  # token, has logprob, logprob, top logprobs
+_TOP = struct.Struct("<qf")
+_PARTIAL, _START = 1, 2
+_DTYPES = (np.dtype("<f4"), np.dtype("<i8"))
+_REASONS = (None, "stop", "length")
+_LIMIT = (1 << 16) - 1
+
+
+def pack(activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> bytes | None:
+    """The packed message, or None where an item needs the SendRequest (a spec, a failure, something only wire.py
+    can say is wrong: it then says so)."""
+    if len(activations) > min(MAX_MESSAGES, _LIMIT) or len(messages) > min(MAX_MESSAGES, _LIMIT):
+        return None
+    out = [_COUNTS.pack(len(activations), len(messages))]
+    try:
+        for a in activations:
+            if a.spec is not None or not _activation(a, out):
+                return None
+        for m in messages:
+            if m.failure is not None or not _message(m, out):
+                return None
+    except (struct.error, OverflowError, UnicodeError):  # a value out of the layout's range: wire.py's way
+        return None
+    return b"".join(out)
+
+
+def _name(request_id: str, out: list[bytes]) -> None:
+    name = request_id.encode()
+    out += (_NAME.pack(len(name)), name)
+
+
+def _activation(a: Activation, out: list[bytes]) -> bool:
+    data = a.data
+    dtype = next((d for d in _DTYPES if data.dtype.kind == d.kind and data.dtype.itemsize == d.itemsize), None)
+    if dtype is None or not 1 <= data.ndim <= MAX_DIMS or len(a.proposals) > MAX_TOKENS_PER_MESSAGE:
+        return False
+    _name(a.request_id, out)
+    flags = (_PARTIAL if a.partial else 0) | (_START if a.start is not None else 0)
+    out.append(_ROW.pack(flags, _DTYPES.index(dtype), data.ndim, len(a.proposals)))
+    if a.start is not None:
+        out.append(_I64.pack(a.start))
+    out += [_I64.pack(t) for t in a.proposals]
+    out.append(struct.pack(f"<{data.ndim}I", *data.shape))
+    out.append(bytes(-sum(map(len, out)) % 8))
+    out.append(data.astype(dtype, copy=False).tobytes(order="C"))
+    return True
+
+
+def _message(m: TokenMessage, out: list[bytes]) -> bool:
+    if m.finish_reason not in _REASONS or len(m.results) > MAX_TOKENS_PER_MESSAGE:
+        return False
+    _name(m.request_id, out)
+    out.append(_MESSAGE.pack(m.finished, _REASONS.index(m.finish_reason), len(m.results)))
+    for r in m.results:
+        if len(r.top_logprobs) > MAX_TOP_LOGPROBS:
+            return False
+        has = r.logprob is not None
+        out.append(_RESULT.pack(r.token, has, r.logprob if has else 0.0, len(r.top_logprobs)))
+        out += [_TOP.pack(t, lp) for t, lp in r.top_logprobs]
+    return True
+
+
+def unpack(payload: bytes, max_bytes: int) -> tuple[list[Activation], list[TokenMessage]]:
+    """What `wire.decode_send` gives for the message `pack` made `payload` of; WireError for anything else (a
+    tensor over `max_bytes`, a value out of range, bytes short or left over)."""
+    reader = _Reader(payload)
+    n_activations, n_messages = reader.take(_COUNTS)
+    if n_activations > MAX_MESSAGES or n_messages > MAX_MESSAGES:
+        raise WireError(f"too many items: {n_activations} activations, {n_messages} token messages > {MAX_MESSAGES}")
+    activations = [reader.activation(max_bytes) for _ in range(n_activations)]
+    messages = [reader.message() for _ in range(n_messages)]
+    if reader.at != len(payload):
+        raise WireError(f"{len(payload) - reader.at} bytes after the packed message's last item")
+    return activations, messages
+
+
+class _Reader:
+    def __init__(self, payload: bytes):
+        self.payload, self.at = payload, 0
+
+    def take(self, layout: struct.Struct) -> tuple:
+        try:
+            values = layout.unpack_from(self.payload, self.at)
+        except struct.error:
+            raise WireError("the packed message ends inside an item") from None
+        self.at += layout.size
+        return values
+
+    def name(self) -> str:
+        (length,) = self.take(_NAME)
+        if not 1 <= length <= MAX_REQUEST_ID * 4:  # (UTF-8: up to 4 bytes a character; counted below)
+            raise WireError("request_id is missing" if not length else "request_id is too long")
+        raw = self.payload[self.at : self.at + length]
+        self.at += length
+        if len(raw) < length:
+            raise WireError("the packed message ends inside an item")
+        try:
+            name = raw.decode()
+        except UnicodeDecodeError:
+            raise WireError("request_id is not UTF-8") from None
+        if len(name) > MAX_REQUEST_ID:
+            raise WireError(f"request_id is longer than {MAX_REQUEST_ID} characters")
+        return name
+
+    def activation(self, max_bytes: int) -> Activation:
+        request_id = self.name()
+        flags, code, dims, n_proposals = self.take(_ROW)
+        if flags & ~(_PARTIAL | _START) or code >= len(_DTYPES) or not 1 <= dims <= MAX_DIMS:
+            raise WireError(f"an activation's flags {flags}, dtype {code} or dims {dims} are out of range")
+        if n_proposals > MAX_TOKENS_PER_MESSAGE:
+            raise WireError(f"too many proposals: {n_proposals} > {MAX_TOKENS_PER_MESSAGE}")
+        start = self.take(_I64)[0] if flags & _START else None
+        proposals = tuple(self.take(_I64)[0] for _ in range(n_proposals))
+        if any(t < 0 for t in proposals) or (start is not None and start < 0):
+            raise WireError("proposals must be token ids >= 0 and start a cache position >= 0")
+        shape = self.take(struct.Struct(f"<{dims}I"))
+        self.at += -self.at % 8
+        dtype = _DTYPES[code]
+        if self.at > len(self.payload):
+            raise WireError("the packed message ends inside an item")
+        size = math.prod(shape) * dtype.itemsize
+        if size > max_bytes or math.prod(max(d, 1) for d in shape) * dtype.itemsize > max_bytes:
+            raise WireError(f"tensor shape {shape} exceeds the limit of {max_bytes} bytes")
+        if self.at + size > len(self.payload):
+            raise WireError("the packed message ends inside a tensor")
+        data = np.frombuffer(self.payload, dtype, size // dtype.itemsize, self.at).reshape(shape)
+        self.at += size
+        if code == 0 and not np.isfinite(data).all():
+            raise WireError("float tensor holds NaN or infinity")
+        try:
+            return Activation(request_id, data, None, bool(flags & _PARTIAL), proposals, start)
+        except ValueError as e:
+            raise WireError(f"invalid activation: {e}") from e
+
+    def message(self) -> TokenMessage:
+        request_id = self.name()
+        finished, reason, n_results = self.take(_MESSAGE)
+        if finished > 1 or reason >= len(_REASONS) or n_results > MAX_TOKENS_PER_MESSAGE:
+            raise WireError(f"a token message's finished {finished}, reason {reason} or count {n_results} is wrong")
+        if reason and not finished:
+            raise WireError("finish_reason given for an unfinished request")
+        return TokenMessage(
+            request_id, tuple(self.result() for _ in range(n_results)), bool(finished), _REASONS[reason]
+        )
+
+    def result(self) -> SampleResult:
+        token, has, logprob, n_top = self.take(_RESULT)
+        if has > 1 or n_top > MAX_TOP_LOGPROBS:
+            raise WireError(f"a result's logprob flag {has} or top logprobs {n_top} are out of range")
+        top = tuple(self.take(_TOP) for _ in range(n_top))
+        if token < 0 or any(t < 0 for t, _ in top):
+            raise WireError("token ids must be >= 0")
+        return SampleResult(
+            token, checked_logprob(logprob) if has else None, tuple((t, checked_logprob(lp)) for t, lp in top)
+        )
