@@ -236,6 +236,15 @@ class Engine(ABC):
                 )
 
 
+def _bounds(ids: np.ndarray) -> tuple[int, int]:
+    """The least and greatest of some token ids: a decode step's one or few as Python ints, since right after a
+    pass two numpy reductions cost several times their work (docs/benchmarks.md, "Packed link messages")."""
+    if len(ids) > 64:
+        return int(ids.min()), int(ids.max())
+    values = ids.tolist()
+    return min(values), max(values)
+
+
 def _check_rollback(length: int, request_id: str, start: object) -> None:
     if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= start <= length:
         raise EngineInputError(
@@ -250,7 +259,8 @@ def check_input(cfg: ModelConfig, first: bool, data: np.ndarray | None, who: str
     if first:
         if data is None or data.ndim != 1 or data.dtype.kind not in "iu" or len(data) == 0:
             raise EngineInputError(f"{who}: first shard needs a non-empty 1-D int token array")
-        if data.min() < 0 or data.max() >= cfg.vocab_size:
+        low, high = _bounds(data)
+        if low < 0 or high >= cfg.vocab_size:
             raise EngineInputError(f"{who}: token id out of range [0, {cfg.vocab_size})")
     elif (
         data is None

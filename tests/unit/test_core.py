@@ -51,6 +51,10 @@ def test_the_first_node_takes_a_prompt_and_queues_it():
         (tokens(), "non-empty"),
         (np.array([1.0, 2.0]), "int token array"),
         (tokens(1, 512), "out of range"),
+        (tokens(-1), "out of range"),
+        (np.array([2**63], np.uint64), "out of range"),
+        (tokens(*range(70), 512), "out of range"),  # (a long input's bounds come from numpy, a short one's not)
+        (tokens(*range(70), -1), "out of range"),
     ],
 )
 def test_a_malformed_prompt_is_refused_before_any_state_is_kept(bad, message):

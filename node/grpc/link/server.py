@@ -4,7 +4,8 @@ that would otherwise send them on the gRPC stream (node/grpc/stream.py).
 Why: a message on gRPC's Python stream pays HTTP/2's framing and gRPC's core thread with its hand-offs into asyncio
 (docs/benchmarks.md has the figures), and a ring pays that on every hop of every token; a frame on a bare socket
 pays neither. The link carries the very messages of that stream (node/grpc/wire.py's codec, validated by the same
-`take_send`), answered in order.
+`take_send`; a decode step's packed in a fixed layout that decodes to the same values under the same checks:
+node/grpc/link/packed.py), answered in order.
 
 With a cluster key the link is the same mutual TLS as gRPC's (node/security/tls.py's `ssl_context`: TLS 1.3, the
 peer's leaf required and checked against the cluster CA before any byte of the protocol, the caller named from
