@@ -201,12 +201,8 @@ class Engine(ABC):
         self.validate(batch)
         lengths = [item.length for item in batch]
         starts = [self.cache_length(item.request_id) for item in batch]
-        if max(lengths) == 1:
-            positions = np.array(starts, dtype=np.int32)
-        else:
-            positions = np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, lengths)])
         ids = tuple(item.request_id for item in batch)
-        return Packing(ids, lengths, starts, tuple(accumulate(lengths, initial=0)), positions)
+        return Packing(ids, lengths, starts, tuple(accumulate(lengths, initial=0)))
 
     @staticmethod
     def tokens(batch: list[StepInput]) -> np.ndarray:

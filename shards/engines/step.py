@@ -5,6 +5,7 @@ types without importing each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -35,7 +36,14 @@ class Packing:
     lengths: list[int]
     starts: list[int]  # positions already cached per request
     bounds: tuple[int, ...]  # request i owns rows bounds[i]:bounds[i+1]
-    positions: np.ndarray  # int32 [rows]: row r is at position positions[r]
+
+    @cached_property
+    def positions(self) -> np.ndarray:
+        """int32 [rows]: row r is at position positions[r]. Made when first asked: a lone decode row's next step
+        (shards/engines/ggml/next_row.py) needs none, and right after a pass an array costs its making."""
+        if max(self.lengths) == 1:
+            return np.array(self.starts, dtype=np.int32)
+        return np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, n in zip(self.starts, self.lengths)])
 
     @property
     def last_rows(self) -> np.ndarray:

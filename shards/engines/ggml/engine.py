@@ -277,7 +277,7 @@ class GraphRunner(Runner):
             order = sorted(range(n), key=[c.start for c in caches].__getitem__)
             if order != list(range(n)):
                 ids, starts = tuple(p.request_ids[i] for i in order), [p.starts[i] for i in order]
-                q = Packing(ids, [1] * n, starts, p.bounds, p.positions[order])
+                q = Packing(ids, [1] * n, starts, p.bounds)
                 wanted = None if picks is None else [picks[i] for i in order]
                 out = self.ordered(x[order], q, [caches[i] for i in order], all_logits, wanted)
                 back = np.empty_like(out) if picks is None else [None] * n
