@@ -11,7 +11,7 @@ and the weights they share, outside any request, is node/grpc/wire_cluster.py, b
 from __future__ import annotations
 
 import math
-from collections.abc import Sized
+from collections.abc import Callable, Sequence, Sized
 from typing import TypeVar
 
 import numpy as np
@@ -89,20 +89,24 @@ def encode_tensor(a: np.ndarray) -> pb.Tensor:
 
 def decode_tensor(t: pb.Tensor, max_bytes: int) -> np.ndarray:
     """A read-only array viewing the message bytes (no copy); callers that write into it must copy it."""
-    data = t.data  # bind once: each attribute read may copy the bytes out of the message
     dt = _DTYPES.get(t.dtype)
     if dt is None:
         raise WireError(f"tensor dtype {t.dtype[:32]!r} is not one of {', '.join(_DTYPES)}")
-    if not 1 <= len(t.shape) <= MAX_DIMS:
-        raise WireError(f"tensors have 1 to {MAX_DIMS} dims, got {len(t.shape)}")
-    shape = tuple(int(d) for d in t.shape)
+    return tensor_of(t.data, dt, tuple(int(d) for d in t.shape), max_bytes)
+
+
+def tensor_of(data: bytes | memoryview, dt: np.dtype, shape: tuple[int, ...], max_bytes: int) -> np.ndarray:
+    """`decode_tensor`'s checks and array over bytes already taken out of a message (node/grpc/link/packed.py's
+    too): a read-only view of `data`."""
+    if not 1 <= len(shape) <= MAX_DIMS:
+        raise WireError(f"tensors have 1 to {MAX_DIMS} dims, got {len(shape)}")
     if any(d < 0 for d in shape):
         raise WireError(f"tensor shape {shape} has a negative dim")
     if len(data) > max_bytes:
         raise WireError(f"tensor of {len(data)} bytes exceeds the limit of {max_bytes}")
     # Python ints: no overflow, so [2**62, 2**62] cannot wrap around to a small size.
     if (need := math.prod(shape) * dt.itemsize) != len(data):
-        raise WireError(f"tensor shape {shape} of {t.dtype} needs {need} bytes, got {len(data)}")
+        raise WireError(f"tensor shape {shape} of {dt} needs {need} bytes, got {len(data)}")
     # An empty tensor matches any other dims ([0, 2**62] holds 0 bytes), but numpy refuses such shapes and no
     # legitimate tensor has them: the non-zero dims must fit the byte budget as well.
     if math.prod(max(d, 1) for d in shape) * dt.itemsize > max_bytes:
@@ -263,13 +267,17 @@ def checked_logprob(x: float) -> float:
 
 def decode_result(m: pb.TokenResult) -> SampleResult:
     _count(m.top_logprobs, "top logprobs", MAX_TOP_LOGPROBS)
-    if m.token < 0 or any(t.token < 0 for t in m.top_logprobs):
+    top = [(t.token, t.logprob) for t in m.top_logprobs]
+    return result_of(m.token, m.logprob if m.HasField("logprob") else None, top)
+
+
+def result_of(token: int, logprob: float | None, top: Sequence[tuple[int, float]]) -> SampleResult:
+    """`decode_result`'s checks over values already taken out of a message (node/grpc/link/packed.py's too)."""
+    _count(top, "top logprobs", MAX_TOP_LOGPROBS)
+    if token < 0 or any(t < 0 for t, _ in top):
         raise WireError("token ids must be >= 0")
-    return SampleResult(
-        token=m.token,
-        logprob=checked_logprob(m.logprob) if m.HasField("logprob") else None,
-        top_logprobs=tuple((t.token, checked_logprob(t.logprob)) for t in m.top_logprobs),
-    )
+    lp = None if logprob is None else checked_logprob(logprob)
+    return SampleResult(token, lp, tuple((t, checked_logprob(x)) for t, x in top))
 
 
 def encode_tokens(m: TokenMessage) -> pb.SendResultRequest:
@@ -285,14 +293,28 @@ def encode_tokens(m: TokenMessage) -> pb.SendResultRequest:
 def decode_tokens(m: pb.SendResultRequest) -> TokenMessage:
     request_id = _text(m.request_id, "request_id", MAX_REQUEST_ID)
     results = tuple(decode_result(t) for t in _count(m.tokens, "tokens", MAX_TOKENS_PER_MESSAGE))
-    if m.finish_reason not in FINISH_REASONS:
-        raise WireError(f"unknown finish_reason {m.finish_reason[:32]!r}")
-    if m.finish_reason and not m.finished:
+    failure = (lambda: decode_failure(m.failure)) if m.HasField("failure") else None
+    return tokens_of(request_id, results, m.finished, m.finish_reason, failure)
+
+
+def tokens_of(
+    request_id: str,
+    results: tuple[SampleResult, ...],
+    finished: bool,
+    finish_reason: str,
+    failure: Callable[[], Failure] | None = None,
+) -> TokenMessage:
+    """`decode_tokens`'s checks over values already taken out of a message (node/grpc/link/packed.py's too);
+    `failure`, where the message has one, decoded after them."""
+    request_id = _text(request_id, "request_id", MAX_REQUEST_ID)
+    _count(results, "tokens", MAX_TOKENS_PER_MESSAGE)
+    if finish_reason not in FINISH_REASONS:
+        raise WireError(f"unknown finish_reason {finish_reason[:32]!r}")
+    if finish_reason and not finished:
         raise WireError("finish_reason given for an unfinished request")
-    if m.HasField("failure") != (m.finish_reason == "error"):
+    if (failure is not None) != (finish_reason == "error"):
         raise WireError("a failure comes exactly with finish_reason error")
-    failure = decode_failure(m.failure) if m.HasField("failure") else None
-    return TokenMessage(request_id, results, m.finished, m.finish_reason or None, failure)
+    return TokenMessage(request_id, results, finished, finish_reason or None, failure() if failure else None)
 
 
 # --- failures --------------------------------------------------------------------------------------------
@@ -330,17 +352,31 @@ def decode_activation(m: pb.TensorEntry, max_bytes: int) -> Activation:
     than rows, a start >= 0 with them (whether the start fits the request's cache is the core's and the engine's
     to say)."""
     _count(m.proposals, "proposals", MAX_TOKENS_PER_MESSAGE)
-    if any(t < 0 for t in m.proposals) or (m.HasField("start") and m.start < 0):
+    return activation_of(
+        m.request_id,
+        lambda: decode_tensor(m.tensor, max_bytes),
+        decode_spec(m.spec) if m.HasField("spec") else None,
+        m.partial,
+        tuple(int(t) for t in m.proposals),
+        m.start if m.HasField("start") else None,
+    )
+
+
+def activation_of(
+    request_id: str,
+    tensor: Callable[[], np.ndarray],
+    spec: RequestSpec | None,
+    partial: bool,
+    proposals: tuple[int, ...],
+    start: int | None,
+) -> Activation:
+    """`decode_activation`'s checks over values already taken out of a message (node/grpc/link/packed.py's too),
+    `tensor` decoded after them."""
+    _count(proposals, "proposals", MAX_TOKENS_PER_MESSAGE)
+    if any(t < 0 for t in proposals) or (start is not None and start < 0):
         raise WireError("proposals must be token ids >= 0 and start a cache position >= 0")
     try:
-        return Activation(
-            _text(m.request_id, "request_id", MAX_REQUEST_ID),
-            decode_tensor(m.tensor, max_bytes),
-            decode_spec(m.spec) if m.HasField("spec") else None,
-            m.partial,
-            tuple(int(t) for t in m.proposals),
-            m.start if m.HasField("start") else None,
-        )
+        return Activation(_text(request_id, "request_id", MAX_REQUEST_ID), tensor(), spec, partial, proposals, start)
     except ValueError as e:
         if isinstance(e, WireError):
             raise

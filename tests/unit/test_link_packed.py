@@ -152,7 +152,7 @@ def token_message(finished=0, reason=0, results=(), rid=b"r") -> bytes:
         (one(flags=2, start=0, proposals=(1,)), "invalid activation"),  # as many proposals as rows
         (one(proposals=(1,), shape=(2, 3)), "invalid activation"),  # proposals without a start
         (one(data=np.full((1, 3), np.nan, np.float32).tobytes()), "NaN"),
-        (one(shape=(1 << 20, 1 << 20), data=b""), "exceeds the limit"),
+        (one(shape=(1 << 20, 1 << 20), data=b""), "needs 4398046511104 bytes, got 0"),
         (one(shape=(0, 1 << 30), data=b""), "exceeds the limit"),  # empty, but dims no legitimate tensor has
         (struct.pack("<HH", 4097, 0), "too many"),
         (token_message(finished=0, reason=1), "unfinished"),

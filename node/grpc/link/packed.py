@@ -5,8 +5,8 @@ Why: a hop's message is encoded right after a pass and decoded right before one,
 the shard's weights through the core's caches; there protobuf's layers (a message object per tensor, entry and
 result, then Python objects out of them) cost several times the few struct reads of a fixed layout
 (docs/benchmarks.md, "Packed link messages"). What is packed means exactly what the SendRequest would: `unpack`
-returns what node/grpc/wire.py's `decode_send` returns for the same items, checked as strictly (every limit and
-value wire.py checks, with the same errors: `WireError`), so a node accepts the same messages by either path.
+returns what node/grpc/wire.py's `decode_send` returns for the same items, checked by the same functions of wire.py
+(every limit and value, with the same errors: `WireError`), so a node accepts the same messages by either path.
 Items that carry a spec (a request's first message) or a failure go as a SendRequest (`pack` gives None).
 
 Layout (little-endian): counts of activations and of token messages (u16 each); each activation: its request id
@@ -24,9 +24,17 @@ import struct
 
 import numpy as np
 
-from node.core.plan import MAX_REQUEST_ID
 from node.core.requests import Activation, TokenMessage
-from node.grpc.wire import MAX_DIMS, MAX_MESSAGES, MAX_TOKENS_PER_MESSAGE, WireError, checked_logprob
+from node.grpc.wire import (
+    MAX_DIMS,
+    MAX_MESSAGES,
+    MAX_TOKENS_PER_MESSAGE,
+    WireError,
+    activation_of,
+    result_of,
+    tensor_of,
+    tokens_of,
+)
 from shards.decoding.sampling import MAX_TOP_LOGPROBS, SampleResult
 
 _COUNTS = struct.Struct("<HH")
@@ -111,6 +119,9 @@ def unpack(payload: bytes, max_bytes: int) -> tuple[list[Activation], list[Token
 
 
 class _Reader:
+    """The layout's parsing: wire.py's `activation_of`, `tensor_of`, `result_of` and `tokens_of` check what it
+    reads, as they check what a SendRequest holds."""
+
     def __init__(self, payload: bytes):
         self.payload, self.at = payload, 0
 
@@ -124,19 +135,14 @@ class _Reader:
 
     def name(self) -> str:
         (length,) = self.take(_NAME)
-        if not 1 <= length <= MAX_REQUEST_ID * 4:  # (UTF-8: up to 4 bytes a character; counted below)
-            raise WireError("request_id is missing" if not length else "request_id is too long")
         raw = self.payload[self.at : self.at + length]
         self.at += length
         if len(raw) < length:
             raise WireError("the packed message ends inside an item")
         try:
-            name = raw.decode()
+            return raw.decode()
         except UnicodeDecodeError:
             raise WireError("request_id is not UTF-8") from None
-        if len(name) > MAX_REQUEST_ID:
-            raise WireError(f"request_id is longer than {MAX_REQUEST_ID} characters")
-        return name
 
     def activation(self, max_bytes: int) -> Activation:
         request_id = self.name()
@@ -147,45 +153,29 @@ class _Reader:
             raise WireError(f"too many proposals: {n_proposals} > {MAX_TOKENS_PER_MESSAGE}")
         start = self.take(_I64)[0] if flags & _START else None
         proposals = tuple(self.take(_I64)[0] for _ in range(n_proposals))
-        if any(t < 0 for t in proposals) or (start is not None and start < 0):
-            raise WireError("proposals must be token ids >= 0 and start a cache position >= 0")
         shape = self.take(struct.Struct(f"<{dims}I"))
         self.at += -self.at % 8
         dtype = _DTYPES[code]
-        if self.at > len(self.payload):
-            raise WireError("the packed message ends inside an item")
         size = math.prod(shape) * dtype.itemsize
-        if size > max_bytes or math.prod(max(d, 1) for d in shape) * dtype.itemsize > max_bytes:
-            raise WireError(f"tensor shape {shape} exceeds the limit of {max_bytes} bytes")
-        if self.at + size > len(self.payload):
-            raise WireError("the packed message ends inside a tensor")
-        data = np.frombuffer(self.payload, dtype, size // dtype.itemsize, self.at).reshape(shape)
+        data = memoryview(self.payload)[self.at : self.at + size]
         self.at += size
-        if code == 0 and not np.isfinite(data).all():
-            raise WireError("float tensor holds NaN or infinity")
-        try:
-            return Activation(request_id, data, None, bool(flags & _PARTIAL), proposals, start)
-        except ValueError as e:
-            raise WireError(f"invalid activation: {e}") from e
+
+        def tensor() -> np.ndarray:
+            return tensor_of(data, dtype, shape, max_bytes)
+
+        return activation_of(request_id, tensor, None, bool(flags & _PARTIAL), proposals, start)
 
     def message(self) -> TokenMessage:
         request_id = self.name()
         finished, reason, n_results = self.take(_MESSAGE)
         if finished > 1 or reason >= len(_REASONS) or n_results > MAX_TOKENS_PER_MESSAGE:
             raise WireError(f"a token message's finished {finished}, reason {reason} or count {n_results} is wrong")
-        if reason and not finished:
-            raise WireError("finish_reason given for an unfinished request")
-        return TokenMessage(
-            request_id, tuple(self.result() for _ in range(n_results)), bool(finished), _REASONS[reason]
-        )
+        results = tuple(self.result() for _ in range(n_results))
+        return tokens_of(request_id, results, bool(finished), _REASONS[reason] or "")
 
     def result(self) -> SampleResult:
         token, has, logprob, n_top = self.take(_RESULT)
         if has > 1 or n_top > MAX_TOP_LOGPROBS:
             raise WireError(f"a result's logprob flag {has} or top logprobs {n_top} are out of range")
-        top = tuple(self.take(_TOP) for _ in range(n_top))
-        if token < 0 or any(t < 0 for t, _ in top):
-            raise WireError("token ids must be >= 0")
-        return SampleResult(
-            token, checked_logprob(logprob) if has else None, tuple((t, checked_logprob(lp)) for t, lp in top)
-        )
+        top = [self.take(_TOP) for _ in range(n_top)]
+        return result_of(token, logprob if has else None, top)
