@@ -3,8 +3,8 @@ failure) as fixed-layout bytes in one PACKED frame, instead of the gRPC stream's
 
 Why: a hop's message is encoded right after a pass and decoded right before one, when the pass has just streamed
 the shard's weights through the core's caches; there protobuf's layers (a message object per tensor, entry and
-result, then Python objects out of them) cost several times the few struct reads of a fixed layout
-(docs/benchmarks.md, "Packed link messages"). What is packed means exactly what the SendRequest would: `unpack`
+result, then Python objects out of them) cost more than a fixed layout's struct reads and writes, mostly in the
+encoding (docs/benchmarks.md, "Packed link messages": a hop's share is small). What is packed means exactly what the SendRequest would: `unpack`
 returns what node/grpc/wire.py's `decode_send` returns for the same items, checked by the same functions of wire.py
 (every limit and value, with the same errors: `WireError`), so a node accepts the same messages by either path.
 Items that carry a spec (a request's first message) or a failure go as a SendRequest (`pack` gives None).
