@@ -47,15 +47,15 @@ _TOP = struct.Struct("<qf")
 _PARTIAL, _START = 1, 2
 _DTYPES = (np.dtype("<f4"), np.dtype("<i8"))
 _REASONS = (None, "stop", "length")
-_LIMIT = (1 << 16) - 1
+assert MAX_MESSAGES < 1 << 16  # the counts are u16
 
 
 def pack(activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]) -> bytes | None:
     """The packed message, or None where an item needs the SendRequest (a spec, a failure, something only wire.py
     can say is wrong: it then says so)."""
-    if len(activations) > min(MAX_MESSAGES, _LIMIT) or len(messages) > min(MAX_MESSAGES, _LIMIT):
+    if len(activations) > MAX_MESSAGES or len(messages) > MAX_MESSAGES:
         return None
-    out = [_COUNTS.pack(len(activations), len(messages))]
+    out = bytearray(_COUNTS.pack(len(activations), len(messages)))
     try:
         for a in activations:
             if a.spec is not None or not _activation(a, out):
@@ -65,42 +65,42 @@ def pack(activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...]
                 return None
     except (struct.error, OverflowError, UnicodeError):  # a value out of the layout's range: wire.py's way
         return None
-    return b"".join(out)
+    return bytes(out)
 
 
-def _name(request_id: str, out: list[bytes]) -> None:
+def _name(request_id: str, out: bytearray) -> None:
     name = request_id.encode()
-    out += (_NAME.pack(len(name)), name)
+    out += _NAME.pack(len(name)) + name
 
 
-def _activation(a: Activation, out: list[bytes]) -> bool:
+def _activation(a: Activation, out: bytearray) -> bool:
     data = a.data
     dtype = next((d for d in _DTYPES if data.dtype.kind == d.kind and data.dtype.itemsize == d.itemsize), None)
     if dtype is None or not 1 <= data.ndim <= MAX_DIMS or len(a.proposals) > MAX_TOKENS_PER_MESSAGE:
         return False
     _name(a.request_id, out)
     flags = (_PARTIAL if a.partial else 0) | (_START if a.start is not None else 0)
-    out.append(_ROW.pack(flags, _DTYPES.index(dtype), data.ndim, len(a.proposals)))
+    out += _ROW.pack(flags, _DTYPES.index(dtype), data.ndim, len(a.proposals))
     if a.start is not None:
-        out.append(_I64.pack(a.start))
-    out += [_I64.pack(t) for t in a.proposals]
-    out.append(struct.pack(f"<{data.ndim}I", *data.shape))
-    out.append(bytes(-sum(map(len, out)) % 8))
-    out.append(data.astype(dtype, copy=False).tobytes(order="C"))
+        out += _I64.pack(a.start)
+    out += b"".join(_I64.pack(t) for t in a.proposals)
+    out += struct.pack(f"<{data.ndim}I", *data.shape)
+    out += bytes(-len(out) % 8)  # the tensor 8-aligned in the payload
+    out += data.astype(dtype, copy=False).tobytes(order="C")
     return True
 
 
-def _message(m: TokenMessage, out: list[bytes]) -> bool:
+def _message(m: TokenMessage, out: bytearray) -> bool:
     if m.finish_reason not in _REASONS or len(m.results) > MAX_TOKENS_PER_MESSAGE:
         return False
     _name(m.request_id, out)
-    out.append(_MESSAGE.pack(m.finished, _REASONS.index(m.finish_reason), len(m.results)))
+    out += _MESSAGE.pack(m.finished, _REASONS.index(m.finish_reason), len(m.results))
     for r in m.results:
         if len(r.top_logprobs) > MAX_TOP_LOGPROBS:
             return False
         has = r.logprob is not None
-        out.append(_RESULT.pack(r.token, has, r.logprob if has else 0.0, len(r.top_logprobs)))
-        out += [_TOP.pack(t, lp) for t, lp in r.top_logprobs]
+        out += _RESULT.pack(r.token, has, r.logprob if has else 0.0, len(r.top_logprobs))
+        out += b"".join(_TOP.pack(t, lp) for t, lp in r.top_logprobs)
     return True
 
 
