@@ -202,6 +202,16 @@ class Cluster:
             time.sleep(0.05)
         return counts
 
+    def wait_calibrated(self, timeout: float = 30) -> None:
+        """Poll until every node with an API ended its start-up speed calibration (`calibration_done` in its status):
+        its rounds build and drop an engine of their own over a few seconds after start, which a memory figure
+        taken before then would count."""
+        deadline = time.monotonic() + timeout
+        while not all(info["status"].get("calibration_done") for info in self.self_info().values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a node did not end its calibration within {timeout:g}s")
+            time.sleep(0.1)
+
     def __exit__(self, *exc) -> None:
         """SIGTERM every node; one still draining after LEAVE_GRACE seconds gets the second SIGTERM that cuts its
         drain short (node/cli.py's `drain`): a node whose send to a dead or frozen peer is pending would otherwise

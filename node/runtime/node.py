@@ -271,6 +271,7 @@ class Node:
             head=self.settings.head_weight != 1.0,  # the engine keeps the head in a wider (or narrower) type
             drafts=self._priced_drafts(),
         )
+        self.counters["calibration_done"] = 1  # (status: the start-up rounds' engine is gone; live passes go on)
 
     def _priced_drafts(self) -> Callable[[float], None] | None:
         """Draft rows are priced on a CPU node that proposes: a GPU's ride free (its weights read once for all
