@@ -16,7 +16,10 @@ from tests.support.models import FIXTURES
 
 FLOODS_AT = (5, 25, 45)  # stream events after which 16 bodies arrive at once
 DETECTION_S = 2 * (1.0 + 1.0)  # Membership's defaults: misses x (interval + check_timeout)
-FREEZES_AT = (5, 30, 55)  # stream events after which the entry's process is stopped past DETECTION_S
+FREEZES_AT = (
+    5,
+    40,
+)  # stream events after which the entry's process is stopped past DETECTION_S (the second after a replay)
 
 
 def big_body() -> dict:
