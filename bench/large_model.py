@@ -8,6 +8,7 @@ Q4_K_M` (its recipe: Q4_K, with Q6_K for some attention-value and feed-forward-d
 head), the F16 file removed after. Random values need no Q/K permutation: both runtimes read the same file.
 
     uv run --group bench python -m bench.large_model      # -> ~/.cache/exo-node-bench/random7b-q4_k_m.gguf
+    uv run --group bench python -m bench.large_model --layers 4   # -> .../random7b-4l-q4_k_m.gguf
 """
 
 from __future__ import annotations
@@ -92,16 +93,22 @@ def write_f16(path: Path, s: dict, seed: int = 0) -> Path:
     return path
 
 
-def large_gguf(bin_dir: Path = LLAMACPP_BIN, seed: int = 0, threads: int | None = None) -> Path:
-    """The Q4_K_M file (made once, then reused from the cache)."""
-    path = CACHE / "random7b-q4_k_m.gguf"
+def large_gguf(bin_dir: Path = LLAMACPP_BIN, seed: int = 0, threads: int | None = None, layers: int = 32) -> Path:
+    """The Q4_K_M file (made once, then reused from the cache); `layers`: of the 32, the first this many (the same
+    matrices at a fraction of the size, for one node's kernels: docs/benchmarks.md, "A 7B-shaped Q4_K_M")."""
+    if not 1 <= layers <= LARGE["num_hidden_layers"]:
+        raise SystemExit(f"layers: 1 to {LARGE['num_hidden_layers']}, not {layers}")
+    shape = dict(LARGE, num_hidden_layers=layers)
+    path = CACHE / (
+        "random7b-q4_k_m.gguf" if layers == LARGE["num_hidden_layers"] else f"random7b-{layers}l-q4_k_m.gguf"
+    )
     if path.exists():
         return path
     quantize = bin_dir / "llama-quantize"
     if not quantize.exists():
         raise SystemExit(f"{quantize} is missing: build llama.cpp (docs/benchmarks.md) or pass its build/bin folder")
     CACHE.mkdir(parents=True, exist_ok=True)
-    need, free = f16_bytes(LARGE) * (1 + Q4_OF_F16), shutil.disk_usage(CACHE).free
+    need, free = f16_bytes(shape) * (1 + Q4_OF_F16), shutil.disk_usage(CACHE).free
     if free < need:
         raise SystemExit(
             f"{CACHE} has {free / 2**30:.1f} GiB free, making the model needs {need / 2**30:.1f} GiB: free some, or "
@@ -109,7 +116,7 @@ def large_gguf(bin_dir: Path = LLAMACPP_BIN, seed: int = 0, threads: int | None 
         )
     f16, tmp = path.with_suffix(".f16.partial"), path.with_suffix(".partial")
     try:
-        write_f16(f16, LARGE, seed)
+        write_f16(f16, shape, seed)
         cmd = [str(quantize), str(f16), str(tmp), "Q4_K_M", str(threads or os.cpu_count() or 1)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         tmp.rename(path)
@@ -123,5 +130,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llamacpp-bin", type=Path, default=LLAMACPP_BIN, help="llama.cpp's build/bin folder")
     ap.add_argument("--threads", type=int, help="llama-quantize's threads (default: every core)")
+    ap.add_argument("--layers", type=int, default=LARGE["num_hidden_layers"], help="the first this many layers")
     args = ap.parse_args()
-    print(large_gguf(args.llamacpp_bin, threads=args.threads))
+    print(large_gguf(args.llamacpp_bin, threads=args.threads, layers=args.layers))

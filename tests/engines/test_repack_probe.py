@@ -42,3 +42,24 @@ def test_as_placed_a_weight_of_any_type_gives_a_row_the_same_bits_alone_and_batc
     qt = as_type(rng.standard_normal((128, 2048), dtype=np.float32), ggml_type)
     agree, repacked = lone_and_batched_rows_agree(qt, rng.standard_normal((8, 2048), dtype=np.float32))
     assert agree and (repacked != {}) == repack_keeps_rows(int(ggml_type))
+
+
+def test_the_repack_rows_benchmark_says_what_the_probe_says():
+    """bench/ggml_repack_rows.py's verdicts, which docs/benchmarks.md quotes: plain memory gives a row its own bits at
+    every count; in CPU_REPACK a row read by the gemv (fewer than 4 rows) has them too, one read by the gemm (a
+    multiple of 4) has them exactly where the probe lets the type in, and always has what it gets padded to four."""
+    from bench.ggml_repack_rows import measure
+
+    if not repack_supported(int(Q.Q4_K), (512, 64)):
+        pytest.skip("CPU_REPACK has no Q4_K kernel on this CPU")
+    results = measure(int(Q.Q4_K), (64, 512), [1, 3, 4, 8], threads=1, repeats=1)
+    assert [(r["layout"], r["rows"]) for r in results] == [
+        (lay, n) for lay in ("plain", "CPU_REPACK") for n in (1, 3, 4, 8)
+    ]
+    plain = [r for r in results if r["layout"] == "plain"]
+    assert all(r["first_as_alone"] and r["last_as_alone"] for r in plain)
+    repacked = {r["rows"]: r for r in results if r["layout"] == "CPU_REPACK"}
+    assert all(repacked[n]["first_as_alone"] and repacked[n]["last_as_alone"] for n in (1, 3))
+    keeps = repack_keeps_rows(int(Q.Q4_K))
+    assert all(repacked[n]["first_as_alone"] == repacked[n]["last_as_alone"] == keeps for n in (4, 8))
+    assert all(repacked[n]["first_as_padded"] and repacked[n]["last_as_padded"] for n in (4, 8))
