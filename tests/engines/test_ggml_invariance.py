@@ -5,7 +5,8 @@ replay (prompt + generated tokens prefilled at once) and a batch give the text a
 at most ATTENTION_ROWS: shards/engines/ggml/backend.py. Its matmul sums a lone row of a float weight in another
 order than a batch's rows; the engine pads such steps, or hands every row to the 1-row kernel:
 shards/engines/ggml/gemm_rows.py. Interleaved CPU_REPACK kernels may sum a lone row otherwise than four rows; such
-types stay in plain memory: shards/engines/ggml/repack_probe.py.) Checked on the packaged SmolLM2 as the node runs it
+types stay in plain memory, or where the four-row kernel alone keeps a row's numbers, take their rows in fours:
+shards/engines/ggml/repack_probe.py.) Checked on the packaged SmolLM2 as the node runs it
 by default (requantized to F16, `--float-matmul pad`), on its file's own Q4_1, requantized to Q4_K, and on F32 and F16
 weights in both invariant modes."""
 

@@ -1,6 +1,7 @@
 """A weight type goes into CPU_REPACK only where its interleaved kernels give a row the same bits alone and among
-other rows (shards/engines/ggml/repack_probe.py): the probe's verdict for each type this CPU can repack is what the
-kernels do on another shape, other values and another batch, measured here by forcing the weight in."""
+other rows, or where its gemm does with every step's rows padded to a multiple of four (a projection's:
+shards/engines/ggml/repack_probe.py): each probe's verdict for each type this CPU can repack is what the kernels do
+on another shape, other values and another batch, measured here by forcing the weight in."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
 from shards.engines.ggml import weight_placement  # noqa: E402
 from shards.engines.ggml.lib import repack_supported  # noqa: E402
-from shards.engines.ggml.repack_probe import repack_keeps_rows  # noqa: E402
+from shards.engines.ggml.repack_probe import repack_keeps_rows, repack_pads_rows  # noqa: E402
 from tests.engines.test_ggml_engine import as_type, run_ops  # noqa: E402
 
 CANDIDATES = [Q.Q4_0, Q.Q4_K, Q.IQ4_NL, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.Q6_K]
@@ -41,7 +42,21 @@ def test_as_placed_a_weight_of_any_type_gives_a_row_the_same_bits_alone_and_batc
     rng = np.random.default_rng(int(ggml_type))
     qt = as_type(rng.standard_normal((128, 2048), dtype=np.float32), ggml_type)
     agree, repacked = lone_and_batched_rows_agree(qt, rng.standard_normal((8, 2048), dtype=np.float32))
-    assert agree and (repacked != {}) == repack_keeps_rows(int(ggml_type))
+    assert agree and (repacked != {}) == (repack_keeps_rows(int(ggml_type)) or repack_pads_rows(int(ggml_type)))
+
+
+@pytest.mark.parametrize("ggml_type", CANDIDATES, ids=lambda t: t.name)
+def test_the_padded_probes_verdict_is_what_the_repacked_gemm_does_on_another_shape(ggml_type, monkeypatch):
+    if not repack_supported(int(ggml_type), (2048, 128)):
+        pytest.skip(f"CPU_REPACK has no {ggml_type.name} kernel on this CPU")
+    rng = np.random.default_rng(int(ggml_type) + 11)
+    qt = as_type(rng.standard_normal((128, 2048), dtype=np.float32), ggml_type)
+    verdict = repack_pads_rows(int(ggml_type))
+    monkeypatch.setattr(weight_placement, "repack_keeps_rows", lambda t: False)  # forced in, rows padded
+    monkeypatch.setattr(weight_placement, "repack_pads_rows", lambda t: True)
+    agree, repacked = lone_and_batched_rows_agree(qt, rng.standard_normal((8, 2048), dtype=np.float32))
+    assert repacked == {ggml_type.name: 1}
+    assert verdict == agree
 
 
 def test_the_repack_rows_benchmark_says_what_the_probe_says():

@@ -145,12 +145,18 @@ class GgmlBackend(GgmlWeights, GemmaOps, GgmlAttention, Backend, GgmlMoE):
 
     # -- operations of the shared block -----------------------------------------------------------------------------
     def linear(self, x: GArray, w: GWeight, bias: GWeight | None = None) -> GArray:
+        """x @ w.T (+ bias); a weight whose kernels keep a row's numbers only in whole groups of rows
+        (`w.row_multiple`: CPU_REPACK's gemm, shards/engines/ggml/repack_probe.py) gets x with zero rows padded on,
+        their outputs dropped."""
         expect(len(x.shape) == 2 and x.shape[1] == int(w.tensor.contents.ne[0]), f"linear: input {x.shape}")
+        n = x.shape[0]
+        if pad := -n % w.row_multiple:
+            x = self.wrap(self.node(g.ggml_pad, self.contiguous(x).t, 0, pad, 0, 0), (n + pad, x.shape[1]))
         outs = [self.matmul(x, t, rows, ggml_type) for (t, rows), ggml_type in zip(w.parts, w.ggml_types)]
         y = outs[0] if len(outs) == 1 else self.concat(outs, axis=-1)
         if bias is not None:
             y = self.wrap(self.node(g.ggml_add, y.t, bias.tensor), y.shape)
-        return y
+        return y[:n] if pad else y
 
     def matmul(self, x: GArray, t: Tensor, rows: int, ggml_type: int) -> GArray:
         """x [n, in] times one weight tensor [rows, in], in a way that gives each row of a float weight the numbers

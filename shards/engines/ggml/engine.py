@@ -6,7 +6,8 @@ quantized CPU kernels on up to `threads` threads: fewer while other processes ke
 (shards/engines/ggml/threads.py), since ggml's threads wait for each other after every op.
 
 Matmul weights of the types ggml's CPU_REPACK buffer has kernels for on this CPU (per llama.cpp's own probe), and whose
-kernels give a row the same numbers alone and among others (shards/engines/ggml/repack_probe.py), are placed there;
+kernels give a row the same numbers alone and among others, or whose gemm does with the rows padded to fours
+(shards/engines/ggml/repack_probe.py), are placed there;
 everything else, and always the embedding table, in plain CPU memory.
 
 A step runs as every engine's does (`Engine.run`); this engine's runner, `GraphRunner`, gives each step shape
@@ -125,8 +126,9 @@ class GgmlEngine(Engine):
         self.ops.loaded()
         if self.ops.repacked:
             log.info(
-                "ggml: matmul weights in CPU_REPACK (interleaved kernels): %s",
+                "ggml: matmul weights in CPU_REPACK (interleaved kernels): %s%s",
                 ", ".join(f"{n} {t}" for t, n in sorted(self.ops.repacked.items())),
+                f" ({len(self.ops.padded)} taking their rows in fours)" if self.ops.padded else "",
             )
         self._weights = {id(w): w for w in self.model.parameters()}  # tied embedding and head counted once
         self.backend = g.ggml_backend_cpu_init()

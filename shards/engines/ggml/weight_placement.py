@@ -2,7 +2,8 @@
 
 Every weight tensor is a node of one weights context (`wctx`), with its bytes copied into the `WeightArena`: matmul
 weights into CPU_REPACK buffers where ggml's probe accepts their type and shape and its kernels keep a row's numbers
-whatever else its step holds (shards/engines/ggml/repack_probe.py; and `repack` is on), everything else
+whatever else its step holds (shards/engines/ggml/repack_probe.py; and `repack` is on), or, for a projection, where
+its gemm alone does (the weight's `row_multiple`: every matmul on it takes its rows padded to that), everything else
 (tables that get_rows reads, vectors, stacked experts) into plain huge-page chunks. Weights keep their GGUF block
 types; nothing is dequantized but the F32 vectors. Graphs built later only point at these tensors, so placement
 decides memory and kernels, never what a graph computes.
@@ -10,6 +11,7 @@ decides memory and kernels, never what a graph computes.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +27,7 @@ from shards.engines.ggml.lib import (
     type_name,
     validate_rows,
 )
-from shards.engines.ggml.repack_probe import repack_keeps_rows
+from shards.engines.ggml.repack_probe import PAD_ROWS, repack_keeps_rows, repack_pads_rows
 from shards.formats.quant import QuantizedTensor
 
 # A weight that isn't repacked is checked and copied in slices of this many bytes, each slice's file pages dropped
@@ -42,6 +44,11 @@ class GWeight:
     ggml_types: tuple[int, ...]
     nbytes: int
     repacked: bool = False  # in CPU_REPACK: for mul_mat only (get_rows would read the interleaved blocks as rows)
+    row_multiple: int = 1  # a matmul on it takes its rows padded to a multiple of this (repack_probe.PAD_ROWS)
+
+    def __post_init__(self):
+        if self.row_multiple < 1 or (self.row_multiple > 1 and not self.repacked):
+            raise ValueError(f"only a repacked weight pads its rows, to a multiple >= 1, not {self.row_multiple}")
 
     @property
     def tensor(self) -> Tensor:
@@ -67,6 +74,7 @@ class GgmlWeights:
         self.arena = WeightArena()
         self.repack = repack  # matmul weights into CPU_REPACK where the probe allows
         self.repacked: dict[str, int] = {}  # type name -> tensors repacked
+        self.padded: set[int] = set()  # addresses of the repacked tensors whose matmuls pad their rows (PAD_ROWS)
         self.shared: dict[int, GWeight] = {}  # id(embedding source) -> its weight, while loading (tied heads)
 
     def _upload(
@@ -79,18 +87,32 @@ class GgmlWeights:
         pieces = [np.ascontiguousarray(p) for p in pieces]
         ne = tuple(reversed(shape))
         t = self.wctx.new(ggml_type, ne)
-        if matmul and self.repack and repack_supported(ggml_type, ne) and repack_keeps_rows(ggml_type):
+        layout = self._repack_layout(ggml_type, ne) if matmul and self.repack else None
+        if layout is not None:
             for p in pieces:
                 validate_rows(ggml_type, p, what)
             # ggml re-lays a repacked tensor out as it is set, which it only does whole
             self.arena.place_repacked(t, pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
             self.repacked[type_name(ggml_type)] = self.repacked.get(type_name(ggml_type), 0) + 1
+            if layout == "padded":
+                self.padded.add(ctypes.addressof(t.contents))
             for p in pieces:
                 release_file_pages(p)
         else:  # a slice at a time, its file pages dropped as it is copied: loading peaks at one slice, not a tensor
             slices = [s for p in pieces for s in _slices(p)]
             self.arena.place(t, slices, lambda s: validate_rows(ggml_type, s, what), release_file_pages)
         return t
+
+    @staticmethod
+    def _repack_layout(ggml_type: int, ne: tuple[int, ...]) -> str | None:
+        """ "rows": CPU_REPACK keeps a row's numbers at any row count; "padded": only its gemm does, so a projection
+        (never stacked experts: a step routes any count of rows to each) takes its rows in multiples of PAD_ROWS;
+        None: plain memory."""
+        if not repack_supported(ggml_type, ne):
+            return None
+        if repack_keeps_rows(ggml_type):
+            return "rows"
+        return "padded" if len(ne) == 2 and repack_pads_rows(ggml_type) else None
 
     def _matrix(self, w: np.ndarray | QuantizedTensor) -> tuple[int, tuple[int, ...], np.ndarray, str]:
         if isinstance(w, QuantizedTensor):
@@ -108,11 +130,13 @@ class GgmlWeights:
             groups = [(t, shape, [data], name) for t, shape, data, name in specs]
         before = sum(self.repacked.values())
         tensors = [(self._upload(t, shape, pieces, name, matmul), shape[0]) for t, shape, pieces, name in groups]
+        padded = any(ctypes.addressof(t.contents) in self.padded for t, _ in tensors)
         return GWeight(
             tensors,
             tuple(group[0] for group in groups),
             sum(int(g.ggml_nbytes(t)) for t, _ in tensors),
             sum(self.repacked.values()) > before,
+            PAD_ROWS if padded else 1,
         )
 
     def weight(self, w) -> GWeight:
