@@ -47,6 +47,7 @@ WINDOW_S = 0.3  # steps run back to back this long (their median is timed)
 SLICE_LAYERS = 2  # the layers of the engine it times
 ROUNDS = 3  # calibration windows at start ...
 ROUND_GAP_S = 2.0  # ... this far apart
+IDLE_POLL_S = 1.0  # under --speed, how often the node looks for an idle engine of its own to price drafts on
 LIVE_WINDOW = 16  # live passes whose median is the live measure ...
 MIN_LIVE = 8  # ... once it holds this many
 REPORT_STEPS = 2  # the report moves when the measure is this many quantisation steps away from it
@@ -125,21 +126,22 @@ async def calibrate_node(
     joins; a head of the layers' type costs what its parameters say). `first` is set at the first round, or as soon
     as there will be none: a failure leaves the node to be counted as the others until its live passes measure it.
     With the second round (the node serves by then), `drafts` is told what a draft row costs (`draft_row_cost`),
-    also under --speed (which skips the speed rounds); until then drafts count as free, as where weights are read."""
+    until then drafts count as free, as where weights are read. Under --speed nothing is built here: the node prices
+    its drafts on the engine it serves with (`price_drafts_on`), since a slice's weights would be memory the planner
+    never counted (a 7B's two layers are 240 MB)."""
     fixed = speed.fixed is not None
     try:
-        if fixed and drafts is None:
+        if fixed:
             return
         while not complete():
             await asyncio.sleep(1.0)
         shard = calibration_slice(model_id, config.n_layers)
         engine = await run(factory, model_dir, shard, config)
         try:
-            for i in range(ROUNDS if not fixed else 2):
+            for i in range(ROUNDS):
                 if i:
                     await asyncio.sleep(ROUND_GAP_S)
-                if not fixed:
-                    await _speed_round(run, factory, model_dir, config, costs, speed, shard, engine, head and i == 0)
+                await _speed_round(run, factory, model_dir, config, costs, speed, shard, engine, head and i == 0)
                 if first is not None:
                     first.set()
                 if drafts is not None and i == 1 and (cost := await run(draft_row_cost, engine, config)) is not None:
@@ -147,13 +149,28 @@ async def calibrate_node(
                     log.info("a draft row costs %.2f of a one-row step here (%s)", cost, shard)
         finally:  # now, not when a collection finds it: its weights are a slice of the model's memory
             await run(engine.close)
-        if not fixed:
-            log.info("calibrated: %.3g Gparam/s (%s)", speed.speed, shard)
+        log.info("calibrated: %.3g Gparam/s (%s)", speed.speed, shard)
     except Exception as e:
         log.warning("no speed calibration: %s", e)
     finally:
         if first is not None:
             first.set()
+
+
+async def price_drafts_on(
+    run: Callable[..., Awaitable],
+    own: Callable[[], Engine | None],
+    config: ModelConfig,
+    drafts: Callable[[float], None],
+) -> None:
+    """`drafts` told what a draft row costs (`draft_row_cost`, through `run`: the engine thread) on the engine `own()`
+    gives (a node under --speed: the first shard it loads), once it gives one that holds no request: its steps
+    (a second or two on a 7B's shard) never hold up a request's."""
+    while (engine := own()) is None or engine.active_requests > 0:
+        await asyncio.sleep(IDLE_POLL_S)
+    if (cost := await run(draft_row_cost, engine, config)) is not None:
+        drafts(cost)
+        log.info("a draft row costs %.2f of a one-row step here (%s)", cost, engine.shard)
 
 
 async def _speed_round(run, factory, model_dir, config, costs, speed, shard, engine, head: bool) -> None:

@@ -27,7 +27,7 @@ from node.core.prefix_cache import PrefixIndex
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.speculation import Speculation
 from node.core.topology import Availability, Capabilities, NodeInfo, PeerLink, Topology
-from node.runtime.calibration import LayerSpeed, calibrate_node, cpu_share
+from node.runtime.calibration import LayerSpeed, calibrate_node, cpu_share, price_drafts_on
 from node.runtime.entry import Entry
 from node.runtime.keep_awake import KeepAwake
 from node.runtime.loop_monitor import LoopMonitor
@@ -272,6 +272,10 @@ class Node:
             drafts=self._priced_drafts(),
         )
         self.counters["calibration_done"] = 1  # (status: the start-up rounds' engine is gone; live passes go on)
+        if self.speed.fixed is not None and (drafts := self._priced_drafts()) is not None:
+            await price_drafts_on(
+                self.shards.run, lambda: next(iter(self.shards.engines.values()), None), m.config, drafts
+            )
 
     def _priced_drafts(self) -> Callable[[float], None] | None:
         """Draft rows are priced on a CPU node that proposes: a GPU's ride free (its weights read once for all

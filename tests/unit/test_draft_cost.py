@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from node.core.placement.layer_costs import layer_costs
@@ -18,6 +19,7 @@ from node.runtime.calibration import LayerSpeed, draft_row_cost
 from node.runtime.node import Node
 from node.runtime.settings import NodeSettings, ServedModel
 from shards.decoding.speculation import DraftLength
+from shards.engines.base import StepInput
 from shards.engines.numpy_engine import NumpyEngine
 from shards.engines.registry import engine_factory
 from shards.formats.config import ModelConfig
@@ -137,12 +139,47 @@ def test_the_node_calibration_prices_draft_rows_once(monkeypatch):
     assert len(priced) == 1 and 0 <= priced[0] < math.inf
 
 
-def test_a_node_with_a_fixed_speed_still_prices_its_draft_rows(monkeypatch):
-    """--speed fixes what placement balances, not what a draft row costs: that is measured all the same."""
-    monkeypatch.setattr(calibration, "ROUND_GAP_S", 0.0)
-    speed = LayerSpeed(layer_costs(ModelConfig.from_dir(LLAMA)), fixed=2.5)
-    priced = calibrated(speed)
-    assert len(priced) == 1 and speed.speed == 2.5
+def test_a_node_with_a_fixed_speed_builds_no_engine_at_start_and_prices_its_drafts_on_its_own_once_idle(monkeypatch):
+    """--speed fixes what placement balances, not what a draft row costs: that is measured all the same, on the
+    engine the node serves with once it holds no request (a slice of its own would be memory the planner never
+    counted), and the calibration at start builds nothing."""
+    monkeypatch.setattr(calibration, "IDLE_POLL_S", 0.02)
+    cfg, priced, built = ModelConfig.from_dir(LLAMA), [], []
+
+    async def on_a_thread(fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+    def factory(*args):
+        built.append(args)
+        return NumpyEngine(*args)
+
+    speed = LayerSpeed(layer_costs(cfg), fixed=2.5)
+    asyncio.run(
+        calibration.calibrate_node(
+            on_a_thread, factory, LLAMA, "llama", cfg, layer_costs(cfg), speed, drafts=priced.append
+        )
+    )
+    assert built == [] and priced == [] and speed.speed == 2.5
+
+    engine, asked = NumpyEngine(LLAMA, Shard("llama", 0, cfg.n_layers, cfg.n_layers), cfg), []
+
+    def own():  # no shard at first, then one
+        asked.append(engine)
+        return engine if len(asked) > 1 else None
+
+    async def price() -> None:
+        engine.forward([StepInput("busy", tokens=np.array([1, 2]), max_positions=4)])  # a request it serves
+        pricing = asyncio.create_task(calibration.price_drafts_on(on_a_thread, own, cfg, priced.append))
+        await asyncio.sleep(0.3)
+        assert priced == [] and len(asked) > 2  # it waited for a shard, then for the request to end
+        engine.release("busy")
+        await asyncio.wait_for(pricing, 5)
+
+    try:
+        asyncio.run(price())
+    finally:
+        engine.close()
+    assert len(priced) == 1 and 0 <= priced[0] < math.inf and engine.cache_bytes() == 0
 
 
 def node_with(**settings):
@@ -156,12 +193,17 @@ def node_with(**settings):
     )
 
 
-def test_a_cpu_node_that_proposes_prices_its_draft_rows_at_start(monkeypatch):
+def test_a_cpu_node_that_proposes_prices_its_draft_rows_once_it_holds_a_shard(monkeypatch):
     monkeypatch.setattr(calibration, "ROUND_GAP_S", 0.0)
+    monkeypatch.setattr(calibration, "IDLE_POLL_S", 0.01)
 
     async def go():
         node = node_with()
         node.start()
+        await asyncio.sleep(0.1)
+        assert node.core.speculation.row_cost == 0  # (--speed: no engine of its own at start)
+        n = node.config.n_layers
+        await node.shards.get(Shard("llama", 0, n, n))
         for _ in range(500):
             if node.core.speculation.row_cost > 0:
                 break

@@ -123,7 +123,12 @@ class GgmlWeights:
 
     def fused_weight(self, *parts, matmul: bool = True) -> GWeight:
         specs = [self._matrix(p) for p in parts]
-        if len({(s[0], s[1][1]) for s in specs}) == 1:  # one type and width: one tensor of the stacked rows (exact)
+        stacked = (specs[0][1][1], sum(s[1][0] for s in specs))  # ne of one tensor of them all
+        # one type and width: one tensor of the stacked rows (exact), but one CPU_REPACK takes is set whole, so its
+        # parts would be copied into one array first (a 7B's gate and up: 63 MB beside their file pages): kept apart
+        if len({(s[0], s[1][1]) for s in specs}) == 1 and (
+            len(specs) == 1 or not (matmul and self.repack and self._repack_layout(specs[0][0], stacked))
+        ):
             ggml_type, _, _, name = specs[0]
             groups = [(ggml_type, (sum(s[1][0] for s in specs), specs[0][1][1]), [s[2] for s in specs], name)]
         else:  # kept apart; linear concatenates their outputs
