@@ -257,7 +257,7 @@ class Node:
         self._spawn(self._calibrate())
 
     async def _calibrate(self) -> None:
-        m = self.model
+        m, drafts = self.model, self._priced_drafts()
         await calibrate_node(
             self.shards.run,
             self._engines,
@@ -269,10 +269,10 @@ class Node:
             lambda: self.availability().complete,
             self._first_speed,
             head=self.settings.head_weight != 1.0,  # the engine keeps the head in a wider (or narrower) type
-            drafts=self._priced_drafts(),
+            drafts=drafts,
         )
         self.counters["calibration_done"] = 1  # (status: the start-up rounds' engine is gone; live passes go on)
-        if self.speed.fixed is not None and (drafts := self._priced_drafts()) is not None:
+        if self.speed.fixed is not None and drafts is not None:  # (under --speed, calibrate_node priced nothing)
             await price_drafts_on(
                 self.shards.run, lambda: next(iter(self.shards.engines.values()), None), m.config, drafts
             )

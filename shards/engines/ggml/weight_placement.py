@@ -91,8 +91,11 @@ class GgmlWeights:
         if layout is not None:
             for p in pieces:
                 validate_rows(ggml_type, p, what)
-            # ggml re-lays a repacked tensor out as it is set, which it only does whole
-            self.arena.place_repacked(t, pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
+            # ggml re-lays a repacked tensor out as it is set, which it only does whole: from one array, since
+            # fused_weight keeps such parts apart (a copy of them into one would be a transient of their size)
+            if len(pieces) != 1:
+                raise ValueError(f"{what}: a repacked tensor is set from one array, not {len(pieces)}")
+            self.arena.place_repacked(t, pieces[0])
             self.repacked[type_name(ggml_type)] = self.repacked.get(type_name(ggml_type), 0) + 1
             if layout == "padded":
                 self.padded.add(ctypes.addressof(t.contents))
