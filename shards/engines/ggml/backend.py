@@ -16,11 +16,13 @@ eager primitives (`where`, `softmax`, caches in its arrays) are not part of a gr
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numpy as np
 
 from shards.engines.backend import Backend
+from shards.engines.ggml import quant_rows
 from shards.engines.ggml.arrays import GArray, c_strides, expect, nocopy_strides
 from shards.engines.ggml.attention import GgmlAttention
 from shards.engines.ggml.gemm_rows import DEFAULT as FLOAT_MATMUL
@@ -53,6 +55,7 @@ class GgmlBackend(GgmlWeights, GemmaOps, GgmlAttention, Backend, GgmlMoE):
         super().__init__((24 if cfg.moe else 16) * n_layers + 8, repack)
         self.ctx: Context | None = None
         self.float_matmul = float_matmul  # how float weights stay batch-invariant (gemm_rows.py)
+        self.vec_dot_route = True  # a few rows of a Q8_0-family weight by vec_dot where faster (quant_rows.py)
         self.head_dim, self.theta = cfg.head_dim, cfg.rope.theta
         # Rotate-half pairs (i, i + hd/2) for Hugging Face's Q/K layout (NEOX mode); adjacent pairs (NORMAL) for
         # the Q/K rows of llama-architecture GGUF files left in llama.cpp's permuted order
@@ -63,6 +66,15 @@ class GgmlBackend(GgmlWeights, GemmaOps, GgmlAttention, Backend, GgmlMoE):
         factors = (default / np.asarray(cfg.rope.inv_freq(cfg.head_dim))).astype(np.float32)
         self.freq_factors = None if np.all(factors == 1.0) else self._upload(F32, factors.shape, [factors], "rope")
         self.local_rope = self.sliding_rope(cfg)  # Gemma 3's local layers rotate with their own base (gemma_ops.py)
+
+    def loaded(self) -> None:
+        """`GgmlWeights.loaded`, then the quantized-rows probe for the plain-memory types (quant_rows.py), now rather
+        than in a request's first batched step."""
+        super().loaded()
+        if self.vec_dot_route:
+            for ggml_type, k in sorted(self.plain_shapes):
+                if quant_rows.candidate(ggml_type):
+                    quant_rows.vec_dot_rows(ggml_type, k)
 
     def nbytes(self, x) -> int:
         return x.nbytes if isinstance(x, (GWeight, GExperts)) else int(g.ggml_nbytes(x.t))
@@ -161,9 +173,15 @@ class GgmlBackend(GgmlWeights, GemmaOps, GgmlAttention, Backend, GgmlMoE):
     def matmul(self, x: GArray, t: Tensor, rows: int, ggml_type: int) -> GArray:
         """x [n, in] times one weight tensor [rows, in], in a way that gives each row of a float weight the numbers
         it gets alone, beside others, or in a prefill (`float_matmul`, shards/engines/ggml/gemm_rows.py): zero rows
-        padded on (their outputs dropped), or the rows handed over in the weight's type and strided."""
+        padded on (their outputs dropped), or the rows handed over in the weight's type and strided. A few rows of
+        a quantized weight in plain memory go by vec_dot where the probe found that faster and the same
+        (shards/engines/ggml/quant_rows.py)."""
         n, k = x.shape
         how, pad = plan(ggml_type, n, self.float_matmul)
+        if how == "plain" and self.vec_dot_route and 1 < n <= max(quant_rows.ROWS) and quant_rows.candidate(ggml_type):
+            if n <= quant_rows.vec_dot_rows(ggml_type, k) and ctypes.addressof(t.contents) not in self.in_repack:
+                v = quant_rows.strided_rows(self.node, self.contiguous(x).t, k, n)
+                return self.wrap(self.node(g.ggml_mul_mat, t, v), (n, rows))
         if how != "plain":
             x = self.contiguous(x)
         if how == "pad":

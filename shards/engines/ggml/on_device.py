@@ -59,8 +59,9 @@ class OnDevice:
         self.host_weights = 0  # bytes of weights too large for the device's kernels, kept in host memory
 
     def hold_weights(self, ops: GgmlBackend) -> GgmlBackend:
-        """`ops` placing every weight it loads from now on in the device's buffers (never CPU_REPACK)."""
-        ops.arena, ops.repack = DeviceArena(self, ops.arena), False
+        """`ops` placing every weight it loads from now on in the device's buffers (never CPU_REPACK), its matmuls
+        as ggml's (a device has no tinyBLAS: ggml/quant_rows.py)."""
+        ops.arena, ops.repack, ops.vec_dot_route = DeviceArena(self, ops.arena), False, False
         return ops
 
     def scheduler(self, graph_size: int) -> int:

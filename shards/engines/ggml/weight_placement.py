@@ -75,6 +75,8 @@ class GgmlWeights:
         self.repack = repack  # matmul weights into CPU_REPACK where the probe allows
         self.repacked: dict[str, int] = {}  # type name -> tensors repacked
         self.padded: set[int] = set()  # addresses of the repacked tensors whose matmuls pad their rows (PAD_ROWS)
+        self.in_repack: set[int] = set()  # addresses of every repacked tensor
+        self.plain_shapes: set[tuple[int, int]] = set()  # (type, row length) of the weights in plain memory
         self.shared: dict[int, GWeight] = {}  # id(embedding source) -> its weight, while loading (tied heads)
 
     def _upload(
@@ -97,12 +99,14 @@ class GgmlWeights:
                 raise ValueError(f"{what}: a repacked tensor is set from one array, not {len(pieces)}")
             self.arena.place_repacked(t, pieces[0])
             self.repacked[type_name(ggml_type)] = self.repacked.get(type_name(ggml_type), 0) + 1
+            self.in_repack.add(ctypes.addressof(t.contents))
             if layout == "padded":
                 self.padded.add(ctypes.addressof(t.contents))
             for p in pieces:
                 release_file_pages(p)
         else:  # a slice at a time, its file pages dropped as it is copied: loading peaks at one slice, not a tensor
             slices = [s for p in pieces for s in _slices(p)]
+            self.plain_shapes.add((ggml_type, ne[0]))  # (quant_rows.py probes the matmuls' kinds at load)
             self.arena.place(t, slices, lambda s: validate_rows(ggml_type, s, what), release_file_pages)
         return t
 
