@@ -37,7 +37,22 @@ def counted_routes(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("ggml_type", FAMILY, ids=lambda t: t.name)
-def test_the_vec_dot_route_gives_each_row_the_bits_tinyblas_gives_or_the_probe_takes_no_rows(ggml_type, monkeypatch):
+def test_in_plain_memory_every_row_of_a_step_gets_the_bits_it_gets_alone(ggml_type, monkeypatch):
+    """Whatever this CPU's verdict: for IQ4_NL (on an AVX-512 EPYC) only the vec_dot route does it, so every step
+    of 2+ rows takes it."""
+    rng = np.random.default_rng(int(ggml_type))
+    qt = as_type(rng.standard_normal((96, 1024), dtype=np.float32), ggml_type)
+    x, ids = rng.standard_normal((7, 1024), dtype=np.float32), np.zeros(1, np.int32)
+    alone = np.concatenate([run_ops(qt, x[i : i + 1], ids, repack=False)[0] for i in range(len(x))])
+    verdict = quant_rows.vec_dot_rows(int(ggml_type), 1024)
+    built = counted_routes(monkeypatch)
+    stepped, _, _ = run_ops(qt, x, ids, repack=False)
+    assert np.array_equal(stepped, alone)
+    assert built == ([7] if verdict >= 7 else [])
+
+
+@pytest.mark.parametrize("ggml_type", FAMILY, ids=lambda t: t.name)
+def test_the_vec_dot_route_is_taken_for_speed_only_where_it_gives_tinyblas_bits(ggml_type, monkeypatch):
     rng = np.random.default_rng(int(ggml_type))
     qt = as_type(rng.standard_normal((96, 1024), dtype=np.float32), ggml_type)
     x, ids = rng.standard_normal((7, 1024), dtype=np.float32), np.zeros(1, np.int32)
@@ -49,7 +64,7 @@ def test_the_vec_dot_route_gives_each_row_the_bits_tinyblas_gives_or_the_probe_t
     vec, _, _ = run_ops(qt, x, ids, repack=False)
     assert built == [7]  # the step went by vec_dot
     monkeypatch.setattr(quant_rows, "_verdicts", {})
-    assert np.array_equal(vec, tiny) or quant_rows.vec_dot_rows(int(ggml_type), 1024) == 0
+    assert np.array_equal(vec, tiny) or quant_rows.vec_dot_rows(int(ggml_type), 1024) in (0, quant_rows.EVERY)
 
 
 @pytest.mark.parametrize("ggml_type", [Q.Q4_1, Q.Q4_K, Q.Q6_K, Q.F16, Q.F32], ids=lambda t: t.name)
@@ -59,31 +74,42 @@ def test_types_whose_rows_are_not_q8_0_are_never_probed_nor_routed(ggml_type, ve
     assert quant_rows.vec_dot_rows(int(ggml_type), 1024) == 0
 
 
-def probe_with(monkeypatch, timings: dict[int, tuple[float, float]], other_bits_from: int | None = None) -> int:
+def probe_with(
+    monkeypatch,
+    timings: dict[int, tuple[float, float]],
+    vec_bits_from: int | None = None,
+    tiny_bits_from: int | None = None,
+) -> int:
     """The probe's verdict where `timings[n]` = (tinyBLAS's, vec_dot's) seconds for n rows, and from
-    `other_bits_from` rows on the two routes' products differ."""
+    `vec_bits_from` (`tiny_bits_from`) rows on that route gives a step's last row other bits than it gets alone."""
     monkeypatch.setattr(quant_rows, "_blocks", lambda rng, t, out, k: np.zeros((1, 1), np.uint8))
 
-    def product(ggml_type, weight, x, strided):
-        n = len(x)
+    def product(ggml_type, weight, x, strided, repeats=quant_rows.REPEATS):
+        n, off = len(x), vec_bits_from if strided else tiny_bits_from
         out = np.zeros((n, 4), np.float32)
-        if strided and other_bits_from is not None and n >= other_bits_from:
+        if off is not None and n >= off:
             out[-1, -1] = np.float32(1e-30)
-        return out, timings[n][1 if strided else 0]
+        return out, timings[n][1 if strided else 0] if n > 1 else 0.0
 
     monkeypatch.setattr(quant_rows, "_product", product)
     return quant_rows._probe(int(Q.Q8_0), 576)
 
 
 def test_the_verdict_is_the_last_row_count_before_vec_dot_stops_being_faster_or_the_same(monkeypatch):
-    faster = {n: (2.0, 1.0) for n in quant_rows.ROWS}
+    faster = {n: (2.0, 1.0) for n in (*quant_rows.ROWS, *quant_rows.EXACT_ROWS)}
     assert probe_with(monkeypatch, faster) == max(quant_rows.ROWS)
-    slower_from_8 = {n: (2.0, 1.0) if n < 8 else (1.0, 2.0) for n in quant_rows.ROWS}
+    slower_from_8 = {n: (2.0, 1.0) if n < 8 else (1.0, 2.0) for n in faster}
     assert probe_with(monkeypatch, slower_from_8) == 6
-    barely = {n: (1.0, quant_rows.MARGIN) if n == 3 else (2.0, 1.0) for n in quant_rows.ROWS}
+    barely = {n: (1.0, quant_rows.MARGIN) if n == 3 else (2.0, 1.0) for n in faster}
     assert probe_with(monkeypatch, barely) == 2  # within the margin is no gain
-    assert probe_with(monkeypatch, faster, other_bits_from=4) == 3
-    assert probe_with(monkeypatch, faster, other_bits_from=2) == 0
+    assert probe_with(monkeypatch, faster, vec_bits_from=7) == 0  # never for speed at the cost of a row's bits
+    assert probe_with(monkeypatch, faster, vec_bits_from=2) == 0
+
+
+def test_where_only_vec_dot_keeps_a_rows_bits_every_step_of_two_rows_or_more_takes_it(monkeypatch):
+    slower = {n: (1.0, 2.0) for n in (*quant_rows.ROWS, *quant_rows.EXACT_ROWS)}
+    assert probe_with(monkeypatch, slower, tiny_bits_from=7) == quant_rows.EVERY  # however slow
+    assert probe_with(monkeypatch, slower, tiny_bits_from=2, vec_bits_from=2) == 0  # nothing keeps them
 
 
 def test_the_probe_times_a_weight_past_the_caches_of_the_row_length_asked(monkeypatch):

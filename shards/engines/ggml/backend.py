@@ -55,7 +55,7 @@ class GgmlBackend(GgmlWeights, GemmaOps, GgmlAttention, Backend, GgmlMoE):
         super().__init__((24 if cfg.moe else 16) * n_layers + 8, repack)
         self.ctx: Context | None = None
         self.float_matmul = float_matmul  # how float weights stay batch-invariant (gemm_rows.py)
-        self.vec_dot_route = True  # a few rows of a Q8_0-family weight by vec_dot where faster (quant_rows.py)
+        self.vec_dot_route = True  # Q8_0-family steps by vec_dot where faster, or only exact (quant_rows.py)
         self.head_dim, self.theta = cfg.head_dim, cfg.rope.theta
         # Rotate-half pairs (i, i + hd/2) for Hugging Face's Q/K layout (NEOX mode); adjacent pairs (NORMAL) for
         # the Q/K rows of llama-architecture GGUF files left in llama.cpp's permuted order
@@ -173,12 +173,12 @@ class GgmlBackend(GgmlWeights, GemmaOps, GgmlAttention, Backend, GgmlMoE):
     def matmul(self, x: GArray, t: Tensor, rows: int, ggml_type: int) -> GArray:
         """x [n, in] times one weight tensor [rows, in], in a way that gives each row of a float weight the numbers
         it gets alone, beside others, or in a prefill (`float_matmul`, shards/engines/ggml/gemm_rows.py): zero rows
-        padded on (their outputs dropped), or the rows handed over in the weight's type and strided. A few rows of
-        a quantized weight in plain memory go by vec_dot where the probe found that faster and the same
-        (shards/engines/ggml/quant_rows.py)."""
+        padded on (their outputs dropped), or the rows handed over in the weight's type and strided. Steps of a few
+        rows of a quantized weight in plain memory go by vec_dot where the probe found that faster and the same, and
+        every step of 2+ rows where only vec_dot keeps a row's bits (shards/engines/ggml/quant_rows.py)."""
         n, k = x.shape
         how, pad = plan(ggml_type, n, self.float_matmul)
-        if how == "plain" and self.vec_dot_route and 1 < n <= max(quant_rows.ROWS) and quant_rows.candidate(ggml_type):
+        if how == "plain" and self.vec_dot_route and n > 1 and quant_rows.candidate(ggml_type):
             if n <= quant_rows.vec_dot_rows(ggml_type, k) and ctypes.addressof(t.contents) not in self.in_repack:
                 v = quant_rows.strided_rows(self.node, self.contiguous(x).t, k, n)
                 return self.wrap(self.node(g.ggml_mul_mat, t, v), (n, rows))

@@ -4,8 +4,8 @@ ggml's CPU matmul (ggml 0.15.3, as ggml-python 0.0.45 bundles it) multiplies a f
 with llamafile's tinyBLAS and by one row with vec_dot, which sums in another order (ggml-cpu.c
 `ggml_compute_forward_mul_mat`, llamafile/sgemm.cpp): a row alone and the same row in a batch differ in the last bits,
 so a replay that batches rows differently would not be exact. tinyBLAS sums each output in one order whatever its tile
-or thread. Quantized weights are not this module's: their rows keep their bits (IQ4_NL in plain memory excepted,
-which x86 repacks) and a few of the Q8_0 family's may go by vec_dot for speed (quant_rows.py).
+or thread. Quantized weights are quant_rows.py's: a Q8_0-family weight's steps go by vec_dot where that is faster
+with the same bits, or where only vec_dot gives a row its lone bits (IQ4_NL in plain memory).
 - `pad` (the default): a step under MIN_FLOAT_ROWS rows gets zero rows, their outputs dropped: every row takes tinyBLAS.
 - `rowwise`: 2+ rows go to ggml converted to the weight's dot-product type and strided, which tinyBLAS declines: every
   row takes vec_dot, as a lone row does (tests/engines/test_ggml_invariance.py checks F16 and F32, not BF16).
