@@ -2,7 +2,7 @@
 
     uv run python -m bench.bench_serve [--llama-server /tmp/ref/llama.cpp/build/bin/llama-server]
         [--streams 1,4,8,16] [--tokens 128] [--turns 6] [--answer 200] [--threads 2] [--servers exo1,exo3]
-        [--exo-args "--quantize none"] [--sampling greedy|openai|ollama] [--cold] [--out bench-serve.json]
+        [--exo-args "--quantize none"] [--model FILE.gguf] [--sampling greedy|openai|ollama] [--cold] [--out bench-serve.json]
 
 Servers, all started at once and idle while another is measured: llama-server (`-np 8 -t THREADS`, when the binary
 is there), one exo node (default engine) and a 3-node exo ring on loopback (bench/local_cluster.py). Each round of a
@@ -41,6 +41,7 @@ import aiohttp
 
 from bench.local_cluster import Cluster, free_port
 from shards.formats.loader import load_config
+from shards.formats.packaged import model_id as packaged_id
 from shards.formats.packaged import resolve_model
 
 SYSTEM = (
@@ -278,10 +279,11 @@ def main() -> None:
     ap.add_argument(
         "--sampling", choices=sorted(SAMPLING), default="greedy", help="the streams' sampling parameters (SAMPLING)"
     )
+    ap.add_argument("--model", type=Path, help="a GGUF file both serve instead of the packaged SmolLM2")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",") if s]
-    model, model_id = resolve_model("smollm2")
+    model, model_id = (args.model, packaged_id(args.model)) if args.model else resolve_model("smollm2")
     print(
         f"model {model.name}; sampling {args.sampling} {SAMPLING[args.sampling]}; load {os.getloadavg()[0]:.1f}",
         flush=True,
