@@ -2,18 +2,19 @@
 otherwise than it is rounded alone.
 
 ggml's CPU matmul (ggml 0.15.3, as ggml-python 0.0.45 bundles it) hands a weight whose dot-product type is Q8_0 (Q8_0
-itself; Q4_0, Q5_0 and IQ4_NL in plain memory) to llamafile's tinyBLAS (llamafile/sgemm.cpp) when the step has 2+ rows
-and they are contiguous, and to its vec_dot kernels otherwise (a lone row among them). For most of these types both
-sum each block's products as integers, then the blocks in one order, so a row gets the same bits either way; but
+itself; Q4_0, Q5_0 and IQ4_NL in plain memory) to llamafile's tinyBLAS (llamafile/sgemm.cpp) when a step's rows are
+contiguous, and to its vec_dot kernels when they are not. For most of these types both sum each block's products as
+integers, then the blocks in one order, so a row gets the same bits either way, and the same as alone; but
 tinyBLAS's tiles for a few rows can cost several times vec_dot's (SmolLM2's Q8_0 output head on a Zen 5 EPYC: 2 rows
-4x, 4 rows 2x; from about a dozen rows on tinyBLAS is the faster: docs/benchmarks.md). For IQ4_NL (on an AVX-512
-EPYC) tinyBLAS's rows differ from vec_dot's, so a row's bits would depend on the step it is in. Which holds is the
-CPU's and the type's, so each (type, row length) is probed once per process (`vec_dot_rows`): first on a small weight,
-whether each route gives a row the bits it gets alone (`_exact`); then, where both do, a weight past the caches times
-steps of each of ROWS rows both ways. Steps of 2 up to the verdict's rows take the vec_dot route (every step of 2+
-rows where only vec_dot keeps a row's bits): their rows converted to Q8_0 and strided (a gap of one block after each),
-which tinyBLAS declines, as `rowwise` does for float weights (gemm_rows.py). Only on the CPU, and only for weights in
-plain memory (CPU_REPACK has kernels of its own: repack_probe.py).
+4x, 4 rows 2x; from about a dozen rows on tinyBLAS is the faster: docs/benchmarks.md). For IQ4_NL (on a Zen 5
+EPYC) a step's rows by tinyBLAS differ from the same rows alone, and by vec_dot they don't, so without this a row's
+bits would depend on the step it is in. Which holds is the CPU's and the type's, so each (type, row length) is probed
+once per process (`vec_dot_rows`): first on a small weight, whether each route gives a row the bits it gets alone
+(`_exact`); then, where both do, a weight past the caches times steps of each of ROWS rows both ways. Steps of 2 up to
+the verdict's rows take the vec_dot route (every step of 2+ rows where only vec_dot keeps a row's bits): their rows
+converted to Q8_0 and strided (a gap of one block after each), which tinyBLAS declines, as `rowwise` does for float
+weights (gemm_rows.py). Only on the CPU, and only for weights in plain memory (CPU_REPACK has kernels of its own:
+repack_probe.py).
 """
 
 from __future__ import annotations
