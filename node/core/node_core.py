@@ -83,6 +83,7 @@ class NodeCore(RequestBook):
         self.counters["steps"] += 1
         self.counters["step_rows"] += len(outputs)
         self.counters["step_positions"] += sum(len(row.data) for row in plan.rows if row.request_id in outputs)
+        self.counters["written_rows"] += len(done.sent)  # rows the engine thread sent on itself (`Row.to`)
         sends: dict[str, list[Activation]] = defaultdict(list)
         results: dict[str, Sampled] = {}
         for row in plan.rows:
@@ -107,7 +108,7 @@ class NodeCore(RequestBook):
                 else:
                     logits = outputs[rid] if row.proposals else outputs[rid][-1]
                     actions.append(Sample(rid, logits, row.sample.params, row.sample.state, row.proposals))
-            else:
+            elif rid not in done.sent:  # (a sent row's message is the one `_outgoing` makes: `_route`)
                 step = req.next_step
                 to = self._address(step.node_id, step.address)
                 sends[to].append(self._outgoing(req, outputs[rid], row.partial, row.proposals, row.start))
@@ -175,6 +176,13 @@ class NodeCore(RequestBook):
         interface); the plan's own address only where there is no membership to ask."""
         known = self.members().get(node_id) if self.members is not None else None
         return known or planned
+
+    def _route(self, req: RequestState) -> str | None:
+        """The next node's address, where a plain decode row's message to it is the plain activation of its output
+        (`Row.to`): no proposals, no start (`_plan` asks only for such rows), and its spec went with an earlier one."""
+        if not req.spec_sent or (step := req.next_step) is None:
+            return None
+        return self._address(step.node_id, step.address)
 
     def _entry_address(self, spec: RequestSpec) -> str:
         return self._address(spec.entry_node_id, spec.entry_address)

@@ -315,9 +315,15 @@ class RequestBook:
                     else None,
                     spec.prompt_tokens or None,
                     follow and item.plain and len(spec.plan) > 1 and spec.sampling.constraint is None,
+                    self._route(req) if item.plain and not group.shard.is_last else None,
                 )
             )
         return StepPlan(group.shard, group.bucket, tuple(rows), self._retain_limit())
+
+    def _route(self, req: RequestState) -> str | None:
+        """Where a hidden decode row's output may be written by the engine thread itself (`Row.to`): none here
+        (NodeCore, which routes outputs, knows)."""
+        return None
 
     def _follow(self, req: RequestState) -> Follow | None:
         """Whether the engine thread may run the request's row on by itself, its token its next input: on a

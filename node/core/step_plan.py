@@ -9,7 +9,10 @@ StepOutputs)`. A row whose request ended while the pass ran is dropped there (it
 
 A plan's rows may go on without the core: a one-node ring's on its own token (`Follow`, `next_pass`), a ring's
 decode row on its next input from a peer, which the core took on the loop as it takes any input (`Row.relay`,
-`relayed_pass`); either way the core set the row up to, and records what came.
+`relayed_pass`); either way the core set the row up to, and records what came. A hidden decode row's output may
+leave without the core too: the core names where it goes (`Row.to`, only where the message is the plain activation
+it would send: no spec, no proposals, no start), the engine thread writes it to that peer's data link as the pass
+ends, and `step_done` routes only the rows it did not (`StepOutputs.sent`).
 
 Why frozen: the core keeps changing while a pass runs (requests end, inputs arrive); a plan that pointed into it
 would make the pass depend on when the engine thread read it. The sampler state is the one object a plan shares
@@ -82,6 +85,9 @@ class Row:
     follow: Follow | None = None  # a one-node ring's row whose token may go straight into the next pass
     prompt_positions: int | None = None  # positions its prompt fills (its cache may take them at its first chunk)
     relay: bool = False  # a ring's decode row whose next input the engine thread may take itself (`relayed_pass`)
+    to: str | None = (
+        None  # where the engine thread may write its output itself, as a plain activation (`StepOutputs.sent`)
+    )
 
     def __post_init__(self) -> None:
         if self.sample is not None and self.partial:
@@ -94,6 +100,10 @@ class Row:
             self.follow or not self.stepwise or self.proposals or self.propose or self.start is not None
         ):
             raise ValueError(f"row {self.request_id}: only a ring's one-position step without proposals is relayed")
+        if self.to is not None and (self.sample or not self.stepwise or self.proposals or self.start is not None):
+            raise ValueError(
+                f"row {self.request_id}: only a hidden one-position step without proposals is written early"
+            )
 
     @property
     def stepwise(self) -> bool:
@@ -145,8 +155,11 @@ class StepOutputs:
     samples: Mapping[str, Sampled] = field(default_factory=dict)
     computed: float = 0.0
     followed: frozenset[str] = frozenset()  # rows whose next pass, on their token, the engine thread started
+    sent: frozenset[str] = frozenset()  # rows whose output the engine thread wrote to their `Row.to` itself
 
     def __post_init__(self) -> None:
+        if not self.sent <= {rid for rid, out in self.outputs.items() if out is not None}:
+            raise ValueError(f"requests {sorted(self.sent - set(self.outputs))} sent without outputs")
         if not self.followed <= set(self.samples):
             raise ValueError(f"requests {sorted(self.followed - set(self.samples))} followed without a token")
         if both := set(self.outputs) & set(self.refused):
@@ -191,6 +204,7 @@ def relayed_pass(plan: StepPlan, inputs: Mapping[str, np.ndarray]) -> StepPlan |
             sample=r.sample,
             prompt_positions=r.prompt_positions,
             relay=True,
+            to=r.to,
         )
         for r in plan.rows
         if r.relay and r.request_id in inputs

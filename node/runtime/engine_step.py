@@ -30,13 +30,14 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from node.core.requests import Activation, Refusal
 from node.core.step_plan import PREFIX_GONE, StepOutputs, StepPlan, awaited, next_pass, relayed_pass
 from node.runtime.relay import RelayInbox
 from node.runtime.sample_rows import MalformedBatch, picked_results
@@ -63,6 +64,21 @@ class StepSampler(Protocol):
 
 
 @dataclass(frozen=True)
+class Written:
+    """One message the engine thread wrote: where, what, its answer (to make on the loop: `answer()`), and when it
+    was handed to the socket (perf_counter)."""
+
+    address: str
+    activations: tuple[Activation, ...]
+    answer: Callable[[], Awaitable[list[Refusal]]]
+    at: float
+
+    def __post_init__(self) -> None:
+        if not self.activations:
+            raise ValueError(f"a message to {self.address} carries at least one activation")
+
+
+@dataclass(frozen=True)
 class Executed:
     """A pass as the engine thread ran it: its plan and what the core applies (`NodeCore.step_done`), the sampling
     batches to count, and when the engine thread started and finished it (perf_counter: the time around it is
@@ -76,6 +92,7 @@ class Executed:
     handed: float | None = None  # when the engine thread handed it to the loop, if later than `ended` (Following)
     waited: float = 0.0  # seconds the engine thread waited for its relayed inputs to come (the ring's, not ours)
     relayed: bool = False  # run on inputs handed straight to the engine thread (node/runtime/relay.py)
+    written: tuple[Written, ...] = ()  # its messages the engine thread wrote itself (node/runtime/early_send.py)
 
 
 def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None) -> Executed:
@@ -165,6 +182,7 @@ class Following:
         if max_passes < 0 or handoff_s < 0:
             raise ValueError(f"a run's limits are never negative, got {max_passes} passes and {handoff_s} s")
         self.on_pass, self.max_passes, self.handoff_s = on_pass, max_passes, handoff_s
+        self.early: Callable[[Executed], Executed] | None = None  # each pass's messages written as it ends
         self.epoch = 0  # bumped by interrupt; a run goes on only while it is the one it started under
         self._running = -1  # the epoch of the run on the engine thread (-1: none)
         self.relay = RelayInbox(lambda: self._running == self.epoch)
@@ -193,7 +211,7 @@ class Following:
         """On the engine thread: the first pass (to `first`), then its followers (to `on_pass`)."""
         self._running = epoch
         try:
-            done, nxt = self._followed(run_pass(engine, plan, sampler), epoch, 0)
+            done, nxt = self._followed(self._written(run_pass(engine, plan, sampler)), epoch, 0)
         except BaseException as e:
             loop.call_soon_threadsafe(_settle, first, e)
             return
@@ -209,7 +227,7 @@ class Following:
             if nxt is None:
                 return
             try:
-                done, nxt = self._followed(run_pass(engine, nxt, sampler), epoch, passes)
+                done, nxt = self._followed(self._written(run_pass(engine, nxt, sampler)), epoch, passes)
             except Exception as e:  # a bug: the rows fail, the node serves the others
                 log.exception("a followed pass failed")
                 why = f"internal error in a followed pass: {e}"
@@ -225,6 +243,9 @@ class Following:
             except RuntimeError:  # the loop is closed: the node stopped
                 return
             held = []
+
+    def _written(self, done: Executed) -> Executed:
+        return done if self.early is None else self.early(done)
 
     def _handed(self, passes: list[Executed]) -> None:
         for done in passes:

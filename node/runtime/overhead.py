@@ -7,7 +7,8 @@ per call: nothing measurable), so a benchmark can read them from /v1/topology (b
   streams, of a step.
 - A hop, in the order a token lives it; each `*_us_total` has its count beside it:
   - `loop_wake` (`loop_wakes`): a pass ended on the engine thread -> the event loop applies it;
-  - `hop_out`: a pass ended -> its activations' transport call (the loop's wake, the core's routing, the outbox);
+  - `hop_out`: a pass ended -> its activations' transport call (the loop's wake, the core's routing, the outbox),
+    or their write where the engine thread wrote them itself (node/runtime/early_send.py: `hop_write` is then 0);
   - `hop_write` (`hop_writes`): the call -> its message encoded and handed to gRPC's write;
   - `hop_send` (`hop_sends`): the call -> the peer's answer (the write, the link both ways, the peer's taking it);
   - on the peer, `hop_accept` (`hop_accepts`): the message in its handler -> accepted by its core (decoding);

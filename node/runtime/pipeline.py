@@ -10,10 +10,11 @@ frozen plan (`take_batch`, node/core/step_plan.py), one engine-thread call that 
 back, its sends before its counters (`Following`, node/runtime/engine_step.py, through which a one-node ring's rows
 also run on on the engine thread while their token is their next input). What a node sends itself is taken at once
 (`Local`); what it sends a peer is written at once, in that callback, where the transport can (`Transport.post`: a
-data link up, nothing queued for the peer), or else queued in its outbox; a ring's decode rows get their next input
-from `offer` straight to the engine thread that waits for it (node/runtime/relay.py). Tokens for this node's clients
-that come during a decode pass wait for its end and its sends (`TokenHold`, node/runtime/token_hold.py): the pass
-goes first.
+data link up, nothing queued for the peer), or else queued in its outbox; a hidden decode row's activation is
+written by the engine thread itself as its pass ends, where the core named its peer (node/runtime/early_send.py).
+A ring's decode rows get their next input from `offer` straight to the engine thread that waits for it
+(node/runtime/relay.py). Tokens for this node's clients that come during a decode pass wait for its end and its
+sends (`TokenHold`, node/runtime/token_hold.py): the pass goes first.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from node.core.node_core import NodeCore
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.step_plan import StepPlan
 from node.runtime.calibration import LayerSpeed
+from node.runtime.early_send import EarlySend
 from node.runtime.engine_step import Executed, Following
 from node.runtime.metrics import NodeMetrics
 from node.runtime.outbox import Outbox
@@ -80,6 +82,8 @@ class Pipeline:
         self.counters: Counter[str] = Counter()  # forward_us_total, step_us_total
         self.overhead = Overhead(self.counters)
         self.following = Following(self._on_pass)
+        if (write := getattr(transport, "write_now", None)) is not None:  # (a transport without data links has none)
+            self.following.early = EarlySend(core.config, write, self._max_bytes())
         shards.interrupt = self.following.interrupt
         self.hold = TokenHold()  # the entry's tokens wait for a decode pass in flight (node/runtime/token_hold.py)
         self._wake = asyncio.Event()
@@ -199,6 +203,9 @@ class Pipeline:
         self.overhead.idle(done.waited)
         alone = core.active <= 1  # before step_done, which may end the pass's requests
         self.do(core.step_done(plan, done.outputs), engine)
+        for w in done.written:  # what the engine thread wrote as the pass ended: their answers, as `_post`'s
+            self._posted += 1
+            self.spawn(self._answered(w.address, w.activations, (), w.answer(), w.at, [w.at]))
         seconds = done.ended - done.began
         self.counters["forward_us_total"] += int(done.outputs.computed * 1e6)
         self.counters["step_us_total"] += int(seconds * 1e6)

@@ -62,6 +62,13 @@ class Transport(Protocol):
         """`send`'s message handed to the link's write now, where that can be done without waiting (a data link
         up: node/grpc/client.py), with its answer (`send`'s) to await; None: `send` it."""
 
+    def write_now(
+        self, address: str, activations: tuple[Activation, ...]
+    ) -> Callable[[], Awaitable[list[Refusal]]] | None:
+        """From the engine thread (node/runtime/early_send.py): `activations` written to `address` now, where that
+        can be done without the loop (a plain data link up, nothing of the loop's unwritten), and what gives, on the
+        loop, `send`'s answer to await; None: nothing was written."""
+
     async def end_request(
         self, address: str, request_id: str, reason: str, branch: tuple[str, int] | None = None
     ) -> None:

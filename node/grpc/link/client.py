@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import ssl
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -47,6 +49,10 @@ class LinkConnection(asyncio.Protocol):
         self.writable: asyncio.Future[None] | None = None  # while the socket's buffer is full
         self.closed = False
         self.transport: asyncio.Transport | None = None
+        self.loop = asyncio.get_running_loop()
+        self.lock = threading.Lock()  # every write: the loop's (`post`) and another thread's (`write_now`)
+        self.direct: socket.socket | None = None  # the socket for `write_now` (none under TLS); ours to close
+        self.rest = b""  # what a `write_now` could not write at once, which the loop writes before anything else
 
     @classmethod
     async def open(
@@ -79,12 +85,55 @@ class LinkConnection(asyncio.Protocol):
         SendRequest, or the bytes of the same message packed (node/grpc/link/packed.py)."""
         if self.closed:
             raise StreamBroken(grpc.StatusCode.UNAVAILABLE, "the link is closed")
-        answer = asyncio.get_running_loop().create_future()
-        self.waiting.append(answer)
-        if on_write is not None:
-            on_write()
-        packed = isinstance(request, bytes)
-        self.transport.write(frame(PACKED, request) if packed else frame(DATA, request.SerializeToString()))
+        data = frame(PACKED, request) if isinstance(request, bytes) else frame(DATA, request.SerializeToString())
+        answer = self.loop.create_future()
+        with self.lock:
+            self.waiting.append(answer)
+            if on_write is not None:
+                on_write()
+            self._flush_rest()
+            self.transport.write(data)
+        return self._answer(answer)
+
+    def write_now(self, payload: bytes) -> asyncio.Future[pb.SendResponse] | None:
+        """From any thread (the engine thread, as a pass ends: node/runtime/early_send.py): the packed message
+        written to the socket now, and the future its answer comes to (`answer` awaits it on the loop); None where
+        it can't be without the loop (TLS, a closed link, bytes of the loop's still unwritten, a full socket):
+        nothing was written then. Messages keep their order with the loop's: every write holds `lock`, and what the
+        socket did not take at once the loop writes before anything else."""
+        data = frame(PACKED, payload)
+        with self.lock:
+            if self.closed or self.direct is None or self.rest or self.transport.get_write_buffer_size():
+                return None
+            answer = self.loop.create_future()  # (only made here: set and awaited on the loop)
+            answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # (its pass may never reach the loop)
+            self.waiting.append(answer)
+            try:
+                sent = self.direct.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:  # broken: the loop finds out and fails what waits
+                sent = 0
+            if sent == 0:
+                self.waiting.pop()
+                return None
+            if sent < len(data):
+                self.rest = data[sent:]
+                self.loop.call_soon_threadsafe(self._write_rest)
+        return answer
+
+    def _write_rest(self) -> None:
+        with self.lock:
+            self._flush_rest()
+
+    def _flush_rest(self) -> None:
+        """(Under `lock`, on the loop.)"""
+        if self.rest and not self.closed:
+            self.transport.write(self.rest)
+        self.rest = b""
+
+    def answer(self, answer: asyncio.Future[pb.SendResponse]) -> Awaitable[pb.SendResponse]:
+        """On the loop: a `write_now` message's answer, within the link's deadline."""
         return self._answer(answer)
 
     async def _answer(self, answer: asyncio.Future) -> pb.SendResponse:
@@ -98,7 +147,11 @@ class LinkConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        keep_alive(transport.get_extra_info("socket"))
+        sock = transport.get_extra_info("socket")
+        keep_alive(sock)
+        if transport.get_extra_info("sslcontext") is None:  # (under TLS only the transport can write)
+            self.direct = socket.socket(fileno=os.dup(sock.fileno()))
+            self.direct.setblocking(False)
 
     def data_received(self, data: bytes) -> None:
         if self.greeting is not None:
@@ -147,7 +200,11 @@ class LinkConnection(asyncio.Protocol):
             self._end(StreamBroken(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout:g}s"))
 
     def _end(self, error: StreamBroken) -> None:
-        self.closed = True
+        with self.lock:
+            self.closed = True
+            if self.direct is not None:
+                self.direct.close()
+                self.direct = None
         if not self.greeted.done():
             self.greeted.set_exception(error)
         self.resume_writing()  # a sender waiting for room finds its answer failed below

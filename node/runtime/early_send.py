@@ -1,0 +1,81 @@
+"""A pass's hidden rows written to the next node by the engine thread as the pass ends, before the event loop
+hears of the pass (`Row.to`, node/core/step_plan.py): the hop's message then leaves without the loop's wake, the
+core's routing and the transport call, which cost most of a hop's time outside the link on a core whose caches the
+pass has just filled with weights (node/runtime/overhead.py's `hop_out`).
+
+The core decides: it names a row's destination only where its message would be the plain activation of the row's
+output (node/core/node_core.py `_route`), and `step_done` routes every row not written here (`StepOutputs.sent`).
+The rows to write are checked as `step_done` checks every row (`malformed_outputs`) before any is: one bad row and
+none is written, and the core fails them. Order: a request's next output exists only once its last message went
+round the ring, so a message written here never overtakes one of the same request still on the loop's way; across
+requests order means nothing. A request that ended while the pass ran may still have its message written: the next
+node drops it as any late message (the end reaches it too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+
+from node.core.requests import Activation, Refusal
+from node.runtime.engine_step import Executed, Written
+from shards.formats.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+Write = Callable[[str, tuple[Activation, ...]], Callable[[], Awaitable[list[Refusal]]] | None]
+
+
+class EarlySend:
+    """`__call__(done)`, on the engine thread right after a pass: its rows with a `to` written there, one message per
+    address, through `write` (the transport's `write_now`: None where it can't write without the loop); `done` comes
+    back with what was written (`Executed.written`, `StepOutputs.sent`). Never raises: what it could not write, the
+    core routes."""
+
+    def __init__(self, config: ModelConfig, write: Write, max_bytes: int):
+        if max_bytes <= 0:
+            raise ValueError(f"a message's room is positive, got {max_bytes} bytes")
+        self.config, self.write, self.max_bytes = config, write, max_bytes
+
+    def __call__(self, done: Executed) -> Executed:
+        if not any(r.to is not None for r in done.plan.rows):
+            return done
+        try:
+            return self._sent(done)
+        except Exception:  # a bug: the core routes the rows as it would without this
+            log.exception("writing a pass's messages from the engine thread failed")
+            return done
+
+    def _sent(self, done: Executed) -> Executed:
+        """A pass whose rows to write are all as `step_done` wants them (float32 [1, hidden], finite: a sum that is
+        not finite has a value that is not, or values too large to sum, which the core's own check then judges)
+        has them written; any other has none (the core fails or routes them)."""
+        hidden, outputs = self.config.hidden_size, done.outputs.outputs
+        by_address: dict[str, list[Activation]] = {}
+        total = 0.0
+        for row in done.plan.rows:
+            if row.to is None or (out := outputs.get(row.request_id)) is None:
+                continue
+            if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (1, hidden):
+                return done
+            total += float(out.sum())
+            by_address.setdefault(row.to, []).append(Activation(row.request_id, out))
+        if not math.isfinite(total):
+            return done
+        written: list[Written] = []
+        for address, activations in by_address.items():
+            if sum(a.data.nbytes for a in activations) > self.max_bytes:
+                continue
+            if (answer := self.write(address, tuple(activations))) is not None:
+                written.append(Written(address, tuple(activations), answer, time.perf_counter()))
+        if not written:
+            return done
+        sent = frozenset(a.request_id for w in written for a in w.activations)
+        return dataclasses.replace(
+            done, outputs=dataclasses.replace(done.outputs, sent=sent), written=(*done.written, *written)
+        )
