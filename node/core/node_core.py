@@ -27,7 +27,7 @@ from node.core.plan import RequestSpec
 from node.core.request_book import RequestBook
 from node.core.requests import Activation, Refusal, RequestState, TokenMessage
 from node.core.speculation import MAX_DRAFTS
-from node.core.step_plan import PREFIX_GONE, Sampled, StepOutputs, StepPlan
+from node.core.step_plan import PREFIX_GONE, Follow, Sampled, StepOutputs, StepPlan
 from shards.decoding.sampling import SampleResult
 from shards.formats.config import ModelConfig
 
@@ -117,14 +117,17 @@ class NodeCore(RequestBook):
             self.counters["presampled_rows"] += len(results)
             self.counters["picked_rows"] += sum(1 for rid in results if outputs[rid] is None)
             self.counters["followed_rows"] += len(done.followed)
-            actions += self.sampled(results, done.followed)
+            actions += self.sampled(results, done.followed, done.sent)
         return actions
 
-    def sampled(self, results: Mapping[str, Sampled], followed: frozenset[str] = frozenset()) -> list[Action]:
+    def sampled(
+        self, results: Mapping[str, Sampled], followed: frozenset[str] = frozenset(), sent: frozenset[str] = frozenset()
+    ) -> list[Action]:
         """Tokens sampled on the last shard (one, or for an input with proposals the accepted drafts and the token
         after them): deliver them to the entry node, cut at a stop token or max_tokens; continue or end the
         request. After proposals the next token goes to the first node with its cache position (`start`), so
-        every node drops the rejected drafts' positions before its next step."""
+        every node drops the rejected drafts' positions before its next step. A `sent` row's token went back with
+        its delivery from the engine thread already (`Row.back`), under the rule applied here too."""
         actions: list[Action] = []
         to_first: dict[str, list[Activation]] = defaultdict(list)
         for rid, result in results.items():
@@ -156,6 +159,11 @@ class NodeCore(RequestBook):
                 self.counters["spec_proposed"] += len(drafts)
                 self.counters["spec_accepted"] += len(result) - 1
             self.counters[f"tokens_per_trip_{min(len(emitted), MAX_DRAFTS + 1)}"] += 1  # a bounded set of keys
+            if rid in sent and reason is None:
+                continue  # (delivered, and its next input with the first node)
+            if rid in sent:  # (a rule the engine thread applied otherwise: the entry has a token that should not be)
+                actions += self.fail(rid, f"the engine thread sent on a token that ends the request ({reason})")
+                continue
             actions.append(
                 Deliver(self._entry_address(spec), TokenMessage(rid, tuple(emitted), reason is not None, reason))
             )
@@ -177,12 +185,23 @@ class NodeCore(RequestBook):
         known = self.members().get(node_id) if self.members is not None else None
         return known or planned
 
-    def _route(self, req: RequestState) -> str | None:
-        """The next node's address, where a plain decode row's message to it is the plain activation of its output
-        (`Row.to`): no proposals, no start (`_plan` asks only for such rows), and its spec went with an earlier one."""
-        if not req.spec_sent or (step := req.next_step) is None:
-            return None
-        return self._address(step.node_id, step.address)
+    def _route(self, req: RequestState, sampled: bool) -> tuple[str | None, Follow | None]:
+        """Where a plain decode row's message goes (no proposals, no start: `_plan` asks for no other row) where it
+        is one the engine thread can make itself (`Row.to`): before the last shard, the next node, once the
+        request's spec went with an earlier message; on a ring's last shard (`sampled`), the first node where it is
+        the entry too (the token and its delivery in one message), under no grammar, with the rule under which the
+        token goes on (`Row.back`: not a stop token, tokens left after it)."""
+        spec = req.spec
+        if not sampled:
+            if not req.spec_sent or (step := req.next_step) is None:
+                return None, None
+            return self._address(step.node_id, step.address), None
+        if len(spec.plan) < 2 or spec.sampling.constraint is not None or req.generated >= spec.max_tokens:
+            return None, None
+        first = self._address(spec.first.node_id, spec.first.address)
+        if first != self._entry_address(spec):
+            return None, None
+        return first, Follow(spec.stop_token_ids, spec.max_tokens - req.generated)
 
     def _entry_address(self, spec: RequestSpec) -> str:
         return self._address(spec.entry_node_id, spec.entry_address)

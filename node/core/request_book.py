@@ -315,15 +315,16 @@ class RequestBook:
                     else None,
                     spec.prompt_tokens or None,
                     follow and item.plain and len(spec.plan) > 1 and spec.sampling.constraint is None,
-                    self._route(req) if item.plain and not group.shard.is_last else None,
+                    *(self._route(req, sample is not None) if item.plain else (None, None)),
                 )
             )
         return StepPlan(group.shard, group.bucket, tuple(rows), self._retain_limit())
 
-    def _route(self, req: RequestState) -> str | None:
-        """Where a hidden decode row's output may be written by the engine thread itself (`Row.to`): none here
-        (NodeCore, which routes outputs, knows)."""
-        return None
+    def _route(self, req: RequestState, sampled: bool) -> tuple[str | None, Follow | None]:
+        """Where a plain decode row's message may be sent by the engine thread itself, and on a last shard
+        (`sampled`) the rule it sends the token back under (`Row.to`, `Row.back`): none here (NodeCore, which
+        routes outputs, knows)."""
+        return None, None
 
     def _follow(self, req: RequestState) -> Follow | None:
         """Whether the engine thread may run the request's row on by itself, its token its next input: on a

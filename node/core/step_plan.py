@@ -9,10 +9,12 @@ StepOutputs)`. A row whose request ended while the pass ran is dropped there (it
 
 A plan's rows may go on without the core: a one-node ring's on its own token (`Follow`, `next_pass`), a ring's
 decode row on its next input from a peer, which the core took on the loop as it takes any input (`Row.relay`,
-`relayed_pass`); either way the core set the row up to, and records what came. A hidden decode row's output may
-leave without the core too: the core names where it goes (`Row.to`, only where the message is the plain activation
-it would send: no spec, no proposals, no start), the engine thread writes it to that peer's data link as the pass
-ends, and `step_done` routes only the rows it did not (`StepOutputs.sent`).
+`relayed_pass`); either way the core set the row up to, and records what came. A decode row's message may
+leave without the core too: the core names where it goes (`Row.to`, only where the message is the one it would
+send: a plain activation, no spec, no proposals, no start; on a ring's last shard, the token back to the first node
+with its delivery, that node being the entry, while the token does not end the request: `Row.back`), the engine
+thread writes it to that peer's data link as the pass ends, and the core routes only the rows it did not
+(`StepOutputs.sent`).
 
 Why frozen: the core keeps changing while a pass runs (requests end, inputs arrive); a plan that pointed into it
 would make the pass depend on when the engine thread read it. The sampler state is the one object a plan shares
@@ -85,9 +87,8 @@ class Row:
     follow: Follow | None = None  # a one-node ring's row whose token may go straight into the next pass
     prompt_positions: int | None = None  # positions its prompt fills (its cache may take them at its first chunk)
     relay: bool = False  # a ring's decode row whose next input the engine thread may take itself (`relayed_pass`)
-    to: str | None = (
-        None  # where the engine thread may write its output itself, as a plain activation (`StepOutputs.sent`)
-    )
+    to: str | None = None  # where the engine thread may send its output on itself (`StepOutputs.sent`)
+    back: Follow | None = None  # on a ring's last shard: while its token goes on, the engine thread sends it `to`
 
     def __post_init__(self) -> None:
         if self.sample is not None and self.partial:
@@ -100,10 +101,10 @@ class Row:
             self.follow or not self.stepwise or self.proposals or self.propose or self.start is not None
         ):
             raise ValueError(f"row {self.request_id}: only a ring's one-position step without proposals is relayed")
-        if self.to is not None and (self.sample or not self.stepwise or self.proposals or self.start is not None):
-            raise ValueError(
-                f"row {self.request_id}: only a hidden one-position step without proposals is written early"
-            )
+        if self.to is not None and (not self.stepwise or self.proposals or self.start is not None):
+            raise ValueError(f"row {self.request_id}: only a one-position step without proposals is written early")
+        if (self.back is not None) != (self.to is not None and self.sample is not None) or (self.back and self.follow):
+            raise ValueError(f"row {self.request_id}: a sampled row written early goes back by its rule, and only it")
 
     @property
     def stepwise(self) -> bool:
@@ -133,6 +134,8 @@ class StepPlan:
             raise ValueError(f"rows are sampled on the last shard only, not on {self.shard}")
         if not self.shard.is_first and any(r.follow is not None for r in self.rows):
             raise ValueError(f"a token is its own next input on a whole model's shard only, not on {self.shard}")
+        if (not self.shard.is_last or self.shard.is_first) and any(r.back is not None for r in self.rows):
+            raise ValueError(f"a token goes back to the first node from a ring's last shard only, not {self.shard}")
 
     @property
     def sampled_rows(self) -> tuple[Row, ...]:
@@ -158,7 +161,7 @@ class StepOutputs:
     sent: frozenset[str] = frozenset()  # rows whose output the engine thread wrote to their `Row.to` itself
 
     def __post_init__(self) -> None:
-        if not self.sent <= {rid for rid, out in self.outputs.items() if out is not None}:
+        if not self.sent <= set(self.outputs):
             raise ValueError(f"requests {sorted(self.sent - set(self.outputs))} sent without outputs")
         if not self.followed <= set(self.samples):
             raise ValueError(f"requests {sorted(self.followed - set(self.samples))} followed without a token")
@@ -204,7 +207,8 @@ def relayed_pass(plan: StepPlan, inputs: Mapping[str, np.ndarray]) -> StepPlan |
             sample=r.sample,
             prompt_positions=r.prompt_positions,
             relay=True,
-            to=r.to,
+            to=r.to if r.back is None or r.back.left > 1 else None,
+            back=Follow(r.back.stops, r.back.left - 1) if r.back is not None and r.back.left > 1 else None,
         )
         for r in plan.rows
         if r.relay and r.request_id in inputs

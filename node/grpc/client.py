@@ -194,15 +194,15 @@ class GrpcTransport:
         return self._answered(address, answer)
 
     def write_now(
-        self, address: str, activations: tuple[Activation, ...]
+        self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...] = ()
     ) -> Callable[[], Awaitable[list[Refusal]]] | None:
-        """From the engine thread: `activations` (packable, no spec) written to `address`'s data link now, and what
+        """From the engine thread: `activations` and `messages` (packable: no spec, no failure) written to `address`'s data link now, and what
         gives, on the loop, `send`'s answer to await; None: nothing was written (no plain link up, a message in
         flight on the gRPC stream, or `LinkConnection.write_now` could not). Only dict reads here: the loop owns
         the maps."""
         _, stream = self.streams.get(address, (None, None))
         up = self.links.links.get(address) if self.links is not None else None
-        if up is None or (stream and stream.waiting) or (message := packed.pack(activations, ())) is None:
+        if up is None or (stream and stream.waiting) or (message := packed.pack(activations, messages)) is None:
             return None
         link = up[0]
         if (waiter := link.write_now(message)) is None:

@@ -1,10 +1,12 @@
-"""A pass's hidden rows written to the next node by the engine thread as the pass ends, before the event loop
-hears of the pass (`Row.to`, node/core/step_plan.py): the hop's message then leaves without the loop's wake, the
+"""A pass's decode rows sent on by the engine thread as the pass ends (hidden rows to the next node; on a ring's last
+shard the token back to the first node, which is its entry, with its delivery), before the event loop hears of the
+pass (`Row.to`, node/core/step_plan.py): the hop's message then leaves without the loop's wake, the
 core's routing and the transport call, which cost most of a hop's time outside the link on a core whose caches the
 pass has just filled with weights (node/runtime/overhead.py's `hop_out`).
 
-The core decides: it names a row's destination only where its message would be the plain activation of the row's
-output (node/core/node_core.py `_route`), and `step_done` routes every row not written here (`StepOutputs.sent`).
+The core decides: it names a row's destination only where its message would be the one written here
+(node/core/node_core.py `_route`), with the rule under which a token goes on (`Row.back`: it is neither a stop token
+nor the last the request may have), and routes every row not written here (`StepOutputs.sent`).
 The rows to write are checked as `step_done` checks every row (`malformed_outputs`) before any is: one bad row and
 none is written, and the core fails them. Order: a request's next output exists only once its last message went
 round the ring, so a message written here never overtakes one of the same request still on the loop's way; across
@@ -22,13 +24,14 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from node.core.requests import Activation, Refusal
+from node.core.requests import Activation, Refusal, TokenMessage
 from node.runtime.engine_step import Executed, Written
+from shards.decoding.sampling import SampleResult
 from shards.formats.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-Write = Callable[[str, tuple[Activation, ...]], Callable[[], Awaitable[list[Refusal]]] | None]
+Write = Callable[[str, tuple[Activation, ...], tuple[TokenMessage, ...]], Callable[[], Awaitable[list[Refusal]]] | None]
 
 
 class EarlySend:
@@ -52,27 +55,36 @@ class EarlySend:
             return done
 
     def _sent(self, done: Executed) -> Executed:
-        """A pass whose rows to write are all as `step_done` wants them (float32 [1, hidden], finite: a sum that is
-        not finite has a value that is not, or values too large to sum, which the core's own check then judges)
-        has them written; any other has none (the core fails or routes them)."""
-        hidden, outputs = self.config.hidden_size, done.outputs.outputs
-        by_address: dict[str, list[Activation]] = {}
+        """A pass whose rows to send are all as `step_done` wants them (float32 [1, hidden], or [1, vocab] logits
+        where the engine did not pick the token; finite: a sum that is not has a value that is not, or values too
+        large to sum, which the core's own check then judges) has them written; any other has none (the core fails
+        or routes them). A last shard's row goes back only with a token that goes on (`Row.back`)."""
+        plan, outputs, samples = done.plan, done.outputs.outputs, done.outputs.samples
+        width = self.config.vocab_size if plan.shard.is_last else self.config.hidden_size
+        by_address: dict[str, tuple[list[Activation], list[TokenMessage]]] = {}
         total = 0.0
-        for row in done.plan.rows:
-            if row.to is None or (out := outputs.get(row.request_id)) is None:
+        for row in plan.rows:
+            if row.to is None or (rid := row.request_id) not in outputs:
                 continue
-            if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (1, hidden):
-                return done
-            total += float(out.sum())
-            by_address.setdefault(row.to, []).append(Activation(row.request_id, out))
+            if (out := outputs[rid]) is not None:
+                if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (1, width):
+                    return done
+                total += float(out.sum())
+            if row.back is None and out is not None:
+                by_address.setdefault(row.to, ([], []))[0].append(Activation(rid, out))
+            elif row.back is not None and isinstance(got := samples.get(rid), SampleResult):
+                if not row.back.ends(got.token):
+                    activations, messages = by_address.setdefault(row.to, ([], []))
+                    activations.append(Activation(rid, np.array([got.token], dtype=np.int64)))
+                    messages.append(TokenMessage(rid, (got,)))
         if not math.isfinite(total):
             return done
         written: list[Written] = []
-        for address, activations in by_address.items():
+        for address, (activations, messages) in by_address.items():
             if sum(a.data.nbytes for a in activations) > self.max_bytes:
                 continue
-            if (answer := self.write(address, tuple(activations))) is not None:
-                written.append(Written(address, tuple(activations), answer, time.perf_counter()))
+            if (answer := self.write(address, tuple(activations), tuple(messages))) is not None:
+                written.append(Written(address, tuple(activations), answer, time.perf_counter(), tuple(messages)))
         if not written:
             return done
         sent = frozenset(a.request_id for w in written for a in w.activations)

@@ -37,7 +37,7 @@ from typing import Protocol
 
 import numpy as np
 
-from node.core.requests import Activation, Refusal
+from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.step_plan import PREFIX_GONE, StepOutputs, StepPlan, awaited, next_pass, relayed_pass
 from node.runtime.relay import RelayInbox
 from node.runtime.sample_rows import MalformedBatch, picked_results
@@ -72,6 +72,7 @@ class Written:
     activations: tuple[Activation, ...]
     answer: Callable[[], Awaitable[list[Refusal]]]
     at: float
+    messages: tuple[TokenMessage, ...] = ()  # a last shard's deliveries, with the tokens
 
     def __post_init__(self) -> None:
         if not self.activations:

@@ -205,7 +205,7 @@ class Pipeline:
         self.do(core.step_done(plan, done.outputs), engine)
         for w in done.written:  # what the engine thread wrote as the pass ended: their answers, as `_post`'s
             self._posted += 1
-            self.spawn(self._answered(w.address, w.activations, (), w.answer(), w.at, [w.at]))
+            self.spawn(self._answered(w.address, w.activations, w.messages, w.answer(), w.at, [w.at]))
         seconds = done.ended - done.began
         self.counters["forward_us_total"] += int(done.outputs.computed * 1e6)
         self.counters["step_us_total"] += int(seconds * 1e6)

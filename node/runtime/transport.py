@@ -63,9 +63,9 @@ class Transport(Protocol):
         up: node/grpc/client.py), with its answer (`send`'s) to await; None: `send` it."""
 
     def write_now(
-        self, address: str, activations: tuple[Activation, ...]
+        self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...] = ()
     ) -> Callable[[], Awaitable[list[Refusal]]] | None:
-        """From the engine thread (node/runtime/early_send.py): `activations` written to `address` now, where that
+        """From the engine thread (node/runtime/early_send.py): `activations` and `messages` written to `address` now, where that
         can be done without the loop (a plain data link up, nothing of the loop's unwritten), and what gives, on the
         loop, `send`'s answer to await; None: nothing was written."""
 

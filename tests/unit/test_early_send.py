@@ -4,27 +4,31 @@ thread, and the core routes only what was not written. Links over real loopback 
 own writes; refused where only the loop can write."""
 
 import asyncio
+import dataclasses
 import socket
 import threading
 
 import numpy as np
 import pytest
 
-from node.core.actions import Send
-from node.core.requests import Activation
-from node.core.step_plan import Row, StepOutputs, StepPlan, relayed_pass
+from node.core.actions import Deliver, Send
+from node.core.requests import Activation, TokenMessage
+from node.core.step_plan import Follow, Row, Sampling, StepOutputs, StepPlan, relayed_pass
 from node.grpc.link import packed
 from node.grpc.link.client import LinkConnection
 from node.grpc.link.server import LinkServer
 from node.runtime.early_send import EarlySend
 from node.runtime.engine_step import Executed
 from node.security.keys import ClusterKey, generate_secret
+from shards.decoding.grammar import Constraint
+from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
 from shards.model.shard import Shard
-from tests.support.factories import ADDR, CFG, hidden, spec, tokens
+from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
 from tests.unit.test_link import BOUND, Node, refused, send_of
 from tests.unit.test_step_plan import core, of, sized
 
 MIDDLE = Shard("llama", 2, 4, 6)
+SAMPLE = Sampling(SamplingParams(temperature=0), SamplerState.from_seed(1))
 
 
 def decoding_at_b():
@@ -41,9 +45,9 @@ def decoding_at_b():
 
 
 # -- the core names the destination and routes only what was not written -----------------------------------------
-def test_a_decode_row_is_written_early_only_once_its_spec_went_and_never_on_the_last_shard():
+def test_a_decode_row_is_written_early_only_once_its_spec_went():
     b, plan = decoding_at_b()
-    assert plan.rows[0].to == ADDR["c"]
+    assert (plan.rows[0].to, plan.rows[0].back) == (ADDR["c"], None)
     a = core("a")  # the first node: its token's row, once the prompt's message carried the spec
     a.accept_prompt(spec("r1", max_tokens=5), tokens(1, 2, 3))
     (prompt,) = a.take_batch()
@@ -51,11 +55,51 @@ def test_a_decode_row_is_written_early_only_once_its_spec_went_and_never_on_the_
     a.accept_activations([Activation("r1", tokens(9))], "c")
     ((row,),) = [p.rows for p in a.take_batch()]
     assert row.to == ADDR["b"]
+
+
+def last_node(entry: str = "a", max_tokens: int = 5, **kw):
+    """A ring's last node, its request's prompt sampled, a decode row taken."""
     c = core("c")
-    c.accept_activations([Activation("r1", hidden(4), sized("r1", max_tokens=5))])
-    c.take_batch()
+    request = dataclasses.replace(spec("r1", max_tokens=max_tokens, entry=entry), prompt_tokens=4, **kw)
+    c.accept_activations([Activation("r1", hidden(4), request)])
+    (prompt,) = c.take_batch()
+    assert prompt.rows[0].to is None
+    c.step_done(prompt, StepOutputs({"r1": logits()}, samples={"r1": SampleResult(7)}))
     c.accept_activations([Activation("r1", hidden())], "b")
-    assert [r.to for p in c.take_batch() for r in p.rows] == [None]  # its message is a token and a delivery
+    (plan,) = c.take_batch()
+    return c, plan
+
+
+def test_a_last_nodes_token_goes_back_early_to_a_first_node_that_is_its_entry_while_it_goes_on():
+    c, plan = last_node()
+    (row,) = plan.rows
+    assert row.to == ADDR["a"] and row.back == Follow(frozenset({STOP}), 4)  # the prompt's token was the first
+    assert [r.to for r in last_node(entry="entry")[1].rows] == [None]  # the delivery goes elsewhere: two messages
+    grammar = SamplingParams(temperature=0, constraint=Constraint("%llguidance {}\nstart: /[0-9]+/"))
+    assert [r.to for r in last_node(sampling=grammar)[1].rows] == [None]
+    nxt = relayed_pass(plan, {"r1": hidden()})
+    assert nxt.rows[0].back == Follow(frozenset({STOP}), 3)  # one token fewer left, pass by pass
+    for _ in range(2):
+        nxt = relayed_pass(nxt, {"r1": hidden()})
+    assert nxt.rows[0].back.left == 1 and nxt.rows[0].back.ends(8)  # its token is the last: the core sends that
+
+
+def test_the_core_delivers_and_sends_back_only_what_the_engine_thread_did_not():
+    c, plan = last_node()
+    actions = c.step_done(plan, StepOutputs({"r1": logits()}, samples={"r1": SampleResult(8)}, sent=frozenset({"r1"})))
+    assert of(Send, actions) == [] and of(Deliver, actions) == []
+    assert c.requests["r1"].generated == 2 and c.counters["written_rows"] == 1
+    c.accept_activations([Activation("r1", hidden())], "b")
+    (plan,) = c.take_batch()
+    actions = c.step_done(plan, StepOutputs({"r1": logits()}, samples={"r1": SampleResult(9)}))
+    assert [d.message.results for d in of(Deliver, actions)] == [(SampleResult(9),)]
+    assert [s.activations[0].data.tolist() for s in of(Send, actions)] == [[9]]
+    c.accept_activations([Activation("r1", hidden())], "b")
+    (plan,) = c.take_batch()  # a token the engine thread sent on, which ends the request after all: it fails
+    actions = c.step_done(
+        plan, StepOutputs({"r1": logits()}, samples={"r1": SampleResult(STOP)}, sent=frozenset({"r1"}))
+    )
+    assert "r1" not in c.requests and any("ends the request" in str(a) for a in actions)
 
 
 def test_the_core_routes_what_the_engine_thread_did_not_write_and_only_that():
@@ -96,7 +140,7 @@ def pass_of(rows: dict, outputs: dict) -> Executed:
 def test_rows_with_a_destination_go_one_message_per_peer_and_the_rest_stay_the_cores():
     calls = []
 
-    def write(address, activations):
+    def write(address, activations, messages):
         calls.append((address, [a.request_id for a in activations]))
         return lambda: None
 
@@ -111,7 +155,7 @@ def test_rows_with_a_destination_go_one_message_per_peer_and_the_rest_stay_the_c
 
 def test_nothing_is_written_where_an_output_is_malformed_or_the_transport_cannot_write_now():
     calls = []
-    early = EarlySend(CFG, lambda address, activations: calls.append(address), 1 << 20)  # (None: can't)
+    early = EarlySend(CFG, lambda address, activations, messages: calls.append(address), 1 << 20)  # (None: can't)
     done = early(pass_of({"r1": "h:1"}, {"r1": hidden()}))
     assert calls == ["h:1"] and done.outputs.sent == frozenset() and done.written == ()
     calls.clear()
@@ -120,7 +164,7 @@ def test_nothing_is_written_where_an_output_is_malformed_or_the_transport_cannot
     for outputs in ({"r1": hidden(), "r2": nan}, {"r1": hidden(), "r2": np.zeros((1, 3), np.float32)}):
         done = early(pass_of({"r1": "h:1", "r2": "h:1"}, outputs))
         assert calls == [] and done.outputs.sent == frozenset()  # (step_done fails the pass's rows)
-    too_small = EarlySend(CFG, lambda address, activations: calls.append(address), 16)
+    too_small = EarlySend(CFG, lambda address, activations, messages: calls.append(address), 16)
     too_small(pass_of({"r1": "h:1"}, {"r1": hidden()}))
     assert calls == []  # over the message's room: the outbox cuts it
 
@@ -258,4 +302,28 @@ def test_an_engine_thread_pass_round_trip_through_a_real_transport():
 
 def test_early_send_refuses_a_roomless_message_bound():
     with pytest.raises(ValueError, match="positive"):
-        EarlySend(CFG, lambda a, b: None, 0)
+        EarlySend(CFG, lambda *_: None, 0)
+
+
+def test_a_last_shards_token_goes_back_with_its_delivery_only_while_it_goes_on():
+    calls = []
+
+    def write(address, activations, messages):
+        calls.append((address, [(a.request_id, a.data.tolist()) for a in activations], messages))
+        return lambda: None
+
+    early, last = EarlySend(CFG, write, 1 << 20), Shard("llama", 4, 6, 6)
+    back = Follow(frozenset({STOP}), 3)
+    rows = tuple(Row(rid, hidden(), sample=SAMPLE, to="h:1", back=back) for rid in ("r1", "r2", "r3"))
+    samples = {"r1": SampleResult(8, -0.5), "r2": SampleResult(STOP), "r3": SampleResult(9)}
+    outputs = {"r1": logits(), "r2": logits(), "r3": None}  # r3's token the engine picked: no logits
+    done = early(Executed(StepPlan(last, None, rows), StepOutputs(outputs, samples=samples)))
+    assert calls == [
+        (
+            "h:1",
+            [("r1", [8]), ("r3", [9])],
+            (TokenMessage("r1", (samples["r1"],)), TokenMessage("r3", (samples["r3"],))),
+        )
+    ]
+    assert done.outputs.sent == {"r1", "r3"}  # r2's stop token: the core ends the request and says so
+    assert done.written[0].messages == calls[0][2]
