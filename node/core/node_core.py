@@ -159,10 +159,10 @@ class NodeCore(RequestBook):
                 self.counters["spec_proposed"] += len(drafts)
                 self.counters["spec_accepted"] += len(result) - 1
             self.counters[f"tokens_per_trip_{min(len(emitted), MAX_DRAFTS + 1)}"] += 1  # a bounded set of keys
-            if rid in sent and reason is None:
-                continue  # (delivered, and its next input with the first node)
-            if rid in sent:  # (a rule the engine thread applied otherwise: the entry has a token that should not be)
-                actions += self.fail(rid, f"the engine thread sent on a token that ends the request ({reason})")
+            if rid in sent:  # delivered, and sent back as the next input, from the engine thread (`Row.back`)
+                if reason is not None:  # (it leaves a request's last tokens to us: early_send.STALE_PASSES)
+                    actions.append(Deliver(self._entry_address(spec), TokenMessage(rid, (), True, reason)))
+                    actions += self.end_request(rid, "finished")
                 continue
             actions.append(
                 Deliver(self._entry_address(spec), TokenMessage(rid, tuple(emitted), reason is not None, reason))

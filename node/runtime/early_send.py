@@ -31,6 +31,12 @@ from shards.formats.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
+# A last shard's rule (`Row.back`) counts the request's tokens as the core knew them when it planned the row, which may
+# be one pass short: the token sent from here reaches the first node, and its next input can come back and be planned,
+# before the loop applied the pass that sampled it (never two: the engine thread hands that pass to the loop before it
+# runs the next). So a request's last STALE_PASSES + 1 tokens are left to the core, which counts them exactly.
+STALE_PASSES = 1
+
 Write = Callable[[str, tuple[Activation, ...], tuple[TokenMessage, ...]], Callable[[], Awaitable[list[Refusal]]] | None]
 
 
@@ -58,7 +64,8 @@ class EarlySend:
         """A pass whose rows to send are all as `step_done` wants them (float32 [1, hidden], or [1, vocab] logits
         where the engine did not pick the token; finite: a sum that is not has a value that is not, or values too
         large to sum, which the core's own check then judges) has them written; any other has none (the core fails
-        or routes them). A last shard's row goes back only with a token that goes on (`Row.back`)."""
+        or routes them). A last shard's row goes back only with a token that goes on (`Row.back`), and not among the
+        request's last tokens (STALE_PASSES)."""
         plan, outputs, samples = done.plan, done.outputs.outputs, done.outputs.samples
         width = self.config.vocab_size if plan.shard.is_last else self.config.hidden_size
         by_address: dict[str, tuple[list[Activation], list[TokenMessage]]] = {}
@@ -73,7 +80,7 @@ class EarlySend:
             if row.back is None and out is not None:
                 by_address.setdefault(row.to, ([], []))[0].append(Activation(rid, out))
             elif row.back is not None and isinstance(got := samples.get(rid), SampleResult):
-                if not row.back.ends(got.token):
+                if not row.back.ends(got.token) and row.back.left > 1 + STALE_PASSES:
                     activations, messages = by_address.setdefault(row.to, ([], []))
                     activations.append(Activation(rid, np.array([got.token], dtype=np.int64)))
                     messages.append(TokenMessage(rid, (got,)))

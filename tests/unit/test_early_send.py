@@ -95,11 +95,13 @@ def test_the_core_delivers_and_sends_back_only_what_the_engine_thread_did_not():
     assert [d.message.results for d in of(Deliver, actions)] == [(SampleResult(9),)]
     assert [s.activations[0].data.tolist() for s in of(Send, actions)] == [[9]]
     c.accept_activations([Activation("r1", hidden())], "b")
-    (plan,) = c.take_batch()  # a token the engine thread sent on, which ends the request after all: it fails
-    actions = c.step_done(
-        plan, StepOutputs({"r1": logits()}, samples={"r1": SampleResult(STOP)}, sent=frozenset({"r1"}))
-    )
-    assert "r1" not in c.requests and any("ends the request" in str(a) for a in actions)
+    (plan,) = c.take_batch()  # a token the engine thread sent on that ends the request after all: it ends, finished
+    actions = c.step_done(plan, StepOutputs({"r1": logits()}, samples={"r1": SampleResult(9)}, sent=frozenset({"r1"})))
+    c.accept_activations([Activation("r1", hidden())], "b")
+    (plan,) = c.take_batch()
+    actions = c.step_done(plan, StepOutputs({"r1": logits()}, samples={"r1": SampleResult(9)}, sent=frozenset({"r1"})))
+    (end,) = of(Deliver, actions)
+    assert end.message == TokenMessage("r1", (), True, "length") and "r1" not in c.requests and of(Send, actions) == []
 
 
 def test_the_core_routes_what_the_engine_thread_did_not_write_and_only_that():
@@ -313,10 +315,11 @@ def test_a_last_shards_token_goes_back_with_its_delivery_only_while_it_goes_on()
         return lambda: None
 
     early, last = EarlySend(CFG, write, 1 << 20), Shard("llama", 4, 6, 6)
-    back = Follow(frozenset({STOP}), 3)
+    back, last_two = Follow(frozenset({STOP}), 3), Follow(frozenset({STOP}), 2)
     rows = tuple(Row(rid, hidden(), sample=SAMPLE, to="h:1", back=back) for rid in ("r1", "r2", "r3"))
-    samples = {"r1": SampleResult(8, -0.5), "r2": SampleResult(STOP), "r3": SampleResult(9)}
-    outputs = {"r1": logits(), "r2": logits(), "r3": None}  # r3's token the engine picked: no logits
+    rows += (Row("r4", hidden(), sample=SAMPLE, to="h:1", back=last_two),)
+    samples = {"r1": SampleResult(8, -0.5), "r2": SampleResult(STOP), "r3": SampleResult(9), "r4": SampleResult(9)}
+    outputs = {"r1": logits(), "r2": logits(), "r3": None, "r4": logits()}  # r3's token the engine picked
     done = early(Executed(StepPlan(last, None, rows), StepOutputs(outputs, samples=samples)))
     assert calls == [
         (
@@ -325,5 +328,7 @@ def test_a_last_shards_token_goes_back_with_its_delivery_only_while_it_goes_on()
             (TokenMessage("r1", (samples["r1"],)), TokenMessage("r3", (samples["r3"],))),
         )
     ]
-    assert done.outputs.sent == {"r1", "r3"}  # r2's stop token: the core ends the request and says so
+    # r2's stop token: the core ends the request and says so; r4's token is among its request's last two, which the
+    # core's count of the tokens may be a pass behind on when it planned the row (early_send.STALE_PASSES)
+    assert done.outputs.sent == {"r1", "r3"}
     assert done.written[0].messages == calls[0][2]
