@@ -9,12 +9,12 @@ StepOutputs)`. A row whose request ended while the pass ran is dropped there (it
 
 A plan's rows may go on without the core: a one-node ring's on its own token (`Follow`, `next_pass`), a ring's
 decode row on its next input from a peer, which the core took on the loop as it takes any input (`Row.relay`,
-`relayed_pass`); either way the core set the row up to, and records what came. A decode row's message may
-leave without the core too: the core names where it goes (`Row.to`, only where the message is the one it would
-send: a plain activation, no spec, no proposals, no start; on a ring's last shard, the token back to the first node
-with its delivery, that node being the entry, while the token does not end the request: `Row.back`), the engine
-thread writes it to that peer's data link as the pass ends, and the core routes only the rows it did not
-(`StepOutputs.sent`).
+`relayed_pass`); either way the core set the row up to, and records what came. A decode row's message may leave
+without the core too: the core names where it goes (`Row.to`, only where the message is the one it would send: a
+plain activation, no spec, no proposals, no start; on a ring's last shard, the token back to the first node with its
+delivery, that node being the entry, while the token does not end the request, nor is among its last two:
+`Row.back`, node/runtime/early_send.py), the engine thread writes it to that peer's data link as the pass ends, and
+the core routes only the rows it did not (`StepOutputs.sent`).
 
 Why frozen: the core keeps changing while a pass runs (requests end, inputs arrive); a plan that pointed into it
 would make the pass depend on when the engine thread read it. The sampler state is the one object a plan shares
