@@ -24,7 +24,7 @@ from shards.decoding.grammar import Constraint
 from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
 from shards.model.shard import Shard
 from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
-from tests.unit.test_link import BOUND, Node, refused, send_of
+from tests.unit.test_link import BOUND, Node, peer_with_a_link, refused, send_of
 from tests.unit.test_step_plan import core, of, sized
 
 MIDDLE = Shard("llama", 2, 4, 6)
@@ -274,30 +274,19 @@ def test_a_link_ended_while_another_thread_writes_fails_its_answer_not_the_threa
 
 def test_an_engine_thread_pass_round_trip_through_a_real_transport():
     """EarlySend over GrpcTransport's write_now and a real link: the row is written, the answer awaited on the loop."""
-    from node.grpc.client import GrpcTransport
-    from node.grpc.server import GrpcServer
 
     async def go():
-        link = LinkServer("127.0.0.1", 0, BOUND)
-        grpc_server = GrpcServer("127.0.0.1", 0, BOUND)
-        address = f"127.0.0.1:{grpc_server.port}"
-        node = Node(link.port, address)
-        await grpc_server.start(node)
-        await link.start(node)
-        transport = GrpcTransport(BOUND, rpc_timeout=2.0)
-        await transport.health_check(address)
-        for _ in range(200):  # the link comes up in the background
-            if transport.links.get(address) is not None:
-                break
-            await asyncio.sleep(0.01)
-        early = EarlySend(CFG, transport.write_now, 1 << 20)
-        loop = asyncio.get_running_loop()
-        done = await loop.run_in_executor(None, early, pass_of({"bad1": address}, {"bad1": hidden()}))
-        (written,) = done.written
-        assert [r.request_id for r in await written.answer()] == ["bad1"] and node.arrived == ["bad1"]
-        await transport.close()
-        await link.stop()
-        await grpc_server.stop(None)
+        async with peer_with_a_link() as (transport, address, node, _):
+            await transport.health_check(address)
+            for _ in range(200):  # the link comes up in the background
+                if transport.links.get(address) is not None:
+                    break
+                await asyncio.sleep(0.01)
+            early = EarlySend(CFG, transport.write_now, 1 << 20)
+            loop = asyncio.get_running_loop()
+            done = await loop.run_in_executor(None, early, pass_of({"bad1": address}, {"bad1": hidden()}))
+            (written,) = done.written
+            assert [r.request_id for r in await written.answer()] == ["bad1"] and node.arrived == ["bad1"]
 
     asyncio.run(go())
 

@@ -3,6 +3,7 @@ validated before the node sees them; bad input refused in-band and the connectio
 deadline; a link used once it is up and never waited for; with a cluster key, mutual TLS as gRPC's."""
 
 import asyncio
+import contextlib
 import datetime as dt
 import ssl
 import time
@@ -232,28 +233,38 @@ def test_a_link_that_cannot_be_had_is_tried_again_only_after_a_growing_wait():
     asyncio.run(go())
 
 
-def test_the_transport_learns_a_peers_link_from_its_health_check_and_sends_on_it():
-    async def go():
-        link = LinkServer("127.0.0.1", 0, BOUND)
-        grpc_server = GrpcServer("127.0.0.1", 0, BOUND)
-        address = f"127.0.0.1:{grpc_server.port}"
-        node = Node(link.port, address)
-        await grpc_server.start(node)
-        await link.start(node)
-        transport = GrpcTransport(BOUND, rpc_timeout=2.0)
-        row = (Activation("bad0", np.zeros((1, 8), np.float32)),)
-        assert [r.request_id for r in await transport.send(address, row, ())] == ["bad0"]  # on gRPC: no port known
-        assert (await transport.health_check(address)).link_port == link.port
-        for i in range(1, 300):
-            refusals = await transport.send(address, (Activation(f"bad{i}", row[0].data),), ())
-            assert [r.request_id for r in refusals] == [f"bad{i}"]
-            if link.counters["link_messages"]:
-                break
-            await asyncio.sleep(0.01)
-        assert link.counters["link_messages"] == 1 and node.arrived == [f"bad{j}" for j in range(i + 1)]
+@contextlib.asynccontextmanager
+async def peer_with_a_link():
+    """A peer serving gRPC and a data link into one recording `Node`, and a transport that knows of neither yet:
+    (transport, the peer's address, its node, its link server)."""
+    link = LinkServer("127.0.0.1", 0, BOUND)
+    grpc_server = GrpcServer("127.0.0.1", 0, BOUND)
+    address = f"127.0.0.1:{grpc_server.port}"
+    node = Node(link.port, address)
+    await grpc_server.start(node)
+    await link.start(node)
+    transport = GrpcTransport(BOUND, rpc_timeout=2.0)
+    try:
+        yield transport, address, node, link
+    finally:
         await transport.close()
         await link.stop()
         await grpc_server.stop(None)
+
+
+def test_the_transport_learns_a_peers_link_from_its_health_check_and_sends_on_it():
+    async def go():
+        async with peer_with_a_link() as (transport, address, node, link):
+            row = (Activation("bad0", np.zeros((1, 8), np.float32)),)
+            assert [r.request_id for r in await transport.send(address, row, ())] == ["bad0"]  # on gRPC: no port known
+            assert (await transport.health_check(address)).link_port == link.port
+            for i in range(1, 300):
+                refusals = await transport.send(address, (Activation(f"bad{i}", row[0].data),), ())
+                assert [r.request_id for r in refusals] == [f"bad{i}"]
+                if link.counters["link_messages"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert link.counters["link_messages"] == 1 and node.arrived == [f"bad{j}" for j in range(i + 1)]
 
     asyncio.run(go())
 
