@@ -131,6 +131,31 @@ class RequestBook:
                 self._enqueue(item)
         return rejected, relayed
 
+    def relay_row(self, request_id: str, data: np.ndarray, caller: str | None) -> bool:
+        """A relayed row's next input as `relay_activations` takes one (a decode row's, no start, no proposals; the
+        engine thread waits for it: node/runtime/relay.py), for a request held here whose input needs nothing but
+        the checks: True, recorded as taken. False, with nothing changed, for anything else (a request unknown or
+        over, the wrong sender, positions past those declared, a bad input, a first node's proposals to make): the
+        message then goes the usual way, which judges it. Why: this is a ring's every hop, on cold caches."""
+        req = self.requests.get(request_id)
+        if req is None or request_id in self.ended or len(data) != 1:
+            return False
+        first = req.shard.is_first
+        if caller is not None and caller != predecessor(req.spec, req.step_index):
+            return False
+        if (
+            first and req.history is not None and self.speculation is not None
+        ) or req.positions_in >= req.spec.positions:
+            return False
+        try:
+            self.admission.check_input(first, data)
+        except PlanError:
+            return False
+        req.drafts, req.chunk_start, req.positions_in = (), req.positions_in, req.positions_in + 1
+        req.last_active = self.clock()
+        self.counters["relayed_rows"] += 1
+        return True
+
     def _taken(self, a: Activation, caller: str | None) -> Queued | Refusal | None:
         """One activation checked and recorded as arrived: the input to queue, a refusal for a request that failed
         here, or None for one that is over (dropped). Raises PlanError or Failed for a bad input."""

@@ -360,6 +360,10 @@ class Node:
         self.pipeline.wake()
         return rejected
 
+    def relay_row(self, request_id: str, data: np.ndarray, caller: str | None, received: float) -> bool:
+        """A decode row's input from a peer taken the short way, or False (then `accept_activations`)."""
+        return self.pipeline.relay_row(request_id, data, caller, received)
+
     def accept_tokens(self, message: TokenMessage, caller: str | None = None) -> None:
         self.entry.accept_tokens(message, caller)
 

@@ -194,6 +194,22 @@ class Pipeline:
             self.wake()
         return rejected
 
+    def relay_row(self, request_id: str, data: np.ndarray, caller: str | None, received: float | None) -> bool:
+        """A decode row's input from a peer handed straight to the engine thread, which waits for it, where the core
+        takes it the short way (`RequestBook.relay_row`); False where not: the message then takes `offer`'s way."""
+        taken: list[float] = []
+
+        def take() -> bool:
+            took = self.core.relay_row(request_id, data, caller)
+            taken.append(time.perf_counter())
+            return took
+
+        if not self.following.relay.hand(request_id, data, take):
+            return False
+        self.overhead.arrived(taken[0], received)
+        self.hold.arrived()
+        return True
+
     def _applied(self, done: Executed, engine: Engine | None) -> None:
         """Give what a pass made to the core, then count it: its sends leave first (the next node waits for them,
         nobody for the counters). forward_us: the engine computing; step_us: the pass on the engine thread, its

@@ -81,6 +81,19 @@ class RelayInbox:
             _yield()  # the engine thread, woken, takes the interpreter now, not when the loop next sleeps
         return result, relayed
 
+    def hand(self, request_id: str, data: np.ndarray, take: Callable[[], bool]) -> bool:
+        """On the loop: `data` handed to the engine thread as `request_id`'s input if it waits for that now and
+        `take()` (the core taking it: `RequestBook.relay_row`) agrees; False, nothing handed, otherwise."""
+        with self._cond:
+            if request_id not in self._awaiting or self._awaiting[request_id] is not None or not take():
+                return False
+            self._awaiting[request_id] = data
+            if self._first is None:
+                self._first = time.perf_counter()
+            self._cond.notify_all()
+        _yield()
+        return True
+
 
 def _yield() -> None:
     """Let a thread waiting for the interpreter lock run: os.sched_yield releases it and gives up the core."""

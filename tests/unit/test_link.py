@@ -53,6 +53,14 @@ class Node:
     def accept_tokens(self, message, caller):
         self.arrived.append(f"tokens:{message.request_id}")
 
+    def relay_row(self, request_id, data, caller, received):
+        """A decode row's input taken the short way: those of requests named relay* (whose pass waits for them)."""
+        if not request_id.startswith("relay"):
+            return False
+        self.arrived.append(f"relayed:{request_id}")
+        self.callers.append(caller)
+        return True
+
     def info(self) -> NodeInfo:
         return NodeInfo("peer", self.address, Capabilities(1 << 30, "numpy", "m", 6), link_port=self.link_port)
 
@@ -92,7 +100,7 @@ def test_messages_cross_the_link_and_are_answered_in_order():
         message = TokenMessage("r", (SampleResult(5),))
         await link.send(wire.encode_send((), (message,)))
         assert node.arrived == [*names, "tokens:r"]
-        assert server.counters == {"link_messages": 61, "link_packed": 0, "link_refused": 0}
+        assert server.counters == {"link_messages": 61, "link_packed": 0, "link_rows": 0, "link_refused": 0}
         link.close()
         await server.stop()
 
@@ -124,7 +132,28 @@ def test_packed_messages_cross_among_send_requests_and_are_answered_in_order():
         assert [refused(a) for a in answers] == [[n] if n.startswith("bad") else [] for n in names]
         await link.send(packed.pack((), (TokenMessage("r", (SampleResult(5, -0.5),), True, "stop"),)))
         assert node.arrived == [*names, "tokens:r"]
-        assert server.counters == {"link_messages": 41, "link_packed": 21, "link_refused": 0}
+        assert server.counters == {"link_messages": 41, "link_packed": 21, "link_rows": 0, "link_refused": 0}
+        link.close()
+        await server.stop()
+
+    asyncio.run(go())
+
+
+def test_a_decode_rows_input_goes_the_short_way_where_the_node_takes_it_there_with_its_tokens_after():
+    async def go():
+        server, node, link = await link_pair()
+        row, token = np.ones((1, 8), np.float32), TokenMessage("relay2", (SampleResult(5, -0.5),))
+        messages = [
+            packed.pack((Activation("relay1", row),), ()),  # taken the short way
+            packed.pack((Activation("relay2", np.array([5])),), (token,)),  # a first node's: the token, its delivery
+            packed.pack((Activation("bad1", row),), ()),  # not taken there: the usual way, refused
+            packed.pack((Activation("m1", row),), ()),  # the usual way, taken
+            packed.pack((Activation("relay3", np.ones((2, 8), np.float32)),), ()),  # two rows: never the short way
+        ]
+        answers = [refused(await link.send(m)) for m in messages]
+        assert answers == [[], [], ["bad1"], [], []]
+        assert node.arrived == ["relayed:relay1", "relayed:relay2", "tokens:relay2", "bad1", "m1", "relay3"]
+        assert server.counters == {"link_messages": 5, "link_packed": 5, "link_rows": 2, "link_refused": 0}
         link.close()
         await server.stop()
 

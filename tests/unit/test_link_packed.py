@@ -18,7 +18,7 @@ from node.core.plan import PlanStep, RequestSpec
 from node.core.requests import Activation, TokenMessage
 from node.grpc import wire
 from node.grpc.generated import node_service_pb2 as pb
-from node.grpc.link.packed import pack, unpack
+from node.grpc.link.packed import pack, unpack, unpack_row
 from shards.decoding.sampling import SampleResult, SamplingParams
 from shards.model.shard import Shard
 
@@ -202,3 +202,69 @@ def test_mutated_messages_are_refused_only_as_wire_errors_or_decode_as_checked_v
         ref_acts, ref_msgs = by_send_request(acts, msgs)
         assert [fields(a) for a in acts] == [fields(a) for a in ref_acts] and msgs == ref_msgs
     assert decoded > 20  # (most mutations hit a tensor's bytes or a logprob and still decode)
+
+
+def short_way(payload: bytes) -> tuple | None:
+    """What `unpack_row` read, in `unpack`'s terms (None: it left the message to `unpack`)."""
+    got = unpack_row(payload, MB)
+    return None if got is None else ([fields(Activation(got[0], got[1]))], got[2])
+
+
+def long_way(payload: bytes) -> tuple:
+    acts, msgs = unpack(payload, MB)
+    return [fields(a) for a in acts], msgs
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(activations(), max_size=2), st.lists(messages, max_size=2))
+def test_the_short_way_reads_what_unpack_reads_or_leaves_the_message_to_it(acts, msgs):
+    payload = pack(tuple(acts), tuple(msgs))
+    if (got := short_way(payload)) is not None:
+        assert got == long_way(payload)
+    a = acts[0] if len(acts) == 1 else None
+    one_row = a is not None and len(a.data) == 1 and a.data.ndim <= 2
+    if one_row and not (a.partial or a.proposals or a.start is not None):  # a decode step's usual message
+        assert got is not None
+
+
+def test_a_decode_rows_message_is_read_the_short_way_with_its_tokens():
+    hidden_row = np.linspace(-1, 1, 6, dtype=np.float32).reshape(1, 6)
+    token = TokenMessage("r", (SampleResult(7, -0.5, ((7, -0.5),)),))
+    for acts, msgs in (((Activation("r", hidden_row),), ()), ((Activation("r", np.array([7])),), (token,))):
+        rid, data, got = unpack_row(pack(acts, msgs), MB)
+        assert (rid, data.tobytes(), got) == ("r", acts[0].data.tobytes(), list(msgs))
+        assert not data.flags.writeable  # a view of the message, as unpack's
+    for other in (  # a prompt chunk, a speculative trip, two rows, two activations: unpack's
+        (Activation("r", hidden_row, partial=True),),
+        (Activation("r", np.array([1, 2]), proposals=(2,), start=3),),
+        (Activation("r", np.ones((2, 6), np.float32)),),
+        (Activation("r", hidden_row), Activation("s", hidden_row)),
+    ):
+        assert unpack_row(pack(other, ()), MB) is None
+
+
+def test_the_short_way_refuses_nothing_and_takes_nothing_unpack_refuses():
+    valid, rng, read = (
+        pack((Activation("r1", np.ones((1, 5), np.float32)),), (TokenMessage("r1", (SampleResult(3, -0.25),)),)),
+        random.Random(7),
+        0,
+    )
+    for cut in range(len(valid)):
+        assert unpack_row(valid[:cut], MB) is None
+    assert unpack_row(valid + b"\0", MB) is None
+    assert unpack_row(one(data=np.full((1, 3), np.inf, np.float32).tobytes()), MB) is None
+    for _ in range(1000):
+        raw = bytearray(valid)
+        for _ in range(rng.randrange(1, 4)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        if (got := short_way(bytes(raw))) is not None:
+            read += 1
+            assert got == long_way(bytes(raw))  # (raises where unpack refuses what the short way took)
+    assert read > 100
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_random_bytes_read_the_short_way_are_what_unpack_reads(payload):
+    if (got := short_way(payload)) is not None:
+        assert got == long_way(payload)

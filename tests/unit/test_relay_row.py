@@ -1,0 +1,114 @@
+"""A ring's decode row's input taken the short way (node/grpc/link/packed.py `unpack_row`, `RequestBook.relay_row`,
+`RelayInbox.hand`): where the engine thread waits for it and nothing but the checks applies, the core records it as
+`relay_activations` would and the engine thread gets it; anywhere else nothing changes and the input goes the usual
+way, which judges it as before.
+"""
+
+import threading
+import time
+
+import numpy as np
+
+from node.core.admission import CoreLimits
+from node.core.node_core import NodeCore
+from node.core.requests import Activation
+from node.core.scheduler import SchedulerLimits
+from node.core.speculation import Speculation
+from node.core.step_plan import StepOutputs
+from node.runtime.relay import RelayInbox
+from shards.decoding.speculation import PromptLookup
+from tests.support.factories import CFG, hidden, spec, tokens
+from tests.unit.test_relay import TWO, decoding
+
+
+def state(core: NodeCore, rid: str = "r1") -> tuple:
+    req = core.requests[rid]
+    return req.positions_in, req.chunk_start, req.drafts, len(core.queue), dict(core.counters)
+
+
+def test_the_short_way_records_what_relay_activations_records():
+    short, usual = decoding(), decoding()
+    for _ in range(3):
+        data = hidden()
+        assert short.relay_row("r1", data, "a")
+        _, handed = usual.relay_activations([Activation("r1", data)], "a", awaited={"r1"})
+        assert handed["r1"] is data
+        assert state(short) == state(usual)
+    assert short.requests["r1"].positions_in == 7 and short.counters["relayed_rows"] == 3
+
+
+def test_without_a_caller_to_check_the_short_way_takes_the_row_as_the_usual_way_does():
+    b = decoding()  # (no cluster key: no caller named)
+    assert b.relay_row("r1", hidden(), None) and b.requests["r1"].positions_in == 5
+
+
+def test_anything_but_a_plain_next_row_is_left_to_the_usual_way_with_nothing_changed():
+    wide = np.zeros((1, CFG.hidden_size + 1), np.float32)
+    cases = {
+        "wrong sender": ("r1", hidden(), "c"),
+        "wrong width": ("r1", wide, "a"),
+        "tokens to a later shard": ("r1", tokens(3), "a"),
+        "two rows": ("r1", hidden(2), "a"),
+        "unknown request": ("r9", hidden(), "a"),
+    }
+    for why, (rid, data, caller) in cases.items():
+        b = decoding()
+        before = state(b)
+        assert not b.relay_row(rid, data, caller), why
+        assert state(b) == before, why
+        refused, handed = b.relay_activations([Activation(rid, data)], caller, awaited={rid})
+        assert handed == {} and len(refused) + len(b.queue) == 1, why  # the usual way refuses or queues it
+
+
+def test_an_ended_request_and_one_past_its_declared_positions_are_left_to_the_usual_way():
+    b = decoding()
+    for _ in range(5):  # 4 prompt positions + 5 new declared
+        assert b.relay_row("r1", hidden(), "a")
+    before = state(b)
+    assert not b.relay_row("r1", hidden(), "a") and state(b) == before
+    (refusal,), _ = b.relay_activations([Activation("r1", hidden())], "a", awaited={"r1"})
+    assert "declared" in refusal.reason
+    b.end_request("r1", "cancelled")
+    assert not b.relay_row("r1", hidden(), "a")
+
+
+def test_a_first_node_that_drafts_as_tokens_come_takes_them_the_usual_way():
+    """Prompt lookup makes proposals as each token comes back: that is the usual way's (`_taken`) to do."""
+
+    def first(speculation: Speculation | None) -> NodeCore:
+        a = NodeCore("a", "llama", CFG, CoreLimits(), SchedulerLimits(micro_batches=1), speculation=speculation)
+        a.accept_prompt(spec("r1", nodes=TWO, entry="a", max_tokens=20), tokens(5, 6, 7, 8))
+        (plan,) = a.take_batch()
+        a.step_done(plan, StepOutputs({"r1": hidden(4)}))
+        return a
+
+    drafting = first(Speculation(PromptLookup(), vocab=CFG.vocab_size))
+    assert not drafting.relay_row("r1", tokens(9), "c") and drafting.requests["r1"].positions_in == 4
+    plain = first(None)
+    assert plain.relay_row("r1", tokens(9), "c") and plain.requests["r1"].positions_in == 5
+    assert not plain.relay_row("r1", tokens(CFG.vocab_size), "c")  # a token outside the vocabulary
+
+
+def waiting(inbox: RelayInbox, rows: list[str]) -> tuple[threading.Thread, list]:
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(inbox.wait(rows)))
+    waiter.start()
+    while not inbox._awaiting:
+        time.sleep(0.001)
+    return waiter, got
+
+
+def test_the_inbox_hands_a_row_only_to_an_engine_thread_waiting_for_it_and_only_once_the_core_took_it():
+    inbox = RelayInbox(lambda: True, wait_s=5)
+    asked: list[str] = []
+    assert not inbox.hand("r1", hidden(), lambda: asked.append("r1") or True)  # nobody waits: the core isn't asked
+    waiter, got = waiting(inbox, ["r1", "r2"])
+    assert not inbox.hand("r3", hidden(), lambda: asked.append("r3") or True)  # not one it waits for
+    assert not inbox.hand("r1", hidden(), lambda: False)  # the core left it to the usual way
+    data = hidden()
+    assert inbox.hand("r1", data, lambda: asked.append("r1") or True)
+    assert not inbox.hand("r1", hidden(), lambda: asked.append("again") or True)  # one input per row and pass
+    assert inbox.hand("r2", hidden(), lambda: True)
+    waiter.join(5)
+    ((inputs, _),) = got
+    assert asked == ["r1"] and inputs["r1"] is data and sorted(inputs) == ["r1", "r2"]
