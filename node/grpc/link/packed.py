@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import sys
 
 import numpy as np
 
@@ -137,41 +138,51 @@ def unpack(payload: bytes, max_bytes: int) -> tuple[list[Activation], list[Token
     return activations, messages
 
 
-_ROW_DIMS = (struct.Struct("<I"), struct.Struct("<II"))  # a decode row's dims: [1] tokens, [1, hidden] activations
+_FIRST = struct.Struct("<HHH")  # the counts, and the first item's name length
+_ONE_ROW = (struct.Struct("<BBBHI"), struct.Struct("<BBBHII"))  # flags, dtype, dims, proposals, then [1] / [1, W]
+_LITTLE = sys.byteorder == "little"  # (elsewhere the arrays need converting: `tensor_of`, the usual way)
 
 
 def unpack_row(payload: bytes, max_bytes: int) -> tuple[str, np.ndarray, list[TokenMessage]] | None:
     """A ring's decode message read the short way: one activation of one row without start, proposals or partial
     (its request id and tensor), then any token messages. None for every other message and for all `unpack`
-    refuses: `unpack` then reads it, and judges it. What comes back is what `unpack` gives for the same bytes, with
-    the same checks (`tensor_of`, `tokens_of`), in fewer steps: it is read right after a pass, on cold caches, as
-    the engine thread waits for it (node/runtime/relay.py)."""
+    refuses: `unpack` then reads it, and judges it. What comes back is what `unpack` gives for the same bytes, a
+    view of them as there: it is read right after a pass, on cold caches, as the engine thread waits for it
+    (node/runtime/relay.py), where each step of the general reader costs."""
     try:
-        n_activations, n_messages = _COUNTS.unpack_from(payload, 0)
-        (length,) = _NAME.unpack_from(payload, 4)
+        n_activations, n_messages, length = _FIRST.unpack_from(payload, 0)
         at = 6 + length
-        flags, code, dims, n_proposals = _ROW.unpack_from(payload, at)
-        if n_activations != 1 or n_messages > MAX_MESSAGES or flags or n_proposals or not 1 <= dims <= 2:
+        dims = payload[at + 2]
+        if n_activations != 1 or not 1 <= dims <= 2 or not _LITTLE:
             return None
-        layout = _ROW_DIMS[dims - 1]
-        shape = layout.unpack_from(payload, at + _ROW.size)
-        request_id = payload[6 : 6 + length].decode()
-    except (struct.error, UnicodeDecodeError):
+        layout = _ONE_ROW[dims - 1]
+        flags, code, _, n_proposals, rows, *width = layout.unpack_from(payload, at)
+        request_id = payload[6:at].decode()
+    except (struct.error, IndexError, UnicodeDecodeError):
         return None
-    if code >= len(_DTYPES) or shape[0] != 1 or not 0 < len(request_id) <= MAX_REQUEST_ID:
+    if flags or n_proposals or rows != 1 or code >= len(_DTYPES) or width == [0] or n_messages > MAX_MESSAGES:
         return None
-    at += _ROW.size + layout.size
+    if not 0 < len(request_id) <= MAX_REQUEST_ID:
+        return None
+    at += layout.size
     at += -at % 8
-    dtype = _DTYPES[code]
-    end = at + math.prod(shape) * dtype.itemsize
-    reader = _Reader(payload)
-    reader.at = end
-    try:
-        data = tensor_of(memoryview(payload)[at:end], dtype, shape, max_bytes)
-        messages = [reader.message() for _ in range(n_messages)]
-    except WireError:
+    dtype, count = _DTYPES[code], width[0] if width else 1
+    end = at + count * dtype.itemsize
+    if end > len(payload) or end - at > max_bytes:
         return None
-    return (request_id, data, messages) if reader.at == len(payload) else None
+    data = np.frombuffer(payload, dtype, count, at).reshape((1, *width))
+    if dtype.kind == "f" and not np.isfinite(data).all():
+        return None
+    messages = []
+    if n_messages:
+        reader = _Reader(payload)
+        reader.at = end
+        try:
+            messages = [reader.message() for _ in range(n_messages)]
+        except WireError:
+            return None
+        end = reader.at
+    return (request_id, data, messages) if end == len(payload) else None
 
 
 class _Reader:
