@@ -24,6 +24,7 @@ from node.core.step_plan import Follow, Row, Sampling, StepPlan
 from shards.formats.config import ModelConfig
 from shards.model.shard import Shard
 
+RELAYED, QUEUED = "relayed", "queued"  # what `relay_row` did with an input it took
 RETAIN_WITHOUT_BUDGET = 1 << 30  # retained caches' bytes on a node without --kv-memory-gb
 KEPT_ENTRIES = 4096  # finished requests whose retained caches their entry may still branch (far more than are kept)
 
@@ -131,30 +132,29 @@ class RequestBook:
                 self._enqueue(item)
         return rejected, relayed
 
-    def relay_row(self, request_id: str, data: np.ndarray, caller: str | None) -> bool:
+    def relay_row(self, request_id: str, data: np.ndarray, caller: str | None) -> str | None:
         """A relayed row's next input as `relay_activations` takes one (a decode row's, no start, no proposals; the
         engine thread waits for it: node/runtime/relay.py), for a request held here whose input needs nothing but
-        the checks: True, recorded as taken. False, with nothing changed, for anything else (a request unknown or
-        over, the wrong sender, positions past those declared, a bad input, a first node's proposals to make): the
-        message then goes the usual way, which judges it. Why: this is a ring's every hop, on cold caches."""
+        the checks. RELAYED: recorded as taken, the engine thread's; QUEUED: taken, with the proposals the first node
+        made after the token, and queued (the worker's). None, with nothing changed, for anything else (a request
+        unknown or over, the wrong sender, positions past those declared, a bad input): the message then goes the
+        usual way, which judges it. Why: this is a ring's every hop, on cold caches."""
         req = self.requests.get(request_id)
-        if req is None or request_id in self.ended or len(data) != 1:
-            return False
-        first = req.shard.is_first
+        if req is None or request_id in self.ended or len(data) != 1 or req.positions_in >= req.spec.positions:
+            return None
         if caller is not None and caller != predecessor(req.spec, req.step_index):
-            return False
-        if (
-            first and req.history is not None and self.speculation is not None
-        ) or req.positions_in >= req.spec.positions:
-            return False
+            return None
         try:
-            self.admission.check_input(first, data)
+            self.admission.check_input(req.shard.is_first, data)
         except PlanError:
-            return False
-        req.drafts, req.chunk_start, req.positions_in = (), req.positions_in, req.positions_in + 1
+            return None
+        item = self._arrived(req, Activation(request_id, data), req.positions_in)
+        if not item.plain:
+            self._enqueue(item)
+            return QUEUED
         req.last_active = self.clock()
         self.counters["relayed_rows"] += 1
-        return True
+        return RELAYED
 
     def _taken(self, a: Activation, caller: str | None) -> Queued | Refusal | None:
         """One activation checked and recorded as arrived: the input to queue, a refusal for a request that failed
@@ -179,6 +179,10 @@ class RequestBook:
         check_start(req, start)
         self.admission.check_declared(req.spec, start, len(a.data))
         self.admission.check_input(req.shard.is_first, a.data)
+        return self._arrived(req, a, start)
+
+    def _arrived(self, req: RequestState, a: Activation, start: int) -> Queued:
+        """An input checked, recorded as arrived (the first node's proposals made after its token): what to queue."""
         data, proposals, defer = a.data, a.proposals, 0
         if req.shard.is_first and req.history is not None and self.speculation is not None:
             if proposals or len(data) != 1 or a.partial:

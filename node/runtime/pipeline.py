@@ -31,6 +31,7 @@ import numpy as np
 
 from node.core.actions import Action, Deliver, Release, Sample, Send
 from node.core.node_core import NodeCore
+from node.core.request_book import QUEUED, RELAYED
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.step_plan import StepPlan
 from node.runtime.calibration import LayerSpeed
@@ -195,19 +196,22 @@ class Pipeline:
         return rejected
 
     def relay_row(self, request_id: str, data: np.ndarray, caller: str | None, received: float | None) -> bool:
-        """A decode row's input from a peer handed straight to the engine thread, which waits for it, where the core
-        takes it the short way (`RequestBook.relay_row`); False where not: the message then takes `offer`'s way."""
-        taken: list[float] = []
+        """A decode row's input from a peer, taken the short way where the engine thread waits for it and the core
+        takes it there (`RequestBook.relay_row`): handed straight to the engine thread, or queued with the first
+        node's proposals. False where not: nothing changed, the message takes `offer`'s way."""
+        verdict: list[str | None] = []
 
         def take() -> bool:
-            took = self.core.relay_row(request_id, data, caller)
-            taken.append(time.perf_counter())
-            return took
+            verdict.append(self.core.relay_row(request_id, data, caller))
+            verdict.append(time.perf_counter())
+            return verdict[0] == RELAYED
 
-        if not self.following.relay.hand(request_id, data, take):
+        if not self.following.relay.hand(request_id, data, take) and (not verdict or verdict[0] is None):
             return False
-        self.overhead.arrived(taken[0], received)
+        self.overhead.arrived(verdict[1], received)
         self.hold.arrived()
+        if verdict[0] == QUEUED:
+            self.wake()
         return True
 
     def _applied(self, done: Executed, engine: Engine | None) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 
 from node.core.admission import CoreLimits
 from node.core.node_core import NodeCore
+from node.core.request_book import QUEUED, RELAYED
 from node.core.requests import Activation
 from node.core.scheduler import SchedulerLimits
 from node.core.speculation import Speculation
@@ -30,7 +31,7 @@ def test_the_short_way_records_what_relay_activations_records():
     short, usual = decoding(), decoding()
     for _ in range(3):
         data = hidden()
-        assert short.relay_row("r1", data, "a")
+        assert short.relay_row("r1", data, "a") == RELAYED
         _, handed = usual.relay_activations([Activation("r1", data)], "a", awaited={"r1"})
         assert handed["r1"] is data
         assert state(short) == state(usual)
@@ -39,7 +40,7 @@ def test_the_short_way_records_what_relay_activations_records():
 
 def test_without_a_caller_to_check_the_short_way_takes_the_row_as_the_usual_way_does():
     b = decoding()  # (no cluster key: no caller named)
-    assert b.relay_row("r1", hidden(), None) and b.requests["r1"].positions_in == 5
+    assert b.relay_row("r1", hidden(), None) == RELAYED and b.requests["r1"].positions_in == 5
 
 
 def test_anything_but_a_plain_next_row_is_left_to_the_usual_way_with_nothing_changed():
@@ -54,7 +55,7 @@ def test_anything_but_a_plain_next_row_is_left_to_the_usual_way_with_nothing_cha
     for why, (rid, data, caller) in cases.items():
         b = decoding()
         before = state(b)
-        assert not b.relay_row(rid, data, caller), why
+        assert b.relay_row(rid, data, caller) is None, why
         assert state(b) == before, why
         refused, handed = b.relay_activations([Activation(rid, data)], caller, awaited={rid})
         assert handed == {} and len(refused) + len(b.queue) == 1, why  # the usual way refuses or queues it
@@ -63,30 +64,42 @@ def test_anything_but_a_plain_next_row_is_left_to_the_usual_way_with_nothing_cha
 def test_an_ended_request_and_one_past_its_declared_positions_are_left_to_the_usual_way():
     b = decoding()
     for _ in range(5):  # 4 prompt positions + 5 new declared
-        assert b.relay_row("r1", hidden(), "a")
+        assert b.relay_row("r1", hidden(), "a") == RELAYED
     before = state(b)
-    assert not b.relay_row("r1", hidden(), "a") and state(b) == before
+    assert b.relay_row("r1", hidden(), "a") is None and state(b) == before
     (refusal,), _ = b.relay_activations([Activation("r1", hidden())], "a", awaited={"r1"})
     assert "declared" in refusal.reason
     b.end_request("r1", "cancelled")
-    assert not b.relay_row("r1", hidden(), "a")
+    assert b.relay_row("r1", hidden(), "a") is None
 
 
-def test_a_first_node_that_drafts_as_tokens_come_takes_them_the_usual_way():
-    """Prompt lookup makes proposals as each token comes back: that is the usual way's (`_taken`) to do."""
+def test_a_first_nodes_token_is_relayed_unless_the_proposer_drafts_after_it_then_queued_as_the_usual_way_does():
+    """Under prompt lookup (the default) the first node makes the proposals as each token comes back: a token after
+    which it drafts nothing is relayed, one after which it drafts is queued with its drafts; either way the request's
+    state is what `relay_activations` leaves."""
 
-    def first(speculation: Speculation | None) -> NodeCore:
-        a = NodeCore("a", "llama", CFG, CoreLimits(), SchedulerLimits(micro_batches=1), speculation=speculation)
+    def first() -> NodeCore:
+        a = NodeCore(
+            "a",
+            "llama",
+            CFG,
+            CoreLimits(),
+            SchedulerLimits(micro_batches=1),
+            speculation=Speculation(PromptLookup(), vocab=CFG.vocab_size),
+        )
         a.accept_prompt(spec("r1", nodes=TWO, entry="a", max_tokens=20), tokens(5, 6, 7, 8))
         (plan,) = a.take_batch()
         a.step_done(plan, StepOutputs({"r1": hidden(4)}))
         return a
 
-    drafting = first(Speculation(PromptLookup(), vocab=CFG.vocab_size))
-    assert not drafting.relay_row("r1", tokens(9), "c") and drafting.requests["r1"].positions_in == 4
-    plain = first(None)
-    assert plain.relay_row("r1", tokens(9), "c") and plain.requests["r1"].positions_in == 5
-    assert not plain.relay_row("r1", tokens(CFG.vocab_size), "c")  # a token outside the vocabulary
+    short, usual = first(), first()
+    for token, verdict in ((9, RELAYED), (5, RELAYED), (6, QUEUED)):  # (8, 9) and (9, 5) never seen; (5, 6) was
+        assert short.relay_row("r1", tokens(token), "c") == verdict
+        usual.relay_activations([Activation("r1", tokens(token))], "c", awaited={"r1"})
+        assert state(short) == state(usual) and short.requests["r1"].history == usual.requests["r1"].history
+    (queued,) = short.queue.queue
+    assert queued.proposals == (7, 8) and queued.data.tolist() == [6, 7, 8]
+    assert short.relay_row("r1", tokens(CFG.vocab_size), "c") is None  # a token outside the vocabulary
 
 
 def waiting(inbox: RelayInbox, rows: list[str]) -> tuple[threading.Thread, list]:
