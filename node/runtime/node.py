@@ -38,7 +38,7 @@ from node.runtime.planning import LayerFootprints, make_plan
 from node.runtime.proposers import proposer_for
 from node.runtime.sampling_batcher import SamplingBatcher
 from node.runtime.settings import NodeSettings, ServedModel
-from node.runtime.shard_manager import EngineCalls, EngineFactory, ShardManager
+from node.runtime.shard_manager import EngineCalls, EngineFactory, RetainedStatus, ShardManager
 from node.runtime.transport import Loopback, Transport
 from shards.decoding.grammar import grammar_tokenizer
 from shards.decoding.sampling import SamplingParams
@@ -142,7 +142,7 @@ class Node:
             self.core.counters,
             self.batcher.stats,
             self.metrics.status,
-            _Retained(self.shards),
+            RetainedStatus(self.shards),
             *stat_sources,
         ]
         self._tasks: set[asyncio.Task] = set()
@@ -371,21 +371,6 @@ class Node:
         self, request_id: str, reason: str, caller: str | None = None, branch: tuple[str, int] | None = None
     ) -> None:
         self.pipeline.do(self.core.end_request(request_id, reason, caller, branch))
-
-
-class _Retained:
-    """A status source read live: the retained caches' memory, branches and evictions change on the engine thread,
-    after the pass that ended their requests (an End from the entry makes a branch)."""
-
-    def __init__(self, shards: ShardManager):
-        self.shards = shards
-
-    def items(self) -> list[tuple[str, int]]:
-        return [
-            ("retained_bytes", self.shards.retained_bytes()),
-            ("retained_branches", self.shards.retained_branches()),
-            ("prefix_evictions", self.shards.retained_evictions()),
-        ]
 
 
 def status_of(node: Node) -> NodeStatus:

@@ -131,3 +131,18 @@ class EngineCalls(Executor):
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         self.shards.interrupt()
         return self.shards.executor.submit(fn, *args, **kwargs)
+
+
+class RetainedStatus:
+    """A status source read live: the retained caches' memory, branches and evictions change on the engine thread,
+    after the pass that ended their requests (an End from the entry makes a branch)."""
+
+    def __init__(self, shards: ShardManager):
+        self.shards = shards
+
+    def items(self) -> list[tuple[str, int]]:
+        return [
+            ("retained_bytes", self.shards.retained_bytes()),
+            ("retained_branches", self.shards.retained_branches()),
+            ("prefix_evictions", self.shards.retained_evictions()),
+        ]
