@@ -197,7 +197,7 @@ class GrpcTransport:
         self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...] = ()
     ) -> Callable[[], Awaitable[list[Refusal]]] | None:
         """From the engine thread: `activations` and `messages` (packable: no spec, no failure) written to `address`'s data link now, and what
-        gives, on the loop, `send`'s answer to await; None: nothing was written (no plain link up, a message in
+        gives, on the loop, `send`'s answer to await; None: nothing was written (no link up, a message in
         flight on the gRPC stream, or `LinkConnection.write_now` could not). Only dict reads here: the loop owns
         the maps."""
         _, stream = self.streams.get(address, (None, None))

@@ -66,7 +66,7 @@ class Transport(Protocol):
         self, address: str, activations: tuple[Activation, ...], messages: tuple[TokenMessage, ...] = ()
     ) -> Callable[[], Awaitable[list[Refusal]]] | None:
         """From the engine thread (node/runtime/early_send.py): `activations` and `messages` written to `address` now, where that
-        can be done without the loop (a plain data link up, nothing of the loop's unwritten), and what gives, on the
+        can be done without the loop (a data link up, nothing of the loop's unwritten), and what gives, on the
         loop, `send`'s answer to await; None: nothing was written."""
 
     async def end_request(

@@ -230,15 +230,54 @@ def test_what_the_socket_did_not_take_goes_before_the_loops_next_write():
     asyncio.run(go())
 
 
-def test_under_tls_only_the_loop_writes():
+def test_under_tls_another_threads_messages_are_sealed_and_answered_in_order_with_the_loops_own():
+    """With a cluster key the link's client seals every write itself (node/grpc/link/tls_session.py), under the
+    lock every write holds, so the engine thread writes there too; the server, asyncio's own TLS, reads one stream
+    of records in order and names its caller from the leaf."""
     key = ClusterKey(generate_secret())
 
     async def go():
         server, node = LinkServer("127.0.0.1", 0, BOUND, tls=key.tls("srv")), Node()
         await server.start(node)
         link = await link_to(server, key.tls("cli").ssl_context(server=False))
-        assert link.direct is None and link.write_now(row_message("r")) is None
-        assert refused(await link.send(send_of("bad1"))) == ["bad1"]
+        loop, answers, names = asyncio.get_running_loop(), [], []
+        for i in range(30):
+            if i % 2:
+                waiter = await loop.run_in_executor(None, link.write_now, row_message(f"bad{i}"))
+                assert waiter is not None
+                answers.append(link.answer(waiter))
+            else:
+                answers.append(link.post(send_of(f"m{i}")))
+            names.append(f"bad{i}" if i % 2 else f"m{i}")
+        got = await asyncio.gather(*answers)
+        assert [refused(a) for a in got] == [[n] if n.startswith("bad") else [] for n in names]
+        assert node.arrived == names and set(node.callers) == {"cli"}
+        link.close()
+        await server.stop()
+
+    asyncio.run(go())
+
+
+def test_under_tls_what_the_socket_did_not_take_of_a_sealed_message_still_goes_and_first():
+    """A sealed message is the session's: what the socket did not take (here all of it but what fits a small
+    buffer) the loop writes before anything else, never dropped and never sealed again."""
+    key = ClusterKey(generate_secret())
+
+    async def go():
+        server, node = LinkServer("127.0.0.1", 0, BOUND, tls=key.tls("srv")), Node()
+        await server.start(node)
+        link = await link_to(server, key.tls("cli").ssl_context(server=False))
+        link.direct.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        for s in server.connections:
+            s.transport.pause_reading()
+        big = packed.pack((Activation("big", np.ones((1, 200_000), np.float32)),), ())
+        waiter = link.write_now(big)
+        assert waiter is not None and link.rest
+        after = link.post(send_of("after"))
+        for s in server.connections:
+            s.transport.resume_reading()
+        await asyncio.gather(link.answer(waiter), after)
+        assert node.arrived == ["big", "after"] and not link.rest
         link.close()
         await server.stop()
 

@@ -308,7 +308,7 @@ def test_with_a_cluster_key_the_link_is_mutual_tls_and_names_its_caller():
         client = KEY.tls("cli").ssl_context(server=False)
         link = await LinkConnection.open("127.0.0.1", server.port, BOUND, 2.0, client)
         assert refused(await link.send(send_of("bad1"))) == ["bad1"] and node.callers == ["cli"]
-        assert node_id_of(link.transport.get_extra_info("peercert")) == "srv"  # the server proved who it is
+        assert node_id_of(link.peercert()) == "srv"  # the server proved who it is
         link.close()
         await server.stop()
 
@@ -356,11 +356,11 @@ def test_a_renewed_leaf_serves_the_handshakes_after_it_and_replaces_idle_links()
             raise AssertionError("no link")
 
         first = await link_up()
-        served = first.transport.get_extra_info("peercert")["serialNumber"]
+        served = first.peercert()["serialNumber"]
         now[0] += dt.timedelta(hours=2, minutes=1)  # past both leaves' half-life: renewed at their next use
         second = await link_up()
         assert first.closed and second is not first  # made again, with the client's new leaf
-        assert second.transport.get_extra_info("peercert")["serialNumber"] != served  # the server's new leaf
+        assert second.peercert()["serialNumber"] != served  # the server's new leaf
         assert refused(await second.send(send_of("bad2"))) == ["bad2"]
         await links.close()
         await server.stop()

@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError
 from discovery.address import parse_address
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.link.frames import DATA, ERROR, GREETING, PACKED, FrameError, FrameReader, frame
+from node.grpc.link.tls_session import TlsSession
 from node.grpc.stream import StreamBroken
 from node.security.peer import SERVER_NAME
 
@@ -40,8 +41,10 @@ class LinkConnection(asyncio.Protocol):
     link. Answers come in the order the messages went (the n-th answer is the n-th waiter's); any failure ends the
     link and fails every message waiting on it."""
 
-    def __init__(self, max_message_bytes: int, timeout: float):
+    def __init__(self, max_message_bytes: int, timeout: float, context: ssl.SSLContext | None = None):
         self.frames, self.timeout = FrameReader(max_message_bytes), timeout
+        # with a cluster key, the TLS the link's writers seal their bytes with, under `lock` (tls_session.py)
+        self.session = TlsSession(context, SERVER_NAME) if context is not None else None
         self.waiting: deque[asyncio.Future] = deque()
         self.greeting = b""  # what came of the server's greeting; None once it was right
         self.greeted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -51,7 +54,11 @@ class LinkConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.loop = asyncio.get_running_loop()
         self.lock = threading.Lock()  # every write: the loop's (`post`) and another thread's (`write_now`)
-        self.direct: socket.socket | None = None  # the socket for `write_now` (none under TLS); ours to close
+        self.direct: socket.socket | None = None  # the socket for `write_now`; ours to close
+        self.handshaken: asyncio.Future[None] = self.loop.create_future()  # (at once without TLS)
+        self.handshaken.add_done_callback(lambda f: f.cancelled() or f.exception())  # (`open`'s to say)
+        if self.session is None:
+            self.handshaken.set_result(None)
         self.rest = b""  # what a `write_now` could not write at once, which the loop writes before anything else
 
     @classmethod
@@ -61,12 +68,13 @@ class LinkConnection(asyncio.Protocol):
         """Connected (through mutual TLS with `context`: node/security/tls.py's `ssl_context`) and greeted; raises
         OSError (ssl.SSLError for a peer without the cluster's leaf), TimeoutError or StreamBroken; the caller
         bounds the time."""
-        name = SERVER_NAME if context is not None else None  # a peer's leaf names the cluster, not its address
         _, link = await asyncio.get_running_loop().create_connection(
-            lambda: cls(max_message_bytes, timeout), host, port, ssl=context, server_hostname=name
+            lambda: cls(max_message_bytes, timeout, context), host, port
         )
         try:
-            link.transport.write(GREETING)
+            await link.handshaken
+            with link.lock:
+                link.transport.write(link._sealed(GREETING))
             await link.greeted
         except BaseException:
             link.close()
@@ -92,35 +100,45 @@ class LinkConnection(asyncio.Protocol):
             if on_write is not None:
                 on_write()
             self._flush_rest()
-            self.transport.write(data)
+            self.transport.write(self._sealed(data))
         return self._answer(answer)
 
     def write_now(self, payload: bytes) -> asyncio.Future[pb.SendResponse] | None:
         """From any thread (the engine thread, as a pass ends: node/runtime/early_send.py): the packed message
-        written to the socket now, and the future its answer comes to (`answer` awaits it on the loop); None where
-        it can't be without the loop (TLS, a closed link, bytes of the loop's still unwritten, a full socket):
-        nothing was written then. Messages keep their order with the loop's: every write holds `lock`, and what the
-        socket did not take at once the loop writes before anything else."""
-        data = frame(PACKED, payload)
+        written to the socket now (sealed first under TLS), and the future its answer comes to (`answer` awaits it
+        on the loop); None where it can't be without the loop (a closed link, bytes of the loop's still unwritten, a
+        full socket): nothing was written then. Messages keep their order with the loop's: every write holds
+        `lock`, and what the socket did not take at once the loop writes before anything else (under TLS all of a
+        sealed message, which the session counted: it goes, written now or by the loop)."""
         with self.lock:
             if self.closed or self.direct is None or self.rest or self.transport.get_write_buffer_size():
                 return None
             answer = self.loop.create_future()  # (only made here: set and awaited on the loop)
             answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # (its pass may never reach the loop)
             self.waiting.append(answer)
+            data = self._sealed(frame(PACKED, payload))
             try:
                 sent = self.direct.send(data)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError:  # broken: the loop finds out and fails what waits
                 sent = 0
-            if sent == 0:
+            if sent == 0 and self.session is None:
                 self.waiting.pop()
                 return None
             if sent < len(data):
                 self.rest = data[sent:]
                 self.loop.call_soon_threadsafe(self._write_rest)
         return answer
+
+    def peercert(self) -> dict | None:
+        """The server's leaf under TLS, once the handshake checked it (None without TLS)."""
+        with self.lock:
+            return self.session.peercert() if self.session is not None else None
+
+    def _sealed(self, data: bytes) -> bytes:
+        """(Under `lock`.) `data` as the link's bytes: TLS records with a cluster key."""
+        return data if self.session is None else self.session.seal(data)
 
     def _write_rest(self) -> None:
         with self.lock:
@@ -149,11 +167,37 @@ class LinkConnection(asyncio.Protocol):
         self.transport = transport
         sock = transport.get_extra_info("socket")
         keep_alive(sock)
-        if transport.get_extra_info("sslcontext") is None:  # (under TLS only the transport can write)
-            self.direct = socket.socket(fileno=os.dup(sock.fileno()))
-            self.direct.setblocking(False)
+        self.direct = socket.socket(fileno=os.dup(sock.fileno()))
+        self.direct.setblocking(False)
+        if self.session is not None:  # the client's hello
+            self.data_received(b"")
+
+    def _opened(self, data: bytes) -> bytes:
+        """(Under `lock`, on the loop.) What came off the socket, through the TLS session: the plaintext (b"" while
+        the handshake runs), its own messages written. ssl.SSLError for a refused peer or a broken stream,
+        ConnectionResetError once the peer ended the session."""
+        session = self.session
+        session.feed(data)
+        if not session.done and session.handshake() and not self.handshaken.done():
+            self.handshaken.set_result(None)
+        plain = session.read() if session.done else b""
+        if owed := session.owed():
+            self._flush_rest()
+            self.transport.write(owed)
+        return plain
 
     def data_received(self, data: bytes) -> None:
+        if self.session is not None:
+            try:
+                with self.lock:
+                    data = self._opened(data)
+            except (ssl.SSLError, ConnectionResetError) as e:
+                if not self.handshaken.done():
+                    self.handshaken.set_exception(e if isinstance(e, ssl.SSLError) else ssl.SSLError(str(e)))
+                self._end(StreamBroken(grpc.StatusCode.UNAVAILABLE, f"the link's TLS: {e}"))
+                return
+            if not data:
+                return
         if self.greeting is not None:
             self.greeting += data
             if not GREETING.startswith(self.greeting[: len(GREETING)]):
@@ -205,6 +249,8 @@ class LinkConnection(asyncio.Protocol):
             if self.direct is not None:
                 self.direct.close()
                 self.direct = None
+        if not self.handshaken.done():
+            self.handshaken.set_exception(error)
         if not self.greeted.done():
             self.greeted.set_exception(error)
         self.resume_writing()  # a sender waiting for room finds its answer failed below
