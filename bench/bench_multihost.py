@@ -1,7 +1,7 @@
 """exo-node against llama.cpp RPC across hosts: network namespaces on a bridge, each host's link shaped by netem.
 
     uv run --group bench python -m bench.bench_multihost [--delays 0.2,1,5] [--rates 1000,100] [--hosts 2]
-        [--rounds 2] [--tokens 96] [--llamacpp-bin DIR] [--no-plot]
+        [--rounds 2] [--tokens 96] [--llamacpp-bin DIR] [--cluster-key] [--no-plot]
 
 As root (Linux). The hosts and links are bench/multihost_lan.py's: a network namespace each, a veth into a bridge
 namespace, every link shaped to a one-way delay and a rate (netem, or htb and bench/delay_relay.py where the kernel
@@ -13,7 +13,8 @@ bench/bench_multihost_large.py (a 7B-shaped model on hosts each capped below it)
 On the same hosts, started once and idle between turns (bench/bench_rpc.py's pieces):
 - exo-node: a node per host (`--quantize none --threads 1 --speed 1`, bench/bench_microbatch.py's SPLIT for two
   hosts), static peers, no cluster key (llama.cpp RPC has no encryption either), so activations and tokens go on
-  the nodes' data links (node/grpc/link/) once up, the entry on host 0;
+  the nodes' data links (node/grpc/link/) once up, the entry on host 0; with `--cluster-key`, one key for all of
+  them (`exo-node keygen`), as a cluster of real machines runs: every call and link is then mutual TLS;
 - llama.cpp RPC: `ggml-rpc-server -t 1` per host, `llama-server -ngl 99 --rpc` on host 0 (it reaches host 0's
   worker over loopback, the others over their links).
 The client (bench/bench_serve.py's `concurrent`) runs inside host 0, so its HTTP never crosses a link. Per setting,
@@ -34,6 +35,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -71,7 +73,14 @@ SYSTEMS = ("exo", "rpc")
 
 
 def start(
-    stack: contextlib.ExitStack, lan, gguf: Path, bin_dir: Path, logs: Path, netem: bool, systems=SYSTEMS
+    stack: contextlib.ExitStack,
+    lan,
+    gguf: Path,
+    bin_dir: Path,
+    logs: Path,
+    netem: bool,
+    systems=SYSTEMS,
+    exo_extra: tuple[str, ...] = (),
 ) -> None:
     """Every host's processes, pinned to its core; returns once llama-server and every exo node answer."""
     n = len(lan.hosts)
@@ -85,7 +94,7 @@ def start(
         llama = llama_server(bin_dir / "llama-server", gguf, LLAMA_PORT, rpc_addresses(lan, netem))
         stack.enter_context(process(lan.exec(0, *llama), core(0), logs / "llama.log"))
     for i in range(n):
-        node = exo_node(lan, i, gguf, netem, "--shard", SPLITS[n][i], "--speed", "1")
+        node = exo_node(lan, i, gguf, netem, "--shard", SPLITS[n][i], "--speed", "1", *exo_extra)
         stack.enter_context(process(node, core(i), logs / f"exo-{i}.log"))
     if "rpc" in systems:
         wait_for("llama-server", lambda: ns_get(lan, 0, f"http://127.0.0.1:{LLAMA_PORT}/health") is not None)
@@ -117,6 +126,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--llamacpp-bin", type=Path, default=LLAMACPP_BIN, help="llama.cpp's build/bin folder")
     ap.add_argument("--out", type=Path, default=DOCS / "multihost.md")
+    ap.add_argument("--cluster-key", action="store_true", help="the exo nodes with a cluster key (mutual TLS)")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
     if why := netns.available():
@@ -138,7 +148,12 @@ def main() -> None:
         lan = stack.enter_context(netns.PrivateLan(args.hosts, subnet=83))
         netem = has_netem(lan)
         shape(lan, links[0], netem, logs / "delay_ms")
-        start(stack, lan, gguf, args.llamacpp_bin, logs, netem)
+        keyed = ()
+        if args.cluster_key:
+            key = logs / "cluster.key"
+            subprocess.run([sys.executable, "-m", "node.cli", "keygen", "--out", str(key)], check=True, cwd=ROOT)
+            keyed = ("--cluster-key-file", str(key))
+        start(stack, lan, gguf, args.llamacpp_bin, logs, netem, exo_extra=keyed)
         for system in SYSTEMS:  # warm up: graphs, the first prefill
             for streams, tokens in ((1, 4), (8, 16)):
                 run_turn(lan, system, model_id, streams, tokens, -1 - streams, links[0])
@@ -155,7 +170,8 @@ def main() -> None:
         (link, *(figures({s: results[(link, sys_, s)] for s in STREAMS}) for sys_ in SYSTEMS)) for link in links
     ]
     command = "uv run --group bench python -m bench.bench_multihost " + " ".join(sys.argv[1:])
-    args.out.write_text(report(settings, args.hosts, command.strip(), os.getloadavg()[0], NETEM if netem else RELAYED))
+    links_are = NETEM if netem else RELAYED
+    args.out.write_text(report(settings, args.hosts, command.strip(), os.getloadavg()[0], links_are, args.cluster_key))
     print(f"wrote {args.out}")
     if not args.no_plot:
         print(f"wrote {plot(settings, args.hosts, args.out.with_suffix('.png'))}")

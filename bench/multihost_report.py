@@ -106,7 +106,12 @@ def table(link: Link, hosts: int, exo: Figures, rpc: Figures) -> str:
 
 
 def report(
-    settings: list[tuple[Link, Figures, Figures]], hosts: int, command: str, load: float, links: str = NETEM
+    settings: list[tuple[Link, Figures, Figures]],
+    hosts: int,
+    command: str,
+    load: float,
+    links: str = NETEM,
+    keyed: bool = False,
 ) -> str:
     head = [
         "# exo-node and llama.cpp RPC across hosts",
@@ -117,7 +122,13 @@ def report(
         + f" {links[0].upper()}{links[1:]}. Load average at the end: {load:.1f}."
         " Per hop: at one stream, from the hosts' veth counters; outside compute: exo's status counters, the"
         " sender's pass end to its message handed to its link (the data link, node/grpc/link/) and the receiver's"
-        " handler to its pass (the link's own layers between them are not counted; llama.cpp RPC has no counters).",
+        " handler to its pass (the link's own layers between them are not counted; llama.cpp RPC has no counters)."
+        + (
+            " The exo nodes share a cluster key, as real machines do: every call and link between them is mutual TLS"
+            " (llama.cpp RPC's are plaintext and unauthenticated)."
+            if keyed
+            else ""
+        ),
         "",
         "The other multi-host modes: [placement by measured speed](multihost-placement.md) (one host slowed: the"
         " planner's split against every static split) and [a model no node can hold](multihost-large.md).",
