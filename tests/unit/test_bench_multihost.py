@@ -115,6 +115,14 @@ def test_three_hosts_say_beside_their_figures_that_they_share_the_cores():
     assert "share the machine's 2 cores" in text and "`uv run python -m bench.bench_multihost --hosts 3`" in text
 
 
+def test_a_keyed_run_says_that_the_nodes_talk_mutual_tls_and_a_keyless_one_does_not():
+    two = Figures(10.0, 20.0, 300.0, (1.0, 2.0), (1.0, 1.0), None)
+    keyed = report([(Link(1, 1000), two, two)], 2, "bench_multihost --cluster-key", 1.0, keyed=True)
+    plain = report([(Link(1, 1000), two, two)], 2, "bench_multihost", 1.0)
+    assert "share a cluster key" in keyed and "mutual TLS" in keyed
+    assert "cluster key" not in plain
+
+
 def test_figures_need_one_byte_and_one_packet_figure_per_hop():
     with pytest.raises(ValueError, match="one figure per hop"):
         Figures(1.0, 1.0, 1.0, (1.0, 2.0), (1.0,), None)
