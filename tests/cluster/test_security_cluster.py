@@ -153,16 +153,22 @@ def test_a_keyed_cluster_serves_exactly_and_nodes_without_the_key_stay_out(keyed
 
 def test_a_keyed_clusters_data_path_goes_on_mutual_tls_links_a_stranger_cannot_speak_to(keyed):
     """The data links (node/grpc/link/) with a key: mutual TLS as gRPC's, each message taken as its sender's
-    (the plans' checks pass), and a stranger at the link's port gets not one byte of the protocol."""
+    (the plans' checks pass), the decode rows' messages written by the engine threads as their passes end (the
+    link's client seals them itself: node/grpc/link/tls_session.py), and a stranger at the link's port gets not one
+    byte of the protocol."""
     c = keyed
     deadline = time.monotonic() + 15  # the links come up in the background, a health check after the start
+    counted = lambda: {  # noqa: E731
+        n: (i["status"].get("link_messages", 0), i["status"].get("written_rows", 0)) for n, i in c.self_info().items()
+    }
     while True:
-        before = {n: i["status"].get("link_messages", 0) for n, i in c.self_info().items()}
+        before = counted()
         assert_matches_reference(c, "Why?", 12)
-        after = {n: i["status"].get("link_messages", 0) for n, i in c.self_info().items()}
-        if all(after[n] > before[n] for n in after) or time.monotonic() > deadline:
+        after = counted()
+        if all(after[n][0] > before[n][0] for n in after) or time.monotonic() > deadline:
             break
-    assert {n: after[n] > before[n] for n in after} == dict.fromkeys(after, True)
+    assert {n: after[n][0] > before[n][0] for n in after} == dict.fromkeys(after, True)
+    assert {n: after[n][1] > before[n][1] for n in after} == dict.fromkeys(after, True)
     link_port = c.self_info()["node0"]["link_port"]
     done = steps(c)
     with socket.create_connection(("127.0.0.1", link_port), timeout=5) as plain:
