@@ -199,18 +199,20 @@ class Pipeline:
         """A decode row's input from a peer, taken the short way where the engine thread waits for it and the core
         takes it there (`RequestBook.relay_row`): handed straight to the engine thread, or queued with the first
         node's proposals. False where not: nothing changed, the message takes `offer`'s way."""
-        verdict: list[str | None] = []
+        taken: list[tuple[str | None, float]] = []  # the core's verdict, and when
 
         def take() -> bool:
-            verdict.append(self.core.relay_row(request_id, data, caller))
-            verdict.append(time.perf_counter())
-            return verdict[0] == RELAYED
+            verdict = self.core.relay_row(request_id, data, caller)
+            taken.append((verdict, time.perf_counter()))
+            return verdict == RELAYED
 
-        if not self.following.relay.hand(request_id, data, take) and (not verdict or verdict[0] is None):
+        self.following.relay.hand(request_id, data, take)
+        if not taken or taken[0][0] is None:  # nobody waits for it, or the core left it: nothing changed
             return False
-        self.overhead.arrived(verdict[1], received)
+        verdict, at = taken[0]
+        self.overhead.arrived(at, received)
         self.hold.arrived()
-        if verdict[0] == QUEUED:
+        if verdict == QUEUED:
             self.wake()
         return True
 

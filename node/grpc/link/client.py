@@ -192,8 +192,8 @@ class LinkConnection(asyncio.Protocol):
                 with self.lock:
                     data = self._opened(data)
             except (ssl.SSLError, ConnectionResetError) as e:
-                if not self.handshaken.done():
-                    self.handshaken.set_exception(e if isinstance(e, ssl.SSLError) else ssl.SSLError(str(e)))
+                if not self.handshaken.done():  # (both are OSErrors, as a refused connection is)
+                    self.handshaken.set_exception(e)
                 self._end(StreamBroken(grpc.StatusCode.UNAVAILABLE, f"the link's TLS: {e}"))
                 return
             if not data:
