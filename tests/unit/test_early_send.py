@@ -180,11 +180,21 @@ def row_message(name: str) -> bytes:
     return packed.pack((Activation(name, np.zeros((1, 8), np.float32)),), ())
 
 
-def test_a_message_written_from_another_thread_is_answered_on_the_loop_in_order_with_the_loops_own():
+KEY = ClusterKey(generate_secret())
+
+
+async def served(keyed: bool) -> tuple[LinkServer, Node, LinkConnection]:
+    """A link server and a link to it: plain, or mutual TLS under a cluster key, whose records the client seals
+    itself (node/grpc/link/tls_session.py) under the lock every write holds, so another thread writes there too."""
+    server, node = LinkServer("127.0.0.1", 0, BOUND, tls=KEY.tls("srv") if keyed else None), Node()
+    await server.start(node)
+    return server, node, await link_to(server, KEY.tls("cli").ssl_context(server=False) if keyed else None)
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "keyed"])
+def test_a_message_written_from_another_thread_is_answered_on_the_loop_in_order_with_the_loops_own(keyed):
     async def go():
-        server, node = LinkServer("127.0.0.1", 0, BOUND), Node()
-        await server.start(node)
-        link = await link_to(server)
+        server, node, link = await served(keyed)
         loop, answers, names = asyncio.get_running_loop(), [], []
         for i in range(30):
             if i % 2:
@@ -197,6 +207,7 @@ def test_a_message_written_from_another_thread_is_answered_on_the_loop_in_order_
         got = await asyncio.gather(*answers)
         assert [refused(a) for a in got] == [[n] if n.startswith("bad") else [] for n in names]
         assert node.arrived == names and server.counters["link_packed"] == 15
+        assert set(node.callers) == {"cli" if keyed else None}  # (under TLS the server names its caller)
         link.close()
         assert link.write_now(row_message("late")) is None  # a closed link writes nothing
         await server.stop()
@@ -204,14 +215,14 @@ def test_a_message_written_from_another_thread_is_answered_on_the_loop_in_order_
     asyncio.run(go())
 
 
-def test_what_the_socket_did_not_take_goes_before_the_loops_next_write():
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "keyed"])
+def test_what_the_socket_did_not_take_goes_before_the_loops_next_write(keyed):
     """A peer that reads slowly: the socket takes part of a large message written from another thread; the rest
-    goes first when the loop writes next, so the peer reads whole messages in order."""
+    goes first when the loop writes next, so the peer reads whole messages in order (under TLS the rest of records
+    the session counted: never dropped, never sealed again)."""
 
     async def go():
-        server, node = LinkServer("127.0.0.1", 0, BOUND), Node()
-        await server.start(node)
-        link = await link_to(server)
+        server, node, link = await served(keyed)
         link.direct.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         for s in server.connections:
             s.transport.pause_reading()
@@ -219,60 +230,6 @@ def test_what_the_socket_did_not_take_goes_before_the_loops_next_write():
         waiter = link.write_now(big)  # (from the loop's thread here: the loop has not written the rest yet)
         assert waiter is not None and link.rest
         assert link.write_now(row_message("other")) is None  # nothing overtakes that rest
-        after = link.post(send_of("after"))
-        for s in server.connections:
-            s.transport.resume_reading()
-        await asyncio.gather(link.answer(waiter), after)
-        assert node.arrived == ["big", "after"] and not link.rest
-        link.close()
-        await server.stop()
-
-    asyncio.run(go())
-
-
-def test_under_tls_another_threads_messages_are_sealed_and_answered_in_order_with_the_loops_own():
-    """With a cluster key the link's client seals every write itself (node/grpc/link/tls_session.py), under the
-    lock every write holds, so the engine thread writes there too; the server, asyncio's own TLS, reads one stream
-    of records in order and names its caller from the leaf."""
-    key = ClusterKey(generate_secret())
-
-    async def go():
-        server, node = LinkServer("127.0.0.1", 0, BOUND, tls=key.tls("srv")), Node()
-        await server.start(node)
-        link = await link_to(server, key.tls("cli").ssl_context(server=False))
-        loop, answers, names = asyncio.get_running_loop(), [], []
-        for i in range(30):
-            if i % 2:
-                waiter = await loop.run_in_executor(None, link.write_now, row_message(f"bad{i}"))
-                assert waiter is not None
-                answers.append(link.answer(waiter))
-            else:
-                answers.append(link.post(send_of(f"m{i}")))
-            names.append(f"bad{i}" if i % 2 else f"m{i}")
-        got = await asyncio.gather(*answers)
-        assert [refused(a) for a in got] == [[n] if n.startswith("bad") else [] for n in names]
-        assert node.arrived == names and set(node.callers) == {"cli"}
-        link.close()
-        await server.stop()
-
-    asyncio.run(go())
-
-
-def test_under_tls_what_the_socket_did_not_take_of_a_sealed_message_still_goes_and_first():
-    """A sealed message is the session's: what the socket did not take (here all of it but what fits a small
-    buffer) the loop writes before anything else, never dropped and never sealed again."""
-    key = ClusterKey(generate_secret())
-
-    async def go():
-        server, node = LinkServer("127.0.0.1", 0, BOUND, tls=key.tls("srv")), Node()
-        await server.start(node)
-        link = await link_to(server, key.tls("cli").ssl_context(server=False))
-        link.direct.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        for s in server.connections:
-            s.transport.pause_reading()
-        big = packed.pack((Activation("big", np.ones((1, 200_000), np.float32)),), ())
-        waiter = link.write_now(big)
-        assert waiter is not None and link.rest
         after = link.post(send_of("after"))
         for s in server.connections:
             s.transport.resume_reading()

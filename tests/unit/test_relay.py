@@ -109,9 +109,8 @@ def test_inputs_nobody_waits_for_or_that_are_not_a_plain_next_position_are_queue
     assert relayed == {} and len(c.queue) == 1
 
 
-def test_a_first_nodes_token_is_relayed_unless_the_proposer_drafts_after_it():
-    """Under prompt lookup (the default) the first node makes the proposals as each token comes back: a token after
-    which it drafts nothing is relayed, one after which it drafts goes to the queue with its drafts."""
+def drafting_first_node() -> NodeCore:
+    """The first node of a two-node ring under prompt lookup, its request's prompt 5 6 7 8 computed and sent on."""
     from node.core.speculation import Speculation
     from shards.decoding.speculation import PromptLookup
 
@@ -126,6 +125,13 @@ def test_a_first_nodes_token_is_relayed_unless_the_proposer_drafts_after_it():
     a.accept_prompt(spec("r1", nodes=TWO, entry="a", max_tokens=20), tokens(5, 6, 7, 8))
     (plan,) = a.take_batch()
     a.step_done(plan, StepOutputs({"r1": hidden(4)}))
+    return a
+
+
+def test_a_first_nodes_token_is_relayed_unless_the_proposer_drafts_after_it():
+    """Under prompt lookup (the default) the first node makes the proposals as each token comes back: a token after
+    which it drafts nothing is relayed, one after which it drafts goes to the queue with its drafts."""
+    a = drafting_first_node()
     _, relayed = a.relay_activations([Activation("r1", tokens(9))], "c", awaited={"r1"})
     assert relayed["r1"].tolist() == [9] and not a.queue  # (8, 9) never seen: nothing to draft
     _, relayed = a.relay_activations([Activation("r1", tokens(5))], "c", awaited={"r1"})

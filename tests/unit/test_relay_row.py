@@ -9,17 +9,12 @@ import time
 
 import numpy as np
 
-from node.core.admission import CoreLimits
 from node.core.node_core import NodeCore
 from node.core.request_book import QUEUED, RELAYED
 from node.core.requests import Activation
-from node.core.scheduler import SchedulerLimits
-from node.core.speculation import Speculation
-from node.core.step_plan import StepOutputs
 from node.runtime.relay import RelayInbox
-from shards.decoding.speculation import PromptLookup
-from tests.support.factories import CFG, hidden, spec, tokens
-from tests.unit.test_relay import TWO, decoding
+from tests.support.factories import CFG, hidden, tokens
+from tests.unit.test_relay import decoding, drafting_first_node
 
 
 def state(core: NodeCore, rid: str = "r1") -> tuple:
@@ -78,21 +73,7 @@ def test_a_first_nodes_token_is_relayed_unless_the_proposer_drafts_after_it_then
     which it drafts nothing is relayed, one after which it drafts is queued with its drafts; either way the request's
     state is what `relay_activations` leaves."""
 
-    def first() -> NodeCore:
-        a = NodeCore(
-            "a",
-            "llama",
-            CFG,
-            CoreLimits(),
-            SchedulerLimits(micro_batches=1),
-            speculation=Speculation(PromptLookup(), vocab=CFG.vocab_size),
-        )
-        a.accept_prompt(spec("r1", nodes=TWO, entry="a", max_tokens=20), tokens(5, 6, 7, 8))
-        (plan,) = a.take_batch()
-        a.step_done(plan, StepOutputs({"r1": hidden(4)}))
-        return a
-
-    short, usual = first(), first()
+    short, usual = drafting_first_node(), drafting_first_node()
     for token, verdict in ((9, RELAYED), (5, RELAYED), (6, QUEUED)):  # (8, 9) and (9, 5) never seen; (5, 6) was
         assert short.relay_row("r1", tokens(token), "c") == verdict
         usual.relay_activations([Activation("r1", tokens(token))], "c", awaited={"r1"})
