@@ -133,12 +133,28 @@ class RequestBook:
         return rejected, relayed
 
     def relay_row(self, request_id: str, data: np.ndarray, caller: str | None) -> str | None:
-        """A relayed row's next input as `relay_activations` takes one (a decode row's, no start, no proposals; the
-        engine thread waits for it: node/runtime/relay.py), for a request held here whose input needs nothing but
-        the checks. RELAYED: recorded as taken, the engine thread's; QUEUED: taken, with the proposals the first node
-        made after the token, and queued (the worker's). None, with nothing changed, for anything else (a request
-        unknown or over, the wrong sender, positions past those declared, a bad input): the message then goes the
-        usual way, which judges it. Why: this is a ring's every hop, on cold caches."""
+        """A relayed row's next input (a decode row's, no start, no proposals: node/runtime/relay.py) taken as
+        `relay_activations` takes it, where nothing but the checks applies. RELAYED: the engine thread's; QUEUED: with
+        the first node's proposals after the token, the worker's. None, nothing changed, for anything else (unknown or
+        over, the wrong sender, past the declared positions, a bad input): the usual way judges it. Why: a ring's
+        every hop, on cold caches."""
+        if (req := self._row_request(request_id, data, caller)) is None:
+            return None
+        item = self._arrived(req, Activation(request_id, data), req.positions_in)
+        if not item.plain:
+            self._enqueue(item)
+            return QUEUED
+        req.last_active = self.clock()
+        self.counters["relayed_rows"] += 1
+        return RELAYED
+
+    def would_relay(self, request_id: str, data: np.ndarray, caller: str | None) -> bool:
+        """Whether `relay_row` would take this input, changing nothing: run on the last input while the node waits
+        for the next, so the checks are in its core's cache when it comes (node/grpc/link/server.py `warm`)."""
+        return self._row_request(request_id, data, caller) is not None
+
+    def _row_request(self, request_id: str, data: np.ndarray, caller: str | None) -> RequestState | None:
+        """The request a decode row's input is for, where `relay_row` may take it (None otherwise)."""
         req = self.requests.get(request_id)
         if req is None or request_id in self.ended or len(data) != 1 or req.positions_in >= req.spec.positions:
             return None
@@ -148,13 +164,7 @@ class RequestBook:
             self.admission.check_input(req.shard.is_first, data)
         except PlanError:
             return None
-        item = self._arrived(req, Activation(request_id, data), req.positions_in)
-        if not item.plain:
-            self._enqueue(item)
-            return QUEUED
-        req.last_active = self.clock()
-        self.counters["relayed_rows"] += 1
-        return RELAYED
+        return req
 
     def _taken(self, a: Activation, caller: str | None) -> Queued | Refusal | None:
         """One activation checked and recorded as arrived: the input to queue, a refusal for a request that failed

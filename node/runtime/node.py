@@ -364,6 +364,12 @@ class Node:
         """A decode row's input from a peer taken the short way, or False (then `accept_activations`)."""
         return self.pipeline.relay_row(request_id, data, caller, received)
 
+    def would_relay(self, request_id: str, data: np.ndarray, caller: str | None) -> bool:
+        return self.core.would_relay(request_id, data, caller)
+
+    def warm_with(self, warm: Callable[[], None]) -> None:
+        self.pipeline.warmers.append(warm)
+
     def accept_tokens(self, message: TokenMessage, caller: str | None = None) -> None:
         self.entry.accept_tokens(message, caller)
 

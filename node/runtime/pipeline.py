@@ -49,6 +49,8 @@ from shards.engines.base import Engine
 log = logging.getLogger(__name__)
 LOCAL_WAIT_S = 0.02  # longest the worker holds queued work back for a one-node ring's tokens in flight
 MESSAGE_ROOM = 1 << 20  # of a peer's message bound, what a call leaves for framing
+WARM_WAIT_S = 0.001  # a relayed pass's wait for its input from which the node warms for the next (`_warm`)
+WARM_AT = 0.25  # how far into the wait it expects (the last one's) it warms
 ITEM_ROOM = 8 << 10  # per item of a call: its spec (plan, sampling) or its results (top logprobs), generously
 
 
@@ -90,6 +92,7 @@ class Pipeline:
         self._wake = asyncio.Event()
         self._outboxes: dict[str, Outbox] = {}
         self._posted = 0  # calls whose answer is awaited
+        self.warmers: list[Callable[[], None]] = []  # what runs while the ring leaves this node idle (`_warm`)
 
     @property
     def sending(self) -> bool:
@@ -176,6 +179,25 @@ class Pipeline:
         if done.relayed:  # the pass the relayed inputs came for ran, and its sends left: the held tokens go
             self.hold.ran()
             asyncio.get_running_loop().call_soon(self.hold.release)
+            self._warm(done)
+
+    def _warm(self, done: Executed) -> None:
+        """After a relayed pass whose input this node waited for (at least WARM_WAIT_S: the ring's other nodes
+        computing), with nothing queued, the engine thread waits for the ring again, about as long: a quarter of the
+        way in (WARM_AT: after this pass's own work on the loop, well before the input), the warmers run the taking
+        of the next input on the last one (node/grpc/link/server.py `warm`), if it still waits for it. Never
+        raises: a warmer's failure is logged and changes nothing."""
+        if done.waited >= WARM_WAIT_S and not self.core.queue:
+            asyncio.get_running_loop().call_later(done.waited * WARM_AT, self._warmers)
+
+    def _warmers(self) -> None:
+        if not self.following.relay.waiting:  # its input came, or other work did
+            return
+        for warm in self.warmers:
+            try:
+                warm()
+            except Exception:
+                log.exception("warming the next input's taking failed")
 
     def offer(self, activations: list[Activation], caller: str | None, received: float | None = None) -> list[Refusal]:
         """A peer's activations: the core takes them, handing those the engine thread waits for (a relayed row's

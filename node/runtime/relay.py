@@ -35,6 +35,12 @@ class RelayInbox:
         self._awaiting: dict[str, np.ndarray | None] = {}  # request -> its input once it came
         self._first: float | None = None  # when the first awaited input came (perf_counter)
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the engine thread waits for inputs none of which came yet (read on the loop, without the lock:
+        what it says may be a moment old)."""
+        return bool(self._awaiting) and self._first is None
+
     def wake(self) -> None:
         """Something changed `current()`: the engine thread looks again."""
         with self._cond:

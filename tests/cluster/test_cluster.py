@@ -93,6 +93,8 @@ def test_a_ring_without_a_cluster_key_carries_its_data_path_on_the_links(live_cl
     assert {node: g.get("relayed_rows", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)
     # the short way, where nothing but the checks applies (node/grpc/link/packed.py's `unpack_row`)
     assert {node: g.get("link_rows", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)
+    # which each node ran on the last row it took that way while it waited for the next (the link's `warm`)
+    assert {node: g.get("link_warmed", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)
     # whose rows went on from the engine thread as their pass ended, hidden rows to the next node and the last
     # node's tokens back to the first, the entry (node/runtime/early_send.py)
     assert {node: g.get("written_rows", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)

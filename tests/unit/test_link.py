@@ -42,6 +42,7 @@ class Node:
     def __init__(self, link_port: int = 0, address: str = "127.0.0.1:1"):
         self.arrived: list[str] = []
         self.callers: list[str | None] = []
+        self.asked: list[tuple] = []  # what `would_relay` was asked
         self.link_port, self.address = link_port, address
 
     def accept_activations(self, activations, caller, *, received=None):
@@ -60,6 +61,13 @@ class Node:
         self.arrived.append(f"relayed:{request_id}")
         self.callers.append(caller)
         return True
+
+    def would_relay(self, request_id, data, caller):
+        self.asked.append((request_id, data.tolist(), caller))
+        return request_id.startswith("relay")
+
+    def warm_with(self, warm):
+        self.warm = warm  # (the node's pipeline calls it while the ring leaves it idle)
 
     def info(self) -> NodeInfo:
         return NodeInfo("peer", self.address, Capabilities(1 << 30, "numpy", "m", 6), link_port=self.link_port)
@@ -100,7 +108,13 @@ def test_messages_cross_the_link_and_are_answered_in_order():
         message = TokenMessage("r", (SampleResult(5),))
         await link.send(wire.encode_send((), (message,)))
         assert node.arrived == [*names, "tokens:r"]
-        assert server.counters == {"link_messages": 61, "link_packed": 0, "link_rows": 0, "link_refused": 0}
+        assert server.counters == {
+            "link_messages": 61,
+            "link_packed": 0,
+            "link_rows": 0,
+            "link_refused": 0,
+            "link_warmed": 0,
+        }
         link.close()
         await server.stop()
 
@@ -132,7 +146,13 @@ def test_packed_messages_cross_among_send_requests_and_are_answered_in_order():
         assert [refused(a) for a in answers] == [[n] if n.startswith("bad") else [] for n in names]
         await link.send(packed.pack((), (TokenMessage("r", (SampleResult(5, -0.5),), True, "stop"),)))
         assert node.arrived == [*names, "tokens:r"]
-        assert server.counters == {"link_messages": 41, "link_packed": 21, "link_rows": 0, "link_refused": 0}
+        assert server.counters == {
+            "link_messages": 41,
+            "link_packed": 21,
+            "link_rows": 0,
+            "link_refused": 0,
+            "link_warmed": 0,
+        }
         link.close()
         await server.stop()
 
@@ -153,8 +173,35 @@ def test_a_decode_rows_input_goes_the_short_way_where_the_node_takes_it_there_wi
         answers = [refused(await link.send(m)) for m in messages]
         assert answers == [[], [], ["bad1"], [], []]
         assert node.arrived == ["relayed:relay1", "relayed:relay2", "tokens:relay2", "bad1", "m1", "relay3"]
-        assert server.counters == {"link_messages": 5, "link_packed": 5, "link_rows": 2, "link_refused": 0}
+        assert server.counters == {
+            "link_messages": 5,
+            "link_packed": 5,
+            "link_rows": 2,
+            "link_refused": 0,
+            "link_warmed": 0,
+        }
         link.close()
+        await server.stop()
+
+    asyncio.run(go())
+
+
+def test_warming_runs_the_short_way_on_each_connections_last_row_taken_that_way_and_takes_nothing():
+    async def go():
+        server, node, link = await link_pair()
+        other = await LinkConnection.open("127.0.0.1", server.port, BOUND, 2.0)
+        node.warm()  # (the node's pipeline calls it while the ring leaves it idle: nothing taken yet)
+        assert node.asked == [] and server.counters["link_warmed"] == 0
+        await link.send(packed.pack((Activation("relay1", np.full((1, 8), 1, np.float32)),), ()))
+        await link.send(packed.pack((Activation("relay2", np.full((1, 8), 2, np.float32)),), ()))
+        await link.send(packed.pack((Activation("m1", np.ones((1, 8), np.float32)),), ()))  # the usual way
+        await other.send(packed.pack((Activation("relay3", np.array([7])),), ()))
+        arrived = list(node.arrived)
+        node.warm()
+        assert sorted(node.asked) == [("relay2", [[2.0] * 8], None), ("relay3", [7], None)]
+        assert node.arrived == arrived and server.counters["link_rows"] == 3 and server.counters["link_warmed"] == 2
+        link.close()
+        other.close()
         await server.stop()
 
     asyncio.run(go())

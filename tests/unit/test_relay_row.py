@@ -106,3 +106,25 @@ def test_the_inbox_hands_a_row_only_to_an_engine_thread_waiting_for_it_and_only_
     waiter.join(5)
     ((inputs, _),) = got
     assert asked == ["r1"] and inputs["r1"] is data and sorted(inputs) == ["r1", "r2"]
+
+
+def test_asking_whether_the_short_way_would_take_a_row_answers_as_taking_it_does_and_changes_nothing():
+    """`would_relay` is what a node waiting for its ring runs on the last input it took, to have the checks' code
+    and data in its cache when the next comes (node/grpc/link/server.py `warm`): `relay_row`'s verdict, no effect."""
+    wide = np.zeros((1, CFG.hidden_size + 1), np.float32)
+    cases = [("r1", hidden(), "a"), ("r1", hidden(), None), ("r1", hidden(), "c"), ("r1", wide, "a")]
+    cases += [("r1", tokens(3), "a"), ("r1", hidden(2), "a"), ("r9", hidden(), "a")]
+    for rid, data, caller in cases:
+        b = decoding()
+        before = state(b)
+        asked = b.would_relay(rid, data, caller)
+        assert state(b) == before, (rid, caller)
+        assert asked == (b.relay_row(rid, data, caller) is not None), (rid, caller)
+    b = decoding()
+    for _ in range(5):
+        assert b.would_relay("r1", hidden(), "a") and b.relay_row("r1", hidden(), "a") == RELAYED
+    assert not b.would_relay("r1", hidden(), "a")  # past the declared positions
+    first = drafting_first_node()  # it would take a token after which it drafts, and drafts nothing when asked
+    before, history = state(first), list(first.requests["r1"].history)
+    assert first.would_relay("r1", tokens(6), "c")
+    assert state(first) == before and first.requests["r1"].history == history

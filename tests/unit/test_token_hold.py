@@ -104,7 +104,7 @@ def test_a_failure_reaches_the_entry_behind_the_tokens_held_before_it():
     asyncio.run(go())
 
 
-async def _serving(node_id: str, pinned: tuple[int, int], engines) -> tuple[Node, GrpcServer]:
+async def serving(node_id: str, pinned: tuple[int, int], engines) -> tuple[Node, GrpcServer]:
     server = GrpcServer("127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES)
     node = Node(
         NodeSettings(node_id=node_id, memory_bytes=1 << 30, pinned=pinned, speed=1.0),  # no calibration passes
@@ -144,11 +144,11 @@ def test_on_a_live_ring_the_entry_hands_each_token_on_after_the_pass_it_feeds_en
         return got
 
     async def go():
-        n0, s0 = await _serving("n0", (0, 3), recording)
-        n1, s1 = await _serving("n1", (3, 6), numpy)
+        n0, s0 = await serving("n0", (0, 3), recording)
+        n1, s1 = await serving("n1", (3, 6), numpy)
         for a, b in ((n0, n1), (n1, n0)):
             await Membership(a.id, a.address, a.transport, [StaticDiscovery([b.address])], a.update_peers).refresh()
-        alone, sa = await _serving("alone", (0, 6), numpy)
+        alone, sa = await serving("alone", (0, 6), numpy)
         try:
             ring, reference = await run([n0, n1]), await run([alone])
         finally:

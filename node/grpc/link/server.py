@@ -62,9 +62,13 @@ class LinkServer:
         self.connections: set[_Connection] = set()
         # a status source (the node's counters); link_packed: those of the messages that came packed; link_rows: the
         # decode rows' inputs of those, handed to the engine thread the short way (node/runtime/relay.py)
-        self.counters = {"link_messages": 0, "link_packed": 0, "link_rows": 0, "link_refused": 0}
+        # link_warmed: the times `warm` ran the short way on a connection's last row
+        self.counters = {"link_messages": 0, "link_packed": 0, "link_rows": 0, "link_refused": 0, "link_warmed": 0}
+        self.node: Handler | None = None
 
     async def start(self, node: Handler) -> None:
+        self.node = node
+        node.warm_with(self.warm)
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(
             lambda: _Connection(self, node),
@@ -72,6 +76,19 @@ class LinkServer:
             ssl=self.context,
             ssl_handshake_timeout=self.stall_s if self.context is not None else None,
         )
+
+    def warm(self) -> None:
+        """The short way's decoding and the core's checks run on each connection's last row taken that way, taking
+        nothing (`RequestBook.would_relay`): the node calls this while it waits for its ring (node/runtime/pipeline.py
+        `_warm`), so that their code and data are in its core's cache when the next row comes. Why: the pass that
+        ran since has streamed the model's weights through that cache, and a row decoded and checked cold takes
+        about three times as long, on the ring's every hop (docs/benchmarks.md)."""
+        for connection in self.connections:
+            if (last := connection.last_row) is None:
+                continue
+            row = packed.unpack_row(last, self.node.max_tensor_bytes)
+            if row is not None and self.node.would_relay(row[0], row[1], connection.caller):
+                self.counters["link_warmed"] += 1
 
     def renewed(self) -> None:
         """A connection is coming: its handshake shows the current leaf (renewed at half-life: tls.py)."""
@@ -110,6 +127,7 @@ class _Connection(asyncio.Protocol):
         self.outgoing: list[bytes] = []
         self.flush: asyncio.Handle | None = None
         self.stall: asyncio.TimerHandle | None = None
+        self.last_row: bytes | None = None  # the last message the short way took (`LinkServer.warm`)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -159,6 +177,7 @@ class _Connection(asyncio.Protocol):
                 row = packed.unpack_row(payload, self.node.max_tensor_bytes)  # a decode row's input, the usual
                 if row is not None and self.node.relay_row(row[0], row[1], self.caller, received):
                     self.server.counters["link_rows"] += 1
+                    self.last_row = payload
                     refused = accept_send(self.node, [], row[2], self.caller, received)  # (its tokens, if any)
                 else:
                     activations, messages = (
