@@ -108,10 +108,9 @@ class RequestBook:
     def relay_activations(
         self, activations: list[Activation], caller: str | None = None, awaited: Container[str] = ()
     ) -> tuple[list[Refusal], dict[str, np.ndarray]]:
-        """`accept_activations`, except that a relayed row's next input (`awaited`: the requests whose rows the
-        engine thread waits for, `step_plan.relayed_pass`) is not queued but handed back, by request, for that
-        pass, when it is what the core would queue as a plain next position (no proposals, none asked for, no
-        explicit start): recorded here as taken, after the same checks. The rest are queued."""
+        """`accept_activations`, except that a relayed row's next input (`awaited`: the engine thread waits for it,
+        `step_plan.relayed_pass`) that is a plain next position (no proposals, none asked, no explicit start) is
+        recorded as taken after the same checks and handed back, by request, for that pass, not queued."""
         rejected, relayed = [], {}
         for a in activations:
             try:
@@ -133,11 +132,10 @@ class RequestBook:
         return rejected, relayed
 
     def relay_row(self, request_id: str, data: np.ndarray, caller: str | None) -> str | None:
-        """A relayed row's next input (a decode row's, no start, no proposals: node/runtime/relay.py) taken as
-        `relay_activations` takes it, where nothing but the checks applies. RELAYED: the engine thread's; QUEUED: with
-        the first node's proposals after the token, the worker's. None, nothing changed, for anything else (unknown or
-        over, the wrong sender, past the declared positions, a bad input): the usual way judges it. Why: a ring's
-        every hop, on cold caches."""
+        """A relayed row's next input (no start, no proposals: node/runtime/relay.py) taken as `relay_activations`
+        takes it where nothing but the checks applies: RELAYED, the engine thread's; QUEUED, with the first node's
+        proposals after the token. None, nothing changed, for anything else (unknown or over, the wrong sender, past
+        the declared positions, a bad input): the usual way judges it. Why: a ring's every hop, on cold caches."""
         if (req := self._row_request(request_id, data, caller)) is None:
             return None
         item = self._arrived(req, Activation(request_id, data), req.positions_in)
@@ -149,8 +147,7 @@ class RequestBook:
         return RELAYED
 
     def would_relay(self, request_id: str, data: np.ndarray, caller: str | None) -> bool:
-        """Whether `relay_row` would take this input, changing nothing: run on the last input while the node waits
-        for the next, so the checks are in its core's cache when it comes (node/grpc/link/server.py `warm`)."""
+        """Whether `relay_row` would take this input, changing nothing (node/grpc/link/server.py `warm`)."""
         return self._row_request(request_id, data, caller) is not None
 
     def _row_request(self, request_id: str, data: np.ndarray, caller: str | None) -> RequestState | None:
@@ -228,8 +225,7 @@ class RequestBook:
         if self.speculation is not None:
             self.speculation.release(request_id, req.history if req is not None and reason in KEPT_AFTER else None)
         if (req := self.requests.pop(request_id, None)) is not None:
-            # a counter per reason: only the reasons nodes send (a peer's free text would grow the status map, which
-            # peers refuse past 256 keys)
+            # a counter per reason nodes send (a peer's free text would grow the status map, refused past 256 keys)
             self.counters[f"ended_{reason if reason in END_REASONS else 'unknown'}"] += 1
             self.admission.release(req)
         keep = req is not None and reason in KEPT_AFTER
@@ -360,16 +356,14 @@ class RequestBook:
         return StepPlan(group.shard, group.bucket, tuple(rows), self._retain_limit())
 
     def _route(self, req: RequestState, sampled: bool) -> tuple[str | None, Follow | None]:
-        """Where a plain decode row's message may be sent by the engine thread itself, and on a last shard
-        (`sampled`) the rule it sends the token back under (`Row.to`, `Row.back`): none here (NodeCore, which
-        routes outputs, knows)."""
+        """Where the engine thread may send a plain decode row's message itself, and on a last shard (`sampled`) the
+        rule for its token (`Row.to`, `Row.back`): none here (NodeCore, which routes outputs, knows)."""
         return None, None
 
     def _follow(self, req: RequestState) -> Follow | None:
         """Whether the engine thread may run the request's row on by itself, its token its next input: on a
-        one-node ring, when no grammar constrains it, for as long as no proposals would be made for it (they are
-        this core's: `Speculation.next_input`; a proposer that computes, a draft model, is asked only here). A
-        request that gets proposals runs on only while it is the node's one request: beside others, passes that
+        one-node ring, under no grammar, while no proposals would be made for it (`Speculation.next_input`; a draft
+        model is asked only here), and with proposals only as the node's one request: beside others, passes that
         come back to the core keep their rows and drafts in one step (measured: docs/benchmarks.md)."""
         spec, speculation = req.spec, self.speculation
         proposes = (

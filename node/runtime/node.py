@@ -72,8 +72,7 @@ class Node:
                 f"{model.config.n_layers} layers; need END <= {model.config.n_layers}"
             )
         self.settings, self.model, self.address, self.availability = settings, model, address, availability
-        self.link_port = link_port
-        self.id = settings.node_id
+        self.link_port, self.id = link_port, settings.node_id
         self._footprints = LayerFootprints(model.path, model.config, settings.core.kv_value_bytes, availability)
         self.view = PeerView(self.id, address)
         self.core = NodeCore(
