@@ -1,24 +1,23 @@
 """The ggml engine: the shared Llama block computed by llama.cpp's ggml on weights kept in their GGUF block types.
 
 A shard holds its weights as the file stores them (Q4_K, Q8_0, ...; a Hugging Face checkpoint, or a GGUF, (re)quantized
-on load with `quantize`), so its memory is that of its tensors in the file, not 4 bytes per parameter. Matmuls are ggml's
-quantized CPU kernels on up to `threads` threads: fewer while other processes keep cores busy
-(shards/engines/ggml/threads.py), since ggml's threads wait for each other after every op.
+on load with `quantize`), so its memory is that of its tensors in the file, not 4 bytes per parameter. Matmuls are
+ggml's quantized CPU kernels on up to `threads` threads: fewer while other processes keep cores busy (threads.py), since
+ggml's threads wait for each other after every op.
 
 Matmul weights of the types ggml's CPU_REPACK buffer has kernels for on this CPU (per llama.cpp's own probe), and whose
 kernels give a row the same numbers alone and among others, or whose gemm does with the rows padded to fours
-(shards/engines/ggml/repack_probe.py), are placed there;
-everything else, and always the embedding table, in plain CPU memory.
+(repack_probe.py), are placed there; everything else, and always the embedding table, in plain CPU memory.
 
-A step runs as every engine's does (`Engine.run`); this engine's runner, `GraphRunner`, gives each step shape
-(rows, the spans of KV cells its groups of rows attend, output: shards/engines/ggml/graph.py) one compute graph, built
-by running the shared model on the ggml backend the first time the shape is seen and re-run afterwards, whichever
-requests the step carries. KV caches are F16 cells of one pool shared by every request, each owning a contiguous
-range (shards/engines/ggml/cells.py), and the step attends once per layer and group of neighbouring requests,
-through a mask. Every input is validated before ggml sees it: a ggml assertion would abort the process.
+A step runs as every engine's does (`Engine.run`); this engine's runner, `GraphRunner`, gives each step shape (rows, the
+spans of KV cells its groups of rows attend, output: graph.py) one compute graph, built by running the shared model on
+the ggml backend the first time the shape is seen and re-run afterwards, whichever requests the step carries. KV caches
+are F16 cells of one pool shared by every request, each owning a contiguous range (cells.py), and the step attends once
+per layer and group of neighbouring requests, through a mask. Every input is validated before ggml sees it: a ggml
+assertion would abort the process.
 
-With `device` (a GPU's, shards/engines/ggml/devices.py) the same graphs run through ggml's backend scheduler with
-the weights and the cell pool in the device's memory (shards/engines/ggml/on_device.py); without one, on the CPU.
+With `device` (a GPU's, devices.py) the same graphs run through ggml's backend scheduler with the weights and the cell
+pool in the device's memory (on_device.py); without one, on the CPU.
 """
 
 from __future__ import annotations
@@ -91,8 +90,7 @@ class GgmlEngine(Engine):
     ):
         self.check_options(model_dir, threads, quantize, float_matmul, attention=attention)
         unmap_large_blocks()  # before the load's slices and the graphs' buffers: what is freed leaves the process
-        # None: the CPU, as ever; a name or "auto" (the node's default): shards/engines/ggml/devices.py
-        chosen = None if device is None else select(device)
+        chosen = None if device is None else select(device)  # None: the CPU; a name or "auto": devices.py
         _attention_on(chosen, attention)
         self.on = None if chosen is None or chosen.is_cpu else OnDevice(chosen)
         f16_probe.warn_once(log)  # a ggml built for AVX512-FP16 arithmetic: how to rebuild it
@@ -239,8 +237,7 @@ class GraphRunner(Runner):
         doubling would reach by its prompt's end: each move copies the cells so far and leaves the old range behind,
         a hole too small to go back to the kernel (cells.GIVE_BACK_CELLS), so a long prompt held its cells about
         twice."""
-        cfg = self.config
-        # the reservation comes with the request's first step (or a resumed one's)
+        cfg = self.config  # the reservation comes with the request's first step (or a resumed one's)
         limit = max(end, min(item.max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings))
         if cache is None:
             first = max(end, MIN_CAPACITY)
