@@ -4,15 +4,15 @@ Everything decoded here came from the network and is hostile until validated: ev
 fully validated value or raises `WireError` (the gRPC server maps it to INVALID_ARGUMENT). Encoders take values
 that were validated when they were built, so they only check what the wire format itself cannot carry.
 
-This module holds the messages of a request (tensors, specs, results, activations); what nodes say about themselves
-and the weights they share, outside any request, is node/grpc/wire_cluster.py, built on the helpers here.
+This module holds the messages of a request (tensors, specs, results, activations), a spec's sampling parameters
+being node/grpc/wire_sampling.py's; what nodes say about themselves and the weights they share, outside any request,
+is node/grpc/wire_cluster.py. All are built on the limits and checks of node/grpc/wire_base.py.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence, Sized
-from typing import TypeVar
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -20,55 +20,25 @@ from node.core.failures import MAX_DETAIL, Failure, FailureKind
 from node.core.plan import MAX_REQUEST_ID, REQUEST_ID, PlanStep, RequestSpec
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.grpc.generated import node_service_pb2 as pb
-from shards.decoding.grammar import Constraint
-from shards.decoding.penalties import DEFAULT_WINDOW, MAX_LOGIT_BIAS, MAX_PENALTY_WINDOW
-from shards.decoding.sampling import MAX_TOP_LOGPROBS, SampleResult, SamplingParams
+from node.grpc.wire_base import (
+    FINISH_REASONS,
+    MAX_DIMS,
+    MAX_MESSAGES,
+    MAX_MODEL_ID,
+    MAX_PLAN_STEPS,
+    MAX_STOP_IDS,
+    MAX_TOKENS_PER_MESSAGE,
+    WireError,
+    _count,
+    _f32,
+    _text,
+)
+from node.grpc.wire_sampling import decode_sampling, encode_sampling
+from shards.decoding.sampling import MAX_TOP_LOGPROBS, SampleResult
 from shards.model.shard import Shard
-
-# Caps on repeated fields and strings: far above anything legitimate, low enough that a hostile message
-# cannot make a node do unbounded work or hold unbounded state.
-MAX_MODEL_ID = 256
-MAX_NAME = 256  # node ids, addresses, engine names, status keys
-MAX_DIMS = 4
-MAX_PLAN_STEPS = 64
-MAX_STOP_IDS = 1024
-MAX_TOKENS_PER_MESSAGE = 1024
-MAX_MESSAGES = 4096  # token messages or activations in one call
-MAX_ERROR = 4096
-MAX_GRAMMAR_PREFIX = 1 << 17  # tokens generated before a replay (at most a context)
-FINISH_REASONS = ("", "stop", "length", "error")
-_UINT64 = 2**64
 
 # The allow-list: wire name -> little-endian dtype. The names are exact ("<f4", "float64", "" are rejected).
 _DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "int64": np.dtype("<i8")}
-
-
-class WireError(ValueError):
-    """A message from the network is malformed or violates a limit."""
-
-
-def _text(value: str, what: str, max_len: int = MAX_NAME, required: bool = True) -> str:
-    if required and not value:
-        raise WireError(f"{what} is missing")
-    if len(value) > max_len:
-        raise WireError(f"{what} is longer than {max_len} characters")
-    return value
-
-
-_S = TypeVar("_S", bound=Sized)
-
-
-def _count(items: _S, what: str, limit: int) -> _S:
-    if len(items) > limit:
-        raise WireError(f"too many {what}: {len(items)} > {limit}")
-    return items
-
-
-def _f32(x: float) -> float:
-    """The wire stores float32; give back the shortest decimal that round-trips to the same float32 (0.7, not
-    0.699999988). It is a pure function of the bits, so every node decodes the same value; unlike rounding to
-    a fixed number of digits it keeps tiny values (temperature 1e-7 stays non-zero)."""
-    return float(np.format_float_scientific(np.float32(x), unique=True))
 
 
 # --- tensors ---------------------------------------------------------------------------------------------
@@ -131,70 +101,6 @@ def decode_shard(m: pb.ShardRange) -> Shard:
         return Shard(model_id, m.start_layer, m.end_layer, m.n_layers)
     except ValueError as e:
         raise WireError(str(e)) from e
-
-
-def encode_sampling(p: SamplingParams) -> pb.Sampling:
-    if p.seed is not None and p.seed >= _UINT64:
-        raise WireError(f"seed {p.seed} does not fit in 64 bits")
-    c = p.constraint
-    return pb.Sampling(
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        seed=p.seed,
-        top_logprobs=p.top_logprobs,
-        grammar=None if c is None else c.grammar,
-        grammar_prefix=() if c is None else c.prefix,
-        no_speculation=not p.speculate,
-        min_p=p.min_p,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=None if p.repetition_penalty == 1 else p.repetition_penalty,
-        penalty_last_n=None if p.penalty_last_n == DEFAULT_WINDOW else p.penalty_last_n,
-        penalty_context=p.penalty_context,
-        logit_bias=[pb.LogitBias(token=t, bias=b) for t, b in p.logit_bias],
-    )
-
-
-def decode_sampling(m: pb.Sampling) -> SamplingParams:
-    try:
-        return SamplingParams(
-            temperature=_f32(m.temperature),
-            top_p=_f32(m.top_p),
-            top_k=m.top_k,
-            seed=m.seed if m.HasField("seed") else None,
-            top_logprobs=m.top_logprobs if m.HasField("top_logprobs") else None,
-            constraint=_constraint(m),
-            speculate=not m.no_speculation,
-            min_p=_f32(m.min_p),
-            presence_penalty=_f32(m.presence_penalty),
-            frequency_penalty=_f32(m.frequency_penalty),
-            repetition_penalty=_f32(m.repetition_penalty) if m.HasField("repetition_penalty") else 1.0,
-            penalty_last_n=m.penalty_last_n if m.HasField("penalty_last_n") else DEFAULT_WINDOW,
-            penalty_context=_ids(m.penalty_context, "penalty context tokens", MAX_PENALTY_WINDOW),
-            logit_bias=_logit_bias(m.logit_bias),
-        )
-    except ValueError as e:  # GrammarError included: an oversized grammar or a bad prefix
-        raise WireError(f"invalid sampling: {e}") from e
-
-
-def _ids(ids, what: str, most: int) -> tuple[int, ...]:
-    _count(ids, what, most)
-    return tuple(int(t) for t in ids)  # ids < 0 are refused by SamplingParams
-
-
-def _logit_bias(entries) -> tuple[tuple[int, float], ...]:
-    _count(entries, "logit bias entries", MAX_LOGIT_BIAS)
-    return tuple((int(e.token), _f32(e.bias)) for e in entries)  # order and range: SamplingParams checks
-
-
-def _constraint(m: pb.Sampling) -> Constraint | None:
-    if not m.HasField("grammar"):
-        if m.grammar_prefix:
-            raise WireError("a grammar prefix without a grammar")
-        return None
-    _count(m.grammar_prefix, "grammar prefix tokens", MAX_GRAMMAR_PREFIX)
-    return Constraint(m.grammar, tuple(m.grammar_prefix))  # checks the grammar's size and the ids
 
 
 def encode_spec(s: RequestSpec) -> pb.RequestSpec:

@@ -1,7 +1,8 @@
 """Conversions of the messages nodes exchange about themselves, outside any request: what a node is and holds
 (`NodeInfo`, in health checks) and the weights it shares with peers (manifests and pieces, node/fetch/).
 
-Decoded values are hostile until validated, as in node/grpc/wire.py, whose limits, `WireError` and helpers these use.
+Decoded values are hostile until validated, as in node/grpc/wire.py, on the limits, `WireError` and helpers of
+node/grpc/wire_base.py.
 """
 
 from __future__ import annotations
@@ -14,16 +15,8 @@ from node.core.placement.layer_costs import MAX_HEAD_WEIGHT
 from node.core.topology import Availability, Capabilities, NodeInfo
 from node.fetch.manifest import MAX_FILES, MAX_PIECES, Manifest, ManifestError, ModelFile, Piece
 from node.grpc.generated import node_service_pb2 as pb
-from node.grpc.wire import (
-    MAX_ERROR,
-    MAX_MODEL_ID,
-    MAX_NAME,
-    WireError,
-    _count,
-    _text,
-    decode_shard,
-    encode_shard,
-)
+from node.grpc.wire import decode_shard, encode_shard
+from node.grpc.wire_base import MAX_ERROR, MAX_MODEL_ID, MAX_NAME, WireError, _count, _text
 
 # Caps in the manner of node/grpc/wire.py's: far above any real node, low enough to bound a hostile one's message.
 MAX_LOADED = 64
