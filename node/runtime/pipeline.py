@@ -187,7 +187,7 @@ class Pipeline:
         way in (WARM_AT: after this pass's own work on the loop, well before the input), the warmers run the taking
         of the next input on the last one (node/grpc/link/server.py `warm`), if it still waits for it. Never
         raises: a warmer's failure is logged and changes nothing."""
-        if done.waited >= WARM_WAIT_S and not self.core.queue:
+        if self.warmers and done.waited >= WARM_WAIT_S and not self.core.queue:
             asyncio.get_running_loop().call_later(done.waited * WARM_AT, self._warmers)
 
     def _warmers(self) -> None:

@@ -81,8 +81,8 @@ class LinkServer:
         """The short way's decoding and the core's checks run on each connection's last row taken that way, taking
         nothing (`RequestBook.would_relay`): the node calls this while it waits for its ring (node/runtime/pipeline.py
         `_warm`), so that their code and data are in its core's cache when the next row comes. Why: the pass that
-        ran since has streamed the model's weights through that cache, and a row decoded and checked cold takes
-        about three times as long, on the ring's every hop (docs/benchmarks.md)."""
+        ran since has streamed the model's weights through that cache, and every step of the take costs more cold,
+        on the ring's every hop (docs/benchmarks.md)."""
         for connection in self.connections:
             if (last := connection.last_row) is None:
                 continue
