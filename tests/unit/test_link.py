@@ -68,6 +68,17 @@ class Node:
         return NodeInfo("peer", self.address, Capabilities(1 << 30, "numpy", "m", 6), link_port=self.link_port)
 
 
+def counts(messages: int, packed: int = 0, rows: int = 0, refused: int = 0, warmed: int = 0) -> dict[str, int]:
+    """A link server's counters (`LinkServer.counters`)."""
+    return {
+        "link_messages": messages,
+        "link_packed": packed,
+        "link_rows": rows,
+        "link_refused": refused,
+        "link_warmed": warmed,
+    }
+
+
 def send_of(*names: str) -> pb.SendRequest:
     rows = tuple(Activation(n, np.zeros((1, 8), np.float32)) for n in names)
     return wire.encode_send(rows, ())
@@ -103,13 +114,7 @@ def test_messages_cross_the_link_and_are_answered_in_order():
         message = TokenMessage("r", (SampleResult(5),))
         await link.send(wire.encode_send((), (message,)))
         assert node.arrived == [*names, "tokens:r"]
-        assert server.counters == {
-            "link_messages": 61,
-            "link_packed": 0,
-            "link_rows": 0,
-            "link_refused": 0,
-            "link_warmed": 0,
-        }
+        assert server.counters == counts(61)
         link.close()
         await server.stop()
 
@@ -141,13 +146,7 @@ def test_packed_messages_cross_among_send_requests_and_are_answered_in_order():
         assert [refused(a) for a in answers] == [[n] if n.startswith("bad") else [] for n in names]
         await link.send(packed.pack((), (TokenMessage("r", (SampleResult(5, -0.5),), True, "stop"),)))
         assert node.arrived == [*names, "tokens:r"]
-        assert server.counters == {
-            "link_messages": 41,
-            "link_packed": 21,
-            "link_rows": 0,
-            "link_refused": 0,
-            "link_warmed": 0,
-        }
+        assert server.counters == counts(41, packed=21)
         link.close()
         await server.stop()
 
@@ -168,13 +167,7 @@ def test_a_decode_rows_input_goes_the_short_way_where_the_node_takes_it_there_wi
         answers = [refused(await link.send(m)) for m in messages]
         assert answers == [[], [], ["bad1"], [], []]
         assert node.arrived == ["relayed:relay1", "relayed:relay2", "tokens:relay2", "bad1", "m1", "relay3"]
-        assert server.counters == {
-            "link_messages": 5,
-            "link_packed": 5,
-            "link_rows": 2,
-            "link_refused": 0,
-            "link_warmed": 0,
-        }
+        assert server.counters == counts(5, packed=5, rows=2)
         link.close()
         await server.stop()
 
