@@ -48,6 +48,8 @@ KEYS = (
     "followed_rows",
     "relayed_rows",
     "link_warmed",
+    "ahead_passes",
+    "ahead_steps",
     "loop_wake_us_total",
     "loop_wakes",
     "hop_write_us_total",
@@ -118,6 +120,7 @@ async def measure(urls: list[str], model: str, streams: int, tokens: int, pids: 
                 "followed_rows": d["followed_rows"],  # rows the engine thread ran on by itself
                 "relayed_rows": d["relayed_rows"],  # inputs handed straight to a waiting engine thread
                 "link_warmed": d["link_warmed"],  # the link's short way run on its last row while waiting
+                "ahead": (d["ahead_passes"], d["ahead_steps"]),  # relayed passes laid out before their inputs came
                 "outside_ms_per_pass": ms("outside_us_total", "outside_passes"),
                 "forward_ms_per_pass": ms("forward_us_total", "steps"),
                 "hop_out_ms": ms("hop_out_us_total", "hop_out"),

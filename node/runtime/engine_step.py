@@ -14,8 +14,8 @@ after `max_passes`, or when no row goes on; the rows still going then come back 
 
 On a ring of several nodes a decode row's next input comes from a peer: a plan's relayed rows (`Row.relay`, which
 the core sets) make the engine thread wait for it after their pass (`RelayInbox`, node/runtime/relay.py), and run
-the next pass on it as soon as the loop hands it over (`step_plan.relayed_pass`). Such a pass reaches the loop at
-once: its messages are the next node's input.
+the next pass on it as soon as the loop hands it over (`step_plan.relayed_pass`), laid out before the wait with
+the input still to come (`lay_ahead`). Such a pass reaches the loop at once: its messages are the next node's input.
 
 The followed passes reach the loop together, at most every `handoff_s` (and at once when the run ends): each
 hand-off wakes the loop, whose work for a pass then takes a core from ggml's threads mid-pass (they wait for it at
@@ -41,7 +41,9 @@ from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.step_plan import PREFIX_GONE, StepOutputs, StepPlan, awaited, next_pass, relayed_pass
 from node.runtime.relay import RelayInbox
 from node.runtime.sample_rows import MalformedBatch, picked_results
-from shards.engines.base import Engine, EngineInputError, StepInput
+from shards.engines.base import Engine, EngineInputError, StepInput, check_input
+from shards.engines.picks import Pick
+from shards.formats.config import ModelConfig
 
 log = logging.getLogger(__name__)
 FOLLOW_PASSES = 64  # passes the engine thread runs on by itself at most before the loop schedules again
@@ -94,11 +96,41 @@ class Executed:
     waited: float = 0.0  # seconds the engine thread waited for its relayed inputs to come (the ring's, not ours)
     relayed: bool = False  # run on inputs handed straight to the engine thread (node/runtime/relay.py)
     written: tuple[Written, ...] = ()  # its messages the engine thread wrote itself (node/runtime/early_send.py)
+    ahead: tuple[bool, bool] = (False, False)  # laid out before its inputs came: its plan; its engine step (`Ahead`)
 
 
-def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None) -> Executed:
-    """One pass on the engine thread: the plan's inputs checked and computed, then its rows sampled."""
+def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None, ahead: Ahead | None = None) -> Executed:
+    """One pass on the engine thread: the plan's inputs checked and computed, then its rows sampled (`ahead`: the
+    plan's, laid out before its inputs came, which `Ahead.took`)."""
     began = time.perf_counter()
+    if ahead is not None:
+        items, refused = list(ahead.items), {}
+    else:
+        items, refused = _inputs(engine, plan)
+    every_row = frozenset(r.request_id for r in plan.rows if r.every_row)
+    pickable = frozenset(r.request_id for r in plan.sampled_rows if sampler is not None and r.sample.params.pickable)
+    if ahead is not None and ahead.step is not None:
+        outputs, picked = {}, {}
+        _results(items, ahead.step(), outputs, picked)
+    else:
+        outputs, picked = _outputs(engine, items, every_row, pickable)
+    computed = time.perf_counter() - began
+    samples, counts = {}, []
+    if sampler is not None and plan.sampled_rows:
+        try:
+            samples, counts = sampler.sample_step(engine, plan, outputs, picked)
+        except Exception:  # the rows take the batcher's own path (a Sample action), which reports what is wrong
+            log.exception("sampling the pass's rows on the engine thread failed")
+            try:
+                samples = picked_results(plan, picked)  # theirs need no sampler
+            except MalformedBatch as e:  # an engine's picks that don't fit their rows: those requests fail
+                outputs = {rid: out for rid, out in outputs.items() if rid not in picked}
+                refused = {**refused, **{rid: f"the engine's picks are malformed: {e}" for rid in picked}}
+    return Executed(plan, StepOutputs(outputs, refused, samples, computed), counts, began, time.perf_counter())
+
+
+def _inputs(engine: Engine, plan: StepPlan) -> tuple[list[StepInput], dict[str, str]]:
+    """The plan's rows as the engine's inputs, each checked (or refused, and why), the retained caches bounded."""
     items, refused = [], {}
     engine.retained.limit = plan.retain_limit
     engine.retained.shrink(plan.retain_limit)
@@ -123,22 +155,7 @@ def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None) -> Exe
             items.append(item)
         except EngineInputError as e:
             refused[rid] = str(e)
-    every_row = frozenset(r.request_id for r in plan.rows if r.every_row)
-    pickable = frozenset(r.request_id for r in plan.sampled_rows if sampler is not None and r.sample.params.pickable)
-    outputs, picked = _outputs(engine, items, every_row, pickable)
-    computed = time.perf_counter() - began
-    samples, counts = {}, []
-    if sampler is not None and plan.sampled_rows:
-        try:
-            samples, counts = sampler.sample_step(engine, plan, outputs, picked)
-        except Exception:  # the rows take the batcher's own path (a Sample action), which reports what is wrong
-            log.exception("sampling the pass's rows on the engine thread failed")
-            try:
-                samples = picked_results(plan, picked)  # theirs need no sampler
-            except MalformedBatch as e:  # an engine's picks that don't fit their rows: those requests fail
-                outputs = {rid: out for rid, out in outputs.items() if rid not in picked}
-                refused = {**refused, **{rid: f"the engine's picks are malformed: {e}" for rid in picked}}
-    return Executed(plan, StepOutputs(outputs, refused, samples, computed), counts, began, time.perf_counter())
+    return items, refused
 
 
 def _outputs(
@@ -160,13 +177,71 @@ def _outputs(
             continue
         wanted = [i.request_id in pickable for i in call]
         if not any(wanted):
-            outputs |= zip((i.request_id for i in call), engine.forward(call, all_logits=all_logits))
-            continue
-        for item, pick in zip(call, engine.pick(call, wanted, all_logits)):
-            outputs[item.request_id] = pick.logits
-            if pick.tokens is not None:
-                picked[item.request_id] = pick.tokens
+            _results(call, engine.forward(call, all_logits=all_logits), outputs, picked)
+        else:
+            _results(call, engine.pick(call, wanted, all_logits), outputs, picked)
     return outputs, picked
+
+
+def _results(call: list[StepInput], results: list, outputs: dict, picked: dict) -> None:
+    """An engine call's results by request: outputs (`forward`'s) or picks (`pick`'s: a token, or the logits)."""
+    for item, out in zip(call, results):
+        if not isinstance(out, Pick):
+            outputs[item.request_id] = out
+            continue
+        outputs[item.request_id] = out.logits
+        if out.tokens is not None:
+            picked[item.request_id] = out.tokens
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A relayed pass laid out while its rows' inputs are on their way (`lay_ahead`): its plan, whose rows' inputs
+    are buffers the inputs are copied into once they came (`took`), those rows as the engine's inputs, checked, and
+    where the engine lays the step out ahead (`Engine.ahead`), the call that computes it. Why: laying out a pass
+    (the plan, the engine's inputs, its step's graph and inputs) is Python on caches the last pass has just filled
+    with weights, and on a ring it lay on every hop's path, between the input's arrival and the pass."""
+
+    plan: StepPlan
+    buffers: Mapping[str, np.ndarray]
+    items: tuple[StepInput, ...]
+    step: Callable[[], list] | None
+    config: ModelConfig
+
+    def took(self, inputs: Mapping[str, np.ndarray]) -> bool:
+        """Whether this is the pass for `inputs` (each row's came, of its buffer's shape and values the engine
+        takes): then they are copied in. False: nothing changed; the caller lays the pass out as usual."""
+        if inputs.keys() != self.buffers.keys():
+            return False
+        first = self.plan.shard.is_first
+        for rid, data in inputs.items():
+            if data.shape != self.buffers[rid].shape:
+                return False
+            try:
+                check_input(self.config, first, data, f"request {rid!r}")
+            except EngineInputError:
+                return False
+        for rid, data in inputs.items():
+            self.buffers[rid][...] = data
+        return True
+
+
+def lay_ahead(engine: Engine, plan: StepPlan, rows: tuple[str, ...], sampler: StepSampler | None) -> Ahead | None:
+    """The relayed pass after `plan` for `rows` (`relayed_pass`), laid out before their inputs came; None where a
+    row would be refused (the usual way then says why). Changes only what the pass itself would (the retained
+    caches bounded to its plan's limit, a cache grown for the step)."""
+    cfg, first = engine.config, engine.shard.is_first
+    buffers = {rid: np.zeros(1, np.int64) if first else np.zeros((1, cfg.hidden_size), np.float32) for rid in rows}
+    nxt = relayed_pass(plan, buffers)
+    if nxt is None or len(nxt.rows) != len(rows):
+        return None
+    items, refused = _inputs(engine, nxt)
+    if refused:
+        return None
+    pickable = {r.request_id for r in nxt.sampled_rows if sampler is not None and r.sample.params.pickable}
+    wanted = [i.request_id in pickable for i in items]
+    call = None if any(r.every_row for r in nxt.rows) else engine.ahead(items, wanted if any(wanted) else None)
+    return Ahead(nxt, buffers, tuple(items), call, cfg)
 
 
 class Following:
@@ -187,6 +262,7 @@ class Following:
         self.epoch = 0  # bumped by interrupt; a run goes on only while it is the one it started under
         self._running = -1  # the epoch of the run on the engine thread (-1: none)
         self.relay = RelayInbox(lambda: self._running == self.epoch)
+        self.lay_ahead = True  # False: a relayed pass is laid out once its inputs came (tests compare the two)
 
     def interrupt(self) -> None:
         self.epoch += 1
@@ -221,20 +297,26 @@ class Following:
         handed = time.perf_counter()
         for passes in range(1, self.max_passes + 1):
             waited, relayed = 0.0, False
+            ahead = None
             if nxt is None and epoch == self.epoch and (rows := awaited(done.plan, done.outputs.outputs)):
+                ahead = self._ahead(engine, done.plan, rows, sampler)
                 inputs, waited = self.relay.wait(rows)  # (the pass before went to the loop: its sends go first)
-                nxt = relayed_pass(done.plan, inputs)
+                if ahead is not None and ahead.took(inputs):
+                    nxt = ahead.plan
+                else:
+                    nxt, ahead = relayed_pass(done.plan, inputs), None
                 relayed = nxt is not None
             if nxt is None:
                 return
             try:
-                done, nxt = self._followed(self._written(run_pass(engine, nxt, sampler)), epoch, passes)
+                done, nxt = self._followed(self._written(run_pass(engine, nxt, sampler, ahead)), epoch, passes)
             except Exception as e:  # a bug: the rows fail, the node serves the others
                 log.exception("a followed pass failed")
                 why = f"internal error in a followed pass: {e}"
                 done, nxt = Executed(nxt, StepOutputs({}, {r.request_id: why for r in nxt.rows})), None
             if relayed:
-                done = dataclasses.replace(done, waited=waited, relayed=True)
+                laid = (ahead is not None, ahead is not None and ahead.step is not None)
+                done = dataclasses.replace(done, waited=waited, relayed=True, ahead=laid)
             held.append(done)
             if nxt is not None and done.ended - handed < self.handoff_s:
                 continue  # the run goes on (a run that ends, at its limit or interrupted, has no next pass)
@@ -244,6 +326,17 @@ class Following:
             except RuntimeError:  # the loop is closed: the node stopped
                 return
             held = []
+
+    def _ahead(
+        self, engine: Engine, plan: StepPlan, rows: tuple[str, ...], sampler: StepSampler | None
+    ) -> Ahead | None:
+        if not self.lay_ahead:
+            return None
+        try:
+            return lay_ahead(engine, plan, rows, sampler)
+        except Exception:  # a bug: the pass is laid out once its inputs came, as without this
+            log.exception("laying out a relayed pass ahead failed")
+            return None
 
     def _written(self, done: Executed) -> Executed:
         return done if self.early is None else self.early(done)

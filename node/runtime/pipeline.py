@@ -253,6 +253,8 @@ class Pipeline:
         seconds = done.ended - done.began
         self.counters["forward_us_total"] += int(done.outputs.computed * 1e6)
         self.counters["step_us_total"] += int(seconds * 1e6)
+        self.counters["ahead_passes"] += done.ahead[0]  # relayed passes laid out before their inputs came
+        self.counters["ahead_steps"] += done.ahead[1]  # the engine's step too (`Engine.ahead`)
         self.overhead.ran(done.began, done.ended)
         self.overhead.read_cpu()
         if self.speed is not None:

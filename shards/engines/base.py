@@ -121,6 +121,15 @@ class Engine(ABC):
         """`pick` of a checked, non-empty step: here on the host, from `forward`'s logits."""
         return [host_pick(out, w) for out, w in zip(self.forward(batch, all_logits), wanted)]
 
+    def ahead(self, batch: list[StepInput], wanted: list[bool] | None) -> Callable[[], list] | None:
+        """A decode step laid out before its inputs' values are known: `batch`'s arrays (of their final shapes and
+        dtypes) are filled in, then the call returned computes what `forward(batch)` (`wanted` None) or
+        `pick(batch, wanted)` would, bit for bit, checking the values first (EngineInputError). None where this
+        engine lays out no such step (the caller calls those then). A call never made leaves nothing any later
+        step sees; between the two the engine runs nothing else. Why: a ring's node lays out its next relayed pass
+        while the input is on its way (node/runtime/engine_step.py), off the hop's path."""
+        return None
+
     def request_cache(self, item: StepInput, end: int) -> RequestCache:
         """The request's cache, made or grown by the runner (which knows its storage) to hold `end` positions."""
         cache = self.caches[item.request_id] = self.runner.cache(self.caches.get(item.request_id), item, end)

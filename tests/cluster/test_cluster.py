@@ -95,6 +95,8 @@ def test_a_ring_without_a_cluster_key_carries_its_data_path_on_the_links(live_cl
     assert {node: g.get("link_rows", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)
     # which each node ran on the last row it took that way while it waited for the next (the link's `warm`)
     assert {node: g.get("link_warmed", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)
+    # and laid out its next relayed pass while the input was on its way (node/runtime/engine_step.py `lay_ahead`)
+    assert {node: g.get("ahead_passes", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)
     # whose rows went on from the engine thread as their pass ended, hidden rows to the next node and the last
     # node's tokens back to the first, the entry (node/runtime/early_send.py)
     assert {node: g.get("written_rows", 0) > 0 for node, g in gained.items()} == dict.fromkeys(gained, True)
@@ -109,6 +111,20 @@ def test_a_ring_told_no_link_keeps_to_the_grpc_stream():
         # the stream's inputs are relayed to a waiting engine thread as the link's are
         assert all(s.get("relayed_rows", 0) > 0 for s in statuses(c).values())
         assert all("data link" not in "".join(node.lines) for node in c.nodes)
+
+
+def test_a_ggml_ring_lays_its_relayed_steps_out_ahead_and_answers_as_one_node_does():
+    """The default engine (ggml) on a two-node ring lays out each relayed pass, its step included, while the input
+    is on its way (node/runtime/engine_step.py `lay_ahead`, shards/engines/ggml/next_row.py), and answers token for
+    token as one node running the whole model on the same engine."""
+    with Cluster(MODEL, 1, engine=None) as one:
+        want = [one.chat(p, max_tokens=24, temperature=0)[1]["choices"][0]["message"]["content"] for p in PROMPTS[:2]]
+    with Cluster(MODEL, 2, shards=["0:3", "3:6"], engine=None) as c:
+        before = statuses(c)
+        got = [c.chat(p, max_tokens=24, temperature=0)[1]["choices"][0]["message"]["content"] for p in PROMPTS[:2]]
+        gained = grown(before, statuses(c))
+    assert got == want
+    assert {node: g.get("ahead_steps", 0) > 20 for node, g in gained.items()} == dict.fromkeys(gained, True)
 
 
 def test_automatic_partitioning_weights_layers_by_speed():

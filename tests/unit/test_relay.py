@@ -214,7 +214,8 @@ def test_an_inbox_refuses_negative_waits():
 def test_a_ring_relayed_on_its_engine_threads_gives_the_tokens_of_the_whole_model_pass_by_pass():
     """Exactness: two stages whose decode rows run on their peer's input as the loop hands it over (the first
     stage's hidden rows to the last, the last's sampled token back to the first) give the seeded tokens of the whole
-    model run one pass at a time; every pass after the first two is relayed, and the run ends with an interrupt."""
+    model run one pass at a time; every pass after the first two is relayed, laid out before its input came (its plan:
+    the numpy engine lays out no step of its own ahead), and the run ends with an interrupt."""
     factory = lambda d, s, c: NumpyEngine(d, s, ModelConfig.from_dir(d))  # noqa: E731
 
     class Paced(NumpyEngine):  # a pass as long as a real model's: a stage waits before its input can come
@@ -232,7 +233,7 @@ def test_a_ring_relayed_on_its_engine_threads_gives_the_tokens_of_the_whole_mode
         ea, ec = await a.get(first), await c.get(last)
         ask = Sampling(params, SamplerState.from_seed(7))
         loop, done_all = asyncio.get_running_loop(), asyncio.Event()
-        sampled, relayed = [], []
+        sampled, relayed, laid = [], [], []
 
         def hand(following: Following, rid: str, data: np.ndarray) -> bool:
             _, handed = following.relay.offer(lambda waited: (None, {rid: data} if rid in waited else {}))
@@ -240,6 +241,7 @@ def test_a_ring_relayed_on_its_engine_threads_gives_the_tokens_of_the_whole_mode
 
         def at_a(done):  # the first stage's pass: its hidden rows go to the last stage
             relayed.append(done.relayed)
+            laid.append(done.ahead)
             out = done.outputs.outputs["r"]
             if not hand(fc, "r", out):  # not waited for (the prompt, or a run that ended): as the worker runs it
                 row = Row("r", out, 20, sample=ask, relay=len(out) == 1)
@@ -247,6 +249,7 @@ def test_a_ring_relayed_on_its_engine_threads_gives_the_tokens_of_the_whole_mode
 
         def at_c(done):  # the last stage's pass: its token goes back to the first
             relayed.append(done.relayed)
+            laid.append(done.ahead)
             token = done.outputs.samples["r"].token
             sampled.append(token)
             if len(sampled) == n:
@@ -261,7 +264,7 @@ def test_a_ring_relayed_on_its_engine_threads_gives_the_tokens_of_the_whole_mode
         await asyncio.wait_for(done_all.wait(), 30)
         await batcher.close()
         a.close(), c.close()
-        return sampled, relayed
+        return sampled, relayed, laid
 
     async def alone():
         m = ShardManager(FIXTURES / "llama", CFG, factory)
@@ -277,10 +280,11 @@ def test_a_ring_relayed_on_its_engine_threads_gives_the_tokens_of_the_whole_mode
         m.close()
         return got
 
-    sampled, relayed = asyncio.run(ring())
+    sampled, relayed, laid = asyncio.run(ring())
     assert sampled == asyncio.run(alone())
     # the prompt's two passes, then each stage's first decode pass from the worker, and the rest relayed
     assert relayed[:4] == [False] * 4 and all(relayed[4:]) and len(relayed) == 2 * n
+    assert laid[:4] == [(False, False)] * 4 and set(laid[4:]) == {(True, False)}
 
 
 def test_the_core_routes_a_relayed_pass_as_any_pass():

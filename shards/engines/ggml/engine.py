@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -38,9 +39,9 @@ from shards.engines.ggml.devices import Device, select
 from shards.engines.ggml.gemm_rows import DEFAULT as FLOAT_MATMUL
 from shards.engines.ggml.graph import Graph, GraphCache, Shape, StepWork
 from shards.engines.ggml.host_memory import unmap_large_blocks
-from shards.engines.ggml.layout import Segment, layout
+from shards.engines.ggml.layout import Segment, layout, lines_after, lines_before
 from shards.engines.ggml.lib import default_threads, g
-from shards.engines.ggml.next_row import LastRow
+from shards.engines.ggml.next_row import LastRow, lay_ahead
 from shards.engines.ggml.on_device import DeviceGraph, DevicePool, OnDevice
 from shards.engines.ggml.sliding import SlidingWindows
 from shards.engines.ggml.threads import ThreadGovernor
@@ -184,6 +185,10 @@ class GgmlEngine(Engine):
         p = self.pack(batch)
         return self.computed(batch, p, lambda x, caches: self.runner.run(x, p, caches, all_logits, list(wanted)))
 
+    def ahead(self, batch: list[StepInput], wanted: list[bool] | None) -> Callable[[], list] | None:
+        """`Engine.ahead`: a lone decode row's step that follows the last one (ggml/next_row.py `lay_ahead`)."""
+        return lay_ahead(self, batch, wanted)
+
     def close(self) -> None:
         """Free everything ggml holds for this engine (also done when it is garbage collected)."""
         if getattr(self, "backend", None):
@@ -227,16 +232,12 @@ class GraphRunner(Runner):
         return None if self._last is None else StepWork.of(*self._last)
 
     def cache(self, cache: CellRange | None, item: StepInput, end: int) -> CellRange:
-        """A range of what the request holds now (at least MIN_CAPACITY cells), doubled (moved to a larger range) as
-        it grows, up to its reservation when known. Not the whole reservation at once: a decode row scans its
-        group's span of ranges (`layout`), so ranges sized by reservations (a request without max_tokens reserves
-        the node's cap) made the spans, and each row's scan of masked cells, several times what the requests hold
-        (docs/benchmarks-log.md, figures once in code).
-
-        A request whose prompt length is known (`item.prompt_positions`) takes at its first chunk the range its
-        doubling would reach by its prompt's end: each move copies the cells so far and leaves the old range behind,
-        a hole too small to go back to the kernel (cells.GIVE_BACK_CELLS), so a long prompt held its cells about
-        twice."""
+        """A range of what the request holds now (at least MIN_CAPACITY cells), doubled (moved) as it grows, up to
+        its reservation when known. Not the whole reservation at once: a decode row scans its group's span of ranges
+        (`layout`), and ranges sized by reservations made those scans several times what the requests hold
+        (docs/benchmarks-log.md). A request whose prompt length is known (`item.prompt_positions`) takes at its
+        first chunk the range its doubling would reach by its prompt's end: each move leaves the old range behind,
+        a hole too small to go back to the kernel (cells.GIVE_BACK_CELLS), so a long prompt held its cells twice."""
         cfg = self.config  # the reservation comes with the request's first step (or a resumed one's)
         limit = max(end, min(item.max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings))
         if cache is None:
@@ -267,10 +268,9 @@ class GraphRunner(Runner):
     def run(
         self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool, picks: list[bool] | None = None
     ) -> np.ndarray | list[Pick]:
-        """A step of lone rows runs in the order of its requests' ranges in the pool, its output rows handed back in
-        the step's order: neighbours in the pool are neighbours in the graph, so ranges at one stride attend as one
-        strided group (layout.py) whatever order the requests came in. A row's numbers don't depend on its place.
-        With `picks` (a flag per request, on the last shard): a Pick per request (`GgmlEngine.pick`)."""
+        """A step of lone rows runs in the order of its requests' ranges in the pool (neighbours in the pool attend
+        as one strided group: layout.py), its output rows handed back in the step's order; a row's numbers don't
+        depend on its place. With `picks` (a flag per request, last shard): a Pick per request (`GgmlEngine.pick`)."""
         n = len(caches)
         if n > 2 and p.bounds[-1] == n:
             order = sorted(range(n), key=[c.start for c in caches].__getitem__)
@@ -288,7 +288,7 @@ class GraphRunner(Runner):
     def ordered(
         self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool, picks: list[bool] | None = None
     ) -> np.ndarray | list[Pick]:
-        e, rows, n = self.engine, p.bounds[-1], len(caches)
+        e, n = self.engine, len(caches)
         if e.pool.generation != self.generation:  # the pool moved (it grew): every graph points at the old tensors
             self.graphs.clear()
             self.generation = e.pool.generation
@@ -319,12 +319,19 @@ class GraphRunner(Runner):
             if shape.output == "last":  # (a lone row's next step keeps them: the same rows give logits)
                 graph.out_ids_np[n:] = 0
                 graph.out_ids_np[:n] = np.asarray(p.bounds[1:], dtype=np.int32) - 1
-            self.lines_before(shape, p, caches, segments)
+            lines_before(self.engine.pool, shape, p, caches, segments)
             if self.sliding is not None:
                 self.sliding.fill(graph, graph.masks_np)
             if e.on is None and self.sliding is None and self.next_rows:
                 row = LastRow.of(graph, shape, segments, p, caches, kind, split)
         self._row = row
+        return self.computed_on(graph, shape, segments, x, p, caches, picks)
+
+    def computed_on(
+        self, graph: Graph, shape: Shape, segments: list[Segment], x: np.ndarray, p: Packing, caches, picks
+    ) -> np.ndarray | list[Pick]:
+        """The step on its graph, laid out and filled (`ordered`, `next_row.lay_ahead`): what `ordered` returns."""
+        e, rows, n = self.engine, p.bounds[-1], len(caches)
         hidden = None
         if not e.shard.is_first and shape.rows == rows and x.dtype == np.float32 and x.flags.c_contiguous:
             hidden = x  # no padding rows: the step's own rows, as they are
@@ -341,38 +348,10 @@ class GraphRunner(Runner):
             bounds = range(n + 1) if shape.output == "last" else p.bounds
             out = graph.run_picks(e.backend, hidden, picks, list(zip(bounds, bounds[1:])))
         e.governor.ended()
-        self.lines_after(shape, p, caches, segments)
+        lines_after(shape, p, caches, segments)
         if picks is not None:
             return out
         return out[:n] if shape.output == "last" else out[:rows]
-
-    def lines_before(self, shape: Shape, p: Packing, caches: list[CellRange], segments: list[Segment]) -> None:
-        """Before a step whose matmul rows attend a request's positions below the pool's gemm_from: those its flash
-        rows wrote before this step, copied into lines where they aren't yet (once per request, cells.py)."""
-        split = self.engine.pool.gemm_from
-        for seg in segments:
-            if shape.groups[seg.group].gemm and split:
-                c = caches[seg.request]
-                upto = min(split, int(p.starts[seg.request]))  # the step's own flash rows write theirs in lines
-                if c.lines_valid < upto:
-                    self.engine.pool.lines_from_rows(c.start + c.lines_valid, upto - c.lines_valid)
-                    c.lines_valid = upto
-                    c.wrote_lines(upto)
-
-    def lines_after(self, shape: Shape, p: Packing, caches: list[CellRange], segments: list[Segment]) -> None:
-        """How far each request's lines hold after the step: flash rows that wrote rows only end them at their
-        first position (a rewrite, after a rollback, too); ones that wrote both extend them."""
-        for seg in segments:
-            gr = shape.groups[seg.group]
-            c, a = caches[seg.request], int(p.starts[seg.request]) + seg.offset
-            if gr.gemm or gr.lines:
-                c.wrote_lines(a + seg.rows)
-            if gr.gemm:
-                continue
-            if gr.lines and c.lines_valid >= a:
-                c.lines_valid = max(c.lines_valid, a + seg.rows)
-            else:
-                c.lines_valid = min(c.lines_valid, a)
 
     def fill(self, graph: Graph, x: np.ndarray, p: Packing, caches: list[CellRange], segments: list[Segment]) -> None:
         """The step's rows into the graph's inputs: tokens, positions and cells (padding rows: token 0, position 0,

@@ -130,3 +130,33 @@ def strided_runs(p: Packing, caches: list[CellRange], split: int | None) -> dict
         run.append(i)
     close()
     return runs
+
+
+def lines_before(pool: CellPool, shape: Shape, p: Packing, caches: list[CellRange], segments: list[Segment]) -> None:
+    """Before a step whose matmul rows attend a request's positions below the pool's gemm_from: those its flash
+    rows wrote before this step, copied into lines where they aren't yet (once per request, cells.py)."""
+    split = pool.gemm_from
+    for seg in segments:
+        if shape.groups[seg.group].gemm and split:
+            c = caches[seg.request]
+            upto = min(split, int(p.starts[seg.request]))  # the step's own flash rows write theirs in lines
+            if c.lines_valid < upto:
+                pool.lines_from_rows(c.start + c.lines_valid, upto - c.lines_valid)
+                c.lines_valid = upto
+                c.wrote_lines(upto)
+
+
+def lines_after(shape: Shape, p: Packing, caches: list[CellRange], segments: list[Segment]) -> None:
+    """How far each request's lines hold after the step: flash rows that wrote rows only end them at their first
+    position (a rewrite, after a rollback, too); ones that wrote both extend them."""
+    for seg in segments:
+        gr = shape.groups[seg.group]
+        c, a = caches[seg.request], int(p.starts[seg.request]) + seg.offset
+        if gr.gemm or gr.lines:
+            c.wrote_lines(a + seg.rows)
+        if gr.gemm:
+            continue
+        if gr.lines and c.lines_valid >= a:
+            c.lines_valid = max(c.lines_valid, a + seg.rows)
+        else:
+            c.lines_valid = min(c.lines_valid, a)

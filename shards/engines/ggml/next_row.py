@@ -11,15 +11,17 @@ the same request, its same range (start and capacity), the next position, a flas
 pool's gemm_from: matmul rows keep lines, which the full path tracks), the same output, on the CPU without window
 masks, and no other step since (any step through the full path replaces what is remembered, so the graph's host
 inputs hold the remembered row's values). The inputs it leaves are the ones `fill` would write (tests compare
-logits bit for bit with the full path)."""
+logits bit for bit with the full path). `lay_ahead` takes such a step before its token or hidden row is known (a
+ring's node, while the input is on its way), and runs it once it is."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from shards.engines.base import Packing
+from shards.engines.base import Engine, Packing, StepInput, check_input
 from shards.engines.ggml.cells import CellRange
 from shards.engines.ggml.graph import Graph, Shape
 from shards.engines.ggml.layout import Segment
@@ -77,3 +79,37 @@ class LastRow:
             ints[0], at = x[0], 1
         ints[at], ints[at + 1] = self.position, self.start + self.position
         graph.masks_np[seg.group][seg.first, self.start - gr.lo - seg.first * gr.stride + self.position] = visible
+
+
+def lay_ahead(engine: Engine, batch: list[StepInput], wanted: list[bool] | None) -> Callable[[], list] | None:
+    """The ggml engine's `Engine.ahead` (a GgmlEngine's), where the step is a lone row's next (`LastRow.next`): it
+    is taken and filled now but for the row's token, which `go` sets; the runner remembers it, and the cache counts
+    its position, only once `go` ran it. Until then the graph's inputs hold its position and cell, which no later
+    step reads (this row's next step writes the same, a step laid out in full refills every input)."""
+    e, runner = engine, engine.runner
+    if len(batch) != 1 or batch[0].length != 1 or runner._row is None or e.pool.generation != runner.generation:
+        return None
+    item = batch[0]
+    if item.request_id != runner._row.request_id or (wanted is not None and len(wanted) != 1) or not runner.next_rows:
+        return None  # (checked before the cache is asked for: it would make one for a request it doesn't know)
+    p = e.pack(batch)  # (its values checked again by `go`, once they came)
+    caches = [e.request_cache(item, p.starts[0] + 1)]
+    kind = (False, wanted is not None)
+    row = runner._row.next(p, caches, kind, e.pool.gemm_from)
+    if row is None:
+        return None
+    row.fill(np.zeros(1, dtype=np.int64), runner.masks.visible)
+    first = e.shard.is_first
+
+    def go() -> list:
+        x = item.tokens if first else item.hidden
+        check_input(e.config, first, x, f"request {item.request_id!r}")
+        if first:
+            row.graph.ints_np[0] = x[0]
+        runner._row, runner._last = row, (row.shape, p, False)
+        runner.next_row_steps += 1
+        out = runner.computed_on(row.graph, row.shape, list(row.segments), x, p, caches, wanted)
+        caches[0].commit(1)
+        return out if wanted is not None else p.split(out, e.shard.is_last)
+
+    return go
