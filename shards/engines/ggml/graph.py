@@ -178,6 +178,8 @@ class Graph:
     each [rows]), hidden rows on other shards, the masks (one [rows, cells] per group, in one input) and, for
     'last', which rows give logits."""
 
+    on_host = True  # its compute buffer is host memory (`host_output`); a device's graph is not
+
     def __init__(self, ops: GgmlBackend, model: ShardModel, shape: Shape, pool: CellPool, *, first: bool, hidden: int):
         rows, layers = shape.rows, len(model.layers)
         self.shape, self.first = shape, first
@@ -231,7 +233,7 @@ class Graph:
         host = [(self.ints.t, self.ints_np), (self.mask.t, self.mask_np)]
         host += [(self.out_ids.t, self.out_ids_np)] if self.out_ids is not None else []
         self._uploads = [(t, a.ctypes.data, a.nbytes) for t, a in host]
-        self._logits: np.ndarray | None = None  # `host_logits`
+        self._output: np.ndarray | None = None  # `host_output`
         self.gf = self.ctx.graph()
         for t in (out.t, *self.picks):  # the logits stay an output beside picks: a row not picked is read from them
             g.ggml_set_output(t)
@@ -255,7 +257,9 @@ class Graph:
         """Compute with `ints_np`, `mask_np` and `out_ids_np` as the caller filled them (ggml copies bytes and checks
         nothing: the caller checks every value), `hidden` float32 [rows, hidden] (C order) on a non-first shard."""
         self.run_inputs(backend, hidden)
-        out = np.empty(self.out_shape, dtype=np.float32)  # fresh: callers may keep outputs across steps
+        if self.on_host:  # copied from where the run left it (fresh: callers may keep outputs across steps)
+            return self.host_output().copy()
+        out = np.empty(self.out_shape, dtype=np.float32)
         g.ggml_backend_tensor_get(self.out, out.ctypes.data, 0, out.nbytes)
         return out
 
@@ -273,21 +277,21 @@ class Graph:
         self.run_inputs(backend, hidden)
         if self.picks:
             return picks.read(*self.picks, self.out, self.out_shape[-1], wanted, spans)
-        logits = self.host_logits()
+        logits = self.host_output()
         out = []
         for w, (a, b) in zip(wanted, spans):
             pick = host_pick(logits[a:b], w)
             out.append(pick if pick.tokens is not None else Pick(logits=pick.logits.copy()))
         return out
 
-    def host_logits(self) -> np.ndarray:
-        """A CPU graph's logits where its runs leave them, read after a run and before the next: a view made once,
-        as the compute buffer is allocated once (`allocate`; nothing per step: right after a step every call not
-        made since the last one costs tens of microseconds)."""
-        if self._logits is None:
+    def host_output(self) -> np.ndarray:
+        """A CPU graph's output (hidden rows or logits) where its runs leave it, read after a run and before the
+        next: a view made once, as the compute buffer is allocated once (`allocate`; nothing per step: right after a
+        step every call not made since the last one costs tens of microseconds)."""
+        if self._output is None:
             size, at = int(np.prod(self.out_shape)), self.out.contents.data
-            self._logits = np.ctypeslib.as_array((ctypes.c_float * size).from_address(at)).reshape(self.out_shape)
-        return self._logits
+            self._output = np.ctypeslib.as_array((ctypes.c_float * size).from_address(at)).reshape(self.out_shape)
+        return self._output
 
     def run_inputs(self, backend: int, hidden: np.ndarray | None) -> None:
         if hidden is not None:

@@ -270,6 +270,8 @@ class DevicePool(CellPool):
 class DeviceGraph(Graph):
     """A step graph computed by a backend scheduler over the device and the CPU (see the module's docstring)."""
 
+    on_host = False  # its output is read from the device (ggml_backend_tensor_get)
+
     def __init__(self, on: OnDevice, *args, **kwargs):
         self.on, self.sched, self.galloc = on, None, None
         super().__init__(*args, **kwargs)
