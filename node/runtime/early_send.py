@@ -20,11 +20,12 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import numpy as np
 
 from node.core.requests import Activation, Refusal, TokenMessage
+from node.core.step_plan import Sampled, StepPlan
 from node.runtime.engine_step import Executed, Written
 from shards.decoding.sampling import SampleResult
 from shards.formats.config import ModelConfig
@@ -41,10 +42,11 @@ Write = Callable[[str, tuple[Activation, ...], tuple[TokenMessage, ...]], Callab
 
 
 class EarlySend:
-    """`__call__(done)`, on the engine thread right after a pass: its rows with a `to` written there, one message per
-    address, through `write` (the transport's `write_now`: None where it can't write without the loop); `done` comes
-    back with what was written (`Executed.written`, `StepOutputs.sent`). Never raises: what it could not write, the
-    core routes."""
+    """`rows(plan, outputs, samples)`, on the engine thread as a pass ends (node/runtime/engine_step.py `run_pass`,
+    before the pass's records are made): its rows with a `to` written there, one message per address, through
+    `write` (the transport's `write_now`: None where it can't write without the loop); what was written comes back
+    (`StepOutputs.sent`, `Executed.written`). `__call__(done)` does the same for a pass already recorded. Never
+    raises: what it could not write, the core routes."""
 
     def __init__(self, config: ModelConfig, write: Write, max_bytes: int):
         if max_bytes <= 0:
@@ -52,21 +54,33 @@ class EarlySend:
         self.config, self.write, self.max_bytes = config, write, max_bytes
 
     def __call__(self, done: Executed) -> Executed:
-        if not any(r.to is not None for r in done.plan.rows):
+        sent, written = self.rows(done.plan, done.outputs.outputs, done.outputs.samples)
+        if not written:
             return done
+        return dataclasses.replace(
+            done, outputs=dataclasses.replace(done.outputs, sent=sent), written=(*done.written, *written)
+        )
+
+    def rows(
+        self, plan: StepPlan, outputs: Mapping[str, np.ndarray | None], samples: Mapping[str, Sampled]
+    ) -> tuple[frozenset[str], tuple[Written, ...]]:
+        """The requests whose output was written, and the messages written (none: nothing)."""
+        if not any(r.to is not None for r in plan.rows):
+            return frozenset(), ()
         try:
-            return self._sent(done)
+            return self._sent(plan, outputs, samples)
         except Exception:  # a bug: the core routes the rows as it would without this
             log.exception("writing a pass's messages from the engine thread failed")
-            return done
+            return frozenset(), ()
 
-    def _sent(self, done: Executed) -> Executed:
+    def _sent(
+        self, plan: StepPlan, outputs: Mapping[str, np.ndarray | None], samples: Mapping[str, Sampled]
+    ) -> tuple[frozenset[str], tuple[Written, ...]]:
         """A pass whose rows to send are all as `step_done` wants them (float32 [1, hidden], or [1, vocab] logits
         where the engine did not pick the token; finite: a sum that is not has a value that is not, or values too
         large to sum, which the core's own check then judges) has them written; any other has none (the core fails
         or routes them). A last shard's row goes back only with a token that goes on (`Row.back`), and not among the
         request's last tokens (STALE_PASSES)."""
-        plan, outputs, samples = done.plan, done.outputs.outputs, done.outputs.samples
         width = self.config.vocab_size if plan.shard.is_last else self.config.hidden_size
         by_address: dict[str, tuple[list[Activation], list[TokenMessage]]] = {}
         total = 0.0
@@ -75,7 +89,7 @@ class EarlySend:
                 continue
             if (out := outputs[rid]) is not None:
                 if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (1, width):
-                    return done
+                    return frozenset(), ()
                 total += float(out.sum())
             if row.back is None and out is not None:
                 by_address.setdefault(row.to, ([], []))[0].append(Activation(rid, out))
@@ -85,16 +99,11 @@ class EarlySend:
                     activations.append(Activation(rid, np.array([got.token], dtype=np.int64)))
                     messages.append(TokenMessage(rid, (got,)))
         if not math.isfinite(total):
-            return done
+            return frozenset(), ()
         written: list[Written] = []
         for address, (activations, messages) in by_address.items():
             if sum(a.data.nbytes for a in activations) > self.max_bytes:
                 continue
             if (answer := self.write(address, tuple(activations), tuple(messages))) is not None:
                 written.append(Written(address, tuple(activations), answer, time.perf_counter(), tuple(messages)))
-        if not written:
-            return done
-        sent = frozenset(a.request_id for w in written for a in w.activations)
-        return dataclasses.replace(
-            done, outputs=dataclasses.replace(done.outputs, sent=sent), written=(*done.written, *written)
-        )
+        return frozenset(a.request_id for w in written for a in w.activations), tuple(written)

@@ -38,7 +38,7 @@ from typing import Protocol
 import numpy as np
 
 from node.core.requests import Activation, Refusal, TokenMessage
-from node.core.step_plan import PREFIX_GONE, StepOutputs, StepPlan, awaited, next_pass, relayed_pass
+from node.core.step_plan import PREFIX_GONE, Sampled, StepOutputs, StepPlan, awaited, next_pass, relayed_pass
 from node.runtime.relay import RelayInbox
 from node.runtime.sample_rows import MalformedBatch, picked_results
 from shards.engines.base import Engine, EngineInputError, StepInput, check_input
@@ -99,9 +99,24 @@ class Executed:
     ahead: tuple[bool, bool] = (False, False)  # laid out before its inputs came: its plan; its engine step (`Ahead`)
 
 
-def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None, ahead: Ahead | None = None) -> Executed:
+class EarlyWrite(Protocol):
+    """Writes a pass's rows with a `to` from the engine thread as it ends (node/runtime/early_send.py)."""
+
+    def rows(
+        self, plan: StepPlan, outputs: Mapping[str, np.ndarray | None], samples: Mapping[str, Sampled]
+    ) -> tuple[frozenset[str], tuple[Written, ...]]: ...
+
+
+def run_pass(
+    engine: Engine,
+    plan: StepPlan,
+    sampler: StepSampler | None,
+    ahead: Ahead | None = None,
+    early: EarlyWrite | None = None,
+) -> Executed:
     """One pass on the engine thread: the plan's inputs checked and computed, then its rows sampled (`ahead`: the
-    plan's, laid out before its inputs came, which `Ahead.took`)."""
+    plan's, laid out before its inputs came, which `Ahead.took`), then its rows to send written (`early`) before
+    the pass's records are made: the next node waits for them, nobody for the records."""
     began = time.perf_counter()
     if ahead is not None:
         items, refused = list(ahead.items), {}
@@ -126,7 +141,10 @@ def run_pass(engine: Engine, plan: StepPlan, sampler: StepSampler | None, ahead:
             except MalformedBatch as e:  # an engine's picks that don't fit their rows: those requests fail
                 outputs = {rid: out for rid, out in outputs.items() if rid not in picked}
                 refused = {**refused, **{rid: f"the engine's picks are malformed: {e}" for rid in picked}}
-    return Executed(plan, StepOutputs(outputs, refused, samples, computed), counts, began, time.perf_counter())
+    ended = time.perf_counter()
+    sent, written = early.rows(plan, outputs, samples) if early is not None else (frozenset(), ())
+    outputs_of = StepOutputs(outputs, refused, samples, computed, sent=sent)
+    return Executed(plan, outputs_of, counts, began, ended, written=written)
 
 
 def _inputs(engine: Engine, plan: StepPlan) -> tuple[list[StepInput], dict[str, str]]:
@@ -258,7 +276,7 @@ class Following:
         if max_passes < 0 or handoff_s < 0:
             raise ValueError(f"a run's limits are never negative, got {max_passes} passes and {handoff_s} s")
         self.on_pass, self.max_passes, self.handoff_s = on_pass, max_passes, handoff_s
-        self.early: Callable[[Executed], Executed] | None = None  # each pass's messages written as it ends
+        self.early: EarlyWrite | None = None  # each pass's messages written as it ends
         self.epoch = 0  # bumped by interrupt; a run goes on only while it is the one it started under
         self._running = -1  # the epoch of the run on the engine thread (-1: none)
         self.relay = RelayInbox(lambda: self._running == self.epoch)
@@ -288,7 +306,7 @@ class Following:
         """On the engine thread: the first pass (to `first`), then its followers (to `on_pass`)."""
         self._running = epoch
         try:
-            done, nxt = self._followed(self._written(run_pass(engine, plan, sampler)), epoch, 0)
+            done, nxt = self._followed(run_pass(engine, plan, sampler, None, self.early), epoch, 0)
         except BaseException as e:
             loop.call_soon_threadsafe(_settle, first, e)
             return
@@ -309,7 +327,7 @@ class Following:
             if nxt is None:
                 return
             try:
-                done, nxt = self._followed(self._written(run_pass(engine, nxt, sampler, ahead)), epoch, passes)
+                done, nxt = self._followed(run_pass(engine, nxt, sampler, ahead, self.early), epoch, passes)
             except Exception as e:  # a bug: the rows fail, the node serves the others
                 log.exception("a followed pass failed")
                 why = f"internal error in a followed pass: {e}"
@@ -337,9 +355,6 @@ class Following:
         except Exception:  # a bug: the pass is laid out once its inputs came, as without this
             log.exception("laying out a relayed pass ahead failed")
             return None
-
-    def _written(self, done: Executed) -> Executed:
-        return done if self.early is None else self.early(done)
 
     def _handed(self, passes: list[Executed]) -> None:
         for done in passes:

@@ -12,6 +12,7 @@ others get `gather_s` more: those that come later are queued, for the pass after
 
 from __future__ import annotations
 
+import _thread
 import os
 import threading
 import time
@@ -31,9 +32,12 @@ class RelayInbox:
         if wait_s < 0 or gather_s < 0:
             raise ValueError(f"waits are never negative, got {wait_s} and {gather_s} s")
         self.current, self.wait_s, self.gather_s = current, wait_s, gather_s
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # the state below
         self._awaiting: dict[str, np.ndarray | None] = {}  # request -> its input once it came
         self._first: float | None = None  # when the first awaited input came (perf_counter)
+        # what the waiting engine thread blocks on: held while nothing new happened, released once to wake it (a
+        # bare lock, not a Condition: its wait and notify are Python, on cold caches on a ring's every hop)
+        self._signal: _thread.LockType | None = None
 
     @property
     def waiting(self) -> bool:
@@ -43,37 +47,45 @@ class RelayInbox:
 
     def wake(self) -> None:
         """Something changed `current()`: the engine thread looks again."""
-        with self._cond:
-            self._cond.notify_all()
+        with self._lock:
+            self._signalled()
+
+    def _signalled(self) -> None:
+        """(Under the lock.) The waiting engine thread woken, or told at once when it next blocks (never twice)."""
+        if self._signal is not None and self._signal.locked():
+            self._signal.release()
 
     def wait(self, requests: Iterable[str]) -> tuple[dict[str, np.ndarray], float]:
         """On the engine thread: the inputs that came for `requests` (none: the run ends), and the seconds waited
         before the first of them came (the ring's time, not this node's)."""
         began = time.perf_counter()
-        with self._cond:
-            self._awaiting, self._first = dict.fromkeys(requests), None
-            try:
-                while self.current():
-                    came = sum(v is not None for v in self._awaiting.values())
-                    if came == len(self._awaiting):
+        signal = _thread.allocate_lock()
+        signal.acquire()
+        with self._lock:
+            self._awaiting, self._first, self._signal = dict.fromkeys(requests), None, signal
+        try:
+            while True:
+                with self._lock:
+                    if not self.current() or all(v is not None for v in self._awaiting.values()):
                         break
                     until = began + self.wait_s if self._first is None else self._first + self.gather_s
-                    left = until - time.perf_counter()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
+                left = until - time.perf_counter()
+                if left <= 0:
+                    break
+                signal.acquire(True, left)
+        finally:
+            with self._lock:
                 inputs = {rid: data for rid, data in self._awaiting.items() if data is not None}
                 idle = self._first - began if inputs and self._first is not None else 0.0
-                return inputs, max(0.0, idle)
-            finally:
-                self._awaiting = {}
+                self._awaiting, self._signal = {}, None
+        return inputs, max(0.0, idle)
 
     def offer(
         self, take: Callable[[frozenset[str]], tuple[R, dict[str, np.ndarray]]]
     ) -> tuple[R, dict[str, np.ndarray]]:
         """On the loop: `take(awaited)` (the core taking a message's activations) with the requests whose input the
         engine thread waits for now; the inputs it hands back for them go to the engine thread."""
-        with self._cond:
+        with self._lock:
             awaited = frozenset(rid for rid, data in self._awaiting.items() if data is None)
             result, relayed = take(awaited)
             if stray := set(relayed) - awaited:
@@ -82,7 +94,7 @@ class RelayInbox:
                 self._awaiting.update(relayed)
                 if self._first is None:
                     self._first = time.perf_counter()
-                self._cond.notify_all()
+                self._signalled()
         if relayed:
             _yield()  # the engine thread, woken, takes the interpreter now, not when the loop next sleeps
         return result, relayed
@@ -90,13 +102,13 @@ class RelayInbox:
     def hand(self, request_id: str, data: np.ndarray, take: Callable[[], bool]) -> bool:
         """On the loop: `data` handed to the engine thread as `request_id`'s input if it waits for that now and
         `take()` (the core taking it: `RequestBook.relay_row`) agrees; False, nothing handed, otherwise."""
-        with self._cond:
+        with self._lock:
             if request_id not in self._awaiting or self._awaiting[request_id] is not None or not take():
                 return False
             self._awaiting[request_id] = data
             if self._first is None:
                 self._first = time.perf_counter()
-            self._cond.notify_all()
+            self._signalled()
         _yield()
         return True
 

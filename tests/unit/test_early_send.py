@@ -18,12 +18,15 @@ from node.grpc.link import packed
 from node.grpc.link.client import LinkConnection
 from node.grpc.link.server import LinkServer
 from node.runtime.early_send import EarlySend
-from node.runtime.engine_step import Executed
+from node.runtime.engine_step import Executed, run_pass
 from node.security.keys import ClusterKey, generate_secret
 from shards.decoding.grammar import Constraint
 from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
+from shards.engines.numpy_engine import NumpyEngine
+from shards.formats.config import ModelConfig
 from shards.model.shard import Shard
 from tests.support.factories import ADDR, CFG, STOP, hidden, logits, spec, tokens
+from tests.support.models import FIXTURES
 from tests.unit.test_link import BOUND, Node, peer_with_a_link, refused, send_of
 from tests.unit.test_step_plan import core, of, sized
 
@@ -153,6 +156,26 @@ def test_rows_with_a_destination_go_one_message_per_peer_and_the_rest_stay_the_c
     assert calls == [("h:1", ["r1", "r3"]), ("h:2", ["r2"])]
     assert done.outputs.sent == {"r1", "r2", "r3"} and [w.address for w in done.written] == ["h:1", "h:2"]
     assert all(w.at >= done.ended for w in done.written)
+
+
+def test_a_pass_writes_its_rows_as_it_ends_before_its_records_are_made():
+    """`run_pass` with an early writer: the row goes to the transport once the engine computed it, the pass's end is
+    taken before the write (the write's time is the hop's, not the pass's), and the records name what was written."""
+    engine = NumpyEngine(FIXTURES / "llama", MIDDLE, ModelConfig.from_dir(FIXTURES / "llama"))
+    run_pass(engine, StepPlan(MIDDLE, None, (Row("r1", hidden(4), 20),)), None)
+    calls = []
+
+    def write(address, activations, messages):
+        calls.append((address, [a.request_id for a in activations], activations[0].data.copy()))
+        return lambda: None
+
+    plan = StepPlan(MIDDLE, None, (Row("r1", hidden(), 20, to="h:3"),))
+    done = run_pass(engine, plan, None, early=EarlySend(CFG, write, 1 << 20))
+    ((address, ids, data),) = calls
+    assert (address, ids) == ("h:3", ["r1"]) and np.array_equal(data, done.outputs.outputs["r1"])
+    assert done.outputs.sent == {"r1"} and [w.address for w in done.written] == ["h:3"]
+    assert done.written[0].at >= done.ended >= done.began
+    assert run_pass(engine, dataclasses.replace(plan, rows=(Row("r1", hidden(), 20),)), None).written == ()
 
 
 def test_nothing_is_written_where_an_output_is_malformed_or_the_transport_cannot_write_now():
