@@ -280,7 +280,6 @@ class Following:
         self.epoch = 0  # bumped by interrupt; a run goes on only while it is the one it started under
         self._running = -1  # the epoch of the run on the engine thread (-1: none)
         self.relay = RelayInbox(lambda: self._running == self.epoch)
-        self.lay_ahead = True  # False: a relayed pass is laid out once its inputs came (tests compare the two)
 
     def interrupt(self) -> None:
         self.epoch += 1
@@ -348,8 +347,6 @@ class Following:
     def _ahead(
         self, engine: Engine, plan: StepPlan, rows: tuple[str, ...], sampler: StepSampler | None
     ) -> Ahead | None:
-        if not self.lay_ahead:
-            return None
         try:
             return lay_ahead(engine, plan, rows, sampler)
         except Exception:  # a bug: the pass is laid out once its inputs came, as without this

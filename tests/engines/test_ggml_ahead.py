@@ -1,5 +1,5 @@
 """A decode step laid out before its input's values are known (`Engine.ahead`; the ggml engine's lone row that
-follows its last step: shards/engines/ggml/next_row.py `lay_ahead`), then run once they are, is bit for bit the
+follows its last step: shards/engines/ggml/next_row.py `step_ahead`), then run once they are, is bit for bit the
 step run as usual, on a ring's first stage (a token) and its last (a hidden row, picked or not). A step laid out and
 never run, or refused for its values, changes nothing a later step sees; a step that is not a lone row's next is
 not laid out ahead."""

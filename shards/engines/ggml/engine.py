@@ -41,7 +41,7 @@ from shards.engines.ggml.graph import Graph, GraphCache, Shape, StepWork
 from shards.engines.ggml.host_memory import unmap_large_blocks
 from shards.engines.ggml.layout import Segment, layout, lines_after, lines_before
 from shards.engines.ggml.lib import default_threads, g
-from shards.engines.ggml.next_row import LastRow, lay_ahead
+from shards.engines.ggml.next_row import LastRow, step_ahead
 from shards.engines.ggml.on_device import DeviceGraph, DevicePool, OnDevice
 from shards.engines.ggml.sliding import SlidingWindows
 from shards.engines.ggml.threads import ThreadGovernor
@@ -186,8 +186,8 @@ class GgmlEngine(Engine):
         return self.computed(batch, p, lambda x, caches: self.runner.run(x, p, caches, all_logits, list(wanted)))
 
     def ahead(self, batch: list[StepInput], wanted: list[bool] | None) -> Callable[[], list] | None:
-        """`Engine.ahead`: a lone decode row's step that follows the last one (ggml/next_row.py `lay_ahead`)."""
-        return lay_ahead(self, batch, wanted)
+        """`Engine.ahead`: a lone decode row's step that follows the last one (ggml/next_row.py `step_ahead`)."""
+        return step_ahead(self, batch, wanted)
 
     def close(self) -> None:
         """Free everything ggml holds for this engine (also done when it is garbage collected)."""
@@ -330,7 +330,7 @@ class GraphRunner(Runner):
     def computed_on(
         self, graph: Graph, shape: Shape, segments: list[Segment], x: np.ndarray, p: Packing, caches, picks
     ) -> np.ndarray | list[Pick]:
-        """The step on its graph, laid out and filled (`ordered`, `next_row.lay_ahead`): what `ordered` returns."""
+        """The step on its graph, laid out and filled (`ordered`, `next_row.step_ahead`): what `ordered` returns."""
         e, rows, n = self.engine, p.bounds[-1], len(caches)
         hidden = None
         if not e.shard.is_first and shape.rows == rows and x.dtype == np.float32 and x.flags.c_contiguous:

@@ -11,7 +11,7 @@ the same request, its same range (start and capacity), the next position, a flas
 pool's gemm_from: matmul rows keep lines, which the full path tracks), the same output, on the CPU without window
 masks, and no other step since (any step through the full path replaces what is remembered, so the graph's host
 inputs hold the remembered row's values). The inputs it leaves are the ones `fill` would write (tests compare
-logits bit for bit with the full path). `lay_ahead` takes such a step before its token or hidden row is known (a
+logits bit for bit with the full path). `step_ahead` takes such a step before its token or hidden row is known (a
 ring's node, while the input is on its way), and runs it once it is."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class LastRow:
         graph.masks_np[seg.group][seg.first, self.start - gr.lo - seg.first * gr.stride + self.position] = visible
 
 
-def lay_ahead(engine: Engine, batch: list[StepInput], wanted: list[bool] | None) -> Callable[[], list] | None:
+def step_ahead(engine: Engine, batch: list[StepInput], wanted: list[bool] | None) -> Callable[[], list] | None:
     """The ggml engine's `Engine.ahead` (a GgmlEngine's), where the step is a lone row's next (`LastRow.next`): it
     is taken and filled now but for the row's token, which `go` sets; the runner remembers it, and the cache counts
     its position, only once `go` ran it. Until then the graph's inputs hold its position and cell, which no later
