@@ -368,13 +368,11 @@ class Following:
         pass (next_pass asked once per pass: a row's `quiet` may count)."""
         if epoch != self.epoch or passes >= self.max_passes:
             return done, None
-        nxt = next_pass(done.plan, done.outputs.samples)
+        nxt = next_pass(done.plan, done.outputs.samples)  # (its rows were sampled, so computed: StepOutputs)
         if nxt is None:
             return done, None
-        rows = tuple(r for r in nxt.rows if r.request_id in done.outputs.outputs)
-        followed = frozenset(r.request_id for r in rows)
-        done = dataclasses.replace(done, outputs=dataclasses.replace(done.outputs, followed=followed))
-        return done, (dataclasses.replace(nxt, rows=rows) if rows else None)
+        followed = frozenset(r.request_id for r in nxt.rows)
+        return dataclasses.replace(done, outputs=dataclasses.replace(done.outputs, followed=followed)), nxt
 
 
 def _settle(future: asyncio.Future, error: BaseException | None = None) -> None:
