@@ -7,12 +7,18 @@ every mode in turn, to spread the machine's load over them: decode steps at batc
 a busy machine weigh less than on wall time; with 1 thread ggml computes on the calling thread) and of the wall
 time, each mode's ratio to `fast`, and the load average.
 
+Then one F16 weight alone, by 1 row (ggml's vec_dot: `fast` and `rowwise` for a lone row) and by 2 (tinyBLAS: `pad`'s
+lone row, padded): a feed-forward projection held in the caches, and the head (vocabulary x hidden: 57 MB for
+SmolLM2, more than most CPUs' caches) streamed from memory, as every weight of a decode step is. Where the two kernels cost the same in cache but
+not from memory, `pad`'s price at one stream is how tinyBLAS streams a weight (four rows at a time), not its math.
+
     .venv/bin/python -m bench.bench_float_rows [--rounds 3] [--steps 16] [--threads 1] [--quantize f16]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import time
@@ -21,6 +27,7 @@ import numpy as np
 
 from shards.engines.base import StepInput
 from shards.engines.ggml.engine import GgmlEngine
+from shards.engines.ggml.lib import F16, F32, g
 from shards.engines.registry import FLOAT_MATMUL_CHOICES
 from shards.formats.loader import load_config
 from shards.formats.packaged import DEFAULT_MODEL, default_quantize, resolve_model
@@ -56,6 +63,33 @@ def prefill(engine: GgmlEngine, tag: str, n: int = 256) -> tuple[float, float]:
     out = timed(lambda: engine.forward([StepInput(tag, tokens=tokens)]))
     engine.release(tag)
     return out
+
+
+def weight_alone(out: int, k: int, rows: int, threads: int, reps: int) -> float:
+    """Wall seconds for one product of a random F16 weight [out, k] by `rows` float32 rows on `threads` (the median of
+    `reps`, after one to warm up)."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((out, k)) * 0.05).astype(np.float16)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    ctx = g.ggml_init(
+        g.ggml_init_params(
+            mem_size=w.nbytes + 8 * x.nbytes + 4 * rows * out + (16 << 20), mem_buffer=None, no_alloc=False
+        )
+    )
+    try:
+        wt, xt = g.ggml_new_tensor_2d(ctx, F16, k, out), g.ggml_new_tensor_2d(ctx, F32, k, rows)
+        ctypes.memmove(wt.contents.data, w.ctypes.data, w.nbytes)
+        ctypes.memmove(xt.contents.data, x.ctypes.data, x.nbytes)
+        graph = g.ggml_new_graph(ctx)
+        g.ggml_build_forward_expand(graph, g.ggml_mul_mat(ctx, wt, xt))
+        times = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            g.ggml_graph_compute_with_ctx(ctx, graph, threads)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:])
+    finally:
+        g.ggml_free(ctx)
 
 
 def main() -> None:
@@ -98,6 +132,16 @@ def main() -> None:
             cpu, wall = (statistics.median(x[i] for x in results[mode, case]) for i in (0, 1))
             cells.append(f"{mode} {cpu * 1e3:7.1f} ms CPU ({cpu / base[0]:.2f}x) {wall * 1e3:7.1f} ms wall")
         print(f"  {case:16} " + " | ".join(cells))
+    for name, (out, k), reps in (
+        ("a projection, in cache", (cfg.intermediate_size, cfg.hidden_size), 200),
+        ("the head, from memory", (cfg.vocab_size, cfg.hidden_size), 20),
+    ):
+        one, two = (weight_alone(out, k, n, args.threads, reps) for n in (1, 2))
+        gb = out * k * 2 / 1e9
+        print(
+            f"  F16 {out} x {k} ({name}): 1 row {one * 1e6:8.1f} us ({gb / one:5.1f} GB/s) | 2 rows {two * 1e6:8.1f} us "
+            f"({gb / two:5.1f} GB/s): {two / one:.2f}x"
+        )
 
 
 if __name__ == "__main__":
