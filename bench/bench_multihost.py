@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.bench_microbatch import SPLIT
@@ -114,6 +115,16 @@ def run_turn(lan, system: str, model_id: str, streams: int, tokens: int, round_:
     return {**got, "hops": per_token(before, after, got["chunks"]), "outside": outside, "link_messages": linked}
 
 
+def settled(lan, timeout: float = 60) -> None:
+    """Until every host's node says its start-up's work on the engine thread is over (`startup_done`: under --speed
+    the draft rows' pricing after its first request), so that it lands in no timed round."""
+    deadline = time.monotonic() + timeout
+    while not all(s.get("startup_done") for s in exo_status(lan)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"an exo node's start-up work (startup_done in its status) did not end in {timeout:g}s")
+        time.sleep(0.2)
+
+
 def main() -> None:
     from shards.formats.packaged import resolve_model
     from tests.support import netns  # the multihost tests' hosts: the one exception to bench/ not importing tests/
@@ -157,6 +168,7 @@ def main() -> None:
         for system in SYSTEMS:  # warm up: graphs, the first prefill
             for streams, tokens in ((1, 4), (8, 16)):
                 run_turn(lan, system, model_id, streams, tokens, -1 - streams, links[0])
+        settled(lan)
         for link in links:
             shape(lan, link, netem, logs / "delay_ms")
             for r in range(args.rounds):

@@ -10,8 +10,11 @@ with `--quantize none` (`exo-q4_1`: the file's own Q4_1 blocks, as llama-server 
 THREADS`; `exo-gemm` (asked for by name) is the defaults with `--attention gemm`. Every request is a fresh prompt of exactly that many token ids (random ids, seeded by round, length and
 server: no server can reuse a prefix) sent to /v1/completions with max_tokens 1, so the time to the answer is the
 prefill plus one token's step (tens of ms). Each round measures every length on every server, the servers in a
-rotated order, so a machine whose speed drifts weighs on all alike; a figure is the median round. SmolLM2's context
-is 8,192 positions: the longest prompt leaves room for the answer.
+rotated order, so a machine whose speed drifts weighs on all alike; a figure is the median round. Before the rounds
+each server answers a warm-up prompt and each exo node ends its start-up work (its draft rows priced once idle:
+bench/local_cluster.py `wait_settled`), and a second's pause comes before every request, so that no server's
+leftover work (threads still spinning after a request) lands in another's time. SmolLM2's context is 8,192
+positions: the longest prompt leaves room for the answer.
 
 With --decode N, each measured prompt is sent again at once, streamed, for N tokens (greedy, the end-of-text tokens
 banned by logit_bias so every answer runs its length; both servers keep the prompt from the first request, so this
@@ -37,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.bench_serve import wait_http
-from bench.local_cluster import Cluster, free_port, http
+from bench.local_cluster import Cluster, free_port, http, wait_settled
 from shards.formats.loader import load_config
 from shards.formats.packaged import resolve_model
 
@@ -45,6 +48,7 @@ LLAMA_SERVER = Path("/opt/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/buil
 CONTEXT = 8192  # SmolLM2's
 EXO = {"exo": [], "exo-q4_1": ["--quantize", "none"], "exo-gemm": ["--attention", "gemm"]}  # name -> node flags
 TIMEOUT = 3600  # seconds one request may take (a long prompt on a slow prefill)
+PAUSE_S = 1.0  # before each request: the last server's threads stop spinning (ggml's and llama.cpp's poll a while)
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -145,6 +149,9 @@ def main() -> None:
         names = list(urls)
         for i, name in enumerate(names):  # warm up: graphs, pages, the first request's own costs
             ttft(*urls[name], prompt(16, 10**6 + i))
+        for name in names:  # then what an exo node does once after its first request (its draft rows priced)
+            if name in EXO:
+                wait_settled(urls[name][0])
         times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in lengths} for name in names}
         rates: dict[str, dict[int, list[float]]] = {name: {n: [] for n in lengths} for name in names}
         loads = []
@@ -153,6 +160,7 @@ def main() -> None:
                 order = names[(r + li) % len(names) :] + names[: (r + li) % len(names)]
                 for name in order:
                     ids = prompt(n, (r * 100_000 + n) * 10 + names.index(name))
+                    time.sleep(PAUSE_S)
                     seconds = ttft(*urls[name], ids)
                     times[name][n].append(seconds)
                     loads.append(os.getloadavg()[0])

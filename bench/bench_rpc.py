@@ -33,7 +33,7 @@ from pathlib import Path
 
 from bench.bench_microbatch import SPLIT, pin
 from bench.bench_serve import concurrent, wait_http
-from bench.local_cluster import Cluster, free_port
+from bench.local_cluster import Cluster, free_port, wait_settled
 from shards.formats.packaged import resolve_model
 
 LLAMACPP_BIN = Path("/opt/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
@@ -122,6 +122,8 @@ def main() -> None:
                 wait_http(url)
             asyncio.run(concurrent(url, model, 1, 4, -1))  # warm up: graphs, the first prefill
             asyncio.run(concurrent(url, model, 8, 16, -2))
+            if name.startswith("exo"):  # then what an exo node does once after its first request
+                wait_settled(url)
 
         results: dict[tuple[str, int], list[dict]] = {}
         order = list(urls)

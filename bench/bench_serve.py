@@ -39,7 +39,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.local_cluster import Cluster, free_port
+from bench.local_cluster import Cluster, free_port, wait_settled
 from shards.formats.loader import load_config
 from shards.formats.packaged import model_id as packaged_id
 from shards.formats.packaged import resolve_model
@@ -187,6 +187,9 @@ def measure(servers: dict[str, tuple[str, str]], args) -> list[dict]:
     names = list(servers)
     for url, model in servers.values():
         asyncio.run(concurrent(url, model, 1, 4, -1))  # warm up (a prompt no round asks)
+    for name, (url, _) in servers.items():  # then what an exo node does once after its first request
+        if name.startswith("exo"):
+            wait_settled(url)
     out = {name: {"server": name, "streams": [], "multi_turn": None} for name in names}
     for n in args.streams:
         rounds: dict[str, list[dict]] = {name: [] for name in names}

@@ -56,6 +56,24 @@ def http(
         return e.code, json.loads(e.read())
 
 
+def wait_settled(url: str, timeout: float = 60, key: str | None = None) -> None:
+    """Poll the node at `url` until every node of its topology says its start-up's work on the engine thread is
+    over (`startup_done` in its status: calibration, and under --speed the draft rows' pricing, which waits for the
+    first request to have loaded a shard and ended). A benchmark calls this after its warm-up request, so that work
+    lands in no timed round, its own or another server's on the same cores."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, topology = http("GET", f"{url}/v1/topology", key=key)
+        nodes = (topology.get("nodes") or []) if status == 200 else []
+        if nodes and all(n.get("status", {}).get("startup_done") for n in nodes):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{url}: a node's start-up work (startup_done in its status) did not end in {timeout:g}s"
+            )
+        time.sleep(0.2)
+
+
 class Cluster:
     """`with Cluster(model_dir, n=3, shards=[...]) as c:` -> n nodes, each peered with all others."""
 

@@ -202,16 +202,33 @@ def test_a_cpu_node_that_proposes_prices_its_draft_rows_once_it_holds_a_shard(mo
         node.start()
         await asyncio.sleep(0.1)
         assert node.core.speculation.row_cost == 0  # (--speed: no engine of its own at start)
+        assert not node.counters["startup_done"]  # the pricing is still to come: a benchmark would wait for it
         n = node.config.n_layers
         await node.shards.get(Shard("llama", 0, n, n))
         for _ in range(500):
-            if node.core.speculation.row_cost > 0:
+            if node.counters["startup_done"]:
+                break
+            await asyncio.sleep(0.01)
+        done, cost = node.counters["startup_done"], node.core.speculation.row_cost
+        await node.stop()
+        return done, cost
+
+    done, cost = asyncio.run(go())
+    assert done == 1 and 0 < cost < math.inf  # priced by the time the status says the start-up's work is over
+
+
+def test_a_node_with_nothing_to_price_ends_its_start_up_work_with_its_calibration():
+    async def go():
+        node = node_with(speculate="off")
+        node.start()
+        for _ in range(500):
+            if node.counters["startup_done"]:
                 break
             await asyncio.sleep(0.01)
         await node.stop()
-        return node.core.speculation.row_cost
+        return node.counters["startup_done"], node.counters["calibration_done"]
 
-    assert 0 < asyncio.run(go()) < math.inf
+    assert asyncio.run(go()) == (1, 1)  # no shard ever loaded: nothing waits for one
 
 
 @pytest.mark.parametrize(
