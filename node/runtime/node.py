@@ -275,9 +275,7 @@ class Node:
             await price_drafts_on(
                 self.shards.run, lambda: next(iter(self.shards.engines.values()), None), m.config, drafts
             )
-        # (status: no more of the start-up's passes on the engine thread: under --speed the pricing waits for the
-        # first shard to load and be idle, after the first request; a benchmark waits for it before timing a round)
-        self.counters["startup_done"] = 1
+        self.counters["startup_done"] = 1  # (status: no start-up passes left; benchmarks wait for it before timing)
 
     def _priced_drafts(self) -> Callable[[float], None] | None:
         """Draft rows are priced on a CPU node that proposes: a GPU's ride free (its weights read once for all
