@@ -3,7 +3,9 @@
     uv run python -m bench.bench_sampling
 
 Measures the numpy sampler directly (sample_rows on [8, vocab] vs 8 x sample_one) and through the
-SamplingBatcher (batching on vs --sample-batch-max 1), for vocab sizes 32k and 152k.
+SamplingBatcher (batching on vs --sample-batch-max 1), for vocab sizes 32k and 152k; for a top-k row, also the draw
+from the row's 128 best logits a GPU node's graph hands back instead of the row (`sample_best`, shards/engines/
+picks.py), the candidates made once beforehand as the device makes them.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from node.runtime.sampling_batcher import SampleItem, SamplingBatcher
-from shards.decoding.sampling import SamplerState, SamplingParams, sample_one, sample_rows
+from shards.decoding.sampling import SamplerState, SamplingParams, sample_best, sample_one, sample_rows
 from shards.engines.numpy_engine import NumpyEngine
+from shards.engines.picks import BEST, Best, Draw, best_of
 from shards.model.shard import Shard
 
 N = 8
@@ -24,7 +27,15 @@ KINDS = {
     "greedy": lambda i: SamplingParams(temperature=0.0),
     "temp0.8,top_p0.95": lambda i: SamplingParams(temperature=0.8, top_p=0.95, seed=i),
     "temp0.7,top_k40": lambda i: SamplingParams(temperature=0.7, top_k=40, seed=i),
+    "ollama": lambda i: SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=i),
 }
+
+
+def candidates(row: np.ndarray, draw: Draw) -> Best | None:
+    """The row's 128 best, as a GPU node's graph tail hands them back and `best_of` takes them."""
+    ids = np.argpartition(row, len(row) - BEST)[len(row) - BEST :]
+    low = float(row[ids].min())
+    return best_of(ids, row[ids], len(row), low, float(np.count_nonzero(row > low)), float(row.sum()), draw)
 
 
 def _engine() -> NumpyEngine:
@@ -60,7 +71,8 @@ async def through_batcher(logits, params, max_batch: int, reps: int) -> float:
 
 def main() -> None:
     print(
-        f"{'vocab':>7} {'params':>18} | {'batched':>9} {'per-req':>9} | {'batcher on':>10} {'batcher off':>11}  (us/token)"
+        f"{'vocab':>7} {'params':>18} | {'batched':>9} {'per-req':>9} | {'batcher on':>10} {'batcher off':>11} |"
+        f" {'from best':>9}  (us/token)"
     )
     for vocab in (32_000, 152_064):
         logits = np.random.default_rng(0).normal(0, 3, size=(N, vocab)).astype(np.float32)
@@ -72,7 +84,15 @@ def main() -> None:
             single = per_token_us(lambda: [sample_one(logits[i], params[i], states[i]) for i in range(N)], reps)
             on = asyncio.run(through_batcher(logits, params, 8, reps))
             off = asyncio.run(through_batcher(logits, params, 1, reps))
-            print(f"{vocab:>7} {kind:>18} | {batched:9.0f} {single:9.0f} | {on:10.0f} {off:11.0f}")
+            drawn = "-"
+            if all(Draw.of(p) for p in params):
+                best = [candidates(logits[i], Draw.of(params[i])) for i in range(N)]
+                if all(b is not None for b in best):
+                    us = per_token_us(
+                        lambda: [sample_best(b.ids, b.values, p, s) for b, p, s in zip(best, params, states)], reps
+                    )
+                    drawn = f"{us:.0f}"
+            print(f"{vocab:>7} {kind:>18} | {batched:9.0f} {single:9.0f} | {on:10.0f} {off:11.0f} | {drawn:>9}")
 
 
 if __name__ == "__main__":

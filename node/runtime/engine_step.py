@@ -40,9 +40,9 @@ import numpy as np
 from node.core.requests import Activation, Refusal, TokenMessage
 from node.core.step_plan import PREFIX_GONE, Sampled, StepOutputs, StepPlan, awaited, next_pass, relayed_pass
 from node.runtime.relay import RelayInbox
-from node.runtime.sample_rows import MalformedBatch, picked_results
+from node.runtime.sample_rows import MalformedBatch, picked_results, wants
 from shards.engines.base import Engine, EngineInputError, StepInput, check_input
-from shards.engines.picks import Pick
+from shards.engines.picks import Best, Pick, Want
 from shards.formats.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,10 @@ class StepSampler(Protocol):
         plan: StepPlan,
         outputs: Mapping[str, np.ndarray | None],
         picked: Mapping[str, tuple[int, ...]],
+        drawn: Mapping[str, Best],
     ) -> tuple[dict, list]:
-        """Results by request (`picked`: rows whose token the engine picked, their outputs None), and the counts its
-        owner records on the event loop."""
+        """Results by request (`picked`: rows whose token the engine picked, `drawn`: rows to draw from the
+        candidates the engine took, their outputs None), and the counts its owner records on the event loop."""
         ...
 
 
@@ -123,24 +124,26 @@ def run_pass(
     else:
         items, refused = _inputs(engine, plan)
     every_row = frozenset(r.request_id for r in plan.rows if r.every_row)
-    pickable = frozenset(r.request_id for r in plan.sampled_rows if sampler is not None and r.sample.params.pickable)
+    picked, drawn = {}, {}
     if ahead is not None and ahead.step is not None:
-        outputs, picked = {}, {}
-        _results(items, ahead.step(), outputs, picked)
+        outputs = {}
+        _results(items, ahead.step(), outputs, picked, drawn)
     else:
-        outputs, picked = _outputs(engine, items, every_row, pickable)
+        outputs = _outputs(engine, items, every_row, (wants(plan) if sampler is not None else {}), picked, drawn)
     computed = time.perf_counter() - began
     samples, counts = {}, []
     if sampler is not None and plan.sampled_rows:
         try:
-            samples, counts = sampler.sample_step(engine, plan, outputs, picked)
+            samples, counts = sampler.sample_step(engine, plan, outputs, picked, drawn)
         except Exception:  # the rows take the batcher's own path (a Sample action), which reports what is wrong
             log.exception("sampling the pass's rows on the engine thread failed")
+            unsampled = {rid: "sampling its candidates failed on the engine thread" for rid in drawn}
             try:
                 samples = picked_results(plan, picked)  # theirs need no sampler
             except MalformedBatch as e:  # an engine's picks that don't fit their rows: those requests fail
-                outputs = {rid: out for rid, out in outputs.items() if rid not in picked}
-                refused = {**refused, **{rid: f"the engine's picks are malformed: {e}" for rid in picked}}
+                unsampled |= {rid: f"the engine's picks are malformed: {e}" for rid in picked}
+            outputs = {rid: out for rid, out in outputs.items() if rid not in unsampled}
+            refused = {**refused, **unsampled}
     ended = time.perf_counter()
     sent, written = early.rows(plan, outputs, samples) if early is not None else (frozenset(), ())
     outputs_of = StepOutputs(outputs, refused, samples, computed, sent=sent)
@@ -177,32 +180,37 @@ def _inputs(engine: Engine, plan: StepPlan) -> tuple[list[StepInput], dict[str, 
 
 
 def _outputs(
-    engine: Engine, items: list[StepInput], every_row: frozenset[str], pickable: frozenset[str]
-) -> tuple[dict[str, np.ndarray | None], dict[str, tuple[int, ...]]]:
+    engine: Engine,
+    items: list[StepInput],
+    every_row: frozenset[str],
+    wanted: Mapping[str, Want],
+    picked: dict[str, tuple[int, ...]],
+    drawn: dict[str, Best],
+) -> dict[str, np.ndarray | None]:
     """One engine call for the step, or on a last shard with inputs to verify, one call returning every row's
     logits for them and the decode rows (a decode row's one row is its last), and one for the prompt chunks, whose
     rows but the last nobody needs (a head over 256 rows is costly). Where a call's rows include `pickable` ones
     (greedy, nothing asked of their logits: shards/engines/picks.py), the engine picks their tokens where it
-    computed their logits: those come back as tokens (their outputs None), the others as logits."""
+    computed their logits: those come back as tokens (their outputs None, in `picked`), drawn rows whose candidates
+    it took as those (`drawn`), the others as logits."""
     whole = [i for i in items if i.request_id in every_row or i.length == 1] if engine.shard.is_last else []
     if not any(i.request_id in every_row for i in whole):
         whole = []
     rest = [i for i in items if i.request_id not in {w.request_id for w in whole}]
     outputs: dict[str, np.ndarray | None] = {}
-    picked: dict[str, tuple[int, ...]] = {}
     for call, all_logits in ((whole, True), (rest, False)):
         if not call:
             continue
-        wanted = [i.request_id in pickable for i in call]
-        if not any(wanted):
-            _results(call, engine.forward(call, all_logits=all_logits), outputs, picked)
+        asked = [wanted.get(i.request_id, False) for i in call]
+        if not any(asked):
+            _results(call, engine.forward(call, all_logits=all_logits), outputs, picked, drawn)
         else:
-            _results(call, engine.pick(call, wanted, all_logits), outputs, picked)
-    return outputs, picked
+            _results(call, engine.pick(call, asked, all_logits), outputs, picked, drawn)
+    return outputs
 
 
-def _results(call: list[StepInput], results: list, outputs: dict, picked: dict) -> None:
-    """An engine call's results by request: outputs (`forward`'s) or picks (`pick`'s: a token, or the logits)."""
+def _results(call: list[StepInput], results: list, outputs: dict, picked: dict, drawn: dict) -> None:
+    """An engine call's results by request: outputs (`forward`'s) or picks (`pick`'s: tokens, candidates, logits)."""
     for item, out in zip(call, results):
         if not isinstance(out, Pick):
             outputs[item.request_id] = out
@@ -210,6 +218,8 @@ def _results(call: list[StepInput], results: list, outputs: dict, picked: dict) 
         outputs[item.request_id] = out.logits
         if out.tokens is not None:
             picked[item.request_id] = out.tokens
+        elif out.best is not None:
+            drawn[item.request_id] = out.best
 
 
 @dataclass(frozen=True)
@@ -256,8 +266,8 @@ def lay_ahead(engine: Engine, plan: StepPlan, rows: tuple[str, ...], sampler: St
     items, refused = _inputs(engine, nxt)
     if refused:
         return None
-    pickable = {r.request_id for r in nxt.sampled_rows if sampler is not None and r.sample.params.pickable}
-    wanted = [i.request_id in pickable for i in items]
+    asked = wants(nxt) if sampler is not None else {}
+    wanted = [asked.get(i.request_id, False) for i in items]
     call = None if any(r.every_row for r in nxt.rows) else engine.ahead(items, wanted if any(wanted) else None)
     return Ahead(nxt, buffers, tuple(items), call, cfg)
 

@@ -251,6 +251,11 @@ class _NodeCollector(Collector):
             stats.get("sample_picked", 0),
         )
         yield _counter(
+            "exo_sampling_drawn",
+            "Of those rows, top-k ones drawn from the best logits the engine took on its device (no logits copied out)",
+            stats.get("sample_drawn", 0),
+        )
+        yield _counter(
             "exo_sampling_fallbacks",
             "Rows sampled one by one because their batch could not be sampled in one call",
             stats["sample_fallbacks"],

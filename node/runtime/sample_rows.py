@@ -23,6 +23,7 @@ from node.core.step_plan import StepPlan
 from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
 from shards.decoding.speculation import verify_blocks
 from shards.engines.base import Engine
+from shards.engines.picks import Draw, Want
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,20 @@ def picked_results(plan: StepPlan, picked: Mapping[str, tuple[int, ...]]) -> dic
         while n < len(row.proposals) and tokens[n] == row.proposals[n]:
             n += 1
         out[row.request_id] = [SampleResult(t) for t in tokens[: n + 1]]
+    return out
+
+
+def wants(plan: StepPlan) -> dict[str, Want]:
+    """What a pass asks of the engine for its sampled rows beside their logits: a greedy row's tokens, picked where
+    its logits are (`pickable`), a top-k row's candidates (`Draw.of`, a row with no proposals to verify, which
+    reads every row's distribution): shards/engines/picks.py."""
+    out: dict[str, Want] = {}
+    for row in plan.sampled_rows:
+        params = row.sample.params
+        if params.pickable:
+            out[row.request_id] = True
+        elif not row.proposals and (draw := Draw.of(params)) is not None:
+            out[row.request_id] = draw
     return out
 
 

@@ -29,9 +29,9 @@ import numpy as np
 from node.core.step_plan import StepPlan
 from node.runtime.sample_rows import Counts, SampleItem, picked_results, refusal, sample_rows, verify
 from shards.decoding.grammar import GrammarTokenizer, Matcher
-from shards.decoding.sampling import SampleResult
+from shards.decoding.sampling import SampleResult, sample_best
 from shards.engines.base import Engine
-from shards.engines.picks import host_pick
+from shards.engines.picks import Best, host_pick
 
 log = logging.getLogger(__name__)
 __all__ = ["BatcherClosed", "SampleItem", "SamplingBatcher"]
@@ -167,11 +167,13 @@ class SamplingBatcher:
         plan: StepPlan,
         outputs: Mapping[str, np.ndarray | None],
         picked: Mapping[str, tuple[int, ...]],
+        drawn: Mapping[str, Best],
     ) -> tuple[dict[str, SampleResult | list | BaseException], list]:
         """On the engine thread, right after `plan`'s pass: its rows to sample (`Row.sample`: the parameters and
         sampler states the plan froze), from their logits (the last row, or every row of one with proposals), in
         `sample_now`'s batches, and the rows whose greedy token the engine picked where their logits were
-        (`picked`, shards/engines/picks.py: their outputs are None), counted as one batch of their own. A row whose
+        (`picked`, shards/engines/picks.py: their outputs are None), counted as one batch of their own, and the
+        top-k rows whose candidates it took (`drawn`: the same draw as from their logits), one more. A row whose
         output is missing (refused) is not sampled; one whose logits can't be sampled is left to the core, which
         asks for it through `submit` and fails it with the reason."""
         results, batches = self.sample_now(self._items(engine, plan, outputs))
@@ -180,6 +182,18 @@ class SamplingBatcher:
             counts["sample_picked"] = len(picked)
             results.update(picked_results(plan, picked))
             batches.append((len(picked), [(len(picked), counts)]))
+        if drawn:
+            counts = Counts()
+            for row in plan.sampled_rows:
+                if (best := drawn.get(row.request_id)) is None:
+                    continue
+                try:
+                    results[row.request_id] = sample_best(best.ids, best.values, row.sample.params, row.sample.state)
+                    counts["sample_drawn"] += 1
+                except Exception as e:  # only this request fails
+                    counts["sample_errors"] += 1
+                    results[row.request_id] = e
+            batches.append((len(drawn), [(len(drawn), counts)]))
         return results, batches
 
     def _items(self, engine: Engine, plan: StepPlan, outputs: Mapping[str, np.ndarray | None]) -> list[SampleItem]:

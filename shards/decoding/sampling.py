@@ -171,6 +171,23 @@ def sample_one(logits: np.ndarray, params: SamplingParams, state: SamplerState) 
     return sample_rows(np.asarray(logits, dtype=np.float32).reshape(1, -1), [params], [state])[0]
 
 
+def sample_best(ids: np.ndarray, values: np.ndarray, params: SamplingParams, state: SamplerState) -> SampleResult:
+    """A top-k row's token from candidates: `ids`, increasing, and their logits, holding every id that could reach
+    the row's top k (shards/engines/picks.py `best_of`). The same draw as `sample_rows` over the whole row, bit for
+    bit: the candidates scaled as the row's values are, ranked with ties by id as the row's are (their positions are
+    in id order), the same one uniform drawn."""
+    if (
+        params.greedy
+        or not 0 < params.top_k < len(ids)
+        or params.processed
+        or params.top_logprobs is not None
+        or params.constraint
+    ):
+        raise ValueError(f"a row drawn from {len(ids)} candidates is sampled with top_k below that and nothing else")
+    scaled = np.asarray(values, dtype=np.float32) / np.float32(params.temperature)
+    return SampleResult(int(ids[_draw(scaled, params, state.rng)]))
+
+
 def _draw(scaled: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
     """Inverse-CDF draw over the surviving ids taken in id order, with one uniform from the request's RNG. A
     token's probability is exp(scaled - max) (the likeliest token's is 1), computed for the ids a step needs: after

@@ -23,7 +23,7 @@ import numpy as np
 
 from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams, sample_one, sample_rows
 from shards.engines.backend import Backend, RequestCache
-from shards.engines.picks import Pick, host_pick
+from shards.engines.picks import Pick, Want, host_pick
 from shards.engines.retained import RetainedCaches
 from shards.engines.runner import EagerRunner, Runner
 from shards.engines.step import Packing, StepInput
@@ -107,21 +107,21 @@ class Engine(ABC):
             cache.commit(n)
         return out
 
-    def pick(self, batch: list[StepInput], wanted: list[bool], all_logits: bool = False) -> list[Pick]:
-        """`forward` on the last shard for a step whose requests with `wanted` set are greedy with nothing changing
+    def pick(self, batch: list[StepInput], wanted: list[Want], all_logits: bool = False) -> list[Pick]:
+        """`forward` on the last shard for a step whose requests with `wanted` True are greedy with nothing changing
         their logits (shards/engines/picks.py): those come back as their rows' tokens where each is single, the
-        others as their logits (the last position's, or every position's with `all_logits`). Here on the host,
-        where the logits are for an engine that computes in host memory; one that computes on a device overrides it
-        (the ggml engine)."""
+        others as their logits (the last position's, or every position's with `all_logits`), or a `Draw`'s row as its
+        candidates where the engine takes them. Here on the host, where the logits are for an engine that computes in
+        host memory; one that computes on a device overrides it (the ggml engine)."""
         if not self.shard.is_last or len(wanted) != len(batch):
             raise EngineInputError(f"picks come from the last shard, one flag per request ({len(wanted)} flags)")
         return self.picked(batch, wanted, all_logits) if batch else []
 
-    def picked(self, batch: list[StepInput], wanted: list[bool], all_logits: bool) -> list[Pick]:
+    def picked(self, batch: list[StepInput], wanted: list[Want], all_logits: bool) -> list[Pick]:
         """`pick` of a checked, non-empty step: here on the host, from `forward`'s logits."""
         return [host_pick(out, w) for out, w in zip(self.forward(batch, all_logits), wanted)]
 
-    def ahead(self, batch: list[StepInput], wanted: list[bool] | None) -> Callable[[], list] | None:
+    def ahead(self, batch: list[StepInput], wanted: list[Want] | None) -> Callable[[], list] | None:
         """A decode step laid out before its inputs' values are known: `batch`'s arrays (of their final shapes and
         dtypes) are filled in, then the call returned computes what `forward(batch)` (`wanted` None) or
         `pick(batch, wanted)` would, bit for bit, checking the values first (EngineInputError). None where this

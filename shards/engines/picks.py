@@ -18,33 +18,107 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shards.decoding.sampling import SamplingParams
+
+BEST = 128  # a drawn row's candidates: its 128 best logits, for a top_k up to 127
+
+
+@dataclass(frozen=True)
+class Draw:
+    """What a sampled row asks of a picking step: its `top_k` best logits, to be scaled by `temperature` (`Draw.of`:
+    a row the sampler draws from those alone)."""
+
+    top_k: int
+    temperature: float
+
+    def __post_init__(self):
+        if not (isinstance(self.top_k, int) and 2 <= self.top_k < BEST):
+            raise ValueError(f"a drawn row's top_k is in [2, {BEST}), got {self.top_k!r}")
+        if not (isinstance(self.temperature, float) and math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"a drawn row's temperature is a finite float > 0, got {self.temperature!r}")
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> Draw | None:
+        """The draw of a row sampled with `params` where its token depends on its top_k best logits alone: not
+        greedy, 2 <= top_k < BEST, no bias, penalties, grammar or logprobs (those read the whole row); else None."""
+        if params.greedy or not 2 <= params.top_k < BEST or params.processed or params.constraint is not None:
+            return None
+        return None if params.top_logprobs is not None else cls(params.top_k, float(params.temperature))
+
+
+@dataclass(frozen=True)
+class Best:
+    """A drawn row's candidates: ids, increasing, and their logits, holding every id the row's draw could take."""
+
+    ids: np.ndarray  # int64 [n]
+    values: np.ndarray  # float32 [n]
+
+    def __post_init__(self):
+        ids, values = self.ids, self.values
+        if not (isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype == np.int64 and len(ids) >= 2):
+            raise ValueError("a drawn row's candidates are 2 or more int64 ids")
+        if not (isinstance(values, np.ndarray) and values.shape == ids.shape and values.dtype == np.float32):
+            raise ValueError(f"a drawn row's candidates have one float32 value per id, got {values!r}")
+        if not (ids[0] >= 0 and (np.diff(ids) > 0).all() and np.isfinite(values).all()):
+            raise ValueError("a drawn row's candidate ids are increasing and non-negative, their values finite")
+
+
+def best_of(ids: np.ndarray, values: np.ndarray, vocab: int, low: float, above: float, total: float, draw: Draw):
+    """A row's `Best` for `draw` from a device's claim that `ids` (any order) are the row's highest `values`, with
+    the row's own counts: `low` the lowest value among them, `above` how many of the row's values lie strictly above
+    it, `total` the row's sum (finite only where no value is NaN or infinite). None where the claim fails a check,
+    or an id left out could reach the draw's top k: the row's logits are read instead."""
+    ids, values = np.asarray(ids, dtype=np.int64), np.asarray(values, dtype=np.float32)
+    if len(ids) <= draw.top_k or values.shape != ids.shape or not math.isfinite(total):
+        return None
+    if not (np.isfinite(values).all() and ids.min() >= 0 and ids.max() < vocab and len(np.unique(ids)) == len(ids)):
+        return None
+    if low != values.min() or above != np.count_nonzero(values > low):  # an id above the lowest was left out
+        return None
+    # every id left out is at most `low`, so scales to at most the lowest candidate's scaled value (the division
+    # rounds monotonically): that must lie strictly under the k-th best scaled value
+    scaled = values / np.float32(draw.temperature)
+    if not scaled.min() < np.partition(scaled, len(scaled) - draw.top_k)[len(scaled) - draw.top_k]:
+        return None
+    order = np.argsort(ids)
+    return Best(ids[order], values[order])
+
 
 @dataclass(frozen=True)
 class Pick:
     """One request's outcome of a picking step: its greedy token for each of its rows asked (its last position, or
-    every position of a block with proposals), or those rows' logits [rows, vocab] where not every row was picked
-    (not asked for, or a row whose maximum is not single)."""
+    every position of a block with proposals), a drawn row's candidates (`best`), or those rows' logits [rows,
+    vocab] where neither was taken (not asked for, a row whose maximum is not single, candidates not taken)."""
 
     tokens: tuple[int, ...] | None = None
     logits: np.ndarray | None = None
+    best: Best | None = None
 
     def __post_init__(self):
-        if (self.tokens is None) == (self.logits is None):
-            raise ValueError("a pick holds its rows' tokens or their logits, exactly one of them")
+        if sum(x is not None for x in (self.tokens, self.logits, self.best)) != 1:
+            raise ValueError("a pick holds its rows' tokens, their logits or a row's candidates, exactly one of them")
+        if self.best is not None and not isinstance(self.best, Best):
+            raise ValueError(f"a drawn row's candidates are a Best, got {type(self.best).__name__}")
         if self.tokens is not None and not (self.tokens and all(isinstance(t, int) and t >= 0 for t in self.tokens)):
             raise ValueError(f"picked tokens are non-negative ints, one per row, got {self.tokens!r}")
         if self.logits is not None and (self.logits.ndim != 2 or len(self.logits) < 1):
             raise ValueError(f"an unpicked request's logits are [rows, vocab], got {self.logits.shape}")
 
 
-def host_pick(rows: np.ndarray, wanted: bool = True) -> Pick:
+Want = (
+    bool | Draw
+)  # what a picking step asks of a request's rows: its greedy tokens (True), a draw's candidates, logits
+
+
+def host_pick(rows: np.ndarray, wanted: Want = True) -> Pick:
     """The rule on the host, for a request's rows [rows, vocab] (or one row [vocab]): each row's argmax where every
-    row's maximum is finite and single, else the rows. One kind of pass, twice (right after a step numpy's code is
+    row's maximum is finite and single, else the rows (a draw's too: in host memory its sampler reads them where they
+    are, as fast as candidates taken out of them). One kind of pass, twice (right after a step numpy's code is
     out of cache, and each new kind of call costs more than its pass): argmax gives the first maximum, or the first
     NaN, which numpy takes for the largest; the values after it must lie under it, and those before do."""
     rows = np.asarray(rows, dtype=np.float32)
     rows = rows.reshape(1, -1) if rows.ndim == 1 else rows
-    if wanted:
+    if wanted is True:
         tokens = []
         for row in rows:
             at = int(row.argmax())

@@ -9,9 +9,10 @@ import pytest
 
 pytest.importorskip("ggml", reason="the ggml extra is not installed")
 
-from shards.decoding.sampling import SamplerState, SamplingParams, sample_one  # noqa: E402
+from shards.decoding.sampling import SamplerState, SamplingParams, sample_best, sample_one  # noqa: E402
 from shards.engines.base import StepInput  # noqa: E402
 from shards.engines.ggml.engine import GgmlEngine  # noqa: E402
+from shards.engines.picks import Draw  # noqa: E402
 from shards.formats.loader import load_config  # noqa: E402
 from shards.model.shard import Shard  # noqa: E402
 from tests.support.models import FIXTURES  # noqa: E402
@@ -51,4 +52,47 @@ def test_picks_on_the_device_are_the_greedy_tokens_of_the_devices_own_logits(gpu
         assert {s.picks for s in picking.graphs.graphs} == {True} and not any(s.picks for s in forwarding.graphs.graphs)
     finally:
         picking.close()
+        forwarding.close()
+
+
+def test_a_top_k_row_on_the_device_is_drawn_from_its_best_logits_as_from_the_row(gpu):
+    """A drawn row (shards/engines/picks.py `Draw`) comes back as its 128 best ids and values, which the device's
+    top-k took and `best_of` checked: seeded draws from them are the draws from the device's own logits."""
+    drawing, forwarding = device_engine(gpu.name), device_engine(gpu.name)
+    assert drawing.runner.top_k  # the device has ggml's top-k kernel
+    params = [
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1),  # Ollama's defaults
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.2, top_k=100, min_p=0.05, seed=2),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=3),  # no top-k: its logits
+    ]
+    wanted = [Draw.of(params[0]), True, Draw.of(params[2]), False]
+    assert isinstance(wanted[0], Draw) and isinstance(wanted[2], Draw) and Draw.of(params[3]) is None
+    ids = ["a", "b", "c", "d"]
+    drawn_states = [SamplerState.from_seed(p.seed) for p in params]
+    row_states = [SamplerState.from_seed(p.seed) for p in params]
+    rng = np.random.default_rng(4)
+    batch = [StepInput(r, tokens=rng.integers(3, 400, 3 + 2 * i)) for i, r in enumerate(ids)]
+    taken = 0
+    try:
+        for _ in range(8):
+            picks, outs = drawing.pick(batch, wanted), forwarding.forward(batch)
+            tokens = []
+            for pick, out, p, ds, rs in zip(picks, outs, params, drawn_states, row_states):
+                want = sample_one(out[-1], p, rs).token
+                if pick.best is not None:
+                    taken += 1
+                    assert sample_best(pick.best.ids, pick.best.values, p, ds).token == want
+                    assert np.array_equal(pick.best.values, out[-1][pick.best.ids])  # the device's own values
+                elif pick.tokens is not None:
+                    assert pick.tokens == (want,)
+                else:
+                    assert np.array_equal(pick.logits, out[-1:])
+                    assert sample_one(pick.logits[-1], p, ds).token == want
+                tokens.append(want)
+            batch = [StepInput(r, tokens=np.array([t])) for r, t in zip(ids, tokens)]
+        assert taken >= 12  # of 16 drawn rows: a row not taken is a tie at its k-th place (rare)
+        assert {(s.picks, s.best) for s in drawing.graphs.graphs} == {(True, True)}
+    finally:
+        drawing.close()
         forwarding.close()

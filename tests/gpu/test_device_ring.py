@@ -100,3 +100,31 @@ def test_a_ring_through_a_gpu_node_replays_a_stream_whose_last_node_is_killed(gp
         with capsys.disabled():
             same = text == "".join(e.text for e in reference)
             print(f"\n{gpu_env.name} + 2 CPU nodes, last killed after 12 events: replayed, text identical: {same}")
+
+
+def test_a_gpu_node_draws_a_seeded_top_k_request_from_its_best_logits_as_from_its_logits(gpu_env):
+    """A seeded request with Ollama's sampling defaults on a GPU node: its rows come back from the device as their
+    128 best logits (exo_sampling_drawn_total), and its text is the text of the same request with logprobs asked,
+    whose rows come back whole and go through the sampler as ever."""
+    from tests.support.metrics import scrape, value
+
+    params = {"max_tokens": 24, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 11}
+    with Cluster(
+        FIXTURES / "llama",
+        1,
+        model_id="llama",
+        engine="ggml",
+        per_node=[["--device", BACKEND]],
+        extra=["--threads", "2", "--quantize", "none"],
+    ) as c:
+        status, drawn = c.chat(QUESTION, **params)
+        assert status == 200, drawn
+        metrics = scrape(c.nodes[0].api_url)
+        status, whole = c.chat(QUESTION, logprobs=True, **params)
+        assert status == 200, whole
+        after = scrape(c.nodes[0].api_url)
+    tokens = drawn["usage"]["completion_tokens"]
+    assert value(metrics, "exo_sampling_drawn_total") >= tokens - 2  # the first token's row too (a tie: rare)
+    assert value(after, "exo_sampling_drawn_total") == value(metrics, "exo_sampling_drawn_total")
+    assert drawn["choices"][0]["message"]["content"] == whole["choices"][0]["message"]["content"]
+    assert tokens > 1 and whole["choices"][0]["logprobs"] is not None

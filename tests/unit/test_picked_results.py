@@ -1,14 +1,16 @@
 """What rows whose greedy tokens the engine picked emit (node/runtime/sample_rows.py `picked_results`): exactly what
 the sampler's verification gives greedy rows from their logits, a token for a lone row and, for a block with
-proposals, the drafts equal to their row's token and the token after them."""
+proposals, the drafts equal to their row's token and the token after them; and what a pass asks the engine for
+(`wants`)."""
 
 import numpy as np
 import pytest
 
 from node.core.step_plan import Row, Sampling, StepPlan
-from node.runtime.sample_rows import MalformedBatch, picked_results
+from node.runtime.sample_rows import MalformedBatch, picked_results, wants
 from shards.decoding.sampling import SampleResult, SamplerState, SamplingParams
 from shards.decoding.speculation import verify_blocks
+from shards.engines.picks import Draw
 from shards.model.shard import Shard
 from tests.support.factories import hidden
 
@@ -51,3 +53,24 @@ def test_rows_not_picked_are_left_to_the_sampler_and_a_wrong_count_of_tokens_is_
     assert picked_results(plan, {"b": (3,)}) == {"b": SampleResult(3)}
     with pytest.raises(MalformedBatch, match="2 picked tokens for a block of 3 rows"):
         picked_results(plan, {"a": (5, 6)})
+
+
+def test_a_pass_asks_greedy_rows_for_tokens_and_plain_top_k_rows_without_proposals_for_candidates():
+    ollama = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1)
+
+    def sampled(rid: str, params: SamplingParams, proposals: tuple[int, ...] = ()) -> Row:
+        return Row(rid, hidden(len(proposals) + 1), proposals=proposals, sample=Sampling(params, SamplerState()))
+
+    plan = StepPlan(
+        LAST,
+        None,
+        (
+            sampled("greedy", GREEDY),
+            sampled("greedy block", GREEDY, (5, 6)),
+            sampled("top-k", ollama),
+            sampled("top-k block", ollama, (5,)),  # verification reads every row's whole distribution
+            sampled("nucleus", SamplingParams(temperature=0.8, top_p=0.9)),
+            sampled("logprobs", SamplingParams(temperature=0.8, top_k=40, top_logprobs=1)),
+        ),
+    )
+    assert wants(plan) == {"greedy": True, "greedy block": True, "top-k": Draw(40, 0.8)}

@@ -43,11 +43,12 @@ from shards.engines.ggml.layout import Segment, layout, lines_after, lines_befor
 from shards.engines.ggml.lib import default_threads, g
 from shards.engines.ggml.next_row import LastRow, step_ahead
 from shards.engines.ggml.on_device import DeviceGraph, DevicePool, OnDevice
+from shards.engines.ggml.picks import has_top_k
 from shards.engines.ggml.sliding import SlidingWindows
 from shards.engines.ggml.threads import ThreadGovernor
 from shards.engines.ggml.weights import QUANTIZE_CHOICES, load_ggml_shard_weights
 from shards.engines.masks import CausalMasks
-from shards.engines.picks import Pick
+from shards.engines.picks import Draw, Pick, Want
 from shards.engines.registry import ATTENTION_CHOICES, FLOAT_MATMUL_CHOICES
 from shards.engines.runner import Runner
 from shards.formats.config import ModelConfig
@@ -178,14 +179,15 @@ class GgmlEngine(Engine):
     def nbytes(self) -> int:
         return sum(self.ops.nbytes(w) for w in self._weights.values())
 
-    def picked(self, batch: list[StepInput], wanted: list[bool], all_logits: bool) -> list[Pick]:
-        """`Engine.pick`, where the logits are: on a device by the step's graph's picking tail (ggml/picks.py), on
-        the CPU by numpy from the logits where the step left them (`Graph.run_picks`: faster than the tail's ggml
-        ops, a scalar argmax and a broadcast subtraction); only rows not picked bring their logits back."""
+    def picked(self, batch: list[StepInput], wanted: list[Want], all_logits: bool) -> list[Pick]:
+        """`Engine.pick`, where the logits are: on a device by the step's graph's picking tail (ggml/picks.py), a
+        drawn row's candidates too, on the CPU by numpy from the logits where the step left them (`Graph.run_picks`:
+        faster than the tail's ggml ops, a scalar argmax and a broadcast subtraction); only rows not picked bring
+        their logits back."""
         p = self.pack(batch)
         return self.computed(batch, p, lambda x, caches: self.runner.run(x, p, caches, all_logits, list(wanted)))
 
-    def ahead(self, batch: list[StepInput], wanted: list[bool] | None) -> Callable[[], list] | None:
+    def ahead(self, batch: list[StepInput], wanted: list[Want] | None) -> Callable[[], list] | None:
         """`Engine.ahead`: a lone decode row's step that follows the last one (ggml/next_row.py `step_ahead`)."""
         return step_ahead(self, batch, wanted)
 
@@ -225,6 +227,8 @@ class GraphRunner(Runner):
         self._row: LastRow | None = None  # the last step, where it was a lone row that may go on (next_row.py)
         self.next_rows = True  # False: every step laid out and filled in full (tests compare the two)
         self.next_row_steps = 0  # steps taken from the last one (next_row.py)
+        # drawn rows' candidates come from the graph's tail where the device has the kernel for it (ggml/picks.py)
+        self.top_k = engine.on is not None and engine.shard.is_last and has_top_k(engine.on.dev, self.config.vocab_size)
 
     @property
     def last(self) -> StepWork | None:
@@ -266,7 +270,7 @@ class GraphRunner(Runner):
         return layout(e.pool, output, p, caches, strided=e.on is None and self.sliding is None)
 
     def run(
-        self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool, picks: list[bool] | None = None
+        self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool, picks: list[Want] | None = None
     ) -> np.ndarray | list[Pick]:
         """A step of lone rows runs in the order of its requests' ranges in the pool (neighbours in the pool attend
         as one strided group: layout.py), its output rows handed back in the step's order; a row's numbers don't
@@ -286,7 +290,7 @@ class GraphRunner(Runner):
         return self.ordered(x, p, caches, all_logits, picks)
 
     def ordered(
-        self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool, picks: list[bool] | None = None
+        self, x: np.ndarray, p: Packing, caches: list[CellRange], all_logits: bool, picks: list[Want] | None = None
     ) -> np.ndarray | list[Pick]:
         e, n = self.engine, len(caches)
         if e.pool.generation != self.generation:  # the pool moved (it grew): every graph points at the old tensors
@@ -305,7 +309,8 @@ class GraphRunner(Runner):
             shape, segments = self.layout(p, caches, all_logits)
             if picks is not None:  # a device's graph picks in its tail; the CPU's picks on the host (Graph.run_picks)
                 expect(shape.output != "hidden", f"picks for {len(picks)} of {n} requests")
-                shape = dataclasses.replace(shape, picks=e.on is not None)
+                drawn = self.top_k and any(isinstance(w, Draw) for w in picks)
+                shape = dataclasses.replace(shape, picks=e.on is not None, best=drawn)
             graph = self.graphs.get(shape)
             self._last = (shape, p, graph is None)
             if graph is None:

@@ -44,7 +44,7 @@ from shards.engines.ggml.attention import ATTENTION_ROWS, score_block
 from shards.engines.ggml.backend import GgmlBackend
 from shards.engines.ggml.cells import CellPool
 from shards.engines.ggml.lib import F16, F32, I32, Context, GgmlError, cpu_buffer_type, g
-from shards.engines.picks import Pick, host_pick
+from shards.engines.picks import Pick, Want, host_pick
 from shards.model.transformer import ShardModel, Step
 
 WINDOW_STEP = 256  # spans of cells start and end on multiples of this (llama.cpp pads its KV view to 256 too)
@@ -84,6 +84,7 @@ class Shape:
     output: str  # "hidden" (not the last shard), "last" (chosen rows' logits) or "all" (every row's)
     outputs: int  # rows of logits for "last" (padded like rows), else 0
     picks: bool = False  # the graph also picks each logits row's greedy token (shards/engines/ggml/picks.py)
+    best: bool = False  # ... and takes each logits row's best ids and values, for drawn rows (the same)
 
     def __post_init__(self):
         if self.rows < 1 or self.output not in OUTPUTS or sum(gr.rows for gr in self.groups) != self.rows:
@@ -94,6 +95,8 @@ class Shape:
             raise ValueError(f"a strided group is 2+ flash rows over disjoint ranges: {self.groups}")
         if (self.output == "last") != (self.outputs > 0) or (self.picks and self.output == "hidden"):
             raise ValueError(f"a graph has chosen logits rows when its output is 'last', picks with logits: {self}")
+        if self.best and not self.picks:
+            raise ValueError(f"a graph takes drawn rows' candidates beside its picks: {self}")
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,7 @@ class Graph:
         # ~40 tensors per layer (measured 38 for Qwen3 with q/k norms), 10 per attention block and 14 per group and
         # layer (cache writes and views, gemm attention), 8 per group, MoE ~20 + top-k
         n = len(shape.groups)
-        self.ctx = Context(64 + 8 * n + layers * (96 + 10 * blocks + 14 * n), graph=True)
+        self.ctx = Context(80 + 8 * n + layers * (96 + 10 * blocks + 14 * n), graph=True)
         ops.ctx = self.ctx
         try:
             n_ints = (3 if first else 2) * rows
@@ -223,6 +226,7 @@ class Graph:
             step = Step(bounds, (0,) * len(shape.groups), positions, ops.rotary(positions), tuple(masks))
             out: GArray = ops.contiguous(model(x, step, kv, self.out_ids))
             self.picks = picks.tail(ops, out) if shape.picks else ()
+            self.best = picks.best_tail(ops, out) if shape.best else ()
         except BaseException:  # a failed build (context full, a shape check): its context's memory goes back now
             self.ctx.free()
             raise
@@ -235,7 +239,11 @@ class Graph:
         self._uploads = [(t, a.ctypes.data, a.nbytes) for t, a in host]
         self._output: np.ndarray | None = None  # `host_output`
         self.gf = self.ctx.graph()
-        for t in (out.t, *self.picks):  # the logits stay an output beside picks: a row not picked is read from them
+        for t in (
+            out.t,
+            *self.picks,
+            *self.best,
+        ):  # the logits stay an output beside picks: a row not picked is read from them
             g.ggml_set_output(t)
             g.ggml_build_forward_expand(self.gf, t)
         self.nodes = int(g.ggml_graph_n_nodes(self.gf))
@@ -267,7 +275,7 @@ class Graph:
         self,
         backend: int,
         hidden: np.ndarray | None,
-        wanted: list[bool],
+        wanted: list[Want],
         spans: list[tuple[int, int]],
     ) -> list[Pick]:
         """`run` with a pick for each request, over its logits rows [a, b) of `spans`: by the graph's tail where it
@@ -276,7 +284,7 @@ class Graph:
         as logits are copied out of it."""
         self.run_inputs(backend, hidden)
         if self.picks:
-            return picks.read(*self.picks, self.out, self.out_shape[-1], wanted, spans)
+            return picks.read(*self.picks, self.out, self.out_shape[-1], wanted, spans, self.best)
         logits = self.host_output()
         out = []
         for w, (a, b) in zip(wanted, spans):

@@ -25,6 +25,7 @@ from shards.engines.base import Engine, Packing, StepInput, check_input
 from shards.engines.ggml.cells import CellRange
 from shards.engines.ggml.graph import Graph, Shape
 from shards.engines.ggml.layout import Segment
+from shards.engines.picks import Want
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class LastRow:
         graph.masks_np[seg.group][seg.first, self.start - gr.lo - seg.first * gr.stride + self.position] = visible
 
 
-def step_ahead(engine: Engine, batch: list[StepInput], wanted: list[bool] | None) -> Callable[[], list] | None:
+def step_ahead(engine: Engine, batch: list[StepInput], wanted: list[Want] | None) -> Callable[[], list] | None:
     """The ggml engine's `Engine.ahead` (a GgmlEngine's), where the step is a lone row's next (`LastRow.next`): it
     is taken and filled now but for the row's token, which `go` sets; the runner remembers it, and the cache counts
     its position, only once `go` ran it. Until then the graph's inputs hold its position and cell, which no later
