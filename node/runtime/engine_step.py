@@ -129,7 +129,9 @@ def run_pass(
         outputs = {}
         _results(items, ahead.step(), outputs, picked, drawn)
     else:
-        outputs = _outputs(engine, items, every_row, (wants(plan) if sampler is not None else {}), picked, drawn)
+        outputs = _outputs(
+            engine, items, every_row, (wants(plan, engine.takes_best) if sampler is not None else {}), picked, drawn
+        )
     computed = time.perf_counter() - began
     samples, counts = {}, []
     if sampler is not None and plan.sampled_rows:
@@ -266,7 +268,7 @@ def lay_ahead(engine: Engine, plan: StepPlan, rows: tuple[str, ...], sampler: St
     items, refused = _inputs(engine, nxt)
     if refused:
         return None
-    asked = wants(nxt) if sampler is not None else {}
+    asked = wants(nxt, engine.takes_best) if sampler is not None else {}
     wanted = [asked.get(i.request_id, False) for i in items]
     call = None if any(r.every_row for r in nxt.rows) else engine.ahead(items, wanted if any(wanted) else None)
     return Ahead(nxt, buffers, tuple(items), call, cfg)

@@ -58,6 +58,12 @@ class Engine(ABC):
     # last node's sampling batcher falls back to `sample_one` per request for its rows.
     batched_sampling: bool = True
 
+    @property
+    def takes_best(self) -> bool:
+        """Whether `pick` hands a `Draw`'s row back as its candidates (a device's graph tail), not its logits: only
+        then does a pass ask for them (node/runtime/sample_rows.py `wants`)."""
+        return False
+
     def __init__(self, model_dir: str | Path, shard: Shard, config: ModelConfig | None = None):
         self.config = config or load_config(model_dir)
         self.shard = shard

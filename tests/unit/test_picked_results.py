@@ -55,7 +55,7 @@ def test_rows_not_picked_are_left_to_the_sampler_and_a_wrong_count_of_tokens_is_
         picked_results(plan, {"a": (5, 6)})
 
 
-def test_a_pass_asks_greedy_rows_for_tokens_and_plain_top_k_rows_without_proposals_for_candidates():
+def test_a_pass_asks_greedy_rows_for_tokens_and_plain_top_k_rows_without_proposals_for_candidates_where_taken():
     ollama = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1)
 
     def sampled(rid: str, params: SamplingParams, proposals: tuple[int, ...] = ()) -> Row:
@@ -73,4 +73,5 @@ def test_a_pass_asks_greedy_rows_for_tokens_and_plain_top_k_rows_without_proposa
             sampled("logprobs", SamplingParams(temperature=0.8, top_k=40, top_logprobs=1)),
         ),
     )
-    assert wants(plan) == {"greedy": True, "greedy block": True, "top-k": Draw(40, 0.8)}
+    assert wants(plan, best=True) == {"greedy": True, "greedy block": True, "top-k": Draw(40, 0.8)}
+    assert wants(plan, best=False) == {"greedy": True, "greedy block": True}  # an engine that takes none

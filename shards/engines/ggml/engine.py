@@ -187,6 +187,10 @@ class GgmlEngine(Engine):
         p = self.pack(batch)
         return self.computed(batch, p, lambda x, caches: self.runner.run(x, p, caches, all_logits, list(wanted)))
 
+    @property
+    def takes_best(self) -> bool:
+        return self.runner.top_k
+
     def ahead(self, batch: list[StepInput], wanted: list[Want] | None) -> Callable[[], list] | None:
         """`Engine.ahead`: a lone decode row's step that follows the last one (ggml/next_row.py `step_ahead`)."""
         return step_ahead(self, batch, wanted)
