@@ -3,9 +3,10 @@
 
 A body is translated into the OpenAI chat body and parsed by the same code (node/http/chat.py), so it is
 generated, constrained and refused exactly as /v1/chat/completions is; errors are Ollama's `{"error": "..."}`
-with a 4xx. Ollama's options map onto sampling; options about Ollama's own runtime (num_ctx, num_gpu, keep_alive,
-...) have no meaning here and are ignored, as Ollama ignores unknown ones; sampling we cannot do (penalties,
-mirostat) is refused.
+with a 4xx. Ollama's options map onto sampling, and an option a request leaves out takes Ollama's own default
+(`DEFAULTS`), not the OpenAI API's: a client that names none samples as it would from Ollama. Options about
+Ollama's own runtime (num_ctx, num_gpu, keep_alive, ...) have no meaning here and are ignored, as Ollama ignores
+unknown ones; sampling we cannot do (mirostat, typical_p, tfs_z) is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from aiohttp import web
 from node.http import chat
 from node.http.chat import CallOut, ChatApi, Event, Finished, TextOut
 from node.http.schema import ApiError, ChatRequest, bad, read_json
+from shards.decoding.penalties import MAX_PENALTY_WINDOW
 
 PATHS = ("/api/",)
 VERSION = "0.6.3"  # the Ollama release whose API this follows (clients check it for features)
@@ -41,6 +43,15 @@ SAMPLING = {
         "frequency_penalty",
     )
 }
+# What Ollama samples with where a request leaves an option out (its api.DefaultOptions): a client that names no
+# option (Open WebUI, `ollama.chat(...)`) expects these, not the OpenAI API's temperature 1 over the whole
+# vocabulary. Not its repeat_penalty 1.1: Ollama's own engine, which runs current models, never applies it
+# (ollama/ollama#15783), and over a prompt's tail it works against what a tool call must repeat (the tool loop of
+# tests/cluster/test_clients.py found no call in 8 seeds with it). A model's Modelfile parameters come on top
+# there; a GGUF here brings none.
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+RANDOM_SEED = -1  # Ollama's `seed` -1 (its default): no seed, a new draw each request
+WHOLE_CONTEXT = -1  # Ollama's `repeat_last_n` -1: the whole context; here the longest window there is
 NEUTRAL = {  # options we cannot honour, allowed only at the value that changes nothing
     "mirostat": 0,
     "typical_p": 1.0,
@@ -61,6 +72,10 @@ def _error_line(e: ApiError) -> bytes:
 
 
 # -- requests -> ChatRequest ------------------------------------------------------------------------------------
+def _is_int(value: Any, n: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value == n
+
+
 def _options(body: dict[str, Any]) -> dict[str, Any]:
     """The OpenAI fields that `options` (and `format`, `think`, `logprobs`) say."""
     options = {} if body.get("options") is None else body["options"]
@@ -69,7 +84,12 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     for key, neutral in NEUTRAL.items():
         if options.get(key) not in (None, neutral):
             raise bad(f"options.{key}", f"'options.{key}' is not supported (only {neutral})")
-    out = {SAMPLING[k]: v for k, v in options.items() if k in SAMPLING}
+    given = {SAMPLING[k]: v for k, v in options.items() if k in SAMPLING and v is not None}
+    if _is_int(given.get("seed"), RANDOM_SEED):
+        del given["seed"]
+    if _is_int(given.get("repeat_last_n"), WHOLE_CONTEXT):
+        given["repeat_last_n"] = MAX_PENALTY_WINDOW
+    out = DEFAULTS | given
     n = options.get("num_predict")
     if n is not None and n not in (-1, -2):  # -1 / -2: as long as the node allows
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

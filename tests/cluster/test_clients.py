@@ -84,8 +84,10 @@ def test_ollama_two_step_tool_loop(url):
         {"role": "assistant", "content": "It is 20 degrees and cloudy in Rome."},
         {"role": "user", "content": "What is the weather in Berlin?"},
     ]
+    # the whole vocabulary at temperature 1 (not Ollama's defaults, under which this small model answers in text)
+    sampling = {"num_predict": 60, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     for seed in range(8):
-        first = client.chat(model=MODEL, messages=conversation, tools=tools, options={"num_predict": 60, "seed": seed})
+        first = client.chat(model=MODEL, messages=conversation, tools=tools, options=sampling | {"seed": seed})
         if first.message.tool_calls:
             break
     (call,) = first.message.tool_calls

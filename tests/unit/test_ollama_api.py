@@ -10,6 +10,7 @@ from node.http.api import ApiSettings
 from node.http.chat import CallOut, Finished, TextOut
 from node.http.schema import ApiError
 from node.http.tools import ToolCall
+from shards.decoding.penalties import MAX_PENALTY_WINDOW
 from tests.support.dialects import exchange
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -42,6 +43,48 @@ def test_penalty_options_map_onto_the_samplers_penalties():
         0.25,
         0.05,
     )
+
+
+OLLAMAS_DEFAULTS = (0.8, 40, 0.9, 1.0, 64, None)  # temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed
+
+
+def sampled_as(sampling) -> tuple:
+    s = sampling
+    return (s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.penalty_last_n, s.seed)
+
+
+@pytest.mark.parametrize("options", [None, {}, {"temperature": None, "top_k": None, "seed": None}, {"num_ctx": 8192}])
+def test_a_request_naming_no_option_samples_with_ollamas_defaults_not_the_openai_apis(options):
+    """Ollama's api.DefaultOptions, as a client that names nothing (Open WebUI, `ollama.chat`) gets from Ollama:
+    temperature 0.8, top_k 40, top_p 0.9, no seed; no repeat penalty, as Ollama's own engine applies none. Not
+    temperature 1 over the whole vocabulary (the OpenAI API's defaults); an option sent as null is one left out."""
+    body = {"model": "m", "messages": ASK} | ({} if options is None else {"options": options})
+    chat, _ = ollama.parse_chat(body)
+    generate, _ = ollama.parse_generate(
+        {"model": "m", "prompt": "hi"} | ({} if options is None else {"options": options})
+    )
+    assert sampled_as(chat.options.sampling) == sampled_as(generate.options.sampling) == OLLAMAS_DEFAULTS
+    assert chat.options.sampling.min_p == 0 and chat.options.sampling.presence_penalty == 0
+
+
+@pytest.mark.parametrize(
+    "option, value, at",
+    [("temperature", 0, 0), ("top_k", 0, 1), ("top_p", 1.0, 2), ("repeat_penalty", 1.1, 3), ("repeat_last_n", 0, 4)],
+)
+def test_an_option_given_replaces_its_default_alone(option, value, at):
+    req, _ = ollama.parse_chat({"model": "m", "messages": ASK, "options": {option: value}})
+    expected = list(OLLAMAS_DEFAULTS)
+    expected[at] = value
+    assert sampled_as(req.options.sampling) == tuple(expected)
+
+
+def test_seed_minus_one_draws_afresh_and_repeat_last_n_minus_one_is_the_longest_window():
+    """Ollama's -1s: `seed` -1 (its default) is no seed, so two requests draw differently; `repeat_last_n` -1 is
+    the whole context there, the longest window (4,096 tokens) here. Any other seed is a seed."""
+    req, _ = ollama.parse_chat({"model": "m", "messages": ASK, "options": {"seed": -1, "repeat_last_n": -1}})
+    assert req.options.sampling.seed is None and req.options.sampling.penalty_last_n == MAX_PENALTY_WINDOW == 4096
+    req, _ = ollama.parse_chat({"model": "m", "messages": ASK, "options": {"seed": 0}})
+    assert req.options.sampling.seed == 0
 
 
 @pytest.mark.parametrize("n", [-1, -2])
@@ -133,7 +176,7 @@ HOSTILE = [
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"num_predict": 10**9}}),
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"stop": [1]}}),
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"repeat_penalty": 0}}),
-    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"repeat_last_n": -1}}),
+    ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"repeat_last_n": -2}}),
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"min_p": 1.5}}),
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"mirostat": 2}}),
     ("POST", "/api/chat", {"model": "llama", "messages": ASK, "options": {"seed": 1.5}}),
