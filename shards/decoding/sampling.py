@@ -19,9 +19,9 @@ from shards.decoding import penalties
 from shards.decoding.grammar import Constraint, Matcher
 
 MAX_TOP_LOGPROBS = 20
-# top-p first looks for the nucleus among this many most likely tokens; it sorts the whole row only when
-# they don't reach top_p (a nearly flat distribution).
-_NUCLEUS_PRESELECT = 1024
+# top-p looks for the nucleus among this many most likely tokens, then this many, and sorts the whole row only
+# when they don't reach top_p (a nearly flat distribution).
+_NUCLEUS_PRESELECT = (1024, 8192)
 # the best k ids are looked for among the ids scoring at least the k-th best of every this-many-th score
 _SAMPLE_STRIDE = 16
 
@@ -223,8 +223,10 @@ def _draw(scaled: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> in
 def _nucleus(scaled: np.ndarray, probs: np.ndarray, top_p: float) -> np.ndarray:
     """The shortest best-first prefix of ids whose probability mass reaches top_p (the crossing id included)."""
     target = top_p * probs.sum(dtype=np.float64)
-    if len(scaled) > _NUCLEUS_PRESELECT:  # usual case: a peaked distribution, the nucleus is among a few best
-        ids = _best_ids(scaled, _NUCLEUS_PRESELECT)
+    for k in _NUCLEUS_PRESELECT:  # usual case: a peaked distribution, the nucleus is among a few best
+        if len(scaled) <= 2 * k:
+            break
+        ids = _best_ids(scaled, k)  # the row's best-first prefix: the same masses, summed in the same order
         mass = np.cumsum(probs[ids], dtype=np.float64)
         if mass[-1] >= target:
             return ids[: int(np.searchsorted(mass, target, side="left")) + 1]

@@ -1,5 +1,6 @@
-"""The sampler's shortcuts change no token: the k best ids are looked for among a prefiltered few (`_best_ids`), and a
-top-k draw computes probabilities for its survivors only (`_draw`). Specified against the plain definitions: every
+"""The sampler's shortcuts change no token: the k best ids are looked for among a prefiltered few (`_best_ids`), a
+top-p nucleus among the best 1,024 then 8,192 before the whole row is sorted (`_nucleus`), and a top-k draw computes
+probabilities for its survivors only (`_draw`). Specified against the plain definitions: every
 id ranked, every probability computed."""
 
 import numpy as np
@@ -57,7 +58,9 @@ def rows(kind: int, seed: int) -> np.ndarray:
         return (rng.standard_normal((3, VOCAB)) * 3).astype(np.float32)
     if kind == 1:  # coarse: many ties, at the k-th best too
         return (np.round(rng.standard_normal((3, VOCAB)) * 2) / 2).astype(np.float32)
-    return (rng.standard_normal((3, VOCAB)) * 0.3).astype(np.float32)  # flat: a wide nucleus
+    if kind == 2:
+        return (rng.standard_normal((3, VOCAB)) * 0.3).astype(np.float32)  # flat: a wide nucleus
+    return (rng.standard_normal((3, VOCAB)) * 2).astype(np.float32)  # between: nuclei of 1k to 14k ids
 
 
 @settings(max_examples=200, deadline=None)
@@ -80,7 +83,7 @@ def test_the_k_best_of_a_vocabulary_with_ties_at_the_kth_are_the_definitions():
 
 def test_seeded_draws_are_the_definitions_under_every_filter():
     for si, s in enumerate(SETTINGS):
-        for kind in range(3):
+        for kind in range(4):
             params = [SamplingParams(seed=10 * si + r, **s) for r in range(3)]
             states = [SamplerState.from_seed(p.seed) for p in params]
             refs = [np.random.default_rng(p.seed) for p in params]
