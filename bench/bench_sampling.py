@@ -3,9 +3,11 @@
     uv run python -m bench.bench_sampling
 
 Measures the numpy sampler directly (sample_rows on [8, vocab] vs 8 x sample_one) and through the
-SamplingBatcher (batching on vs --sample-batch-max 1), for vocab sizes 32k and 152k; for a top-k row, also the draw
-from the row's 128 best logits a GPU node's graph hands back instead of the row (`sample_best`, shards/engines/
-picks.py), the candidates made once beforehand as the device makes them.
+SamplingBatcher (batching on vs --sample-batch-max 1), for vocab sizes 32k and 152k; for a top-k row (or a greedy
+or top-k row with penalties that only lower logits), also the host's part of a draw from the row's 128 best logits
+a GPU node's graph hands back instead of the row: `best_of`'s checks (and the bias and penalties applied to the
+candidates) and `sample_best` (shards/engines/picks.py), the device's part (its top-k, the lowest and the count
+above it) made once beforehand.
 """
 
 from __future__ import annotations
@@ -19,23 +21,22 @@ import numpy as np
 from node.runtime.sampling_batcher import SampleItem, SamplingBatcher
 from shards.decoding.sampling import SamplerState, SamplingParams, sample_best, sample_one, sample_rows
 from shards.engines.numpy_engine import NumpyEngine
-from shards.engines.picks import BEST, Best, Draw, best_of
+from shards.engines.picks import BEST, Draw, best_of
 from shards.model.shard import Shard
 
 N = 8
+CONTEXT = tuple(range(100, 164))
 KINDS = {
     "greedy": lambda i: SamplingParams(temperature=0.0),
     "temp0.8,top_p0.95": lambda i: SamplingParams(temperature=0.8, top_p=0.95, seed=i),
     "temp0.7,top_k40": lambda i: SamplingParams(temperature=0.7, top_k=40, seed=i),
     "ollama": lambda i: SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=i),
+    # with llama-server's repeat_penalty over a 64-token window the prompt's tail starts
+    "ollama,repeat1.1": lambda i: SamplingParams(
+        temperature=0.8, top_k=40, top_p=0.9, seed=i, repetition_penalty=1.1, penalty_context=CONTEXT
+    ),
+    "greedy,repeat1.1": lambda i: SamplingParams(temperature=0.0, repetition_penalty=1.1, penalty_context=CONTEXT),
 }
-
-
-def candidates(row: np.ndarray, draw: Draw) -> Best | None:
-    """The row's 128 best, as a GPU node's graph tail hands them back and `best_of` takes them."""
-    ids = np.argpartition(row, len(row) - BEST)[len(row) - BEST :]
-    low = float(row[ids].min())
-    return best_of(ids, row[ids], len(row), low, float(np.count_nonzero(row > low)), float(row.sum()), draw)
 
 
 def _engine() -> NumpyEngine:
@@ -69,6 +70,14 @@ async def through_batcher(logits, params, max_batch: int, reps: int) -> float:
     return (time.perf_counter() - t) / reps / N * 1e6
 
 
+def device_claim(row: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """The row's 128 best (in no order), their values, the lowest and the count above it: what a GPU node's graph
+    tail hands back (shards/engines/ggml/picks.py `best_tail`)."""
+    ids = np.argpartition(row, len(row) - BEST)[len(row) - BEST :]
+    low = float(row[ids].min())
+    return ids, row[ids], low, float(np.count_nonzero(row > low))
+
+
 def main() -> None:
     print(
         f"{'vocab':>7} {'params':>18} | {'batched':>9} {'per-req':>9} | {'batcher on':>10} {'batcher off':>11} |"
@@ -85,13 +94,16 @@ def main() -> None:
             on = asyncio.run(through_batcher(logits, params, 8, reps))
             off = asyncio.run(through_batcher(logits, params, 1, reps))
             drawn = "-"
-            if all(Draw.of(p) for p in params):
-                best = [candidates(logits[i], Draw.of(params[i])) for i in range(N)]
-                if all(b is not None for b in best):
-                    us = per_token_us(
-                        lambda: [sample_best(b.ids, b.values, p, s) for b, p, s in zip(best, params, states)], reps
-                    )
-                    drawn = f"{us:.0f}"
+            if all(Draw.of(p) for p in params):  # the host's part: the candidates checked (and lowered), drawn
+                claims = [device_claim(row) for row in logits]
+
+                def from_best():
+                    for (top, values, low, above), p, s in zip(claims, params, states):
+                        draw = Draw.of(p, tuple(s.window(p)) if p.penalized else ())
+                        best = best_of(top, values, vocab, low, above, 0.0, draw)
+                        sample_best(best.ids, best.values, p, s)
+
+                drawn = f"{per_token_us(from_best, reps):.0f}"
             print(f"{vocab:>7} {kind:>18} | {batched:9.0f} {single:9.0f} | {on:10.0f} {off:11.0f} | {drawn:>9}")
 
 

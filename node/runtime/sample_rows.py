@@ -208,16 +208,21 @@ def picked_results(plan: StepPlan, picked: Mapping[str, tuple[int, ...]]) -> dic
 def wants(plan: StepPlan, best: bool) -> dict[str, Want]:
     """What a pass asks of the engine for its sampled rows beside their logits: a greedy row's tokens, picked where
     its logits are (`pickable`), and where the engine takes them (`best`: `Engine.takes_best`) a top-k row's
-    candidates (`Draw.of`, a row with no proposals to verify, which reads every row's distribution):
-    shards/engines/picks.py."""
+    candidates, or a greedy one's whose bias and penalties only lower logits (`Draw.of`, a row with no proposals
+    to verify, which reads every row's distribution): shards/engines/picks.py."""
     out: dict[str, Want] = {}
     for row in plan.sampled_rows:
         params = row.sample.params
         if params.pickable:
             out[row.request_id] = True
-        elif best and not row.proposals and (draw := Draw.of(params)) is not None:
+        elif best and not row.proposals and (draw := Draw.of(params, _window(row.sample))) is not None:
             out[row.request_id] = draw
     return out
+
+
+def _window(sample) -> tuple[int, ...]:
+    """The penalties' window of a sampled row's state, as the plan froze it (empty where nothing is penalized)."""
+    return tuple(sample.state.window(sample.params)) if sample.params.penalized else ()
 
 
 def refusal(item: SampleItem) -> str | None:

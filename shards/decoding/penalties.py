@@ -90,3 +90,42 @@ def apply(row: np.ndarray, params, window: Sequence[int]) -> np.ndarray:
         x -= counts.astype(np.float32) * np.float32(params.frequency_penalty) + np.float32(params.presence_penalty)
         out[ids] = x
     return out
+
+
+def lowers_only(params) -> bool:
+    """Whether the bias and penalties can only lower a logit, never raise one: every bias <= 0, repetition_penalty
+    >= 1, frequency and presence penalties >= 0 (as float32, as `apply` computes; each step's rounding is monotone,
+    so a lowered value never rounds above the raw one). Such a row's best values after them are among its best raw
+    values and those it lowered (shards/engines/picks.py `best_of`)."""
+    if any(b > 0 for _, b in params.logit_bias):
+        return False
+    return not penalizes(params) or (
+        params.repetition_penalty >= 1 and params.frequency_penalty >= 0 and params.presence_penalty >= 0
+    )
+
+
+def apply_at(ids: np.ndarray, values: np.ndarray, params, window: Sequence[int]) -> np.ndarray:
+    """`apply` at some of a row's ids only: `values` are the row's values at `ids` (increasing). The same float32
+    operations, element by element, as `apply` performs on the whole row, so the same numbers at those ids; ids the
+    bias or the window name outside `ids` are not computed."""
+    out = np.array(values, dtype=np.float32)
+    if params.logit_bias:
+        named = np.fromiter((t for t, _ in params.logit_bias), dtype=np.int64)
+        at, here = _positions(ids, named)
+        out[at] += np.fromiter((b for _, b in params.logit_bias), dtype=np.float32)[here]
+    if penalizes(params) and len(window):
+        named, counts = np.unique(np.fromiter(window, dtype=np.int64), return_counts=True)
+        at, here = _positions(ids, named)
+        x, rep = out[at], np.float32(params.repetition_penalty)
+        x = np.where(x <= 0, x * rep, x / rep)
+        lower = counts[here].astype(np.float32) * np.float32(params.frequency_penalty)
+        x -= lower + np.float32(params.presence_penalty)
+        out[at] = x
+    return out
+
+
+def _positions(ids: np.ndarray, named: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of `named` (increasing) that is among `ids` (increasing) lies in `ids`, and which of `named` those are."""
+    at = np.minimum(np.searchsorted(ids, named), len(ids) - 1)
+    here = ids[at] == named
+    return at[here], here

@@ -172,20 +172,28 @@ def sample_one(logits: np.ndarray, params: SamplingParams, state: SamplerState) 
 
 
 def sample_best(ids: np.ndarray, values: np.ndarray, params: SamplingParams, state: SamplerState) -> SampleResult:
-    """A top-k row's token from candidates: `ids`, increasing, and their logits, holding every id that could reach
-    the row's top k (shards/engines/picks.py `best_of`). The same draw as `sample_rows` over the whole row, bit for
-    bit: the candidates scaled as the row's values are, ranked with ties by id as the row's are (their positions are
-    in id order), the same one uniform drawn."""
+    """A row's token from candidates: `ids`, increasing, and their logits after the row's bias and penalties,
+    holding every id that could reach the row's top k (its maximum, greedy) (shards/engines/picks.py `best_of`).
+    The same token as `sample_rows` over the whole row, bit for bit: the candidates scaled as the row's values are,
+    ranked with ties by id as the row's are (their positions are in id order), the same one uniform drawn (none
+    for a greedy row: the lowest id among equal maxima); the token joins the penalties' window as there."""
     if (
-        params.greedy
-        or not 0 < params.top_k < len(ids)
-        or params.processed
+        not (params.greedy and params.processed or 0 < params.top_k < len(ids))
         or params.top_logprobs is not None
         or params.constraint
     ):
-        raise ValueError(f"a row drawn from {len(ids)} candidates is sampled with top_k below that and nothing else")
-    scaled = np.asarray(values, dtype=np.float32) / np.float32(params.temperature)
-    return SampleResult(int(ids[_draw(scaled, params, state.rng)]))
+        raise ValueError(
+            f"a row drawn from {len(ids)} candidates is a top-k row under that or a processed greedy one, with no "
+            "logprobs or grammar"
+        )
+    if params.greedy:
+        token = int(ids[int(np.argmax(values))])  # the first maximum: ids increase
+    else:
+        scaled = np.asarray(values, dtype=np.float32) / np.float32(params.temperature)
+        token = int(ids[_draw(scaled, params, state.rng)])
+    if params.penalized:
+        state.window(params).append(token)
+    return SampleResult(token)
 
 
 def _draw(scaled: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shards.decoding import penalties
 from shards.decoding.sampling import SamplingParams
 
 BEST = 128  # a drawn row's candidates: its 128 best logits, for a top_k up to 127
@@ -26,29 +27,48 @@ BEST = 128  # a drawn row's candidates: its 128 best logits, for a top_k up to 1
 @dataclass(frozen=True)
 class Draw:
     """What a sampled row asks of a picking step: its `top_k` best logits, to be scaled by `temperature` (`Draw.of`:
-    a row the sampler draws from those alone)."""
+    a row the sampler draws from those alone). `processed`: the row's parameters where a bias or penalties that can
+    only lower logits apply first (penalties.lowers_only), over its sampler's `window` as the plan froze it; top_k 1
+    is such a greedy row (a plain greedy row is picked by its argmax instead)."""
 
     top_k: int
     temperature: float
+    processed: SamplingParams | None = None
+    window: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not (isinstance(self.top_k, int) and 2 <= self.top_k < BEST):
-            raise ValueError(f"a drawn row's top_k is in [2, {BEST}), got {self.top_k!r}")
+        if not (isinstance(self.top_k, int) and (1 if self.processed else 2) <= self.top_k < BEST):
+            raise ValueError(f"a drawn row's top_k is in [2, {BEST}) (1: a processed greedy row), got {self.top_k!r}")
         if not (isinstance(self.temperature, float) and math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(f"a drawn row's temperature is a finite float > 0, got {self.temperature!r}")
+        if self.processed is not None and not penalties.lowers_only(self.processed):
+            raise ValueError("a drawn row's bias and penalties only lower logits (penalties.lowers_only)")
 
     @classmethod
-    def of(cls, params: SamplingParams) -> Draw | None:
+    def of(cls, params: SamplingParams, window: tuple[int, ...] = ()) -> Draw | None:
         """The draw of a row sampled with `params` where its token depends on its top_k best logits alone: not
-        greedy, 2 <= top_k < BEST, no bias, penalties, grammar or logprobs (those read the whole row); else None."""
-        if params.greedy or not 2 <= params.top_k < BEST or params.processed or params.constraint is not None:
+        greedy, 2 <= top_k < BEST, or greedy with a bias or penalties (top_k 1); a bias and penalties only where
+        they can only lower logits (`window`: its sampler's, for penalties); no grammar or logprobs (those read
+        the whole row); else None."""
+        if params.constraint is not None or params.top_logprobs is not None:
             return None
-        return None if params.top_logprobs is not None else cls(params.top_k, float(params.temperature))
+        processed = params if params.processed else None
+        if processed is not None and not penalties.lowers_only(params):
+            return None
+        window = tuple(window) if processed is not None and params.penalized else ()
+        if params.greedy:
+            return cls(1, 1.0, processed, window) if processed is not None else None
+        return cls(params.top_k, float(params.temperature), processed, window) if 2 <= params.top_k < BEST else None
+
+    def lowered(self, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """The candidates' values as the sampler sees them: after the row's bias and penalties, if any."""
+        return values if self.processed is None else penalties.apply_at(ids, values, self.processed, self.window)
 
 
 @dataclass(frozen=True)
 class Best:
-    """A drawn row's candidates: ids, increasing, and their logits, holding every id the row's draw could take."""
+    """A drawn row's candidates: ids, increasing, and their logits as the sampler sees them (after a processed
+    draw's bias and penalties), holding every id the row's draw could take."""
 
     ids: np.ndarray  # int64 [n]
     values: np.ndarray  # float32 [n]
@@ -75,13 +95,15 @@ def best_of(ids: np.ndarray, values: np.ndarray, vocab: int, low: float, above: 
         return None
     if low != values.min() or above != np.count_nonzero(values > low):  # an id above the lowest was left out
         return None
-    # every id left out is at most `low`, so scales to at most the lowest candidate's scaled value (the division
-    # rounds monotonically): that must lie strictly under the k-th best scaled value
-    scaled = values / np.float32(draw.temperature)
-    if not scaled.min() < np.partition(scaled, len(scaled) - draw.top_k)[len(scaled) - draw.top_k]:
-        return None
     order = np.argsort(ids)
-    return Best(ids[order], values[order])
+    ids, values = ids[order], draw.lowered(ids[order], values[order])
+    # every id left out is at most `low` (a bias or penalties only lower it further), so scales to at most `low`'s
+    # scaled value (the division rounds monotonically): that must lie strictly under the k-th best scaled value
+    t = np.float32(draw.temperature)
+    scaled = values / t
+    if not np.float32(low) / t < np.partition(scaled, len(scaled) - draw.top_k)[len(scaled) - draw.top_k]:
+        return None
+    return Best(ids, values)
 
 
 @dataclass(frozen=True)

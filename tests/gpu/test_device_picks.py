@@ -96,3 +96,42 @@ def test_a_top_k_row_on_the_device_is_drawn_from_its_best_logits_as_from_the_row
     finally:
         drawing.close()
         forwarding.close()
+
+
+def test_a_row_whose_bias_and_penalties_only_lower_logits_is_drawn_on_the_device_as_from_the_row(gpu):
+    """A greedy or top-k row with a repetition penalty, a presence penalty and banned tokens (which only lower its
+    logits: penalties.lowers_only) is drawn from its 128 best too: the bias and penalties applied to them on the
+    host over the window the plan froze, its token and its growing window those of the whole row's."""
+    drawing, forwarding = device_engine(gpu.name), device_engine(gpu.name)
+    penalties = dict(repetition_penalty=1.3, presence_penalty=0.5, penalty_last_n=8)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=((7, -100.0), (9, -2.0)), **penalties),
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=5, **penalties),
+    ]
+    ids = ["greedy", "top-k"]
+    drawn_states = [SamplerState.from_seed(p.seed) for p in params]
+    row_states = [SamplerState.from_seed(p.seed) for p in params]
+    rng = np.random.default_rng(6)
+    batch = [StepInput(r, tokens=rng.integers(3, 400, 5)) for r in ids]
+    taken = 0
+    try:
+        for _ in range(10):
+            wanted = [Draw.of(p, tuple(s.window(p))) for p, s in zip(params, drawn_states)]
+            assert all(isinstance(w, Draw) and w.processed is not None for w in wanted)
+            picks, outs = drawing.pick(batch, wanted), forwarding.forward(batch)
+            tokens = []
+            for pick, out, p, ds, rs in zip(picks, outs, params, drawn_states, row_states):
+                want = sample_one(out[-1], p, rs).token
+                got = (
+                    sample_best(pick.best.ids, pick.best.values, p, ds)
+                    if pick.best is not None
+                    else sample_one(pick.logits[-1], p, ds)
+                )
+                taken += pick.best is not None
+                assert got.token == want and list(ds.window(p)) == list(rs.window(p))
+                tokens.append(want)
+            batch = [StepInput(r, tokens=np.array([t])) for r, t in zip(ids, tokens)]
+        assert taken >= 16  # of 20
+    finally:
+        drawing.close()
+        forwarding.close()

@@ -102,13 +102,23 @@ def test_a_ring_through_a_gpu_node_replays_a_stream_whose_last_node_is_killed(gp
             print(f"\n{gpu_env.name} + 2 CPU nodes, last killed after 12 events: replayed, text identical: {same}")
 
 
-def test_a_gpu_node_draws_a_seeded_top_k_request_from_its_best_logits_as_from_its_logits(gpu_env):
-    """A seeded request with Ollama's sampling defaults on a GPU node: its rows come back from the device as their
-    128 best logits (exo_sampling_drawn_total), and its text is the text of the same request with logprobs asked,
-    whose rows come back whole and go through the sampler as ever."""
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.8, "top_k": 40, "top_p": 0.9},  # Ollama's defaults
+        {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1},  # llama-server's
+        {"temperature": 0.0, "repeat_penalty": 1.3, "presence_penalty": 0.5, "logit_bias": {"7": -100}},
+    ],
+    ids=["top-k", "top-k penalized", "greedy penalized"],
+)
+def test_a_gpu_node_draws_a_seeded_top_k_request_from_its_best_logits_as_from_its_logits(gpu_env, sampling):
+    """A seeded request with Ollama's sampling defaults on a GPU node, with a repetition penalty too, or greedy
+    with penalties and a banned token: its rows come back from the device as their 128 best logits
+    (exo_sampling_drawn_total), and its text is the text of the same request with logprobs asked, whose rows come
+    back whole and go through the sampler as ever."""
     from tests.support.metrics import scrape, value
 
-    params = {"max_tokens": 24, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 11}
+    params = {"max_tokens": 24, "seed": 11, **sampling}
     with Cluster(
         FIXTURES / "llama",
         1,

@@ -1,7 +1,8 @@
 """A top-k row drawn from its best logits (shards/engines/picks.py `Draw`, `best_of`; shards/decoding/sampling.py
 `sample_best`): where the candidates are taken, the draw is the sampler's draw over the whole row, bit for bit and
 with the same one uniform; where a left-out token could reach the top k, or the device's claim fails a check, they
-are not taken and the row is sampled from its logits."""
+are not taken and the row is sampled from its logits. So is a top-k or greedy row whose bias and penalties can only
+lower logits: applied to the candidates, they give the whole row's token, and its window grows the same."""
 
 import numpy as np
 import pytest
@@ -64,6 +65,88 @@ def test_a_row_drawn_from_its_candidates_draws_what_the_whole_row_draws(
         assert drawn == whole
 
 
+def both_processed(row: np.ndarray, params: SamplingParams, seed: int, steps: int = 4):
+    """`steps` seeded tokens over the whole row and, while each step's candidates are taken (after its bias and its
+    penalties over the window the steps before grew), from them; None where a step's were not taken."""
+    whole, state = [], SamplerState.from_seed(seed)
+    for _ in range(steps):
+        whole.append(sample_one(row, params, state).token)
+    drawn, state = [], SamplerState.from_seed(seed)
+    for _ in range(steps):
+        draw = Draw.of(params, tuple(state.window(params)) if params.penalized else ())
+        best = None if draw is None else candidates(row, draw)  # (None: a plain greedy row, picked by its argmax)
+        if best is None:
+            return whole, None
+        drawn.append(sample_best(best.ids, best.values, params, state).token)
+    return whole, drawn
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    temperature=st.sampled_from([0.0, 0.3, 0.8, 1.0, 2.0]),
+    top_k=st.integers(2, BEST - 1),
+    repetition=st.sampled_from([1.0, 1.1, 1.5, 10.0]),
+    frequency=st.sampled_from([0.0, 0.25, 2.0]),
+    presence=st.sampled_from([0.0, 0.5, 2.0]),
+    banned=st.integers(0, 5),
+    grid=st.sampled_from([0.0, 0.5]),
+)
+def test_a_row_whose_bias_and_penalties_only_lower_logits_draws_what_the_whole_row_draws(
+    seed, temperature, top_k, repetition, frequency, presence, banned, grid
+):
+    """Greedy and top-k rows; the best tokens in the window (the prompt's tail: each is penalized, some fall under
+    others) and some biased down to -100 or by less."""
+    rng = np.random.default_rng(seed)
+    row = (rng.standard_normal(VOCAB) * 4).astype(np.float32)
+    if grid:
+        row = (np.round(row / grid) * grid).astype(np.float32)
+    best = np.argsort(row)[::-1]
+    bias = tuple(sorted((int(t), -100.0 if i % 2 else -0.75) for i, t in enumerate(best[3 : 3 + banned])))
+    context = tuple(int(t) for t in rng.choice(best[:60], 30))
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        repetition_penalty=repetition,
+        frequency_penalty=frequency,
+        presence_penalty=presence,
+        logit_bias=bias,
+        penalty_context=context,
+    )
+    whole, drawn = both_processed(row, params, seed)
+    if drawn is not None:
+        assert drawn == whole
+
+
+def test_a_penalized_row_is_taken_and_its_window_grows_as_the_whole_rows():
+    rng = np.random.default_rng(4)
+    taken = 0
+    for seed in range(20):
+        row = (rng.standard_normal(VOCAB) * 3).astype(np.float32)
+        context = tuple(int(t) for t in np.argsort(row)[::-1][:10])  # the ten best, each penalized
+        for temperature in (0.0, 0.8):
+            params = SamplingParams(
+                temperature=temperature, top_k=40, top_p=0.9, repetition_penalty=1.1, penalty_context=context
+            )
+            whole, drawn = both_processed(row, params, seed, steps=6)
+            taken += drawn is not None
+            assert drawn in (None, whole)
+    assert taken == 40
+
+
+def test_a_penalty_that_lifts_a_left_out_token_is_not_a_draw():
+    for params in (
+        SamplingParams(temperature=0.8, top_k=40, repetition_penalty=0.9),  # lifts a negative logit
+        SamplingParams(temperature=0.8, top_k=40, presence_penalty=-0.5),
+        SamplingParams(temperature=0.0, frequency_penalty=-0.1),
+        SamplingParams(temperature=0.0, logit_bias=((3, 0.5),)),
+    ):
+        assert Draw.of(params, (3, 3)) is None, params
+    with pytest.raises(ValueError):
+        Draw(40, 0.8, SamplingParams(temperature=0.8, top_k=40, presence_penalty=-0.5))
+
+
 def test_the_candidates_are_taken_for_an_ordinary_row_and_hold_the_same_draws():
     rng = np.random.default_rng(1)
     for seed in range(40):
@@ -110,16 +193,19 @@ def test_a_claim_that_fails_a_check_is_not_taken():
     assert best_of(ids[:40], values[:40], VOCAB, float(values[:40].min()), 39.0, total, draw) is None  # k of k
 
 
-def test_only_a_plain_top_k_row_is_drawn_from_candidates():
+def test_a_top_k_row_or_a_processed_greedy_row_is_drawn_from_candidates():
     assert Draw.of(SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05)) == Draw(40, 0.8)
+    penalized = SamplingParams(temperature=0.8, top_k=40, presence_penalty=0.5)
+    assert Draw.of(penalized, (7, 9)) == Draw(40, 0.8, penalized, (7, 9))
+    banned = SamplingParams(temperature=0.0, logit_bias=((3, -100.0),))
+    assert Draw.of(banned, (7, 9)) == Draw(1, 1.0, banned, ())  # greedy; nothing penalized: no window
     for params in (
-        SamplingParams(temperature=0.0, top_k=40),  # greedy
-        SamplingParams(temperature=0.8, top_k=1),  # greedy
+        SamplingParams(temperature=0.0, top_k=40),  # plain greedy: picked by its argmax
+        SamplingParams(temperature=0.8, top_k=1),  # the same
         SamplingParams(temperature=0.8),  # no top-k: the whole row's mass
         SamplingParams(temperature=0.8, top_k=BEST),  # more than the candidates can hold
         SamplingParams(temperature=0.8, top_k=40, top_logprobs=2),
-        SamplingParams(temperature=0.8, top_k=40, logit_bias=((3, 1.0),)),
-        SamplingParams(temperature=0.8, top_k=40, presence_penalty=0.5),
+        SamplingParams(temperature=0.8, top_k=40, logit_bias=((3, 1.0),)),  # lifts a token
     ):
         assert Draw.of(params) is None, params
     with pytest.raises(ValueError):

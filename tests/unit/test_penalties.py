@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node.grpc import wire
-from shards.decoding.penalties import MAX_PENALTY_WINDOW, apply, with_context
+from shards.decoding.penalties import MAX_PENALTY_WINDOW, apply, apply_at, lowers_only, with_context
 from shards.decoding.sampling import SamplerState, SamplingParams, sample_rows
 from shards.decoding.speculation import verify
 
@@ -52,6 +52,32 @@ def test_a_row_is_biased_then_penalized_by_each_recent_tokens_count_as_llama_cpp
     row = np.random.default_rng(seed).normal(0, 3, VOCAB).astype(np.float32)
     window = window[-p.penalty_last_n :]
     assert np.array_equal(apply(row, p, window), reference(row, p, window))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    params,
+    st.lists(st.integers(0, VOCAB - 1), max_size=16),
+    st.sets(st.integers(0, VOCAB - 1), min_size=1),
+    st.integers(0, 2**32 - 1),
+)
+def test_at_some_ids_the_row_is_what_the_whole_row_is_there(p, window, some, seed):
+    """`apply_at`, which a row drawn from its candidates takes (shards/engines/picks.py): bit for bit `apply`'s
+    values at those ids, whatever the bias and window name outside them."""
+    row = np.random.default_rng(seed).normal(0, 3, VOCAB).astype(np.float32)
+    window = window[-p.penalty_last_n :]
+    ids = np.array(sorted(some), dtype=np.int64)
+    got = apply_at(ids, row[ids], p, window)
+    assert np.array_equal(got.view(np.uint32), apply(row, p, window)[ids].view(np.uint32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(params, st.lists(st.integers(0, VOCAB - 1), max_size=16), st.integers(0, 2**32 - 1))
+def test_where_a_row_is_said_only_lowered_no_value_rises(p, window, seed):
+    row = np.random.default_rng(seed).normal(0, 3, VOCAB).astype(np.float32)
+    window = window[-p.penalty_last_n :]
+    if lowers_only(p):
+        assert (apply(row, p, window) <= row).all()
 
 
 def test_a_bias_of_minus_100_bans_a_token_and_plus_100_forces_one():
