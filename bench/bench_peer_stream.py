@@ -52,6 +52,15 @@ class Peer:
     def accept_tokens(self, message, caller):
         pass
 
+    def relay_row(self, request_id, data, caller, received):  # no engine thread waits: the general way
+        return False
+
+    def would_relay(self, request_id, data, caller):
+        return False
+
+    def warm_with(self, warm):
+        pass
+
 
 async def serve(port: int, link_port: int, key: Path | None) -> None:
     tls = read_key_file(key).tls("peer") if key else None
