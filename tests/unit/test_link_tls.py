@@ -1,21 +1,23 @@
 """The data link under a cluster key (node/grpc/link/): mutual TLS as gRPC's, the caller named from its verified leaf,
-no link for a peer without the cluster's leaf, a renewed leaf for the handshakes after it; the plain protocol is
-test_link.py's."""
+no link for a peer without the cluster's leaf, a handshake left unfinished ended within the stall time, a renewed
+leaf for the handshakes after it; the plain protocol is test_link.py's."""
 
 import asyncio
 import datetime as dt
 import ssl
+import time
 
 import pytest
 
 from node.grpc.client import GrpcTransport
 from node.grpc.link.client import LinkConnection, PeerLinks
+from node.grpc.link.frames import GREETING
 from node.grpc.link.server import LinkServer
 from node.grpc.stream import StreamBroken
 from node.security.keys import ClusterKey, generate_secret
 from node.security.peer import node_id_of
 from node.security.tls import LEAF_IN_MEMORY, NodeTls
-from tests.unit.test_link import BOUND, Node, refused, send_of
+from tests.unit.test_link import BOUND, Node, raw, refused, send_of
 
 KEY = ClusterKey(generate_secret())
 
@@ -53,6 +55,42 @@ def test_no_link_without_the_clusters_leaf_on_both_ends():
         assert node.arrived == []
         await server.stop()
         await other.stop()
+
+    asyncio.run(go())
+
+
+def test_a_handshake_left_unfinished_ends_the_connection_after_the_stall_time_however_it_trickles():
+    """The server runs each connection's TLS itself (tls_session.py): a peer that opens a connection and says
+    nothing, or sends its hello a byte at a time, is cut off `stall_s` after it connected; a plaintext greeting
+    gets not one byte of the protocol back."""
+
+    async def trickle(port: int) -> float:
+        began = time.monotonic()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        hello = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(32)  # a ClientHello's first bytes
+        try:
+            for b in hello:
+                writer.write(bytes([b]))
+                await asyncio.sleep(0.05)
+                if reader.at_eof():
+                    break
+            async with asyncio.timeout(3):
+                while await reader.read(1 << 16):
+                    pass
+        finally:
+            writer.close()
+        return time.monotonic() - began
+
+    async def go():
+        server, node = LinkServer("127.0.0.1", 0, BOUND, stall_s=0.4, tls=KEY.tls("srv")), Node()
+        await server.start(node)
+        began = time.monotonic()
+        assert await raw(server.port, b"", wait=3.0) == b""  # silent: closed, nothing said
+        assert 0.3 < time.monotonic() - began < 2.5
+        assert 0.3 < await trickle(server.port) < 1.5  # not kept open by each byte
+        assert await raw(server.port, GREETING) == b""  # no TLS: nothing of the link comes back
+        assert node.arrived == [] and node.callers == []
+        await server.stop()
 
     asyncio.run(go())
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from node.grpc import wire
 from node.grpc.generated import node_service_pb2 as pb
 from node.grpc.link import packed
 from node.grpc.link.frames import DATA, ERROR, GREETING, PACKED, FrameError, FrameReader, frame
+from node.grpc.link.tls_session import TlsSession
 from node.grpc.server import Handler, accept_send, take_send
 from node.security.peer import node_id_of
 
@@ -70,12 +72,8 @@ class LinkServer:
         self.node = node
         node.warm_with(self.warm)
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(
-            lambda: _Connection(self, node),
-            sock=self.sock,
-            ssl=self.context,
-            ssl_handshake_timeout=self.stall_s if self.context is not None else None,
-        )
+        # plain TCP: with a key each connection runs its own TLS session (tls_session.py), the handshake within stall_s
+        self.server = await loop.create_server(lambda: _Connection(self, node), sock=self.sock)
 
     def warm(self) -> None:
         """The short way's decoding and the core's checks run on each connection's last row taken that way, taking
@@ -128,13 +126,13 @@ class _Connection(asyncio.Protocol):
         self.flush: asyncio.Handle | None = None
         self.stall: asyncio.TimerHandle | None = None
         self.last_row: bytes | None = None  # the last message the short way took (`LinkServer.warm`)
+        # with a key, the connection's TLS (the context asks for the peer's leaf and checks it in the handshake)
+        self.session = TlsSession(server.context, None, server_side=True) if server.context is not None else None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         self.server.connections.add(self)  # (asyncio sets TCP_NODELAY on its TCP transports)
-        if self.server.tls is not None:  # called once the handshake verified the peer's leaf
-            self.caller = node_id_of(transport.get_extra_info("peercert"))
-        self._watch(True)
+        self._watch(True)  # the handshake and the greeting come within stall_s, or the connection ends
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -149,6 +147,16 @@ class _Connection(asyncio.Protocol):
         self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        if self.session is not None:
+            try:
+                data = self._opened(data)
+            except (ssl.SSLError, ConnectionResetError) as e:  # a peer without the cluster's leaf, a broken stream
+                if not self.session.done:
+                    log.warning("data link from %s: TLS refused: %s", self.transport.get_extra_info("peername"), e)
+                self.transport.close()
+                return
+            if not data:
+                return
         if self.greeting is not None:
             self.greeting += data
             if not GREETING.startswith(self.greeting[: len(GREETING)]):
@@ -157,7 +165,7 @@ class _Connection(asyncio.Protocol):
             if len(self.greeting) < len(GREETING):
                 return
             data, self.greeting = self.greeting[len(GREETING) :], None
-            self.transport.write(GREETING)
+            self._write(GREETING)
         try:
             frames = self.reader.feed(data)
         except FrameError as e:
@@ -207,10 +215,26 @@ class _Connection(asyncio.Protocol):
             self._flush()
         return True
 
+    def _opened(self, data: bytes) -> bytes:
+        """What came off the socket, through the TLS session: the plaintext (b"" while the handshake runs), the
+        session's own messages written, the caller named from its verified leaf once the handshake ends.
+        ssl.SSLError for a refused peer or a broken stream, ConnectionResetError once the peer ended the session."""
+        session = self.session
+        session.feed(data)
+        if not session.done and session.handshake():
+            self.caller = node_id_of(session.peercert())
+        plain = session.read() if session.done else b""
+        if owed := session.owed():
+            self.transport.write(owed)
+        return plain
+
+    def _write(self, data: bytes) -> None:
+        self.transport.write(data if self.session is None else self.session.seal(data))
+
     def _flush(self) -> None:
         self.flush = None
         if not self.transport.is_closing():
-            self.transport.write(b"".join(self.outgoing))
+            self._write(b"".join(self.outgoing))
         self.outgoing = []
 
     def _refuse(self, code: grpc.StatusCode, why: str) -> None:

@@ -1,9 +1,11 @@
-"""A link's TLS as bytes in and bytes out (`ssl.SSLObject` over memory BIOs), for the link's client side.
+"""A link's TLS as bytes in and bytes out (`ssl.SSLObject` over memory BIOs), for both sides of the link.
 
 Why: asyncio's TLS transport encrypts only on the event loop, so under a cluster key the engine thread could not
 write a pass's message to the peer as the pass ends (node/runtime/early_send.py); it went through the loop. Here
 the link's owner encrypts under the lock every write of the link already holds, from whichever thread writes, and
-puts the records on the plain socket itself, in the order they were made. The handshake and the checks are the
+puts the records on the plain socket itself, in the order they were made. The server's side takes its records off
+the plain socket the same way: asyncio's TLS protocol, a layer of Python calls between the socket and the link's
+own, cost every keyed hop its receiver's time (docs/benchmarks.md). The handshake and the checks are the
 context's own (node/security/tls.py: TLS 1.3, the peer's leaf checked against the cluster CA before any byte of
 the protocol goes): this only moves the bytes.
 
@@ -18,9 +20,9 @@ _READ = 1 << 16  # plaintext read at a time
 
 
 class TlsSession:
-    def __init__(self, context: ssl.SSLContext, server_hostname: str | None):
+    def __init__(self, context: ssl.SSLContext, server_hostname: str | None, server_side: bool = False):
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._in, self._out, server_side=False, server_hostname=server_hostname)
+        self._tls = context.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname)
         self.done = False  # the handshake finished: records may be written and read
 
     def handshake(self) -> bool:
