@@ -234,7 +234,7 @@ class Api:
                 param="max_tokens",
                 code="invalid_value",
             )
-        return Job(prompt, opts.sampling, max_tokens, opts.stop)
+        return Job(prompt, self.node.model.sampling.fill(opts.sampling, opts.given), max_tokens, opts.stop)
 
     @asynccontextmanager
     async def _running(self, endpoint: str, opts: Options, prompt: list[int], param: str) -> AsyncIterator[Pieces]:

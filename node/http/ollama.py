@@ -47,8 +47,8 @@ SAMPLING = {
 # option (Open WebUI, `ollama.chat(...)`) expects these, not the OpenAI API's temperature 1 over the whole
 # vocabulary. Not its repeat_penalty 1.1: Ollama's own engine, which runs current models, never applies it
 # (ollama/ollama#15783), and over a prompt's tail it works against what a tool call must repeat (the tool loop of
-# tests/cluster/test_clients.py found no call in 8 seeds with it). A model's Modelfile parameters come on top
-# there; a GGUF here brings none.
+# tests/cluster/test_clients.py found no call in 8 seeds with it). A model's own recommended sampling comes on top
+# (its GGUF's general.sampling.* keys: shards/formats/sampling_defaults.py), as a Modelfile's parameters do there.
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 RANDOM_SEED = -1  # Ollama's `seed` -1 (its default): no seed, a new draw each request
 WHOLE_CONTEXT = -1  # Ollama's `repeat_last_n` -1: the whole context; here the longest window there is
@@ -159,10 +159,16 @@ def parse_chat(body: dict[str, Any]) -> tuple[ChatRequest, bool]:
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise bad("stream", "'stream' must be a boolean")
-    translated = {"model": body.get("model"), "messages": _messages(body.get("messages")), **_options(body)}
+    options = _options(body)
+    translated = {"model": body.get("model"), "messages": _messages(body.get("messages")), **options}
     if body.get("tools") is not None:
         translated["tools"] = body["tools"]
-    return chat.parse_translated(translated, NAMES), stream
+    req = chat.parse_translated(translated, NAMES)
+    # Ollama's defaults stand where the client named nothing, under the model's own (as a Modelfile's override them)
+    defaulted = frozenset(k for k in DEFAULTS if (body.get("options") or {}).get(k) is None)
+    return dataclasses.replace(
+        req, options=dataclasses.replace(req.options, given=req.options.given - defaulted)
+    ), stream
 
 
 def parse_generate(body: dict[str, Any]) -> tuple[ChatRequest, bool]:

@@ -68,6 +68,9 @@ class Options:
     stream: bool
     include_usage: bool
     structure: Structure = Structure()  # tools / response_format
+    # the sampling fields the request named (SamplingParams names): the model's own defaults fill the others
+    # (shards/formats/sampling_defaults.py, at node/http/api.py)
+    given: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,17 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+# a SamplingParams field a model may recommend -> the body's names for it
+GIVEN = {
+    "temperature": ("temperature",),
+    "top_k": ("top_k",),
+    "top_p": ("top_p",),
+    "min_p": ("min_p",),
+    "repetition_penalty": ("repeat_penalty", "repetition_penalty"),
+    "penalty_last_n": ("repeat_last_n",),
+}
+
+
 def _options(body: dict, top_logprobs: int | None, default_max_tokens: int | None, chat: bool) -> Options:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -253,6 +267,7 @@ def _options(body: dict, top_logprobs: int | None, default_max_tokens: int | Non
         stream,
         include_usage,
         structure,
+        frozenset(field for field, names in GIVEN.items() if any(body.get(n) is not None for n in names)),
     )
 
 

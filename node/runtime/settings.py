@@ -15,7 +15,8 @@ from node.core.admission import CoreLimits
 from node.core.scheduler import SchedulerLimits
 from node.core.speculation import SpeculationLimits
 from shards.formats.config import ModelConfig
-from shards.formats.loader import load_config
+from shards.formats.loader import load_config, open_model
+from shards.formats.sampling_defaults import SamplingDefaults, model_sampling
 from shards.formats.tokenizer import Tokenizer
 
 DEFAULT_MAX_TENSOR_BYTES = 255 * 1024 * 1024
@@ -78,13 +79,16 @@ class NodeSettings:
 @dataclass(frozen=True)
 class ServedModel:
     """The model a node serves, as loaded at start-up: its id (what peers and API clients call it), its folder (or
-    .gguf file), its config and tokenizer."""
+    .gguf file), its config and tokenizer, and the sampling its files recommend for fields a request leaves out."""
 
     model_id: str
     path: Path
     config: ModelConfig
     tokenizer: Tokenizer
+    sampling: SamplingDefaults = SamplingDefaults()
 
     @classmethod
     def load(cls, model_id: str, path: Path) -> ServedModel:
-        return cls(model_id, path, load_config(path), Tokenizer.load(path))
+        source = open_model(path)
+        sampling = model_sampling(source.root, source.gguf)
+        return cls(model_id, path, load_config(path), Tokenizer.load(path), sampling)
