@@ -76,8 +76,9 @@ def _is_int(value: Any, n: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value == n
 
 
-def _options(body: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAI fields that `options` (and `format`, `think`, `logprobs`) say."""
+def _options(body: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
+    """The OpenAI fields that `options` (and `format`, `think`, `logprobs`) say, and which of them are Ollama's
+    defaults standing for options the client left out."""
     options = {} if body.get("options") is None else body["options"]
     if not isinstance(options, dict):
         raise bad("options", "'options' must be an object")
@@ -89,7 +90,7 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
         del given["seed"]
     if _is_int(given.get("repeat_last_n"), WHOLE_CONTEXT):
         given["repeat_last_n"] = MAX_PENALTY_WINDOW
-    out = DEFAULTS | given
+    out, defaulted = DEFAULTS | given, frozenset(DEFAULTS) - given.keys()
     n = options.get("num_predict")
     if n is not None and n not in (-1, -2):  # -1 / -2: as long as the node allows
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -106,7 +107,7 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
         raise bad("think", f"'{body.get('model')}' does not support thinking")
     if body.get("logprobs") not in (None, False):
         raise bad("logprobs", "'logprobs' is not supported on the Ollama API; use /v1/chat/completions")
-    return out
+    return out, defaulted
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
@@ -159,13 +160,12 @@ def parse_chat(body: dict[str, Any]) -> tuple[ChatRequest, bool]:
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise bad("stream", "'stream' must be a boolean")
-    options = _options(body)
+    options, defaulted = _options(body)
     translated = {"model": body.get("model"), "messages": _messages(body.get("messages")), **options}
     if body.get("tools") is not None:
         translated["tools"] = body["tools"]
     req = chat.parse_translated(translated, NAMES)
     # Ollama's defaults stand where the client named nothing, under the model's own (as a Modelfile's override them)
-    defaulted = frozenset(k for k in DEFAULTS if (body.get("options") or {}).get(k) is None)
     return dataclasses.replace(
         req, options=dataclasses.replace(req.options, given=req.options.given - defaulted)
     ), stream

@@ -15,7 +15,7 @@ from node.core.admission import CoreLimits
 from node.core.scheduler import SchedulerLimits
 from node.core.speculation import SpeculationLimits
 from shards.formats.config import ModelConfig
-from shards.formats.loader import load_config, open_model
+from shards.formats.loader import open_model
 from shards.formats.sampling_defaults import SamplingDefaults, model_sampling
 from shards.formats.tokenizer import Tokenizer
 
@@ -89,6 +89,5 @@ class ServedModel:
 
     @classmethod
     def load(cls, model_id: str, path: Path) -> ServedModel:
-        source = open_model(path)
-        sampling = model_sampling(source.root, source.gguf)
-        return cls(model_id, path, load_config(path), Tokenizer.load(path), sampling)
+        source = open_model(path)  # once: its config and its sampling defaults
+        return cls(model_id, path, source.config, Tokenizer.load(path), model_sampling(source.root, source.gguf))
